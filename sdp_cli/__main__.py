@@ -1,0 +1,3 @@
+from sdp_cli.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Imports every command module so that it registers itself on the root app."""

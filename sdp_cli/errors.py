@@ -1,0 +1,14 @@
+"""Errors a user can cause and fix. The CLI prints them as one line and exits with code 2."""
+
+
+class UserError(Exception):
+    """Bad input (file, config value, CLI argument, unreachable server).
+
+    The message must name the problem and the fix in one line, e.g.
+    ``"batch.safetensors: cu_seqlens is not increasing at index 3; re-create the file with sdp train save_batches=true"``.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
