@@ -1,1 +1,3 @@
 """Imports every command module so that it registers itself on the root app."""
+
+from sdp_cli.cli import train  # noqa: F401

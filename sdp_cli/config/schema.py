@@ -1,0 +1,395 @@
+"""The typed schema of an sdp run. Every field has a one-line docstring (shown by
+``sdp train --help-config``); Hydra YAML under ``sdp_cli/conf`` fills it in.
+
+Validation lives in :func:`validate`, which reports the first bad value as one line naming the
+key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+MODES = ("bypass", "decoupled", "segment_wise")
+IS_LEVELS = ("token", "sequence", "geometric")
+WEIGHT_ACTIONS = ("truncate", "mask")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_TYPES = ("ppo_clip", "reinforce")
+STALENESS_STRATEGIES = ("standard", "segment_wise")
+RECOMPUTE_POLICIES = ("auto", "always", "never")
+ENGINE_KINDS = ("local", "vllm", "sglang")
+MODEL_KINDS = ("tiny", "hf")
+TASKS = ("arith1", "arith2", "gsm8k")
+CHARSETS = ("arith", "ascii")
+
+
+@dataclass
+class RejectionConfig:
+    """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
+
+    level: str | None = None
+    """token | sequence | geometric; null turns rejection sampling off."""
+    upper: float = 2.0
+    """keep where ratio <= upper."""
+    lower: float | None = None
+    """keep where ratio >= lower; null means 1/upper."""
+    veto: float | None = None
+    """drop a whole sequence if any token's ratio is below this; null = no veto."""
+
+
+@dataclass
+class LossConfig:
+    """Off-policy correction and the policy loss (DESIGN.md §4)."""
+
+    mode: str = "decoupled"
+    """bypass | decoupled | segment_wise: which behavioural weight multiplies the PPO loss."""
+    is_level: str = "token"
+    """token | sequence | geometric aggregation of the behavioural weight (group `is_agg`)."""
+    weight_cap: float | None = 5.0
+    """upper bound of the behavioural weight; null = none."""
+    weight_floor: float | None = None
+    """lower bound of the behavioural weight; null = none."""
+    weight_action: str = "truncate"
+    """truncate (clamp into [floor, cap]) | mask (weight 0 outside, token still in the denominator)."""
+    batch_normalize: bool = False
+    """divide the bounded weights by their batch mean."""
+    rejection: RejectionConfig = field(default_factory=RejectionConfig)
+    """rejection sampling; off by default."""
+    clip: float = 0.2
+    """PPO clip range ε."""
+    clip_high: float | None = None
+    """upper clip range (clip-higher); null = same as clip."""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 for negative advantages; null = off."""
+    agg: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_type: str = "ppo_clip"
+    """ppo_clip | reinforce (−A·log π_θ·w)."""
+    scale_adv_by_std: bool = True
+    """GRPO advantages divide by the group std; false gives Dr.GRPO."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout production, admission and the recompute pass (DESIGN.md §2–3)."""
+
+    max_head_offpolicyness: int = 4
+    """η: how many versions a rollout may lag; 0 = synchronous on-policy training."""
+    batch_groups: int = 16
+    """B: prompt groups per training batch."""
+    group_size: int = 8
+    """samples per prompt (GRPO group)."""
+    max_concurrent_rollouts: int | None = None
+    """groups in flight at once; null = 2·batch_groups."""
+    groups_per_request: int = 8
+    """prompt groups the producer sends to the engine in one generate call."""
+    temperature: float = 1.0
+    """sampling temperature; the trainer and the recompute pass use the same one."""
+    max_new_tokens: int | None = None
+    """response budget; null = the task's default."""
+    recompute: str = "auto"
+    """auto (segment_wise only) | always (also in other modes, for measurement) | never."""
+
+
+@dataclass
+class StalenessConfig:
+    """Consume-time staleness control (group `staleness`)."""
+
+    strategy: str = "standard"
+    """standard (no filtering) | segment_wise (drop samples that break the §2 invariant or lag > η)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and PPO update schedule."""
+
+    lr: float = 1e-4
+    """learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW β1."""
+    beta2: float = 0.999
+    """AdamW β2."""
+    grad_clip: float | None = 1.0
+    """max gradient norm; null = no clipping."""
+    ppo_epochs: int = 1
+    """passes over each batch."""
+    minibatches: int = 1
+    """optimizer steps per epoch (the batch is split into this many minibatches)."""
+
+
+@dataclass
+class TrainConfig:
+    """Run length, seeding, threads and what gets written."""
+
+    steps: int = 300
+    """training steps (= weight versions produced)."""
+    threads: int | None = None
+    """torch threads; null = one per worker when rollouts overlap training, all cores when η = 0."""
+    checkpoint_every: int = 50
+    """write a resumable checkpoint every N steps (0 = only at the end)."""
+    keep_version_checkpoints: bool = False
+    """also keep the weights of every version (for sdp recompute's exact decomposition)."""
+    save_batches: bool = False
+    """write every training batch in the sdp batch format (for sdp inspect-weights)."""
+    eval_every: int = 0
+    """greedy evaluation every N steps (0 = only at start and end)."""
+    eval_samples: int = 200
+    """prompts in each greedy evaluation."""
+    batch_timeout_s: float = 600.0
+    """give up (with a resumable checkpoint) if no batch arrives for this long."""
+
+
+@dataclass
+class EngineConfig:
+    """The inference engine (group `engine`)."""
+
+    kind: str = "local"
+    """local (embedded) | vllm | sglang."""
+    max_batch_size: int = 256
+    """local engine: most sequences decoded together."""
+    urls: list[str] = field(default_factory=list)
+    """remote engines: attach to these running servers instead of launching one."""
+    launch: bool = True
+    """remote engines: start a server when no urls are given."""
+    python: str = "python"
+    """remote engines: the python executable of the server's virtualenv."""
+    host: str = "127.0.0.1"
+    """remote engines: address to bind a launched server to (loopback by default)."""
+    port: int = 0
+    """remote engines: port for a launched server; 0 = pick a free one."""
+    dtype: str = "float32"
+    """remote engines: weight dtype of a launched server."""
+    startup_timeout_s: float = 300.0
+    """remote engines: how long to wait for a launched server to become ready."""
+    request_timeout_s: float = 300.0
+    """remote engines: timeout of one HTTP request."""
+    retries: int = 5
+    """remote engines: retries (exponential backoff) on connection errors and 5xx."""
+    api_key_env: str | None = None
+    """remote engines: name of the environment variable holding the API key (never logged)."""
+    allow_temperature_mismatch: bool = False
+    """remote engines: run at temperature != 1 although prefill logprobs are not temperature-scaled."""
+    extra_args: list[str] = field(default_factory=list)
+    """remote engines: extra command-line arguments for a launched server."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (group `model`)."""
+
+    kind: str = "tiny"
+    """tiny (built from code + warm start) | hf (a local Hugging Face model directory)."""
+    path: str | None = None
+    """hf: the model directory (tokenizer included)."""
+    hidden_size: int = 128
+    """tiny: hidden size."""
+    num_layers: int = 4
+    """tiny: transformer layers."""
+    num_heads: int = 4
+    """tiny: attention heads."""
+    intermediate_size: int = 512
+    """tiny: MLP width."""
+    charset: str = "arith"
+    """tiny: character set of the built-in tokenizer (arith | ascii)."""
+    warm_start_steps: int | None = None
+    """tiny: supervised warm-start steps; null = the task's default."""
+    warm_start_lr: float = 1e-3
+    """tiny: warm-start learning rate."""
+    warm_start_batch: int = 64
+    """tiny: warm-start batch size."""
+
+
+@dataclass
+class TaskConfig:
+    """The RL task (group `task`)."""
+
+    name: str = "arith1"
+    """arith1 | arith2 | gsm8k."""
+    path: str | None = None
+    """gsm8k: a local JSONL or parquet file."""
+    prompt_template: str | None = None
+    """gsm8k: prompt template with {question}; null = the task's default."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes and how it reports."""
+
+    root: str = "runs"
+    """parent directory of run directories."""
+    name: str | None = None
+    """run directory name; null = <timestamp>-<mode>-<task>."""
+    dir: str | None = None
+    """explicit run directory (overrides root/name)."""
+    tensorboard: bool = True
+    """write TensorBoard event files."""
+    progress: bool = True
+    """live progress display in the terminal."""
+
+
+@dataclass
+class SdpConfig:
+    """A whole training run."""
+
+    seed: int = 0
+    """seed of every random number generator."""
+    resume: str | None = None
+    """continue the run in this run directory from its latest checkpoint."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+class ConfigValueError(ValueError):
+    """A config value outside its allowed range; the message is one line naming the key."""
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigValueError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float | int | None, *, allow_none: bool = False, strict: bool = True) -> None:
+    if value is None:
+        if allow_none:
+            return
+        raise ConfigValueError(f"{key} must be set")
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
+
+
+def validate(cfg: SdpConfig) -> None:
+    """Check every value a user can set; raise ConfigValueError naming the first bad key."""
+    loss = cfg.loss
+    _choice("loss.mode", loss.mode, MODES)
+    _choice("loss.is_level", loss.is_level, IS_LEVELS)
+    _choice("loss.weight_action", loss.weight_action, WEIGHT_ACTIONS)
+    _choice("loss.agg", loss.agg, LOSS_AGGS)
+    _choice("loss.loss_type", loss.loss_type, LOSS_TYPES)
+    _positive("loss.weight_cap", loss.weight_cap, allow_none=True)
+    _positive("loss.weight_floor", loss.weight_floor, allow_none=True)
+    if loss.weight_cap is not None and loss.weight_floor is not None and loss.weight_floor > loss.weight_cap:
+        raise ConfigValueError(
+            f"loss.weight_floor={loss.weight_floor} is above loss.weight_cap={loss.weight_cap}"
+        )
+    if loss.weight_action == "mask" and loss.weight_cap is None and loss.weight_floor is None:
+        raise ConfigValueError("loss.weight_action=mask needs loss.weight_cap or loss.weight_floor")
+    _positive("loss.clip", loss.clip)
+    _positive("loss.clip_high", loss.clip_high, allow_none=True)
+    if loss.dual_clip is not None and loss.dual_clip <= 1:
+        raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
+    rej = loss.rejection
+    if rej.level is not None:
+        _choice("loss.rejection.level", rej.level, IS_LEVELS)
+        _positive("loss.rejection.upper", rej.upper)
+        _positive("loss.rejection.lower", rej.lower, allow_none=True)
+        lower = rej.lower if rej.lower is not None else 1.0 / rej.upper
+        if lower > rej.upper:
+            raise ConfigValueError(
+                f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
+            )
+        _positive("loss.rejection.veto", rej.veto, allow_none=True)
+
+    ro = cfg.rollout
+    _positive("rollout.max_head_offpolicyness", ro.max_head_offpolicyness, strict=False)
+    _positive("rollout.batch_groups", ro.batch_groups)
+    _positive("rollout.group_size", ro.group_size)
+    _positive("rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, allow_none=True)
+    _positive("rollout.groups_per_request", ro.groups_per_request)
+    _positive("rollout.temperature", ro.temperature)
+    _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
+    _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
+
+    _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
+    if cfg.staleness.strategy == "segment_wise" and loss.mode == "bypass":
+        raise ConfigValueError(
+            "staleness=segment_wise needs π_prox_t, which loss.mode=bypass never uses; "
+            "use mode=segment_wise (or +preset=segment_wise)"
+        )
+    if ro.recompute == "never" and loss.mode == "segment_wise":
+        raise ConfigValueError(
+            "loss.mode=segment_wise needs the recompute pass; set rollout.recompute=auto or always"
+        )
+
+    opt = cfg.optim
+    _positive("optim.lr", opt.lr)
+    _positive("optim.weight_decay", opt.weight_decay, strict=False)
+    for key, beta in (("optim.beta1", opt.beta1), ("optim.beta2", opt.beta2)):
+        if not 0 <= beta < 1:
+            raise ConfigValueError(f"{key}={beta} must be in [0, 1)")
+    _positive("optim.grad_clip", opt.grad_clip, allow_none=True)
+    _positive("optim.ppo_epochs", opt.ppo_epochs)
+    _positive("optim.minibatches", opt.minibatches)
+    if opt.minibatches > ro.batch_groups * ro.group_size:
+        raise ConfigValueError(
+            f"optim.minibatches={opt.minibatches} exceeds the batch size "
+            f"({ro.batch_groups}·{ro.group_size} samples)"
+        )
+
+    tr = cfg.train
+    _positive("train.steps", tr.steps)
+    _positive("train.threads", tr.threads, allow_none=True)
+    _positive("train.checkpoint_every", tr.checkpoint_every, strict=False)
+    _positive("train.eval_every", tr.eval_every, strict=False)
+    _positive("train.eval_samples", tr.eval_samples, strict=False)
+    _positive("train.batch_timeout_s", tr.batch_timeout_s)
+
+    eng = cfg.engine
+    _choice("engine.kind", eng.kind, ENGINE_KINDS)
+    _positive("engine.max_batch_size", eng.max_batch_size)
+    if not 0 <= eng.port <= 65535:
+        raise ConfigValueError(f"engine.port={eng.port} must be in 0..65535")
+    _positive("engine.startup_timeout_s", eng.startup_timeout_s)
+    _positive("engine.request_timeout_s", eng.request_timeout_s)
+    _positive("engine.retries", eng.retries, strict=False)
+    _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+
+    mdl = cfg.model
+    _choice("model.kind", mdl.kind, MODEL_KINDS)
+    if mdl.kind == "hf" and not mdl.path:
+        raise ConfigValueError("model=hf needs model.path=/path/to/hf_model_dir")
+    _choice("model.charset", mdl.charset, CHARSETS)
+    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "warm_start_batch"):
+        _positive(f"model.{key}", getattr(mdl, key))
+    if mdl.hidden_size % mdl.num_heads:
+        raise ConfigValueError(
+            f"model.hidden_size={mdl.hidden_size} must be divisible by model.num_heads={mdl.num_heads}"
+        )
+    _positive("model.warm_start_steps", mdl.warm_start_steps, allow_none=True, strict=False)
+    _positive("model.warm_start_lr", mdl.warm_start_lr)
+
+    _choice("task.name", cfg.task.name, TASKS)
+    if cfg.task.name == "gsm8k" and not cfg.task.path:
+        raise ConfigValueError("task=gsm8k needs task.path=/path/to/data.jsonl (or .parquet)")
+
+
+def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every leaf field, read from the source docstrings."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+    rows: list[tuple[str, str, str]] = []
+    instance = cls()
+    for f in fields(cls):
+        value = getattr(instance, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            rows.extend(field_docs(type(value), prefix=f"{key}."))
+        else:
+            rows.append((key, repr(value), docs.get(f.name, "")))
+    return rows
