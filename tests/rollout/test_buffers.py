@@ -1,0 +1,156 @@
+"""RolloutQueue / RolloutCache: FIFO semantics, timeouts, inspection, thread safety."""
+
+import queue
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+
+
+def test_queue_is_fifo_and_snapshot_does_not_consume():
+    q: RolloutQueue[int] = RolloutQueue()
+    for i in range(5):
+        q.put(i)
+    assert q.snapshot() == [0, 1, 2, 3, 4]
+    assert q.qsize() == 5  # snapshot removed nothing
+    assert [q.get(), q.get()] == [0, 1]
+    assert q.drain() == [2, 3, 4]
+    assert q.empty() and q.qsize() == 0
+
+
+def test_queue_timeouts_and_nowait_raise_standard_exceptions():
+    q: RolloutQueue[str] = RolloutQueue(maxsize=1)
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    start = time.monotonic()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+    assert time.monotonic() - start >= 0.04  # it did wait for (about) the timeout
+    q.put_nowait("a")
+    with pytest.raises(queue.Full):
+        q.put_nowait("b")
+    with pytest.raises(queue.Full):
+        q.put("b", timeout=0.02)
+    assert q.snapshot() == ["a"]
+    with pytest.raises(ValueError):
+        q.get(timeout=-1)
+
+
+def test_blocked_put_is_released_by_get_drain_and_filter():
+    for release in ("get", "drain", "filter"):
+        q: RolloutQueue[int] = RolloutQueue(maxsize=2)
+        q.put(1)
+        q.put(2)
+        done = threading.Event()
+
+        def producer():
+            q.put(3, timeout=5)
+            done.set()
+
+        t = threading.Thread(target=producer)
+        t.start()
+        time.sleep(0.02)
+        assert not done.is_set(), "put must block while the queue is full"
+        if release == "get":
+            assert q.get() == 1
+        elif release == "drain":
+            assert q.drain() == [1, 2]
+        else:
+            assert q.filter_inplace(lambda x: x != 1) == 1
+        # the producer's own timeout is 5 s: being woken within 1 s proves a notification
+        t.join(timeout=1)
+        assert done.is_set(), f"{release} did not wake the blocked producer"
+        assert q.snapshot()[-1] == 3
+
+
+def test_blocked_get_is_released_by_put():
+    q: RolloutQueue[int] = RolloutQueue()
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.get(timeout=5)))
+    t.start()
+    time.sleep(0.02)
+    q.put(42)
+    t.join(timeout=5)
+    assert got == [42]
+
+
+def test_queue_filter_keeps_order():
+    q: RolloutQueue[int] = RolloutQueue()
+    for i in range(10):
+        q.put(i)
+    assert q.filter_inplace(lambda x: x % 3 != 0) == 4  # removes 0, 3, 6, 9
+    assert q.snapshot() == [1, 2, 4, 5, 7, 8]
+
+
+def test_cache_operations():
+    c: RolloutCache[str] = RolloutCache()
+    for x in "abcde":
+        c.add(x)
+    all_items = c.get_all()
+    all_items.append("zzz")  # a copy: mutating it does not touch the cache
+    assert c.size() == 5
+    assert c.take_first_n(2) == ["a", "b"]
+    assert c.filter_inplace(lambda x: x != "d") == 1
+    assert c.get_all() == ["c", "e"]
+    assert c.take_first_n(10) == ["c", "e"]
+    assert c.take_first_n(1) == []
+    c.add("f")
+    c.clear()
+    assert c.size() == 0
+    with pytest.raises(ValueError):
+        c.take_first_n(-1)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["add", "take", "filter"]), st.integers(0, 5)), max_size=40))
+def test_cache_matches_a_list_model(ops):
+    """Random operation sequences give the same result as the obvious list implementation."""
+    c: RolloutCache[int] = RolloutCache()
+    model: list[int] = []
+    counter = 0
+    for op, n in ops:
+        if op == "add":
+            c.add(counter)
+            model.append(counter)
+            counter += 1
+        elif op == "take":
+            assert c.take_first_n(n) == model[:n]
+            model = model[n:]
+        else:
+            removed = c.filter_inplace(lambda x, n=n: x % (n + 2) != 0)
+            kept = [x for x in model if x % (n + 2) != 0]
+            assert removed == len(model) - len(kept)
+            model = kept
+        assert c.get_all() == model
+
+
+def test_concurrent_producers_and_consumers_lose_nothing():
+    q: RolloutQueue[int] = RolloutQueue(maxsize=8)
+    n_producers, per_producer = 4, 500
+    received: list[int] = []
+    lock = threading.Lock()
+
+    def producer(k):
+        for i in range(per_producer):
+            q.put(k * per_producer + i, timeout=10)
+
+    def consumer():
+        while True:
+            try:
+                x = q.get(timeout=0.5)
+            except queue.Empty:
+                return
+            with lock:
+                received.append(x)
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(n_producers)]
+    threads += [threading.Thread(target=consumer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    # every id exactly once: no loss, no duplication
+    assert sorted(received) == list(range(n_producers * per_producer))
