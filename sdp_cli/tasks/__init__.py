@@ -1,0 +1,49 @@
+"""Verifiable tasks (prompts + rewards) and the ``build_task`` factory.
+
+Pure Python: importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from sdp_cli.errors import UserError
+from sdp_cli.tasks.arith import AdditionTask
+from sdp_cli.tasks.base import Task, TaskItem
+from sdp_cli.tasks.gsm8k import Gsm8kTask
+
+
+def _arith1(max_new_tokens: int = 4) -> Task:
+    # answers are 0..18: at most 2 digits + EOS, plus one token of slack
+    return AdditionTask("arith1", 0, 9, max_new_tokens)
+
+
+def _arith2(max_new_tokens: int = 5) -> Task:
+    # answers are 20..198: at most 3 digits + EOS, plus one token of slack
+    return AdditionTask("arith2", 10, 99, max_new_tokens)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"arith1": _arith1, "arith2": _arith2, "gsm8k": Gsm8kTask}
+
+
+def build_task(name: str, **kwargs: Any) -> Task:
+    """The task called ``name`` with its parameters, e.g. ``build_task("gsm8k", path="train.jsonl")``.
+
+    Raises UserError (one line) for an unknown name or parameter.
+    """
+    factory = TASKS.get(name)
+    if factory is None:
+        raise UserError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}")
+    accepted = inspect.signature(factory).parameters
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise UserError(
+            f"task {name!r} has no parameter {unknown[0]!r}; it accepts {', '.join(accepted) or 'none'}"
+        )
+    if "max_new_tokens" in kwargs and (not isinstance(kwargs["max_new_tokens"], int) or kwargs["max_new_tokens"] < 1):
+        raise UserError(f"task {name!r}: max_new_tokens must be a positive integer, got {kwargs['max_new_tokens']!r}")
+    return factory(**kwargs)
+
+
+__all__ = ["AdditionTask", "Gsm8kTask", "TASKS", "Task", "TaskItem", "build_task"]

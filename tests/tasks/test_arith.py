@@ -1,0 +1,71 @@
+"""Addition tasks: sampling ranges, determinism, exact-match-with-EOS reward."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdp_cli.tasks import build_task
+from sdp_cli.tasks.base import TaskItem
+
+
+def test_arith1_prompt_and_answer_format():
+    task = build_task("arith1")
+    for item in task.sample(random.Random(0), 200):
+        a, b = item.meta["a"], item.meta["b"]
+        assert 0 <= a <= 9 and 0 <= b <= 9
+        assert item.prompt == f"{a}+{b}="
+        assert item.answer == str(a + b)
+
+
+def test_arith2_operands_are_two_digit_and_cover_the_range():
+    task = build_task("arith2")
+    items = task.sample(random.Random(1), 2000)
+    operands = [item.meta["a"] for item in items] + [item.meta["b"] for item in items]
+    assert min(operands) >= 10 and max(operands) <= 99
+    # 4000 uniform draws over 90 values: each value is expected ~44 times, so both ends show up.
+    assert min(operands) == 10 and max(operands) == 99
+
+
+def test_sampling_is_deterministic_in_the_rng():
+    task = build_task("arith2")
+    assert task.sample(random.Random(7), 50) == task.sample(random.Random(7), 50)
+    assert task.sample(random.Random(7), 50) != task.sample(random.Random(8), 50)
+
+
+@pytest.mark.parametrize(
+    ("completion", "stopped", "expected"),
+    [
+        ("12", True, 1.0),  # exact digits, then EOS
+        ("12", False, 0.0),  # right digits but never stopped: ran out of budget
+        ("123", True, 0.0),  # runs on past the answer
+        ("1", True, 0.0),  # truncated answer
+        (" 12", True, 0.0),  # exact match: no whitespace tolerance
+        ("12 ", True, 0.0),
+        ("", True, 0.0),  # immediate EOS
+        ("21", True, 0.0),
+    ],
+)
+def test_arith_reward_cases(completion, stopped, expected):
+    task = build_task("arith1")
+    item = TaskItem(prompt="5+7=", answer="12", meta={"a": 5, "b": 7})
+    assert task.reward(completion, item, stopped=stopped) == expected
+
+
+@given(st.integers(10, 99), st.integers(10, 99))
+def test_arith2_reward_accepts_exactly_the_sum(a, b):
+    task = build_task("arith2")
+    item = TaskItem(prompt=f"{a}+{b}=", answer=str(a + b))
+    assert task.reward(str(a + b), item, stopped=True) == 1.0
+    assert task.reward(str(a + b + 1), item, stopped=True) == 0.0
+
+
+def test_default_budget_fits_the_longest_answer_plus_eos():
+    # arith1: the longest answer is "18" (2 chars) + EOS = 3 tokens; arith2: "198" + EOS = 4.
+    assert build_task("arith1").max_new_tokens >= 3
+    assert build_task("arith2").max_new_tokens >= 4
+
+
+def test_params_differ_between_tasks():
+    assert build_task("arith1").params() != build_task("arith2").params()
