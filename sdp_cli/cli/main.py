@@ -44,24 +44,11 @@ def _register_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: runs the app and turns a UserError into one line + exit 2."""
+    """Console-script entry point: Typer handles usage errors (exit 2); a UserError raised by a
+    command becomes one line on stderr and exit code 2, never a traceback."""
     _register_commands()
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="sdp")
     except UserError as err:
         typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        typer.secho("interrupted", err=True)
-        sys.exit(130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        sys.exit(1)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise

@@ -1,0 +1,71 @@
+"""The CLI layer: help, config printing, one-line errors, no heavy imports on the help path."""
+
+import subprocess
+import sys
+
+from sdp_cli.cli.main import main
+
+
+def _run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_root_help_lists_train(capsys):
+    code, out, _ = _run(["--help"], capsys)
+    assert code == 0
+    assert "train" in out
+
+
+def test_version(capsys):
+    code, out, _ = _run(["--version"], capsys)
+    assert code == 0 and out.startswith("sdp ")
+
+
+def test_train_help_has_an_example(capsys):
+    code, out, _ = _run(["train", "--help"], capsys)
+    assert code == 0
+    assert "sdp train +preset=segment_wise" in out
+
+
+def test_print_config_shows_the_preset(capsys):
+    code, out, _ = _run(["train", "+preset=segment_wise", "rollout.max_head_offpolicyness=8", "--print-config"], capsys)
+    assert code == 0
+    assert "mode: segment_wise" in out
+    assert "max_head_offpolicyness: 8" in out
+
+
+def test_help_config_lists_keys(capsys):
+    code, out, _ = _run(["train", "--help-config"], capsys)
+    assert code == 0
+    assert "rollout.max_head_offpolicyness" in out
+
+
+def test_unknown_key_is_one_line_and_exit_2(capsys):
+    code, out, err = _run(["train", "nope.key=1"], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: unknown config key")
+    assert "Traceback" not in err
+
+
+def test_unknown_command_is_a_usage_error(capsys):
+    code, _, err = _run(["no-such-command"], capsys)
+    assert code == 2
+    assert "No such command" in err
+
+
+def test_help_path_imports_no_heavy_libraries():
+    # `sdp --help` must stay fast: the CLI modules may not import torch, transformers or httpx.
+    code = (
+        "import sys; from sdp_cli.cli.main import _register_commands; _register_commands();"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'httpx', 'matplotlib', 'safetensors') if m in sys.modules);"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""

@@ -1,0 +1,125 @@
+"""Every config composes; bad keys and values fail with one line naming the key."""
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from sdp_cli.config.compose import compose_config, to_yaml
+from sdp_cli.config.schema import SdpConfig, field_docs, validate
+from sdp_cli.errors import UserError
+
+CONF = Path(__file__).resolve().parents[2] / "sdp_cli" / "conf"
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_defaults_compose_to_the_schema_defaults():
+    cfg, _ = compose_config([])
+    assert cfg.loss.mode == "decoupled"
+    assert cfg.staleness.strategy == "standard"
+    assert cfg.engine.kind == "local"
+    assert cfg.model.kind == "tiny"
+    assert cfg.task.name == "arith1"
+
+
+@pytest.mark.parametrize(
+    "mode,is_agg,staleness",
+    list(itertools.product(_options("mode"), _options("is_agg"), _options("staleness"))),
+)
+def test_every_group_combination_composes(mode, is_agg, staleness):
+    overrides = [f"mode={mode}", f"is_agg={is_agg}", f"staleness={staleness}"]
+    if mode == "bypass" and staleness == "segment_wise":
+        with pytest.raises(UserError, match="bypass"):
+            compose_config(overrides)
+        return
+    cfg, _ = compose_config(overrides)
+    assert (cfg.loss.mode, cfg.loss.is_level, cfg.staleness.strategy) == (mode, is_agg, staleness)
+
+
+@pytest.mark.parametrize("preset", _options("preset"))
+def test_presets_compose_and_set_mode_and_staleness(preset):
+    cfg, _ = compose_config([f"+preset={preset}"])
+    assert cfg.loss.mode == preset
+    expected_staleness = "segment_wise" if preset == "segment_wise" else "standard"
+    assert cfg.staleness.strategy == expected_staleness
+
+
+def test_segment_wise_preset_sets_weight_bounds():
+    cfg, _ = compose_config(["+preset=segment_wise"])
+    assert (cfg.loss.weight_cap, cfg.loss.weight_floor, cfg.loss.weight_action) == (5.0, 0.2, "truncate")
+
+
+def test_command_line_overrides_win_over_a_preset():
+    cfg, _ = compose_config(["+preset=segment_wise", "loss.weight_cap=3", "is_agg=geometric"])
+    assert cfg.loss.weight_cap == 3.0
+    assert cfg.loss.is_level == "geometric"
+    assert cfg.loss.mode == "segment_wise"
+
+
+@pytest.mark.parametrize("engine", _options("engine"))
+def test_every_engine_option_composes(engine):
+    cfg, _ = compose_config([f"engine={engine}"])
+    assert cfg.engine.kind == engine
+    assert cfg.engine.host == "127.0.0.1"
+
+
+def test_hf_model_and_gsm8k_need_paths():
+    with pytest.raises(UserError, match="model.path"):
+        compose_config(["model=hf"])
+    cfg, _ = compose_config(["model=hf", "model.path=/some/dir"])
+    assert cfg.model.path == "/some/dir"
+    with pytest.raises(UserError, match="task.path"):
+        compose_config(["task=gsm8k"])
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["foo=1"], "unknown config key 'foo'"),
+        (["loss.nope=1"], "unknown config key"),
+        (["mode=nope"], "mode=nope: no such option; choose one of bypass, decoupled, segment_wise"),
+        (["+preset=nope"], "preset=nope: no such option"),
+        (["rollout.batch_groups=abc"], "rollout.batch_groups"),
+        (["loss.mode=xx"], "loss.mode='xx' is not valid"),
+        (["loss.clip=-1"], "loss.clip=-1.0 must be > 0"),
+        (["loss.dual_clip=0.5"], "loss.dual_clip=0.5 must be > 1"),
+        (["loss.weight_floor=3", "loss.weight_cap=2"], "loss.weight_floor=3.0 is above loss.weight_cap=2.0"),
+        (["loss.weight_action=mask", "loss.weight_cap=null"], "weight_action=mask needs"),
+        (["optim.beta1=1.5"], "optim.beta1=1.5 must be in [0, 1)"),
+        (["rollout.max_head_offpolicyness=-1"], "must be >= 0"),
+        (["mode=segment_wise", "rollout.recompute=never"], "needs the recompute pass"),
+        (["engine.port=70000"], "engine.port=70000"),
+        (["model.hidden_size=130", "model.num_heads=4"], "divisible"),
+        (["rollout.temperature"], "cannot parse override"),
+        (["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=3"], "is above"),
+        (["optim.minibatches=100000"], "exceeds the batch size"),
+    ],
+)
+def test_bad_input_gives_one_line_naming_the_problem(overrides, fragment):
+    with pytest.raises(UserError) as info:
+        compose_config(overrides)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_resolved_yaml_round_trips_through_validate():
+    cfg, raw = compose_config(["+preset=segment_wise", "engine=vllm"])
+    text = to_yaml(raw)
+    assert "mode: segment_wise" in text
+    assert "${" not in text  # interpolations are resolved in what a run directory stores
+    validate(cfg)
+
+
+def test_every_schema_field_is_documented():
+    undocumented = [key for key, _, doc in field_docs() if not doc.strip()]
+    assert undocumented == []
+    keys = {key for key, _, _ in field_docs()}
+    assert {"loss.mode", "rollout.max_head_offpolicyness", "engine.urls", "run.dir"} <= keys
+
+
+def test_schema_defaults_validate():
+    validate(SdpConfig())
