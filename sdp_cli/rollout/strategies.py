@@ -1,0 +1,209 @@
+"""Consume-time staleness control (DESIGN.md §2–3): which rollouts are too stale to train on.
+
+A strategy is asked about a rollout in three places: before it is enqueued
+(:meth:`~StalenessControlStrategy.filter_before_enqueue`), when the version changes
+(:meth:`~StalenessControlStrategy.purge_stale_samples_from_queue`) and before a batch is taken
+from the cache (:meth:`~StalenessControlStrategy.filter_stale_from_cache`). Every drop is counted
+per version and reported through ``on_filtered(count, version)``, which the loop wires to
+:meth:`StalenessManager.on_samples_filtered <sdp_cli.rollout.staleness.StalenessManager.on_samples_filtered>`
+so that each dropped rollout gives its slot back exactly once. The contract that makes this
+exact: only rollouts already counted as accepted are handed to a strategy.
+
+Items are a ``RolloutSample`` or a ``RolloutGroup``; a group is dropped if any sample is.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import Counter
+from typing import Callable, ClassVar, Union
+
+from sdp_cli.errors import UserError
+from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
+
+Item = Union[RolloutSample, RolloutGroup]
+OnFiltered = Callable[[int, int], None]
+
+
+class StalenessConfigError(UserError, ValueError):
+    """A bad strategy name or η (a config value, so also a ``ValueError``)."""
+
+
+def _check_lengths(sample: RolloutSample) -> int:
+    n = len(sample.versions)
+    assert n == len(sample.proximal_t_versions) == len(sample.proximal_logprobs_t) == len(
+        sample.old_logprobs
+    ), f"sample {sample.sample_id}: per-token lists disagree in length"
+    return n
+
+
+def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str | None:
+    n = _check_lengths(sample)
+    if n == 0:
+        return None
+    sid = sample.sample_id
+    newest, oldest = max(sample.versions), min(sample.versions)
+    if newest > c:
+        return f"sample {sid}: holds a token of version {newest} > current version {c}"
+    if oldest < 0:
+        return f"sample {sid}: holds a token of negative version {oldest}"
+    if c - oldest > eta:
+        return f"sample {sid}: head lags {c - oldest} versions > η = {eta}"
+    for t in range(n):
+        v, pv = sample.versions[t], sample.proximal_t_versions[t]
+        if v <= c - 2 and pv != v + 1:
+            return (
+                f"sample {sid} token {t}: version {v} has π_prox_t from version {pv}, "
+                f"not {v + 1}, and the weights of version {v + 1} are gone"
+            )
+        if v == c - 1 and pv not in (c - 1, c):
+            return f"sample {sid} token {t}: version {v} has π_prox_t from version {pv}"
+        if v == c and (pv != c or sample.proximal_logprobs_t[t] != sample.old_logprobs[t]):
+            return f"sample {sid} token {t}: current-version token with π_prox_t ≠ π_behav"
+    return None
+
+
+def segment_wise_stale_reason(item: Item, current_version: int, max_head_offpolicyness: int) -> str | None:
+    """Why the segment-wise strategy drops ``item`` at version c, or ``None`` to keep it.
+
+    Drop when c − min(versions) > η; when a token of version v ≤ c−2 lacks π_{v+1}
+    (``proximal_t_versions != v+1``: weights v+1 are gone, it can never be corrected); when a
+    token of version c−1 has ``proximal_t_versions`` outside {c−1, c}; when a token of version c
+    has ``proximal_t_versions != c`` or π_prox_t ≠ π_behav; or when any version exceeds c.
+    A version c−1 token still at c−1 is kept: weights c are the trainer's own, and the trainer
+    sets π_prox_t := π_prox for it when it consumes the batch.
+    """
+    for sample in samples_of(item):
+        reason = _segment_wise_sample_reason(sample, current_version, max_head_offpolicyness)
+        if reason is not None:
+            return reason
+    return None
+
+
+def check_segment_wise_invariant(sample: Item, current_version: int) -> str | None:
+    """The strict invariant of DESIGN.md §2 at trainer version c, checked after the trainer's
+    fill of π_prox_t for version c−1 tokens; a one-line reason, or ``None`` if it holds.
+
+    Every output token with v < c has ``proximal_t_versions == v + 1``; every token with
+    v == c has ``proximal_t_versions == c`` and π_prox_t == π_behav; no token has v > c.
+    """
+    c = current_version
+    for s in samples_of(sample):
+        for t in range(_check_lengths(s)):
+            v, pv = s.versions[t], s.proximal_t_versions[t]
+            if v > c:
+                return f"sample {s.sample_id} token {t}: version {v} > current version {c}"
+            if v < c and pv != v + 1:
+                return (
+                    f"sample {s.sample_id} token {t}: version {v} has π_prox_t from "
+                    f"version {pv}, expected {v + 1}"
+                )
+            if v == c and (pv != c or s.proximal_logprobs_t[t] != s.old_logprobs[t]):
+                return (
+                    f"sample {s.sample_id} token {t}: current-version token must have "
+                    f"π_prox_t = π_behav (got {s.proximal_logprobs_t[t]} vs {s.old_logprobs[t]})"
+                )
+    return None
+
+
+class StalenessControlStrategy(abc.ABC):
+    """Decides which accepted rollouts are dropped before training, and counts the drops."""
+
+    name: ClassVar[str]
+
+    def __init__(self, *, max_head_offpolicyness: int, on_filtered: OnFiltered | None = None):
+        if max_head_offpolicyness < 0:
+            raise StalenessConfigError(
+                f"max_head_offpolicyness must be >= 0, got {max_head_offpolicyness}; "
+                "set rollout.max_head_offpolicyness to 0 or more"
+            )
+        self.max_head_offpolicyness = int(max_head_offpolicyness)
+        self._on_filtered = on_filtered
+        self._lock = threading.Lock()
+        self._filtered_by_version: Counter[int] = Counter()
+
+    @abc.abstractmethod
+    def is_sample_too_stale(self, item: Item, current_version: int) -> bool:
+        """Whether ``item`` must not be trained on at ``current_version``."""
+
+    @abc.abstractmethod
+    def should_filter_before_enqueue(self) -> bool:
+        """Whether the producer checks each rollout before putting it in the queue."""
+
+    @property
+    def filtered_by_version(self) -> dict[int, int]:
+        """Dropped rollouts per trainer version at which they were dropped."""
+        with self._lock:
+            return dict(self._filtered_by_version)
+
+    def _record(self, count: int, current_version: int) -> None:
+        if count == 0:
+            return
+        with self._lock:
+            self._filtered_by_version[current_version] += count
+        if self._on_filtered is not None:
+            self._on_filtered(count, current_version)
+
+    def filter_before_enqueue(self, item: Item, current_version: int) -> bool:
+        """True to keep ``item``; a drop is counted and reported."""
+        if not self.should_filter_before_enqueue() or not self.is_sample_too_stale(item, current_version):
+            return True
+        self._record(1, current_version)
+        return False
+
+    def purge_stale_samples_from_queue(self, queue: RolloutQueue[Item], current_version: int) -> int:
+        """Drop the stale items from ``queue`` in place (order kept); return how many."""
+        removed = queue.filter_inplace(lambda item: not self.is_sample_too_stale(item, current_version))
+        self._record(removed, current_version)
+        return removed
+
+    def filter_stale_from_cache(self, cache: RolloutCache[Item], current_version: int) -> int:
+        """Drop the stale items from ``cache`` in place; return how many."""
+        removed = cache.filter_inplace(lambda item: not self.is_sample_too_stale(item, current_version))
+        self._record(removed, current_version)
+        return removed
+
+
+class StandardStrategy(StalenessControlStrategy):
+    """Classic behaviour: admission control bounds staleness, nothing is dropped later."""
+
+    name = "standard"
+
+    def is_sample_too_stale(self, item: Item, current_version: int) -> bool:
+        return False
+
+    def should_filter_before_enqueue(self) -> bool:
+        return False
+
+
+class SegmentWiseStrategy(StalenessControlStrategy):
+    """Drops rollouts that cannot satisfy the segment-wise invariant (see
+    :func:`segment_wise_stale_reason`), everywhere a rollout is held."""
+
+    name = "segment_wise"
+
+    def is_sample_too_stale(self, item: Item, current_version: int) -> bool:
+        return segment_wise_stale_reason(item, current_version, self.max_head_offpolicyness) is not None
+
+    def should_filter_before_enqueue(self) -> bool:
+        return True
+
+
+STRATEGIES: dict[str, type[StalenessControlStrategy]] = {
+    cls.name: cls for cls in (StandardStrategy, SegmentWiseStrategy)
+}
+
+
+def create_staleness_strategy(
+    name: str, *, max_head_offpolicyness: int, on_filtered: OnFiltered | None = None
+) -> StalenessControlStrategy:
+    """The strategy called ``name`` (config group ``staleness``)."""
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise StalenessConfigError(
+            f"unknown staleness strategy {name!r}; use one of: {', '.join(sorted(STRATEGIES))}"
+        ) from None
+    return cls(max_head_offpolicyness=max_head_offpolicyness, on_filtered=on_filtered)

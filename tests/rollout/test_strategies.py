@@ -1,0 +1,191 @@
+"""Staleness strategies: the segment-wise rule (DESIGN.md §2 as resolved in issue #3), the strict
+invariant, drop counting and the factory."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdp_cli.errors import UserError
+from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
+from sdp_cli.rollout.strategies import (
+    SegmentWiseStrategy,
+    StandardStrategy,
+    check_segment_wise_invariant,
+    create_staleness_strategy,
+    segment_wise_stale_reason,
+)
+
+
+def make(versions, prox_versions=None, prox_shift=None):
+    """A sample with one token per entry of ``versions``; old logprob of token t is −(t+1).
+
+    ``prox_versions`` defaults to ``versions`` (nothing recomputed); where it differs, π_prox_t is
+    set to old − 0.5 (or ``prox_shift[t]``) so that a recomputed value differs from π_behav.
+    """
+    s = RolloutSample(prompt_ids=[1, 2])
+    s.append_tokens(list(range(10, 10 + len(versions))), [-(t + 1.0) for t in range(len(versions))],
+                    list(versions))
+    if prox_versions is not None:
+        for t, pv in enumerate(prox_versions):
+            if pv != versions[t]:
+                s.proximal_t_versions[t] = pv
+                s.proximal_logprobs_t[t] = s.old_logprobs[t] - (0.5 if prox_shift is None else prox_shift[t])
+    return s
+
+
+SEG = SegmentWiseStrategy(max_head_offpolicyness=2)
+
+
+def test_hand_computed_segment_wise_cases():
+    c = 5
+    # on-policy / c−1 pending / c−1 done / full chain: all kept
+    assert not SEG.is_sample_too_stale(make([5, 5]), c)
+    assert not SEG.is_sample_too_stale(make([4, 4, 5]), c)
+    assert not SEG.is_sample_too_stale(make([4, 5], [5, 5]), c)
+    assert not SEG.is_sample_too_stale(make([3, 4, 5], [4, 5, 5]), c)  # lag 5 − 3 = 2 ≤ η = 2
+    # token of version 3 ≤ c−2 whose π_prox_t is still from version 3: window closed
+    assert "gone" in segment_wise_stale_reason(make([3, 4, 5], [3, 5, 5]), c, 2)
+    # head lag 5 − 2 = 3 > η = 2, even with a complete π_prox_t chain
+    assert "lags 3" in segment_wise_stale_reason(make([2, 3, 4], [3, 4, 4]), c, 2)
+    # η = 1 drops the lag-2 chain that η = 2 keeps
+    assert SegmentWiseStrategy(max_head_offpolicyness=1).is_sample_too_stale(make([3, 4, 5], [4, 5, 5]), c)
+    # a version from the future
+    assert "> current version 5" in segment_wise_stale_reason(make([5, 6]), c, 2)
+    # current-version token whose π_prox_t differs from π_behav
+    bad = make([5])
+    bad.proximal_logprobs_t[0] = -0.25
+    assert "π_prox_t ≠ π_behav" in segment_wise_stale_reason(bad, c, 2)
+    # c−1 token with π_prox_t from a version outside {c−1, c}
+    assert SEG.is_sample_too_stale(make([4], [6]), c)
+    # negative version on an output token
+    assert SEG.is_sample_too_stale(make([-1, 5]), c)
+    # an empty sample has nothing stale
+    assert not SEG.is_sample_too_stale(RolloutSample(prompt_ids=[1]), c)
+
+
+def test_group_is_dropped_if_any_sample_is():
+    good, bad = make([4, 5], [5, 5]), make([3, 4], [3, 4])
+    assert not SEG.is_sample_too_stale(RolloutGroup(0, [good, make([5])]), 5)
+    assert SEG.is_sample_too_stale(RolloutGroup(0, [good, bad]), 5)
+
+
+def test_standard_never_filters():
+    std = StandardStrategy(max_head_offpolicyness=0)
+    ancient = make([0, 0], [0, 0])
+    assert not std.is_sample_too_stale(ancient, 100)
+    assert not std.should_filter_before_enqueue()
+    assert std.filter_before_enqueue(ancient, 100)
+    q = RolloutQueue()
+    q.put(ancient)
+    assert std.purge_stale_samples_from_queue(q, 100) == 0 and q.qsize() == 1
+    assert std.filtered_by_version == {}
+
+
+def test_strict_invariant_after_the_trainer_fill():
+    c = 5
+    assert check_segment_wise_invariant(make([3, 4, 5], [4, 5, 5]), c) is None
+    # the consume-time rule keeps a pending c−1 token; the strict check (after the fill) does not
+    pending = make([4, 5])
+    assert not SEG.is_sample_too_stale(pending, c)
+    assert "expected 5" in check_segment_wise_invariant(pending, c)
+    pending.set_proximal_t(0, -0.7, 5)  # the trainer's fill π_prox_t := π_prox
+    assert check_segment_wise_invariant(pending, c) is None
+    wrong = make([5])
+    wrong.proximal_logprobs_t[0] = 0.0
+    assert "π_prox_t = π_behav" in check_segment_wise_invariant(wrong, c)
+    assert "> current version" in check_segment_wise_invariant(make([6]), c)
+    group = RolloutGroup(1, [make([5]), make([2], [2])])
+    assert check_segment_wise_invariant(group, c).startswith(f"sample {group.samples[1].sample_id}")
+    for reason in (check_segment_wise_invariant(pending, 9), segment_wise_stale_reason(pending, 9, 0)):
+        assert "\n" not in reason
+
+
+@st.composite
+def histories(draw):
+    """A sample generated over versions v0..v_last, consumed at c ≥ v_last, where the π_{v+1}
+    window of each version v was either used (the token got π_{v+1}) or missed."""
+    v0 = draw(st.integers(0, 6))
+    n_versions = draw(st.integers(1, 5))
+    counts = draw(st.lists(st.integers(0, 3), min_size=n_versions, max_size=n_versions))
+    versions = [v0 + i for i, k in enumerate(counts) for _ in range(k)]
+    c = v0 + n_versions - 1 + draw(st.integers(0, 3))
+    window_used = draw(st.lists(st.booleans(), min_size=c + 2, max_size=c + 2))
+    eta = draw(st.integers(0, 6))
+    return versions, c, window_used, eta
+
+
+def build(versions, c, window_used):
+    """Apply the DESIGN.md §2 timeline: a token of version v gets π_{v+1} iff its window was used
+    and weights v+1 have existed (v + 1 ≤ c)."""
+    s = make(versions)
+    for t, v in enumerate(versions):
+        if v + 1 <= c and window_used[v]:
+            s.set_proximal_t(t, s.old_logprobs[t] - 0.3, v + 1)
+    return s
+
+
+@given(histories())
+def test_segment_wise_rule_matches_the_timeline_model(h):
+    versions, c, window_used, eta = h
+    sample = build(versions, c, window_used)
+    # oracle from the generation model, not from the rule's code: drop iff the head lags more
+    # than η or a token of version ≤ c−2 missed its (now closed) window
+    expected_drop = bool(versions) and (
+        c - min(versions) > eta or any(not window_used[v] for v in versions if v <= c - 2)
+    )
+    assert SegmentWiseStrategy(max_head_offpolicyness=eta).is_sample_too_stale(sample, c) == expected_drop
+    # the strict invariant additionally needs every c−1 token filled
+    strict_ok = all(window_used[v] for v in versions if v <= c - 1)
+    assert (check_segment_wise_invariant(sample, c) is None) == strict_ok
+
+
+def test_drops_are_counted_and_give_capacity_back_through_the_manager():
+    version = [5]
+    mgr = StalenessManager(100, 2, 2, lambda: version[0])
+    mgr.register_capacity_modifier(FilteredSamplesCapacityModifier())
+    seg = create_staleness_strategy("segment_wise", max_head_offpolicyness=2,
+                                    on_filtered=mgr.on_samples_filtered)
+    for _ in range(5):
+        mgr.on_rollout_enqueued()
+        mgr.on_rollout_submitted()
+        mgr.on_rollout_accepted()
+    base = mgr.get_capacity()  # (2 + 5 + 1)·2 − 5 = 11
+    assert base == 11
+
+    stale, fresh = make([3], [3]), make([5])
+    assert seg.filter_before_enqueue(fresh, 5)
+    assert not seg.filter_before_enqueue(stale, 5)  # one drop at version 5
+
+    q = RolloutQueue()
+    for item in (fresh, make([2]), make([5]), make([3, 4], [4, 5])):
+        q.put(item)
+    assert seg.purge_stale_samples_from_queue(q, 5) == 1  # lag 3 > η
+    assert [s.versions for s in q.snapshot()] == [[5], [5], [3, 4]]  # order kept
+
+    version[0] = 6
+    cache = RolloutCache()
+    for item in q.drain():
+        cache.add(item)
+    # at c = 6 the version-4 token of [3, 4] carries π_5 ✓ but 6 − 3 = 3 > η: dropped
+    assert seg.filter_stale_from_cache(cache, 6) == 1
+    assert cache.size() == 2
+
+    assert seg.filtered_by_version == {5: 2, 6: 1}
+    assert mgr.get_stats().filtered == 3
+    # (2 + 6 + 1)·2 − 5 + 3 returned = 16
+    assert mgr.get_capacity() == 16
+
+
+def test_factory():
+    assert isinstance(create_staleness_strategy("standard", max_head_offpolicyness=1), StandardStrategy)
+    seg = create_staleness_strategy("segment_wise", max_head_offpolicyness=3)
+    assert isinstance(seg, SegmentWiseStrategy) and seg.max_head_offpolicyness == 3
+    with pytest.raises(ValueError) as err:
+        create_staleness_strategy("segmentwise", max_head_offpolicyness=1)
+    assert isinstance(err.value, UserError)
+    message = str(err.value)
+    assert "'segmentwise'" in message and "segment_wise, standard" in message and "\n" not in message
+    with pytest.raises(ValueError, match="max_head_offpolicyness"):
+        create_staleness_strategy("standard", max_head_offpolicyness=-1)
