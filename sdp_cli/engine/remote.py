@@ -1,0 +1,519 @@
+"""Logic shared by the HTTP engines (vLLM, SGLang): segments, versions, pause and resubmission.
+
+A server answers one *segment* per request: the tokens it generated until it stopped
+(``stop``/``length``: the sample is done) or was aborted (``abort``: resume later). The client
+owns the rollout record and accumulates (token, logprob, version) triples across segments; the
+tokens of a segment carry the client's version at submission, cross-checked against the
+weight-version label the server reports (a disagreement is an ``EngineError``).
+
+Pause protocol (DESIGN.md §2), as seen from the server:
+
+- ``pause()``: stop admitting requests, then abort everything in flight on the servers (which
+  return their partial output) and let the servers run again, so that the recompute pass can
+  ``score`` while generation is paused. Partial samples wait, unmodified, until ``resume()``:
+  no sample is mutated while the engine is paused.
+- ``update_weights()``: pause the servers again (aborting any request that slipped in), load
+  the new weights, reset the prefix cache, relabel the weight version, resume the servers.
+- ``resume()``: admit again. A partial sample is resubmitted as prompt + partial output with
+  the remaining token budget and a fresh request id; when it holds tokens of version
+  (new − 1), the resubmission also asks for the prefill logprobs of its input, and those
+  become π_prox_t of the tokens (DESIGN.md §2 step 4, patched by absolute index).
+
+A request sent just before ``pause()`` can reach the server only after the next weight load;
+its tokens then carry the new label, disagree with the submission version, and the segment is
+discarded (the sample is untouched) and resubmitted.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import math
+import threading
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.engine.http import HttpOptions, HttpServer
+from sdp_cli.rollout.records import RolloutSample
+
+logger = logging.getLogger(__name__)
+
+FINISHED = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """Settings shared by the vLLM and SGLang clients."""
+
+    #: sampling temperature; scoring uses the same one (see ``allow_unscaled_prefill``)
+    temperature: float = 1.0
+    #: accept temperature != 1 although the servers do not temperature-scale prefill logprobs
+    allow_unscaled_prefill: bool = False
+    #: keep generating past the model's end-of-sequence token (benchmarks)
+    ignore_eos: bool = False
+    #: requests in flight at once over all servers (generation; scoring has its own pool)
+    max_concurrent_requests: int = 64
+    #: an abort that no pause explains is retried this many times before it is an error
+    max_unexplained_aborts: int = 3
+    #: transport settings: timeouts, retries, keep-alive, API key
+    http: HttpOptions = field(default_factory=HttpOptions)
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1")
+
+
+@dataclass(frozen=True)
+class SegmentRequest:
+    """One generation request: continue ``input_ids`` by at most ``max_new_tokens`` tokens."""
+
+    request_id: str
+    input_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+    #: first input position whose prefill logprob is wanted (>= 1), or None for none
+    prefill_from: int | None = None
+
+
+@dataclass
+class Segment:
+    """A server's parsed answer to a ``SegmentRequest``."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    #: "stop", "length" or "abort"
+    finish_reason: str
+    #: the server's weight-version label of each output token; None when it reports none
+    token_versions: list[str] | None
+    #: prefill logprobs of input positions ``prefill_from ..``; None when not returned
+    prefill_logprobs: list[float] | None = None
+    #: the weight-version label the prefill ran under, when the server reports it
+    prefill_version: str | None = None
+    #: the server's explanation of an abort
+    message: str = ""
+
+
+@dataclass
+class RemoteServer:
+    """One server the engine talks to, with the number of its requests in flight."""
+
+    http: HttpServer
+    load: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.http.base_url
+
+
+def version_label(version: int) -> str:
+    """The weight-version label sdp gives the servers: the version number as a string."""
+    return str(int(version))
+
+
+def new_request_id() -> str:
+    """A fixed-length id; SGLang aborts by rid *prefix*, so ids must not prefix one another."""
+    return uuid.uuid4().hex
+
+
+def check_temperature(options: RemoteOptions, engine_name: str) -> None:
+    """Refuse T != 1: neither server temperature-scales prefill logprobs (research notes)."""
+    if options.temperature == 1.0:
+        return
+    message = (
+        f"engine={engine_name} with temperature={options.temperature}: the server's prefill logprobs "
+        "are not temperature-scaled, so scores and π_prox_t would not match the sampled logprobs"
+    )
+    if not options.allow_unscaled_prefill:
+        raise EngineError(message + "; use temperature=1.0 or set engine.allow_unscaled_prefill=true to accept it")
+    warnings.warn(message + " (allowed by engine.allow_unscaled_prefill)", RuntimeWarning, stacklevel=3)
+    logger.warning("%s (allowed by engine.allow_unscaled_prefill)", message)
+
+
+# ------------------------------------------------------------------ response parsing helpers
+def malformed(server: RemoteServer, path: str, problem: str) -> EngineError:
+    return EngineError(f"{server.url}{path} answered a malformed response ({problem}); the sample is not used")
+
+
+def as_token_ids(server: RemoteServer, path: str, value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise malformed(server, path, f"{what} is not a list of token ids")
+    return list(value)
+
+
+def as_logprob(server: RemoteServer, path: str, value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 1e-4:
+        raise malformed(server, path, f"{what} is {value!r}, not a finite log-probability")
+    return min(float(value), 0.0)
+
+
+def expand_spans(server: RemoteServer, path: str, spans: Any, n_tokens: int) -> list[str]:
+    """Per-token labels from ``[{version, start, end}, ...]`` spans that must tile ``[0, n)``."""
+    if not isinstance(spans, list):
+        raise malformed(server, path, "weight_versions is not a list")
+    labels: list[str] = []
+    for span in spans:
+        try:
+            version, start, end = str(span["version"]), int(span["start"]), int(span["end"])
+        except (TypeError, KeyError, ValueError):
+            raise malformed(server, path, f"weight_versions span {span!r}") from None
+        if start != len(labels) or end < start:
+            raise malformed(server, path, f"weight_versions spans {spans!r} do not tile the output")
+        labels.extend([version] * (end - start))
+    if len(labels) != n_tokens:
+        raise malformed(server, path, f"weight_versions cover {len(labels)} tokens, the output has {n_tokens}")
+    return labels
+
+
+class RemoteEngine(InferenceEngine):
+    """An ``InferenceEngine`` whose model runs in one or more HTTP servers.
+
+    Subclasses speak one server's dialect (the ``_server_*`` methods); this class owns the
+    rollout records, versions, pause/resume, load spreading and resubmission.
+    """
+
+    #: name used in messages and config keys ("vllm", "sglang")
+    engine_name = "remote"
+
+    def __init__(self, base_urls: Sequence[str], options: RemoteOptions, *, version: int = 0):
+        if not base_urls:
+            raise EngineError(f"engine={self.engine_name} needs at least one server address (engine.base_urls)")
+        check_temperature(options, self.engine_name)
+        self.options = options
+        self.temperature = options.temperature
+        self.servers = [
+            RemoteServer(
+                HttpServer(url, options.http, label=f"{self.engine_name} server", unavailable_hint=self._unavailable_hint())
+            )
+            for url in base_urls
+        ]
+        self._cond = threading.Condition()
+        self._version = int(version)
+        self._paused = False
+        self._closed = False
+        #: incremented by every pause(): an abort with an unchanged epoch was not ours
+        self._pause_epoch = 0
+        self._inflight: dict[int, RolloutSample] = {}
+        self._stats = {
+            "segments": 0,
+            "resubmissions": 0,
+            "aborted_segments": 0,
+            "discarded_stale_segments": 0,
+            "prefill_proximal_tokens": 0,
+        }
+        self._generate_pool = ThreadPoolExecutor(options.max_concurrent_requests, thread_name_prefix=f"sdp-{self.engine_name}-gen")
+        self._score_pool = ThreadPoolExecutor(
+            max(1, min(options.max_concurrent_requests, 16 * len(self.servers))), thread_name_prefix=f"sdp-{self.engine_name}-score"
+        )
+        try:
+            for server in self.servers:
+                self._server_connect(server)
+                self._server_set_version(server, version_label(self._version))
+        except BaseException:
+            self.close()
+            raise
+
+    # -------------------------------------------------------------- dialect (subclasses)
+    @abc.abstractmethod
+    def _unavailable_hint(self) -> str:
+        """What to do when a server cannot be reached (one clause)."""
+
+    @abc.abstractmethod
+    def _server_connect(self, server: RemoteServer) -> None:
+        """Check that the server answers and has the routes sdp needs."""
+
+    @abc.abstractmethod
+    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Any) -> Segment:
+        """Run one generation request; ``refresh_id()`` gives a fresh request id for a retry."""
+
+    @abc.abstractmethod
+    def _server_score(self, server: RemoteServer, sequence: list[int], start: int) -> tuple[list[float], str | None]:
+        """Prefill logprobs of ``sequence[start:]`` and the weight-version label they ran under."""
+
+    @abc.abstractmethod
+    def _server_abort_all(self, server: RemoteServer) -> None:
+        """Abort every request in flight (they answer with their partial output); keep serving."""
+
+    @abc.abstractmethod
+    def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
+        """Pause, load ``path``, reset the prefix cache, set the label ``label``, resume."""
+
+    @abc.abstractmethod
+    def _server_set_version(self, server: RemoteServer, label: str) -> None:
+        """Relabel the loaded weights without loading anything."""
+
+    # ------------------------------------------------------------------ versions
+    def get_version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def set_version(self, version: int) -> None:
+        for server in self.servers:
+            self._server_set_version(server, version_label(version))
+        with self._cond:
+            self._version = int(version)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, samples: Sequence[RolloutSample], params: SamplingParams) -> None:
+        pending = [s for s in samples if not s.is_finished]
+        with self._cond:
+            self._raise_if_closed()
+            for sample in pending:
+                self._inflight[sample.sample_id] = sample
+        futures: list[Future[None]] = []
+        try:
+            futures = [self._generate_pool.submit(self._run_sample, s, params) for s in pending]
+        finally:
+            errors: list[BaseException] = []
+            for future in futures:
+                try:
+                    future.result()
+                except BaseException as exc:  # collected so every sample settles first
+                    errors.append(exc)
+            with self._cond:
+                for sample in pending:
+                    self._inflight.pop(sample.sample_id, None)
+        if errors:
+            raise errors[0]
+
+    def _run_sample(self, sample: RolloutSample, params: SamplingParams) -> None:
+        """Generate segments for one sample until it stops or runs out of budget."""
+        server: RemoteServer | None = None  # sticky: every resubmission goes to the same server
+        unexplained_aborts = 0
+        while True:
+            with self._cond:
+                self._wait_running()
+                budget = params.max_new_tokens - sample.output_len
+                if budget <= 0:
+                    sample.finish("length")
+                    return
+                version, epoch = self._version, self._pause_epoch
+                proximal_indices = [
+                    t
+                    for t, (v, pv) in enumerate(zip(sample.versions, sample.proximal_t_versions))
+                    if v == version - 1 and pv != version
+                ]
+                if server is None:
+                    server = min(self.servers, key=lambda s: s.load)
+                server.load += 1
+                if sample.output_len:
+                    self._stats["resubmissions"] += 1
+            request = SegmentRequest(
+                request_id=new_request_id(),
+                input_ids=sample.input_ids,
+                max_new_tokens=budget,
+                stop_token_ids=tuple(params.stop_token_ids),
+                # a resubmission must not replay the random stream of the first segment
+                seed=None if params.seed is None else params.seed + sample.output_len,
+                prefill_from=sample.prompt_len + proximal_indices[0] if proximal_indices else None,
+            )
+            try:
+                segment = self._server_generate(server, request, new_request_id)
+            finally:
+                with self._cond:
+                    server.load -= 1
+            self._check_segment(server, request, segment)
+            with self._cond:
+                # A sample is never mutated while the engine is paused (the recompute pass owns it).
+                self._wait_running()
+                self._stats["segments"] += 1
+                if not self._versions_agree(server, segment, version):
+                    self._stats["discarded_stale_segments"] += 1
+                    continue
+                self._patch_proximal(sample, request, segment, proximal_indices, version)
+                sample.append_tokens(segment.token_ids, segment.logprobs, version)
+                if segment.finish_reason in FINISHED:
+                    sample.finish(segment.finish_reason)
+                    return
+                self._stats["aborted_segments"] += 1
+                if epoch != self._pause_epoch:
+                    unexplained_aborts = 0
+                    continue
+                unexplained_aborts += 1
+                if unexplained_aborts > self.options.max_unexplained_aborts:
+                    raise EngineError(
+                        f"{server.url} aborted sample {sample.sample_id} {unexplained_aborts} times without a "
+                        f"pause ({segment.message or 'no reason given'}); check the server's log"
+                    )
+
+    def _check_segment(self, server: RemoteServer, request: SegmentRequest, segment: Segment) -> None:
+        """Reject answers that cannot be right; the sample is left as it was."""
+        n = len(segment.token_ids)
+        if len(segment.logprobs) != n:
+            raise malformed(server, "", f"{n} token ids but {len(segment.logprobs)} logprobs")
+        if segment.token_versions is not None and len(segment.token_versions) != n:
+            raise malformed(server, "", f"{n} token ids but {len(segment.token_versions)} version labels")
+        if n > request.max_new_tokens:
+            raise malformed(server, "", f"{n} tokens for a budget of {request.max_new_tokens}")
+        if segment.finish_reason not in ("stop", "length", "abort"):
+            raise malformed(server, "", f"finish reason {segment.finish_reason!r}")
+        if segment.prefill_logprobs is not None and request.prefill_from is not None:
+            expected = len(request.input_ids) - request.prefill_from
+            if len(segment.prefill_logprobs) != expected:
+                raise malformed(
+                    server, "", f"{len(segment.prefill_logprobs)} prefill logprobs for {expected} scored input tokens"
+                )
+
+    def _versions_agree(self, server: RemoteServer, segment: Segment, version: int) -> bool:
+        """True when the server ran the segment under ``version``; False for a stale race.
+
+        Called under the lock. A segment whose labels are all newer than ``version`` was
+        submitted before a weight update and reached the server after it; it is discarded.
+        """
+        labels = set(segment.token_versions or ())
+        if segment.prefill_version is not None:
+            labels.add(segment.prefill_version)
+        if segment.token_ids and segment.token_versions is None:
+            raise EngineError(
+                f"{server.url} reports no weight version for its tokens; sdp needs the server versions "
+                "listed in docs/engines.md"
+            )
+        expected = version_label(version)
+        if labels <= {expected}:
+            return True
+        newer = {version_label(v) for v in range(version + 1, self._version + 1)}
+        if labels <= newer:
+            logger.info("discarding a segment submitted at version %d and run at %s", version, sorted(labels))
+            return False
+        raise EngineError(
+            f"{server.url} ran a request under weight version(s) {sorted(labels)} while sdp tagged it version "
+            f"{version}; another client may be changing this server's weights (give each run its own servers)"
+        )
+
+    def _patch_proximal(
+        self,
+        sample: RolloutSample,
+        request: SegmentRequest,
+        segment: Segment,
+        proximal_indices: list[int],
+        version: int,
+    ) -> None:
+        """π_prox_t of tokens of version − 1 from the resubmission's prefill (DESIGN.md §2 step 4)."""
+        if not proximal_indices or segment.prefill_logprobs is None or request.prefill_from is None:
+            return
+        if segment.prefill_version is None and not segment.token_ids:
+            return  # aborted before anything ran: nothing tells which weights scored it
+        offset = request.prefill_from - sample.prompt_len
+        for t in proximal_indices:
+            sample.set_proximal_t(t, segment.prefill_logprobs[t - offset], version)
+        self._stats["prefill_proximal_tokens"] += len(proximal_indices)
+
+    # ------------------------------------------------------------------ pause / weights
+    def pause(self) -> None:
+        with self._cond:
+            self._raise_if_closed()
+            if self._paused:
+                return
+            self._paused = True
+            self._pause_epoch += 1
+        self._on_all_servers(self._server_abort_all)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def is_paused(self) -> bool:
+        with self._cond:
+            return self._paused
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        with self._cond:
+            self._raise_if_closed()
+            if not self._paused:
+                raise EngineError(f"engine={self.engine_name}: update_weights needs a paused engine; call pause() first")
+        if update.path is None:
+            raise EngineError(
+                f"engine={self.engine_name} loads weights from disk; pass WeightUpdate(path=<safetensors directory>)"
+            )
+        path = Path(update.path).resolve()
+        if not path.is_dir():
+            raise EngineError(f"weight directory {path} does not exist; save the policy there before the update")
+        label = version_label(update.version)
+        self._on_all_servers(lambda server: self._server_load_weights(server, path, label))
+        with self._cond:
+            self._version = int(update.version)
+
+    def inflight_samples(self) -> list[RolloutSample]:
+        with self._cond:
+            return list(self._inflight.values())
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        if len(sequences) != len(starts):
+            raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+        for seq, k in zip(sequences, starts):
+            if not 1 <= k <= len(seq):
+                raise ValueError(f"score: start {k} outside [1, {len(seq)}]")
+        with self._cond:
+            self._raise_if_closed()
+            expected = version_label(self._version)
+        futures = [
+            self._score_pool.submit(self._score_one, self.servers[i % len(self.servers)], list(seq), int(k), expected)
+            for i, (seq, k) in enumerate(zip(sequences, starts))
+        ]
+        return [f.result() for f in futures]
+
+    def _score_one(self, server: RemoteServer, sequence: list[int], start: int, expected: str) -> list[float]:
+        if start == len(sequence):
+            return []
+        logprobs, label = self._server_score(server, sequence, start)
+        if len(logprobs) != len(sequence) - start:
+            raise malformed(server, "", f"{len(logprobs)} prefill logprobs for {len(sequence) - start} scored tokens")
+        if label is not None and label != expected:
+            raise EngineError(
+                f"{server.url} scored under weight version {label!r}, sdp expected {expected!r}; "
+                "another client may be changing this server's weights"
+            )
+        return logprobs
+
+    # ------------------------------------------------------------------ misc
+    def stats(self) -> dict[str, int]:
+        """Counters since start: segments, resubmissions, aborts, discarded stale segments, and
+        tokens whose π_prox_t came from a resubmission's prefill."""
+        with self._cond:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for server in getattr(self, "servers", []):
+            server.http.close()
+        for pool in (getattr(self, "_generate_pool", None), getattr(self, "_score_pool", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    def _wait_running(self) -> None:
+        """Block while paused (lock held by the caller); raise once the engine is closed."""
+        while self._paused and not self._closed:
+            self._cond.wait()
+        self._raise_if_closed()
+
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise EngineError(f"engine={self.engine_name} was closed")
+
+    def _on_all_servers(self, action: Any) -> None:
+        """Run ``action(server)`` on every server at once; raise the first failure."""
+        if len(self.servers) == 1:
+            action(self.servers[0])
+            return
+        futures = [self._score_pool.submit(action, server) for server in self.servers]
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,274 @@
+"""``engine=sglang``: client for SGLang's native HTTP API (0.5.6 – 0.5.23).
+
+Routes used (research note sglang.md §1): ``POST /generate`` with ``input_ids`` and
+``return_logprob``; ``/pause_generation`` (mode abort) and ``/continue_generation``;
+``/update_weights_from_disk`` with ``weight_version`` and ``flush_cache``;
+``/update_weight_version``; ``/get_model_info``; ``/health_generate`` for readiness.
+
+Alignment: with ``logprob_start_len = s``, ``meta_info.input_token_logprobs`` holds one
+``[logprob, token_id, text]`` row per input position ``s ..``, and row 0 is always
+``[null, ...]``; so to score tokens from position k, send ``s = k - 1`` and drop row 0.
+Versions: ``meta_info.weight_versions`` spans (0.5.19+) or the single ``weight_version``.
+SGLang 0.5.23 rejects unknown ``sampling_params`` keys, so only documented keys are sent.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sdp_cli.engine.base import EngineError
+from sdp_cli.engine.remote import (
+    RemoteEngine,
+    RemoteOptions,
+    RemoteServer,
+    Segment,
+    SegmentRequest,
+    as_logprob,
+    as_token_ids,
+    expand_spans,
+    malformed,
+    version_label,
+)
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+
+GENERATE = "/generate"
+
+
+@dataclass(frozen=True)
+class SGLangLaunchConfig:
+    """How sdp starts an SGLang server of its own."""
+
+    #: model directory (Hugging Face layout) or hub id the server loads at start
+    model: str
+    #: Python interpreter of the virtualenv that has SGLang installed
+    python: str = sys.executable
+    host: str = "127.0.0.1"
+    #: 0 picks a free port
+    port: int = 0
+    dtype: str = "auto"
+    #: fraction of GPU memory for weights and KV cache (None: SGLang chooses)
+    mem_fraction_static: float | None = None
+    seed: int = 0
+    #: further command-line flags for the server
+    extra_args: tuple[str, ...] = ()
+    #: further environment variables for the server
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 900.0
+
+
+def launch_spec(config: SGLangLaunchConfig, log_dir: Path, *, version: int = 0, api_key: str | None = None) -> LaunchSpec:
+    """The command and environment of an SGLang server whose weights are labelled ``version``."""
+    port = config.port or free_port(config.host)
+    command = [
+        config.python, "-m", "sglang.launch_server",
+        "--model-path", config.model,
+        "--host", config.host,
+        "--port", str(port),
+        "--dtype", config.dtype,
+        "--random-seed", str(config.seed),
+        "--weight-version", version_label(version),
+    ]  # fmt: skip
+    if config.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if api_key:
+        command += ["--api-key", api_key]
+    command += list(config.extra_args)
+    return LaunchSpec(
+        label="SGLang server",
+        command=command,
+        env=dict(config.env),
+        host=config.host,
+        port=port,
+        health_path="/health_generate",
+        log_path=Path(log_dir) / "sglang_server.log",
+        startup_timeout_s=config.startup_timeout_s,
+        secrets=(api_key,) if api_key else (),
+    )
+
+
+class SGLangEngine(RemoteEngine):
+    """``InferenceEngine`` over one or more SGLang servers (attach to ``base_urls``)."""
+
+    engine_name = "sglang"
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        options: RemoteOptions = RemoteOptions(),
+        *,
+        version: int = 0,
+        managed: Sequence[ManagedServer] = (),
+    ):
+        self._managed = list(managed)
+        super().__init__(base_urls, options, version=version)
+
+    @classmethod
+    def launch(
+        cls, config: SGLangLaunchConfig, log_dir: Path, options: RemoteOptions = RemoteOptions(), *, version: int = 0
+    ) -> "SGLangEngine":
+        """Start an SGLang server and attach to it; ``close()`` stops it."""
+        spec = launch_spec(config, log_dir, version=version, api_key=options.http.api_key)
+        server = ManagedServer(spec).start()
+        try:
+            return cls([server.base_url], options, version=version, managed=[server])
+        except BaseException:
+            server.stop()
+            raise
+
+    def close(self) -> None:
+        super().close()
+        for server in getattr(self, "_managed", []):
+            server.stop()
+
+    # ------------------------------------------------------------------ dialect
+    def _unavailable_hint(self) -> str:
+        return "start it (python -m sglang.launch_server, see docs/engines.md) or fix engine.base_urls"
+
+    def _server_connect(self, server: RemoteServer) -> None:
+        info = server.http.get("/get_model_info")
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise EngineError(
+                f"{server.url}/get_model_info reports no weight_version; sdp needs SGLang 0.5.6 or newer"
+            )
+
+    def _sampling_params(self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "stop_token_ids": list(stop_token_ids),
+            "ignore_eos": self.options.ignore_eos,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
+
+    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]) -> Segment:
+        # logprob_start_len = k - 1 because row 0 of input_token_logprobs is always null.
+        start = -1 if request.prefill_from is None else request.prefill_from - 1
+
+        def body(rid: str) -> dict[str, Any]:
+            return {
+                "rid": rid,
+                "input_ids": request.input_ids,
+                "sampling_params": self._sampling_params(request.max_new_tokens, request.stop_token_ids, request.seed),
+                "return_logprob": True,
+                "logprob_start_len": start,
+                "stream": False,
+            }
+
+        answer = server.http.post(GENERATE, body(request.request_id), refresh=lambda: body(refresh_id()))
+        meta = _meta(server, answer)
+        token_ids = as_token_ids(server, GENERATE, answer.get("output_ids"), "output_ids")
+        rows = meta.get("output_token_logprobs")
+        if not isinstance(rows, list):
+            raise malformed(server, GENERATE, "meta_info.output_token_logprobs is missing")
+        logprobs = []
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or len(row) < 2:
+                raise malformed(server, GENERATE, f"output_token_logprobs[{i}] is {row!r}")
+            if i < len(token_ids) and row[1] != token_ids[i]:
+                raise malformed(server, GENERATE, f"output_token_logprobs[{i}] is for token {row[1]}, not {token_ids[i]}")
+            logprobs.append(as_logprob(server, GENERATE, row[0], f"output_token_logprobs[{i}]"))
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
+            raise malformed(server, GENERATE, f"finish_reason {finish!r}")
+        if finish["type"] == "abort" and isinstance(finish.get("status_code"), int) and finish["status_code"] >= 400:
+            # Validation failures arrive as aborts that carry an HTTP status.
+            raise EngineError(f"{server.url}{GENERATE} rejected the request: {finish.get('message')}")
+        token_versions = _token_versions(server, meta, len(token_ids))
+        prefill = None
+        if request.prefill_from is not None and meta.get("input_token_logprobs") is not None:
+            prefill = _input_logprobs(server, meta["input_token_logprobs"], request.input_ids, start)
+        return Segment(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish["type"],
+            token_versions=token_versions,
+            prefill_logprobs=prefill,
+            prefill_version=token_versions[0] if token_versions else _label(meta),
+            message=str(finish.get("message") or ""),
+        )
+
+    def _server_score(self, server: RemoteServer, sequence: list[int], start: int) -> tuple[list[float], str | None]:
+        # max_new_tokens = 0 makes a prefill-only request (research note §2).
+        body = {
+            "input_ids": sequence,
+            "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+            "stream": False,
+        }
+        answer = server.http.post(GENERATE, body)
+        meta = _meta(server, answer)
+        rows = meta.get("input_token_logprobs")
+        if rows is None:
+            raise malformed(server, GENERATE, "input_token_logprobs missing from a scoring answer")
+        return _input_logprobs(server, rows, sequence, start - 1), _label(meta)
+
+    def _server_abort_all(self, server: RemoteServer) -> None:
+        # Abort mode returns every in-flight request with its partial output; continuing at once
+        # lets the recompute pass score while sdp is paused.
+        timeout = self.options.http.admin_timeout_s
+        server.http.post("/pause_generation", {"mode": "abort"}, timeout=timeout)
+        server.http.post("/continue_generation", {}, timeout=timeout)
+
+    def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
+        timeout = self.options.http.admin_timeout_s
+        # Paused, the update runs at once instead of waiting for in-flight requests; the flush
+        # only succeeds with an idle scheduler, which an abort pause guarantees.
+        server.http.post("/pause_generation", {"mode": "abort"}, timeout=timeout)
+        try:
+            answer = server.http.post(
+                "/update_weights_from_disk",
+                {"model_path": str(path), "weight_version": label, "flush_cache": True},
+                timeout=timeout,
+                retry=False,
+            )
+            if not isinstance(answer, dict) or answer.get("success") is not True:
+                message = answer.get("message") if isinstance(answer, dict) else answer
+                raise EngineError(f"{server.url} could not load weights from {path}: {message}")
+        finally:
+            server.http.post("/continue_generation", {}, timeout=timeout)
+
+    def _server_set_version(self, server: RemoteServer, label: str) -> None:
+        server.http.post(
+            "/update_weight_version",
+            {"new_version": label, "abort_all_requests": False},
+            timeout=self.options.http.admin_timeout_s,
+        )
+
+
+def _meta(server: RemoteServer, answer: Any) -> dict[str, Any]:
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+        raise malformed(server, GENERATE, "no meta_info object")
+    return answer["meta_info"]
+
+
+def _label(meta: dict[str, Any]) -> str | None:
+    value = meta.get("weight_version")
+    return None if value is None else str(value)
+
+
+def _token_versions(server: RemoteServer, meta: dict[str, Any], n_tokens: int) -> list[str] | None:
+    if meta.get("weight_versions") is not None:
+        return expand_spans(server, GENERATE, meta["weight_versions"], n_tokens)
+    label = _label(meta)
+    return None if label is None else [label] * n_tokens
+
+
+def _input_logprobs(server: RemoteServer, rows: Any, input_ids: list[int], start: int) -> list[float]:
+    """Logprobs of input positions ``start + 1 ..`` from rows that begin at ``start`` (row 0 null)."""
+    expected = len(input_ids) - start
+    if not isinstance(rows, list) or len(rows) != expected:
+        raise malformed(server, GENERATE, f"input_token_logprobs has {len(rows) if isinstance(rows, list) else 'no'} rows, expected {expected}")
+    values = []
+    for k, row in enumerate(rows[1:], start=1):
+        if not isinstance(row, list) or len(row) < 2 or row[1] != input_ids[start + k]:
+            raise malformed(server, GENERATE, f"input_token_logprobs[{k}] is {row!r}, not for token {input_ids[start + k]}")
+        values.append(as_logprob(server, GENERATE, row[0], f"input_token_logprobs[{k}]"))
+    return values
