@@ -1,0 +1,227 @@
+"""The recompute pass of DESIGN.md §2 step 2: π_prox_t for the tokens whose window closes now.
+
+With the engine paused at version c (weights c still loaded), every output token with
+``versions[t] == c − 1`` whose ``proximal_t_versions[t] != c`` is scored under weights c, so it
+gets π_{v+1} before those weights are replaced. Tokens of any other version are never touched:
+older ones already had their window (or missed it for good), version-c tokens get theirs after
+the next update. Scoring is a prefill of prompt + output up to the last target token, at the
+engine's sampling temperature (``InferenceEngine.score``), packed many sequences per call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, MutableSequence, Sequence
+
+from sdp_cli.engine.base import EngineError, InferenceEngine
+from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
+
+Item = RolloutSample | RolloutGroup
+
+
+@dataclass
+class RecomputeStats:
+    """What one recompute pass did.
+
+    Attributes:
+        version: engine version c whose weights scored the tokens (targets had version c − 1).
+        samples_seen: distinct samples inspected.
+        samples_recomputed: samples with at least one token rescored.
+        tokens_recomputed: tokens whose π_prox_t was written.
+        score_calls: ``engine.score`` calls made.
+        mean_abs_delta: mean |new − previous π_prox_t| over the rescored tokens (0 if none).
+        wall_time_s: seconds spent in the pass.
+    """
+
+    version: int
+    samples_seen: int = 0
+    samples_recomputed: int = 0
+    tokens_recomputed: int = 0
+    score_calls: int = 0
+    mean_abs_delta: float = 0.0
+    wall_time_s: float = 0.0
+
+
+@dataclass
+class _Job:
+    """One sequence to score: ``sequence[start:]`` is scored, ``targets`` are output indices."""
+
+    sequence: list[int]
+    start: int
+    prompt_len: int
+    targets: list[int]
+    previous: list[float]
+    write: Callable[[int, float], None]
+
+
+def _targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
+    return [
+        t
+        for t, (v, pv) in enumerate(zip(versions, prox_versions, strict=True))
+        if int(v) == current - 1 and int(pv) != current
+    ]
+
+
+def _make_job(
+    prompt: Sequence[int],
+    output: Sequence[int],
+    targets: list[int],
+    previous: list[float],
+    write: Callable[[int, float], None],
+) -> _Job:
+    prompt_len = len(prompt)
+    start = prompt_len + targets[0]
+    assert start >= 1, "cannot score output token 0 of a sample with an empty prompt"
+    sequence = [int(x) for x in prompt] + [int(x) for x in output[: targets[-1] + 1]]
+    return _Job(sequence, start, prompt_len, targets, previous, write)
+
+
+class ProximalRecomputer:
+    """Writes π_prox_t = log π_c(token) for the version c − 1 tokens of every held sample."""
+
+    def __init__(self, engine: InferenceEngine, *, max_tokens_per_call: int = 32768):
+        if max_tokens_per_call < 1:
+            raise ValueError(f"max_tokens_per_call must be >= 1, got {max_tokens_per_call}")
+        self.engine = engine
+        self.max_tokens_per_call = max_tokens_per_call
+
+    # ------------------------------------------------------------ production API
+    def recompute_all(
+        self,
+        queue: RolloutQueue[Item] | None = None,
+        cache: RolloutCache[Item] | None = None,
+        inflight: Iterable[RolloutSample] | None = None,
+    ) -> RecomputeStats:
+        """Rescore the queued, cached and in-flight samples (engine must be paused).
+
+        ``inflight`` defaults to ``engine.inflight_samples()``. A sample reachable twice is
+        scored once.
+        """
+        started = time.perf_counter()
+        current = self.engine.get_version()
+        items: list[Item] = []
+        if queue is not None:
+            items.extend(queue.snapshot())
+        if cache is not None:
+            items.extend(cache.get_all())
+        items.extend(self.engine.inflight_samples() if inflight is None else inflight)
+
+        seen: set[int] = set()
+        jobs: list[_Job] = []
+        for item in items:
+            for sample in samples_of(item):
+                if id(sample) in seen:
+                    continue
+                seen.add(id(sample))
+                targets = _targets(sample.versions, sample.proximal_t_versions, current)
+                if not targets:
+                    continue
+
+                def write(t: int, logprob: float, sample: RolloutSample = sample) -> None:
+                    sample.set_proximal_t(t, logprob, current)
+
+                previous = [sample.proximal_logprobs_t[t] for t in targets]
+                jobs.append(_make_job(sample.prompt_ids, sample.output_ids, targets, previous, write))
+        stats = RecomputeStats(version=current, samples_seen=len(seen))
+        self._run(jobs, stats)
+        stats.wall_time_s = time.perf_counter() - started
+        return stats
+
+    # ----------------------------------------------------- dict API (tests, notebooks)
+    def recompute_for_sample(self, trajectory: dict[str, Any], prompt_len: int) -> RecomputeStats:
+        """:meth:`recompute_batch` for one trajectory dict."""
+        return self.recompute_batch([trajectory], prompt_len)
+
+    def recompute_batch(self, batch: list[dict[str, Any]], prompt_len: int) -> RecomputeStats:
+        """Rescore plain-dict trajectories in place.
+
+        Keys: ``input_ids`` (prompt + output), ``versions`` (or the seed's ``output_version``:
+        one per output token), ``proximal_logprobs_t`` (one per output token) and optional
+        ``proximal_t_versions``; when absent it is created (= versions) so that the record of
+        what was rescored is kept and a second call does not rescore.
+        """
+        started = time.perf_counter()
+        current = self.engine.get_version()
+        jobs: list[_Job] = []
+        for i, trajectory in enumerate(batch):
+            versions = trajectory.get("versions", trajectory.get("output_version"))
+            if versions is None:
+                raise ValueError(f"trajectory {i}: needs 'versions' (or 'output_version')")
+            input_ids = trajectory["input_ids"]
+            prox: MutableSequence[float] = trajectory["proximal_logprobs_t"]
+            n_out = len(input_ids) - prompt_len
+            if prompt_len < 0 or not n_out == len(versions) == len(prox):
+                raise ValueError(
+                    f"trajectory {i}: {len(input_ids)} input_ids with prompt_len {prompt_len} "
+                    f"but {len(versions)} versions and {len(prox)} proximal_logprobs_t"
+                )
+            if "proximal_t_versions" not in trajectory:
+                trajectory["proximal_t_versions"] = [int(v) for v in versions]
+            prox_versions: MutableSequence[int] = trajectory["proximal_t_versions"]
+            if len(prox_versions) != n_out:
+                raise ValueError(
+                    f"trajectory {i}: proximal_t_versions has {len(prox_versions)} entries, "
+                    f"expected {n_out}"
+                )
+            targets = _targets(versions, prox_versions, current)
+            if not targets:
+                continue
+
+            def write(t: int, logprob: float, prox=prox, prox_versions=prox_versions) -> None:
+                prox[t] = logprob
+                prox_versions[t] = current
+
+            previous = [float(prox[t]) for t in targets]
+            jobs.append(
+                _make_job(input_ids[:prompt_len], input_ids[prompt_len:], targets, previous, write)
+            )
+        stats = RecomputeStats(version=current, samples_seen=len(batch))
+        self._run(jobs, stats)
+        stats.wall_time_s = time.perf_counter() - started
+        return stats
+
+    # ---------------------------------------------------------------- scoring
+    def _packs(self, jobs: list[_Job]) -> Iterable[list[_Job]]:
+        """Consecutive groups of jobs with at most ``max_tokens_per_call`` prefill tokens; a
+        longer sequence goes alone (a prefill cannot be split)."""
+        pack: list[_Job] = []
+        tokens = 0
+        for job in jobs:
+            if pack and tokens + len(job.sequence) > self.max_tokens_per_call:
+                yield pack
+                pack, tokens = [], 0
+            pack.append(job)
+            tokens += len(job.sequence)
+        if pack:
+            yield pack
+
+    def _run(self, jobs: list[_Job], stats: RecomputeStats) -> None:
+        abs_delta = 0.0
+        for pack in self._packs(jobs):
+            rows = self.engine.score([j.sequence for j in pack], [j.start for j in pack])
+            stats.score_calls += 1
+            if len(rows) != len(pack):
+                raise EngineError(
+                    f"engine.score returned {len(rows)} results for {len(pack)} sequences; "
+                    "check the engine server version"
+                )
+            for job, row in zip(pack, rows):
+                expected = len(job.sequence) - job.start
+                if len(row) != expected:
+                    raise EngineError(
+                        f"engine.score returned {len(row)} logprobs for a sequence of "
+                        f"{len(job.sequence)} tokens from {job.start}, expected {expected}"
+                    )
+                for t, prev in zip(job.targets, job.previous):
+                    logprob = float(row[job.prompt_len + t - job.start])
+                    if not math.isfinite(logprob):
+                        raise EngineError(f"engine.score returned a non-finite logprob ({logprob})")
+                    job.write(t, logprob)
+                    abs_delta += abs(logprob - prev)
+                stats.tokens_recomputed += len(job.targets)
+            stats.samples_recomputed += len(pack)
+        if stats.tokens_recomputed:
+            stats.mean_abs_delta = abs_delta / stats.tokens_recomputed
