@@ -1,0 +1,81 @@
+"""Greedy decoding with a KV cache, for evaluation.
+
+Not ``generate()``: its generation_config defaults (top-k 50 when sampling, repetition settings
+read from the checkpoint) differ between models (research/feasibility.md §1). Prompts are
+left-padded in a batch; position ids come from the attention mask so that padding does not shift
+positions, which makes a batched decode equal to decoding each prompt alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """One greedy completion: its tokens without the stop token, and whether it stopped."""
+
+    token_ids: list[int]
+    stopped: bool
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    batch_size: int = 64,
+) -> list[Decoded]:
+    """Argmax-decode up to ``max_new_tokens`` after each prompt, stopping a row at ``eos_id``."""
+    assert max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"
+    assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
+    results: list[Decoded] = []
+    for start in range(0, len(prompts), batch_size):
+        results.extend(_decode_batch(model, prompts[start : start + batch_size], max_new_tokens, eos_id, pad_id))
+    return results
+
+
+def _decode_batch(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int, pad_id: int
+) -> list[Decoded]:
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    stopped = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    past = None
+    for _ in range(max_new_tokens):
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = out.past_key_values
+        next_ids = out.logits[:, -1].argmax(-1)
+        for row in (~stopped).nonzero().flatten().tolist():
+            token = int(next_ids[row])
+            if token == eos_id:
+                stopped[row] = True
+            else:
+                outputs[row].append(token)
+        if bool(stopped.all()):
+            break
+        # Finished rows keep decoding (their tokens are ignored) so the batch stays rectangular.
+        input_ids = next_ids[:, None]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(prompts), 1))], dim=1)
+        position_ids = position_ids[:, -1:] + 1
+    return [Decoded(tokens, bool(done)) for tokens, done in zip(outputs, stopped.tolist())]
