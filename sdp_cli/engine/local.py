@@ -1,0 +1,363 @@
+"""The embedded ``local`` engine: an in-process transformers causal LM with its own KV-cache loop.
+
+Why not ``model.generate()``: its generation config silently reshapes the distribution (top_k=50
+by default, repetition penalties, …), so the logprobs a trainer needs would not be those of the
+distribution the tokens were drawn from. Here every token is drawn from softmax(logits / T) over
+the full vocabulary and its exact logprob log_softmax(logits / T)[token] is recorded together
+with the engine version that produced it (DESIGN.md §1, §6).
+
+Concurrency: each ``generate`` call decodes its own samples as one left-padded batch with its own
+KV cache. Concurrent calls take turns on the model one decode step at a time (``StepGate``), so
+they interleave at token granularity; steps of different calls are not fused into one forward.
+Fusing would mean merging KV caches of different lengths, which depends on each architecture's
+cache layout (sliding-window and linear-attention layers), while one cache per call works for
+any ``*ForCausalLM``. For throughput, pass many samples per call.
+
+Weight updates (DESIGN.md §2): ``pause`` stops every call at a token boundary; ``update_weights``
+swaps the weights and bumps a weight epoch; at its next turn a call whose cache predates the epoch
+re-prefills prompt + partial output under the new weights, takes π_prox_t for its tokens of
+version new − 1 from that same forward (step 4), and decodes on with the fresh cache. Tokens of
+older versions were patched at earlier resumes (or by the recompute pass) and are left alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from sdp_cli.engine._local_gate import StepGate
+from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
+from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.rollout.records import RolloutSample
+
+# float32 elements of one log-softmax chunk (64 MiB): bounds the scoring memory on big vocabularies
+_LOGPROB_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class _Batch:
+    """Decode state of the samples of one ``generate`` call (or one chunk of it)."""
+
+    samples: list[RolloutSample]
+    stop_ids: torch.Tensor  # [S] ids that end a row
+    remaining: torch.Tensor  # [B] tokens each row may still generate
+    generator: torch.Generator
+    cache: Any = None  # the model's KV cache; None until the first prefill
+    attention_mask: torch.Tensor | None = None  # [B, cached + 1], 0 on left padding
+    next_positions: torch.Tensor | None = None  # [B, 1] position id of the next input token
+    next_logits: torch.Tensor | None = None  # [B, V] logits of the token to sample next
+    weights_epoch: int = -1  # weight epoch the cache was computed under
+
+
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) gathered at ``targets`` (DESIGN.md §4), in row chunks so that the
+    float32 [rows × positions × vocab] tensor is never materialised whole a second time.
+
+    ``logits``: [B, K, V]; ``targets``: [B, K] → [B, K] float32.
+    """
+    rows, positions, vocab = logits.shape
+    step = max(1, _LOGPROB_CHUNK_ELEMENTS // max(1, positions * vocab))
+    out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
+    for lo in range(0, rows, step):
+        chunk = torch.log_softmax(logits[lo : lo + step].float() / temperature, dim=-1)
+        out[lo : lo + step] = chunk.gather(-1, targets[lo : lo + step].unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+class LocalEngine(InferenceEngine):
+    """In-process engine around a Hugging Face causal LM (``*ForCausalLM``).
+
+    Args:
+        model: the policy; the engine puts it in eval mode on ``device`` and owns it from then on.
+        temperature: T of softmax(logits / T), used for sampling and scoring alike.
+        eos_token_id: id (or ids) that end every response; kept as its last token.
+        pad_token_id: id written into left padding (masked out, any valid id works).
+        max_batch_size: at most this many samples of one call are decoded together; a larger
+            call is decoded chunk after chunk. Also the row chunk of ``score``.
+        seed: seeds the engine's sampling generator (``SamplingParams.seed`` overrides per call).
+        device: where the model runs.
+        step_callback: called by the generating thread after each decode step, outside the model
+            turn (so it may call ``pause``); for tests and progress meters.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float = 1.0,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        max_batch_size: int = 256,
+        seed: int | None = None,
+        device: str | torch.device = "cpu",
+        step_callback: Callable[[], None] | None = None,
+    ) -> None:
+        if not temperature > 0 or temperature == float("inf"):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.temperature = float(temperature)
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+        self.eos_token_ids = tuple(eos)
+        self.pad_token_id = int(pad_token_id)
+        self._check_ids([*self.eos_token_ids, self.pad_token_id], "eos/pad token id")
+        self.max_batch_size = int(max_batch_size)
+        self._generator = torch.Generator(self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+        self._step_callback = step_callback
+        self._gate = StepGate()
+        self._version = 0
+        # bumped by every weight load: a cache from an older epoch is stale
+        self._weights_epoch = 0
+        self._inflight: dict[int, RolloutSample] = {}
+        self._inflight_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- version
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Declare the version of the loaded weights (recovery); the weights and caches stay."""
+        with self._gate.exclusive_turn():
+            self._version = int(version)
+
+    # ----------------------------------------------------------- pause/resume
+    def pause(self) -> None:
+        self._gate.pause()
+
+    def resume(self) -> None:
+        self._gate.resume()
+
+    def is_paused(self) -> bool:
+        return self._gate.is_paused()
+
+    def inflight_samples(self) -> list[RolloutSample]:
+        with self._inflight_lock:
+            return list(self._inflight.values())
+
+    def close(self) -> None:
+        self._gate.close()
+
+    # ---------------------------------------------------------------- weights
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Load new weights while paused; the version becomes ``update.version`` (DESIGN.md §2 step 3).
+
+        In-flight calls re-prefill under the new weights at their next turn after ``resume``.
+        """
+        if not self.is_paused():
+            raise EngineError("update_weights needs a paused engine; call pause() first")
+        if update.version < self._version:
+            raise EngineError(
+                f"weight update to version {update.version} would go back from version {self._version}; "
+                "versions only grow (use set_version for recovery)"
+            )
+        if update.state_dict is not None:
+            state, source = update.state_dict, f"in-memory weights for version {update.version}"
+        else:
+            assert update.path is not None, "WeightUpdate guarantees a state_dict or a path"
+            state, source = read_safetensors_dir(update.path), str(update.path)
+        with self._gate.exclusive_turn():
+            if not self.is_paused():
+                raise EngineError("the engine was resumed during update_weights; pause it first")
+            copy_weights(self.model, state, source)
+            self._version = int(update.version)
+            self._weights_epoch += 1
+
+    # ---------------------------------------------------------------- scoring
+    def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
+        """log p(s[t] | s[:t]) for t ≥ start under the loaded weights at the engine's temperature."""
+        if len(sequences) != len(starts):
+            raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+        seqs = [[int(t) for t in s] for s in sequences]
+        for i, (seq, start) in enumerate(zip(seqs, starts)):
+            if not 1 <= start <= len(seq):
+                raise ValueError(f"score: start {start} of sequence {i} must lie in [1, {len(seq)}]")
+        self._check_ids([t for s in seqs for t in s], "token id")
+        # similar lengths together keep the padding small
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        results: list[list[float]] = [[] for _ in seqs]
+        with self._gate.exclusive_turn(), torch.inference_mode():
+            for lo in range(0, len(order), self.max_batch_size):
+                chunk = order[lo : lo + self.max_batch_size]
+                tails = [len(seqs[i]) - starts[i] for i in chunk]
+                logits, ids, _, _ = self._forward_padded([seqs[i] for i in chunk], max(tails) + 1, False)
+                for i, values in zip(chunk, self._tail_logprobs(logits, ids, tails)):
+                    results[i] = values
+        return results
+
+    # ------------------------------------------------------------- generation
+    def generate(self, samples: Sequence[RolloutSample], params: SamplingParams) -> None:
+        """Sample every response to the end (stop token or ``params.max_new_tokens``), in place.
+
+        ``max_new_tokens`` bounds the whole response, including a partial output a sample arrives
+        with. Blocks while the engine is paused; an exception of any step is raised here.
+        """
+        samples = list(samples)
+        self._validate(samples)
+        with self._inflight_lock:
+            taken = [s.sample_id for s in samples if s.sample_id in self._inflight]
+            if taken:
+                raise ValueError(f"generate: sample {taken[0]} is already being generated by another call")
+            self._inflight.update((s.sample_id, s) for s in samples)
+        try:
+            todo = []
+            for sample in samples:
+                if sample.output_len >= params.max_new_tokens:
+                    sample.finish("length")
+                    self._forget([sample])
+                else:
+                    todo.append(sample)
+            generator = self._generator
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            stop_ids = torch.tensor(
+                sorted({*self.eos_token_ids, *params.stop_token_ids}), dtype=torch.long, device=self.device
+            )
+            for lo in range(0, len(todo), self.max_batch_size):
+                chunk = todo[lo : lo + self.max_batch_size]
+                remaining = torch.tensor(
+                    [params.max_new_tokens - s.output_len for s in chunk], dtype=torch.long, device=self.device
+                )
+                self._decode(_Batch(chunk, stop_ids, remaining, generator))
+        finally:
+            self._forget(samples)
+
+    def _validate(self, samples: list[RolloutSample]) -> None:
+        if len({s.sample_id for s in samples}) != len(samples):
+            raise ValueError("generate: the same sample appears twice in one call")
+        for s in samples:
+            if s.is_finished:
+                raise ValueError(f"generate: sample {s.sample_id} is already finished ({s.finish_reason})")
+            if not s.prompt_ids:
+                raise ValueError(f"generate: sample {s.sample_id} has an empty prompt")
+            s.check_consistent()
+            self._check_ids(s.input_ids, f"token id of sample {s.sample_id}")
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+
+    def _forget(self, samples: Sequence[RolloutSample]) -> None:
+        with self._inflight_lock:
+            for s in samples:
+                self._inflight.pop(s.sample_id, None)
+
+    def _decode(self, batch: _Batch) -> None:
+        """Decode turn after turn until every row of ``batch`` has finished."""
+        while batch.samples:
+            with self._gate.decode_turn(), torch.inference_mode():
+                if batch.weights_epoch != self._weights_epoch:
+                    self._prefill(batch)
+                self._sample_and_advance(batch)
+            if self._step_callback is not None:
+                self._step_callback()
+
+    def _prefill(self, batch: _Batch) -> None:
+        """(Re-)build the KV cache of prompt + output so far under the loaded weights.
+
+        The same forward gives log π_v(token) of the tokens already generated; tokens of version
+        v − 1 without a π_prox_t from version v take it (DESIGN.md §2 step 4).
+        """
+        version = self._version
+        need = [
+            any(tv == version - 1 and pv != version for tv, pv in zip(s.versions, s.proximal_t_versions))
+            for s in batch.samples
+        ]
+        tails = [s.output_len if n else 0 for s, n in zip(batch.samples, need)]
+        logits, ids, mask, cache = self._forward_padded(
+            [s.input_ids for s in batch.samples], max(tails) + 1, True
+        )
+        if any(need):
+            for sample, logprobs in zip(batch.samples, self._tail_logprobs(logits, ids, tails)):
+                for t, lp in enumerate(logprobs):
+                    if sample.versions[t] == version - 1 and sample.proximal_t_versions[t] != version:
+                        sample.set_proximal_t(t, lp, version)
+        batch.cache = cache
+        batch.attention_mask = mask
+        batch.next_positions = mask.sum(dim=1, keepdim=True)
+        batch.next_logits = logits[:, -1]
+        batch.weights_epoch = self._weights_epoch
+
+    def _sample_and_advance(self, batch: _Batch) -> None:
+        """Draw one token per row from softmax(logits / T), record it, drop finished rows, and run
+        the decode forward that yields the next logits of the rows left."""
+        logprobs = torch.log_softmax(batch.next_logits.float() / self.temperature, dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=batch.generator)  # [B, 1]
+        token_logprobs = logprobs.gather(1, tokens).squeeze(1)
+        version = self._version
+        for sample, token, lp in zip(batch.samples, tokens.squeeze(1).tolist(), token_logprobs.tolist()):
+            sample.append_tokens((token,), (lp,), version)
+
+        batch.remaining -= 1
+        stopped = torch.isin(tokens.squeeze(1), batch.stop_ids)
+        finished = stopped | (batch.remaining == 0)
+        if bool(finished.any()):
+            done_rows = finished.nonzero().squeeze(1).tolist()
+            stop_flags = stopped[done_rows].tolist()
+            for row, by_stop in zip(done_rows, stop_flags):
+                batch.samples[row].finish("stop" if by_stop else "length")
+            self._forget([batch.samples[row] for row in done_rows])
+            keep = (~finished).nonzero().squeeze(1)
+            batch.samples = [batch.samples[row] for row in keep.tolist()]
+            if not batch.samples:
+                return
+            batch.cache.batch_select_indices(keep)
+            batch.attention_mask = batch.attention_mask[keep]
+            batch.next_positions = batch.next_positions[keep]
+            batch.remaining = batch.remaining[keep]
+            tokens = tokens[keep]
+
+        batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(tokens), 1)], 1)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.next_positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.cache = out.past_key_values
+        batch.next_logits = out.logits[:, -1]
+        batch.next_positions = batch.next_positions + 1
+
+    # ---------------------------------------------------------------- forwards
+    def _forward_padded(
+        self, sequences: list[list[int]], keep: int, use_cache: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """One forward of left-padded ``sequences``, keeping the logits of the last ``keep`` columns.
+
+        Returns logits [B, keep, V], input ids [B, L], attention mask [B, L] and the KV cache.
+        """
+        width = max(len(s) for s in sequences)
+        ids = torch.tensor(
+            [[self.pad_token_id] * (width - len(s)) + s for s in sequences], dtype=torch.long, device=self.device
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long, device=self.device
+        )
+        # positions count real tokens only, so padding does not shift a row
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache, logits_to_keep=keep
+        )
+        return out.logits, ids, mask, out.past_key_values if use_cache else None
+
+    def _tail_logprobs(self, logits: torch.Tensor, ids: torch.Tensor, tails: list[int]) -> list[list[float]]:
+        """Logprobs of the last ``tails[i]`` tokens of row ``i`` from the kept logits of its last
+        ``K = logits.shape[1]`` columns (column j predicts token j + 1)."""
+        keep = logits.shape[1]
+        if keep == 1:
+            return [[] for _ in tails]
+        targets = ids[:, ids.shape[1] - keep + 1 :]
+        rows = gather_logprobs(logits[:, :-1], targets, self.temperature).tolist()
+        return [row[len(row) - tail :] if tail else [] for row, tail in zip(rows, tails)]

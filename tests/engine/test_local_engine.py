@@ -1,0 +1,309 @@
+"""LocalEngine: exact logprobs, full-softmax sampling, stops, scoring and weight loading.
+
+The reference everywhere is how a trainer computes logprobs: one full forward of the unpadded
+sequence, log_softmax(logits / T) gathered at the next tokens (DESIGN.md §4). It shares no code
+with the engine's padded, KV-cached loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
+from sdp_cli.engine.local import LocalEngine
+from sdp_cli.rollout.records import RolloutSample
+
+VOCAB = 32
+EOS = 31
+PAD = 0
+
+
+def tiny_config() -> Qwen2Config:
+    # initializer_range 0.1 makes next-token distributions clearly non-uniform (max p ≈ 0.15,
+    # min p ≈ 0.003 on the probe prompt), so wrong positions or temperatures show in the logprobs
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, initializer_range=0.1,
+    )
+
+
+def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config()).eval()
+
+
+def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t ≥ start from one unpadded full forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return [logprobs[t - 1, ids[t]].item() for t in range(start, len(ids))]
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[RolloutSample]:
+    g = torch.Generator().manual_seed(seed)
+    return [RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths]
+
+
+# -------------------------------------------------------------- logprobs
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_equal_full_forward_with_left_padded_prompts(temperature):
+    model = tiny_model()
+    engine = LocalEngine(model, temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=3)
+    samples = prompts([1, 4, 9, 2, 7, 3])
+    engine.generate(samples, SamplingParams(max_new_tokens=12))
+
+    worst = 0.0
+    for s in samples:
+        assert s.output_len >= 1 and s.is_finished
+        assert s.versions == [0] * s.output_len and s.proximal_t_versions == s.versions
+        assert s.proximal_logprobs_t == s.old_logprobs
+        ref = reference_logprobs(model, s.input_ids, s.prompt_len, temperature)
+        worst = max(worst, max(abs(a - b) for a, b in zip(s.old_logprobs, ref)))
+    assert worst <= 1e-5
+
+
+def test_score_equals_sampled_logprobs_and_honours_starts():
+    model = tiny_model()
+    engine = LocalEngine(model, temperature=0.7, eos_token_id=EOS, pad_token_id=PAD, seed=4, max_batch_size=4)
+    samples = prompts([2, 8, 5, 3, 6, 1, 4])  # 7 rows with max_batch_size 4: two chunks
+    engine.generate(samples, SamplingParams(max_new_tokens=10))
+
+    scored = engine.score([s.input_ids for s in samples], [s.prompt_len for s in samples])
+    for s, values in zip(samples, scored):
+        assert len(values) == s.output_len
+        assert max(abs(a - b) for a, b in zip(values, s.old_logprobs)) <= 1e-5
+
+    # a start inside the prompt scores prompt tokens too; start == len gives nothing
+    seq = samples[1].input_ids
+    inner, empty = engine.score([seq, seq], [3, len(seq)])
+    assert empty == []
+    ref = reference_logprobs(model, seq, 3, 0.7)
+    assert len(inner) == len(seq) - 3
+    assert max(abs(a - b) for a, b in zip(inner, ref)) <= 1e-5
+
+
+def test_score_rejects_bad_starts_and_ids():
+    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD)
+    with pytest.raises(ValueError, match="start 0"):
+        engine.score([[1, 2]], [0])
+    with pytest.raises(ValueError, match="start 3"):
+        engine.score([[1, 2]], [3])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.score([[1, VOCAB]], [1])
+
+
+# -------------------------------------------------------------- sampling
+def binomial_bounds_hold(counts: torch.Tensor, probs: torch.Tensor, n: int, sigmas: float) -> bool:
+    expected = n * probs
+    std = torch.sqrt(n * probs * (1 - probs))
+    return bool(((counts - expected).abs() <= sigmas * std + 1).all())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_first_token_is_drawn_from_the_full_tempered_softmax(temperature):
+    model = tiny_model()
+    prompt = [5, 7, 9]
+    n = 20_000
+    engine = LocalEngine(
+        model, temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=11, max_batch_size=n
+    )
+    samples = [RolloutSample(prompt_ids=list(prompt)) for _ in range(n)]
+    engine.generate(samples, SamplingParams(max_new_tokens=1))
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
+    probs = torch.softmax(logits / temperature, dim=-1).double()
+    counts = torch.bincount(torch.tensor([s.output_ids[0] for s in samples]), minlength=VOCAB).double()
+
+    # the test can see truncation: top-p 0.9 would drop this much mass, i.e. hundreds of draws
+    tail_mass = probs.sort().values.cumsum(0)
+    assert n * tail_mass[tail_mass <= 0.1].max() > 300
+    # every token within 5 binomial std of n·p (a false alarm per token has p ≈ 6e-7)
+    assert binomial_bounds_hold(counts, probs, n, 5.0)
+    # chi-square with 31 degrees of freedom; 70 is above its 0.9999 quantile (Wilson-Hilferty:
+    # 31·(1 − 2/279 + 3.72·sqrt(2/279))³ ≈ 65.3)
+    chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum().item()
+    assert chi2 < 70
+    # the same draws are far from the distribution at the other temperature
+    other = torch.softmax(logits / (1.7 - temperature), dim=-1).double()
+    assert not binomial_bounds_hold(counts, other, n, 5.0)
+
+    for s in samples[:50]:
+        assert s.old_logprobs[0] == pytest.approx(math.log(probs[s.output_ids[0]].item()), abs=1e-5)
+
+
+def test_same_seed_same_samples_and_per_call_seed_overrides():
+    def run(engine_seed, call_seed):
+        engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD, seed=engine_seed)
+        samples = prompts([3, 5, 2])
+        engine.generate(samples, SamplingParams(max_new_tokens=8, seed=call_seed))
+        return [s.output_ids for s in samples]
+
+    assert run(1, None) == run(1, None)
+    assert run(1, None) != run(2, None)
+    assert run(1, 9) == run(2, 9)
+
+
+# ------------------------------------------------------------- stopping
+def test_stop_tokens_eos_and_length():
+    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD, seed=5)
+    stop = tuple(range(1, 9))  # with EOS, 9 of 32 ids stop a row: most rows stop early
+    samples = prompts([3] * 40 + [6] * 24)
+    engine.generate(samples, SamplingParams(max_new_tokens=6, stop_token_ids=stop))
+
+    enders = set(stop) | {EOS}
+    reasons = {s.finish_reason for s in samples}
+    assert reasons == {"stop", "length"}, "the seed must exercise both ways of finishing"
+    assert any(s.output_ids[-1] == EOS for s in samples), "the seed must exercise EOS"
+    for s in samples:
+        assert not enders & set(s.output_ids[:-1]), "no stop token before the last one"
+        if s.finish_reason == "stop":
+            assert s.output_ids[-1] in enders and s.output_len <= 6
+        else:
+            assert s.output_len == 6 and s.output_ids[-1] not in enders
+    assert engine.inflight_samples() == []
+
+
+def test_partial_output_is_continued_within_the_budget():
+    model = tiny_model()
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD, seed=6)
+    engine.set_version(2)
+    partial = RolloutSample(prompt_ids=[4, 5, 6])
+    # arrived from elsewhere: token 0 of version 0, tokens 1-2 of version 1 (bogus logprobs)
+    partial.append_tokens([7], [-9.0], 0)
+    partial.append_tokens([8, 9], [-8.0, -7.0], 1)
+    done = RolloutSample(prompt_ids=[4, 5])
+    done.append_tokens([7, 8, 9, 10, 11], [-1.0] * 5, 2)
+    engine.generate([partial, done], SamplingParams(max_new_tokens=5))
+
+    assert done.output_len == 5 and done.finish_reason == "length"
+    assert 4 <= partial.output_len <= 5 and partial.versions[3:] == [2] * (partial.output_len - 3)
+    ref = reference_logprobs(model, partial.input_ids, partial.prompt_len, 1.0)
+    # the new tokens continue the partial sequence
+    assert max(abs(a - b) for a, b in zip(partial.old_logprobs[3:], ref[3:])) <= 1e-5
+    # tokens of version 1 = current − 1 take π_prox_t from the prefill under version 2;
+    # the version-0 token missed its window and stays untouched
+    assert partial.proximal_t_versions[:3] == [0, 2, 2]
+    assert partial.proximal_logprobs_t[0] == -9.0
+    assert partial.proximal_logprobs_t[1:3] == pytest.approx(ref[1:3], abs=1e-5)
+    assert partial.old_logprobs[:3] == [-9.0, -8.0, -7.0]
+
+
+def test_generate_rejects_bad_samples():
+    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD)
+    finished = RolloutSample(prompt_ids=[1])
+    finished.finish("stop")
+    one = RolloutSample(prompt_ids=[1, 2])
+    cases = [
+        ([finished], "already finished"),
+        ([RolloutSample(prompt_ids=[])], "empty prompt"),
+        ([RolloutSample(prompt_ids=[1, 99])], "outside the model's vocabulary"),
+        ([one, one], "twice"),
+    ]
+    for samples, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.generate(samples, SamplingParams(max_new_tokens=2))
+    assert engine.inflight_samples() == []
+    with pytest.raises(ValueError, match="temperature"):
+        LocalEngine(tiny_model(), temperature=0.0, eos_token_id=EOS, pad_token_id=PAD)
+
+
+# -------------------------------------------------------------- weights
+def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of the model's weights plus noise; tied tensors stay one tensor."""
+    g = torch.Generator().manual_seed(seed)
+    new = {id(p): p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in model.parameters()}
+    return {name: new[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def model_with(state: dict[str, torch.Tensor]) -> Qwen2ForCausalLM:
+    model = tiny_model()
+    model.load_state_dict(state)
+    return model
+
+
+def test_update_in_memory_sets_version_and_keeps_tied_weights_tied():
+    model = tiny_model()
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    state = perturbed_state(model, seed=1)
+    seq = [3, 1, 4, 1, 5, 9, 2, 6]
+    before = engine.score([seq], [1])[0]
+
+    engine.pause()
+    engine.update_weights(WeightUpdate(version=1, state_dict=state))
+    engine.resume()
+
+    assert engine.get_version() == 1
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    after = engine.score([seq], [1])[0]
+    ref = reference_logprobs(model_with(state), seq, 1, 1.0)
+    assert max(abs(a - b) for a, b in zip(after, ref)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3, "the new weights must matter"
+
+
+@pytest.mark.parametrize("shard", [None, "40KB"])
+def test_update_from_a_safetensors_directory(tmp_path, shard):
+    model = tiny_model()
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    state = perturbed_state(model, seed=2)
+    saved = model_with(state)
+    if shard is None:
+        saved.save_pretrained(tmp_path)
+        assert (tmp_path / "model.safetensors").is_file()
+    else:
+        saved.save_pretrained(tmp_path, max_shard_size=shard)
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+
+    engine.pause()
+    engine.update_weights(WeightUpdate(version=3, path=tmp_path))
+    assert engine.get_version() == 3
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    seq = [2, 7, 1, 8, 2, 8]
+    ref = reference_logprobs(saved, seq, 1, 1.0)
+    assert max(abs(a - b) for a, b in zip(engine.score([seq], [1])[0], ref)) <= 1e-5
+
+
+def test_weight_update_errors_leave_the_engine_unchanged(tmp_path):
+    model = tiny_model()
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    state = perturbed_state(model, seed=3)
+    seq = [1, 2, 3, 4, 5]
+    before = engine.score([seq], [1])[0]
+
+    with pytest.raises(EngineError, match="pause"):
+        engine.update_weights(WeightUpdate(version=1, state_dict=state))
+
+    engine.pause()
+    (tmp_path / "empty").mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    missing_key = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    wrong_shape = {**state, "model.norm.weight": torch.zeros(3)}
+    drifted_tie = {**state, "lm_head.weight": state["lm_head.weight"] + 1}
+    cases = [
+        (WeightUpdate(version=1, path=tmp_path / "nowhere"), "nowhere: weight directory not found"),
+        (WeightUpdate(version=1, path=tmp_path / "empty"), "empty: no model.safetensors"),
+        (WeightUpdate(version=1, path=broken), "broken/model.safetensors: not a readable"),
+        (WeightUpdate(version=1, state_dict=missing_key), "1 missing .e.g. model.norm.weight"),
+        (WeightUpdate(version=1, state_dict={**state, "extra": torch.zeros(1)}), "1 unexpected"),
+        (WeightUpdate(version=1, state_dict=wrong_shape), "wrong shape"),
+        (WeightUpdate(version=1, state_dict=drifted_tie), "tied tensors"),
+    ]
+    for update, message in cases:
+        with pytest.raises(EngineError, match=message) as info:
+            engine.update_weights(update)
+        assert "\n" not in str(info.value)
+
+    engine.set_version(5)
+    with pytest.raises(EngineError, match="go back"):
+        engine.update_weights(WeightUpdate(version=4, state_dict=state))
+    assert engine.get_version() == 5
+    assert engine.score([seq], [1])[0] == before
