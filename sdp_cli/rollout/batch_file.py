@@ -1,0 +1,593 @@
+"""Saved training batches: one safetensors file per batch (DESIGN.md §5, docs/batch-format.md).
+
+Packed 1-D tensors over the prompt + output tokens of every sequence, delimited by
+``cu_seqlens``; index t of every per-token tensor refers to token t. Prompt tokens have
+version −1, zero logprobs/advantages and ``loss_mask`` 0. The reader never unpickles: it refuses
+pickles and ``torch.save`` archives by their first bytes, checks the header length before
+parsing, and validates dtypes, shapes, offsets, finiteness and version ranges. Every problem is a
+``BatchFormatError`` with one line "<path>: <problem>; <fix>".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdp_cli import __version__
+from sdp_cli.errors import UserError
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
+
+FORMAT_TAG = "sdp-batch"
+FORMAT_VERSION = 1
+#: a header longer than this is refused before it is read (a real one is a few kB)
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MODES = ("bypass", "decoupled", "segment_wise")
+
+REQUIRED_TENSORS = (
+    "input_ids",
+    "cu_seqlens",
+    "prompt_lens",
+    "old_logprobs",
+    "versions",
+    "proximal_logprobs_t",
+    "proximal_t_versions",
+)
+OPTIONAL_TOKEN_FLOATS = ("proximal_logprobs", "logprobs", "advantages")
+TOKEN_FLOATS = ("old_logprobs", "proximal_logprobs_t", *OPTIONAL_TOKEN_FLOATS)
+OPTIONAL_TENSORS = (*OPTIONAL_TOKEN_FLOATS, "rewards", "loss_mask")
+DTYPES: dict[str, torch.dtype] = {
+    "input_ids": torch.int64,
+    "cu_seqlens": torch.int64,
+    "prompt_lens": torch.int64,
+    "versions": torch.int64,
+    "proximal_t_versions": torch.int64,
+    "old_logprobs": torch.float32,
+    "proximal_logprobs_t": torch.float32,
+    "proximal_logprobs": torch.float32,
+    "logprobs": torch.float32,
+    "advantages": torch.float32,
+    "rewards": torch.float32,
+    "loss_mask": torch.uint8,
+}
+#: safetensors header dtype names and element sizes of the dtypes above
+_ST_DTYPES = {torch.int64: ("I64", 8), torch.float32: ("F32", 4), torch.uint8: ("U8", 1)}
+METADATA_KEYS = (
+    "format",
+    "format_version",
+    "trainer_version",
+    "temperature",
+    "model",
+    "mode",
+    "sdp_version",
+)
+
+FIX_RECREATE = "re-create it with `sdp train train.save_batches=true`"
+FIX_NOT_OURS = "pass a batch file written by sdp (see docs/batch-format.md)"
+
+
+class BatchFormatError(UserError):
+    """A batch file (or an in-memory batch about to be written) is malformed."""
+
+    def __init__(self, where: str, problem: str, fix: str = FIX_RECREATE):
+        super().__init__(f"{where}: {problem}; {fix}")
+
+
+@dataclass(eq=False)
+class PaddedBatch:
+    """Response tokens right-padded to ``[S, T]`` (T = longest response) — the layout the
+    ``sdp_cli.core`` kernels take. Padding: 0 for ids and floats, −1 for versions, False mask.
+
+    Attributes:
+        response_ids: [S, T] int64.
+        mask: [S, T] bool, the loss mask of the response tokens (False on padding).
+        old_logprobs, proximal_logprobs_t: [S, T] float32.
+        versions, proximal_t_versions: [S, T] int64.
+        proximal_logprobs, logprobs, advantages: [S, T] float32 or None.
+        rewards: [S] float32 or None.
+        response_lens: [S] int64.
+    """
+
+    response_ids: torch.Tensor
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    proximal_logprobs_t: torch.Tensor
+    versions: torch.Tensor
+    proximal_t_versions: torch.Tensor
+    response_lens: torch.Tensor
+    proximal_logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class SavedBatch:
+    """One training batch in packed form. Per-token tensors have length N (all prompt and
+    output tokens); ``cu_seqlens`` has S + 1 entries, ``prompt_lens`` and ``rewards`` S.
+    ``loss_mask`` None means every output token counts (see :meth:`effective_loss_mask`)."""
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prompt_lens: torch.Tensor
+    old_logprobs: torch.Tensor
+    versions: torch.Tensor
+    proximal_logprobs_t: torch.Tensor
+    proximal_t_versions: torch.Tensor
+    trainer_version: int
+    temperature: float
+    model: str
+    mode: str
+    proximal_logprobs: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+    sdp_version: str = __version__
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.prompt_lens.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_samples(
+        cls,
+        samples: Iterable[RolloutSample | RolloutGroup],
+        *,
+        trainer_version: int,
+        temperature: float,
+        model: str,
+        mode: str,
+        proximal_logprobs: Sequence[Sequence[float]] | None = None,
+        logprobs: Sequence[Sequence[float]] | None = None,
+        advantages: Sequence[Sequence[float]] | None = None,
+        loss_mask: Sequence[Sequence[int]] | None = None,
+        rewards: Sequence[float] | None = None,
+    ) -> SavedBatch:
+        """Pack samples (or groups, flattened in order) into a batch.
+
+        The optional per-token arrays hold one entry per sample, each with one value per
+        *output* token (prompt positions are filled with 0). ``loss_mask`` defaults to 1 on
+        every output token; ``rewards`` defaults to the samples' rewards when all are set.
+        """
+        flat = [s for item in samples for s in samples_of(item)]
+        for s in flat:
+            s.check_consistent()
+        extras = {
+            "proximal_logprobs": proximal_logprobs,
+            "logprobs": logprobs,
+            "advantages": advantages,
+        }
+        for name, arrays in (*extras.items(), ("loss_mask", loss_mask)):
+            if arrays is not None and len(arrays) != len(flat):
+                raise ValueError(f"{name} has {len(arrays)} entries for {len(flat)} samples")
+
+        def packed(
+            per_sample: Sequence[Sequence[Any]], prompt_value: Any, dtype: torch.dtype, name: str
+        ) -> torch.Tensor:
+            parts = []
+            for s, values in zip(flat, per_sample):
+                values = torch.as_tensor(values, dtype=dtype).reshape(-1)
+                if values.numel() != s.output_len:
+                    raise ValueError(
+                        f"{name} of sample {s.sample_id} has {values.numel()} values for "
+                        f"{s.output_len} output tokens"
+                    )
+                parts += [torch.full((s.prompt_len,), prompt_value, dtype=dtype), values]
+            return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+
+        lengths = [s.prompt_len + s.output_len for s in flat]
+        if rewards is None and flat and all(s.reward is not None for s in flat):
+            rewards = [float(s.reward) for s in flat]  # type: ignore[arg-type]
+        batch = cls(
+            input_ids=torch.tensor([t for s in flat for t in s.input_ids], dtype=torch.int64),
+            cu_seqlens=torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0),
+            prompt_lens=torch.tensor([s.prompt_len for s in flat], dtype=torch.int64),
+            old_logprobs=packed([s.old_logprobs for s in flat], 0.0, torch.float32, "old_logprobs"),
+            versions=packed([s.versions for s in flat], -1, torch.int64, "versions"),
+            proximal_logprobs_t=packed(
+                [s.proximal_logprobs_t for s in flat], 0.0, torch.float32, "proximal_logprobs_t"
+            ),
+            proximal_t_versions=packed(
+                [s.proximal_t_versions for s in flat], -1, torch.int64, "proximal_t_versions"
+            ),
+            loss_mask=packed(
+                loss_mask if loss_mask is not None else [[1] * s.output_len for s in flat],
+                0,
+                torch.uint8,
+                "loss_mask",
+            ),
+            trainer_version=int(trainer_version),
+            temperature=float(temperature),
+            model=str(model),
+            mode=str(mode),
+            rewards=None if rewards is None else torch.tensor(list(rewards), dtype=torch.float32),
+            **{
+                name: None if arrays is None else packed(arrays, 0.0, torch.float32, name)
+                for name, arrays in extras.items()
+            },
+        )
+        validate_batch(batch, "SavedBatch.from_samples", fix="fix the samples passed in")
+        return batch
+
+    # ------------------------------------------------------------------ views
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors to store: required ones, ``loss_mask`` and the optional ones present."""
+        names = (*REQUIRED_TENSORS, *OPTIONAL_TENSORS)
+        return {n: t.contiguous() for n in names if (t := getattr(self, n)) is not None}
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT_TAG,
+            "format_version": str(FORMAT_VERSION),
+            "trainer_version": str(self.trainer_version),
+            "temperature": repr(float(self.temperature)),
+            "model": self.model,
+            "mode": self.mode,
+            "sdp_version": self.sdp_version,
+        }
+
+    def token_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence index, position within its sequence) of every token, each [N]."""
+        seqlens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        seq_idx = torch.repeat_interleave(torch.arange(self.num_sequences), seqlens)
+        pos = torch.arange(self.num_tokens) - self.cu_seqlens[:-1][seq_idx]
+        return seq_idx, pos
+
+    def effective_loss_mask(self) -> torch.Tensor:
+        """``loss_mask``, or 1 on every output token and 0 on prompt tokens when it is absent."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        seq_idx, pos = self.token_layout()
+        return (pos >= self.prompt_lens[seq_idx]).to(torch.uint8)
+
+    def to_padded(self) -> PaddedBatch:
+        """Right-pad the response tokens into ``[S, T]`` tensors (see :class:`PaddedBatch`)."""
+        seq_idx, pos = self.token_layout()
+        is_out = pos >= self.prompt_lens[seq_idx]
+        rows, cols = seq_idx[is_out], (pos - self.prompt_lens[seq_idx])[is_out]
+        response_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]) - self.prompt_lens
+        shape = (self.num_sequences, int(response_lens.max()) if self.num_sequences else 0)
+
+        def pad(values: torch.Tensor | None, fill: float | int) -> torch.Tensor | None:
+            if values is None:
+                return None
+            out = torch.full(shape, fill, dtype=values.dtype)
+            out[rows, cols] = values[is_out]
+            return out
+
+        return PaddedBatch(
+            response_ids=pad(self.input_ids, 0),  # type: ignore[arg-type]
+            mask=pad(self.effective_loss_mask(), 0).bool(),  # type: ignore[union-attr]
+            old_logprobs=pad(self.old_logprobs, 0.0),  # type: ignore[arg-type]
+            proximal_logprobs_t=pad(self.proximal_logprobs_t, 0.0),  # type: ignore[arg-type]
+            versions=pad(self.versions, -1),  # type: ignore[arg-type]
+            proximal_t_versions=pad(self.proximal_t_versions, -1),  # type: ignore[arg-type]
+            response_lens=response_lens,
+            proximal_logprobs=pad(self.proximal_logprobs, 0.0),
+            logprobs=pad(self.logprobs, 0.0),
+            advantages=pad(self.advantages, 0.0),
+            rewards=self.rewards,
+        )
+
+
+# ---------------------------------------------------------------------- validation
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> None:
+    """Raise ``BatchFormatError`` at the first problem: dtypes, 1-D shapes, lengths, cu_seqlens,
+    prompt lengths, finiteness, prompt-token conventions, version ranges, loss_mask, metadata."""
+
+    def fail(problem: str) -> None:
+        raise BatchFormatError(where, problem, fix)
+
+    if batch.mode not in MODES:
+        fail(f"mode {batch.mode!r} is not one of {', '.join(MODES)}")
+    if batch.trainer_version < 0:
+        fail(f"trainer_version is {batch.trainer_version}, must be >= 0")
+    if not (math.isfinite(batch.temperature) and batch.temperature > 0):
+        fail(f"temperature is {batch.temperature}, must be a finite number > 0")
+    tensors = batch.tensors()
+    for name, tensor in tensors.items():
+        if tensor.dtype != DTYPES[name]:
+            fail(f"tensor {name} has dtype {tensor.dtype}, expected {DTYPES[name]}")
+        if tensor.dim() != 1:
+            fail(f"tensor {name} has shape {list(tensor.shape)}, expected 1-D")
+    n, s = batch.num_tokens, batch.num_sequences
+    if s == 0:
+        fail("the batch holds no sequences")
+    expected_len = {"cu_seqlens": s + 1, "prompt_lens": s, "rewards": s}
+    for name, tensor in tensors.items():
+        want = expected_len.get(name, n)
+        if tensor.numel() != want:
+            fail(f"tensor {name} has {tensor.numel()} entries, expected {want}")
+    cu = batch.cu_seqlens
+    if int(cu[0]) != 0:
+        fail(f"cu_seqlens starts at {int(cu[0])}, must start at 0")
+    steps = cu[1:] - cu[:-1]
+    if bool((steps <= 0).any()):
+        i = _first(steps <= 0) + 1
+        fail(
+            f"cu_seqlens is not strictly increasing at index {i} ({int(cu[i - 1])} → {int(cu[i])})"
+        )
+    if int(cu[-1]) != n:
+        fail(f"cu_seqlens ends at {int(cu[-1])} but input_ids has {n} tokens")
+    bad_prompt = (batch.prompt_lens < 1) | (batch.prompt_lens > steps)
+    if bool(bad_prompt.any()):
+        i = _first(bad_prompt)
+        fail(
+            f"prompt_lens[{i}] = {int(batch.prompt_lens[i])} is outside [1, {int(steps[i])}] (sequence length)"
+        )
+    for name in ("rewards", *TOKEN_FLOATS):
+        tensor = tensors.get(name)
+        if tensor is not None and not bool(torch.isfinite(tensor).all()):
+            fail(
+                f"tensor {name} holds a non-finite value at index {_first(~torch.isfinite(tensor))}"
+            )
+
+    seq_idx, pos = batch.token_layout()
+    is_prompt = pos < batch.prompt_lens[seq_idx]
+
+    def where_token(t: int) -> str:
+        return f"token {t} (sequence {int(seq_idx[t])})"
+
+    for name, prompt_value in (
+        ("versions", -1),
+        ("proximal_t_versions", -1),
+        ("loss_mask", 0),
+        *((name, 0) for name in TOKEN_FLOATS),
+    ):
+        tensor = tensors.get(name)
+        if tensor is not None and bool((is_prompt & (tensor != prompt_value)).any()):
+            t = _first(is_prompt & (tensor != prompt_value))
+            fail(
+                f"{name} of prompt {where_token(t)} is {tensor[t].item()}, prompt tokens must have {prompt_value}"
+            )
+    v, pv, c = batch.versions, batch.proximal_t_versions, batch.trainer_version
+    bad = ~is_prompt & ((v < 0) | (v > c))
+    if bool(bad.any()):
+        t = _first(bad)
+        fail(f"version of output {where_token(t)} is {int(v[t])}, outside [0, trainer_version={c}]")
+    bad = ~is_prompt & (((pv != v) & (pv != v + 1)) | (pv > c))
+    if bool(bad.any()):
+        t = _first(bad)
+        fail(
+            f"proximal_t_versions of output {where_token(t)} is {int(pv[t])} for version {int(v[t])}, "
+            f"must be {int(v[t])} or {int(v[t]) + 1} and <= trainer_version={c}"
+        )
+    if batch.loss_mask is not None and bool((batch.loss_mask > 1).any()):
+        t = _first(batch.loss_mask > 1)
+        fail(f"loss_mask of {where_token(t)} is {int(batch.loss_mask[t])}, must be 0 or 1")
+
+
+# ------------------------------------------------------------------------- writing
+def write_batch(path: str | os.PathLike[str], batch: SavedBatch) -> Path:
+    """Validate and write ``batch`` atomically: a temporary file in the same directory, fsync,
+    rename over ``path``. On failure nothing is left behind and an existing file is intact."""
+    from safetensors.torch import save
+
+    target = Path(path)
+    validate_batch(batch, str(target), fix="the batch was not written; fix the code that built it")
+    data = save(batch.tensors(), metadata=batch.metadata())
+    directory = target.parent
+    if not directory.is_dir():
+        raise UserError(f"{target}: directory {directory} does not exist; create it first")
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise UserError(
+            f"{target}: cannot create a file in {directory} ({err.strerror}); check its permissions"
+        ) from err
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, target)
+    except BaseException as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        if isinstance(err, OSError):
+            raise UserError(
+                f"{target}: cannot write the batch ({err.strerror or err}); check disk space and permissions"
+            ) from err
+        raise
+    _fsync_directory(directory)
+    return target
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Persist the rename; a no-op where directories cannot be opened (e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------- reading
+def _refuse_foreign(where: str, head: bytes) -> None:
+    """Refuse zip archives (``torch.save``) and pickles by their magic bytes, unread."""
+    if head.startswith(b"PK\x03\x04"):
+        raise BatchFormatError(
+            where, "is a zip archive (a torch.save file?), not a safetensors file", FIX_NOT_OURS
+        )
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        raise BatchFormatError(where, "is a Python pickle, which sdp never loads", FIX_NOT_OURS)
+
+
+def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int, int]:
+    """(parsed header JSON, header length, data length), checked cheaply before parsing."""
+    try:
+        size = path.stat().st_size
+        if not path.is_file():
+            raise BatchFormatError(where, "is not a regular file", "pass the path of a batch file")
+        with open(path, "rb") as f:
+            head = f.read(8)
+            _refuse_foreign(where, head)
+            if len(head) < 8:
+                raise BatchFormatError(
+                    where, f"is truncated: {len(head)} bytes, shorter than the 8-byte header length"
+                )
+            header_len = int.from_bytes(head, "little")
+            if header_len > MAX_HEADER_BYTES:
+                raise BatchFormatError(
+                    where,
+                    f"header length {header_len} exceeds the {MAX_HEADER_BYTES // 2**20} MB limit "
+                    "(not a safetensors file, or corrupt)",
+                    FIX_NOT_OURS,
+                )
+            if 8 + header_len > size:
+                raise BatchFormatError(
+                    where,
+                    f"is truncated: the header claims {header_len} bytes but {size - 8} follow",
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise BatchFormatError(where, "file not found", "check the path") from None
+    except PermissionError:
+        raise BatchFormatError(where, "permission denied", "check the file's permissions") from None
+    except IsADirectoryError:
+        raise BatchFormatError(where, "is a directory", "pass the path of a batch file") from None
+    except OSError as err:
+        raise BatchFormatError(
+            where, f"cannot be read ({err.strerror or err})", "check the file"
+        ) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BatchFormatError(
+            where, "header is not valid JSON (not a safetensors file, or corrupt)"
+        ) from None
+    if not isinstance(header, dict):
+        raise BatchFormatError(where, "header is not a JSON object")
+    return header, header_len, size - 8 - header_len
+
+
+def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
+        tag = meta.get("format") if isinstance(meta, dict) else None
+        raise BatchFormatError(
+            where, f"format tag is {tag!r}, expected {FORMAT_TAG!r}: not an sdp batch", FIX_NOT_OURS
+        )
+    missing = [k for k in METADATA_KEYS if k not in meta]
+    if missing:
+        raise BatchFormatError(where, f"metadata lacks {', '.join(missing)}")
+    try:
+        version = int(meta["format_version"])
+    except ValueError:
+        raise BatchFormatError(
+            where, f"format_version {meta['format_version']!r} is not an integer"
+        ) from None
+    if version > FORMAT_VERSION:
+        raise BatchFormatError(
+            where,
+            f"format version {version} is newer than this sdp reads ({FORMAT_VERSION})",
+            "upgrade sdp",
+        )
+    if version != FORMAT_VERSION:
+        raise BatchFormatError(
+            where, f"format version {version} is not supported (expected {FORMAT_VERSION})"
+        )
+    try:
+        trainer_version = int(meta["trainer_version"])
+        temperature = float(meta["temperature"])
+    except ValueError:
+        raise BatchFormatError(
+            where, "trainer_version or temperature in the metadata is not a number"
+        ) from None
+    return {
+        "trainer_version": trainer_version,
+        "temperature": temperature,
+        "model": meta["model"],
+        "mode": meta["mode"],
+        "sdp_version": meta["sdp_version"],
+    }
+
+
+def _check_entries(where: str, header: dict[str, Any], data_len: int) -> None:
+    """Names, dtypes, 1-D shapes and byte ranges of the tensor entries, before any data is read."""
+    unknown = sorted(set(header) - set(DTYPES))
+    if unknown:
+        raise BatchFormatError(where, f"unexpected tensor {unknown[0]!r}")
+    missing = [n for n in REQUIRED_TENSORS if n not in header]
+    if missing:
+        raise BatchFormatError(where, f"missing required tensor(s) {', '.join(missing)}")
+    for name, entry in header.items():
+        st_dtype, itemsize = _ST_DTYPES[DTYPES[name]]
+        if not isinstance(entry, dict):
+            raise BatchFormatError(where, f"header entry of tensor {name} is not an object")
+        if entry.get("dtype") != st_dtype:
+            raise BatchFormatError(
+                where, f"tensor {name} has dtype {entry.get('dtype')}, expected {st_dtype}"
+            )
+        shape = entry.get("shape")
+        if not (
+            isinstance(shape, list)
+            and len(shape) == 1
+            and isinstance(shape[0], int)
+            and shape[0] >= 0
+        ):
+            raise BatchFormatError(where, f"tensor {name} has shape {shape}, expected 1-D")
+        offsets = entry.get("data_offsets")
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets)
+        ):
+            raise BatchFormatError(where, f"tensor {name} has malformed data_offsets {offsets}")
+        begin, end = offsets
+        if not 0 <= begin <= end or end - begin != shape[0] * itemsize:
+            raise BatchFormatError(
+                where, f"tensor {name} has data_offsets {offsets} inconsistent with its shape"
+            )
+        if end > data_len:
+            raise BatchFormatError(
+                where,
+                f"is truncated: tensor {name} ends at data byte {end} but only {data_len} bytes follow the header",
+            )
+
+
+def read_batch(path: str | os.PathLike[str]) -> SavedBatch:
+    """Read and validate a batch file; any problem raises ``BatchFormatError`` (one line)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    target = Path(path)
+    where = str(target)
+    header, _, data_len = _read_header(where, target)
+    meta = _parse_metadata(where, header)
+    _check_entries(where, header, data_len)
+    try:
+        tensors = load_file(target)
+    except (SafetensorError, OSError) as err:
+        problem = " ".join(str(err).split())
+        raise BatchFormatError(where, f"safetensors cannot load it ({problem})") from None
+    batch = SavedBatch(
+        **{name: tensors[name] for name in REQUIRED_TENSORS},
+        **{name: tensors.get(name) for name in OPTIONAL_TENSORS},
+        **meta,
+    )
+    validate_batch(batch, where)
+    return batch

@@ -1,0 +1,374 @@
+"""Saved batches (DESIGN.md §5): round trip, padded view, atomic writes, and malformed files
+refused with one clear line each."""
+
+import json
+import os
+import pickle
+import struct
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from sdp_cli.errors import UserError
+from sdp_cli.rollout import batch_file
+from sdp_cli.rollout.batch_file import (
+    BatchFormatError,
+    SavedBatch,
+    read_batch,
+    write_batch,
+)
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+
+
+def two_samples():
+    """Sample a: prompt [1, 2], output [3, 4, 5] of versions [0, 0, 1]; token 0 got π_1 = −0.4.
+    Sample b: prompt [7], output [8] of version 1."""
+    a = RolloutSample(prompt_ids=[1, 2])
+    a.append_tokens([3, 4], [-0.5, -0.25], 0)
+    a.append_tokens([5], [-1.0], 1)
+    a.set_proximal_t(0, -0.4, 1)
+    a.reward = 1.0
+    b = RolloutSample(prompt_ids=[7])
+    b.append_tokens([8], [-0.125], 1)
+    b.reward = 0.0
+    return a, b
+
+
+def good_batch(**extra):
+    a, b = two_samples()
+    return SavedBatch.from_samples(
+        [RolloutGroup(0, [a]), b],
+        trainer_version=1,
+        temperature=0.7,
+        model="tiny",
+        mode="segment_wise",
+        **extra,
+    )
+
+
+def test_round_trip_and_layout(tmp_path):
+    batch = good_batch(advantages=[[0.5, 0.5, 0.5], [-1.0]], loss_mask=[[1, 1, 0], [1]])
+    # packed by hand: a = [1, 2 | 3, 4, 5], b = [7 | 8]
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 7, 8]
+    assert batch.cu_seqlens.tolist() == [0, 5, 7]
+    assert batch.prompt_lens.tolist() == [2, 1]
+    assert batch.versions.tolist() == [-1, -1, 0, 0, 1, -1, 1]
+    assert batch.proximal_t_versions.tolist() == [-1, -1, 1, 0, 1, -1, 1]
+    assert batch.proximal_logprobs_t.tolist() == [
+        0.0,
+        0.0,
+        pytest.approx(-0.4),
+        -0.25,
+        -1.0,
+        0.0,
+        -0.125,
+    ]
+    assert batch.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 1]
+    assert batch.rewards.tolist() == [1.0, 0.0]  # taken from the samples
+
+    path = write_batch(tmp_path / "b.safetensors", batch)
+    assert os.listdir(tmp_path) == ["b.safetensors"]  # no temporary file left
+    back = read_batch(path)
+    for name, tensor in batch.tensors().items():
+        assert torch.equal(getattr(back, name), tensor), name
+    assert back.proximal_logprobs is None and back.logprobs is None
+    assert (back.trainer_version, back.temperature, back.model, back.mode) == (
+        1,
+        0.7,
+        "tiny",
+        "segment_wise",
+    )
+    assert back.metadata()["format"] == "sdp-batch" and back.sdp_version == batch.sdp_version
+
+    padded = back.to_padded()
+    assert padded.response_ids.tolist() == [[3, 4, 5], [8, 0, 0]]
+    assert padded.mask.tolist() == [[True, True, False], [True, False, False]]
+    assert padded.versions.tolist() == [[0, 0, 1], [1, -1, -1]]
+    assert padded.old_logprobs.tolist() == [[-0.5, -0.25, -1.0], [-0.125, 0.0, 0.0]]
+    assert padded.advantages.tolist() == [[0.5, 0.5, 0.5], [-1.0, 0.0, 0.0]]
+    assert padded.response_lens.tolist() == [3, 1]
+
+
+def test_missing_loss_mask_means_all_output_tokens(tmp_path):
+    batch = good_batch()
+    tensors = {k: v for k, v in batch.tensors().items() if k != "loss_mask"}
+    save_file(tensors, tmp_path / "b.safetensors", metadata=batch.metadata())
+    back = read_batch(tmp_path / "b.safetensors")
+    assert back.loss_mask is None
+    assert back.effective_loss_mask().tolist() == [0, 0, 1, 1, 1, 0, 1]
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 4), st.lists(st.integers(0, 3), max_size=5)),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_round_trip_of_random_samples(tmp_path_factory, spec):
+    """Random prompts and version histories survive write → read → to_padded unchanged."""
+    samples = []
+    for prompt_len, versions in spec:
+        s = RolloutSample(prompt_ids=list(range(1, prompt_len + 1)))
+        for v in sorted(versions):
+            s.append_tokens([10 + v], [-0.5 - v], v)
+        samples.append(s)
+    batch = SavedBatch.from_samples(
+        samples, trainer_version=3, temperature=1.0, model="m", mode="decoupled"
+    )
+    path = write_batch(tmp_path_factory.mktemp("b") / "x.safetensors", batch)
+    padded = read_batch(path).to_padded()
+    for i, s in enumerate(samples):
+        n = s.output_len
+        assert padded.response_ids[i, :n].tolist() == s.output_ids
+        assert padded.versions[i, :n].tolist() == s.versions
+        assert padded.old_logprobs[i, :n].tolist() == s.old_logprobs
+        assert padded.mask[i].sum().item() == n
+
+
+def test_from_samples_rejects_wrong_lengths_and_bad_values():
+    with pytest.raises(ValueError, match="2 values for 3 output tokens"):
+        good_batch(advantages=[[0.5, 0.5], [1.0]])
+    with pytest.raises(ValueError, match="1 entries for 2 samples"):
+        good_batch(logprobs=[[0.0, 0.0, 0.0]])
+    with pytest.raises(BatchFormatError, match="outside \\[0, trainer_version=0\\]"):
+        a, b = two_samples()
+        SavedBatch.from_samples(
+            [a, b], trainer_version=0, temperature=1.0, model="m", mode="decoupled"
+        )
+    with pytest.raises(BatchFormatError, match="mode 'sdp'"):
+        SavedBatch.from_samples(
+            two_samples(), trainer_version=1, temperature=1.0, model="m", mode="sdp"
+        )
+
+
+def test_write_is_atomic(tmp_path, monkeypatch):
+    target = tmp_path / "b.safetensors"
+    write_batch(target, good_batch())
+    before = target.read_bytes()
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(batch_file.os, "replace", broken_replace)
+    with pytest.raises(UserError, match="No space left on device"):
+        write_batch(target, good_batch(advantages=[[1.0, 1.0, 1.0], [1.0]]))
+    assert os.listdir(tmp_path) == ["b.safetensors"]  # the temporary file was removed
+    assert target.read_bytes() == before  # the old file is intact
+    monkeypatch.undo()
+
+    with pytest.raises(UserError, match="does not exist; create it first"):
+        write_batch(tmp_path / "missing" / "b.safetensors", good_batch())
+    bad = good_batch()
+    bad.old_logprobs[3] = float("nan")
+    with pytest.raises(BatchFormatError, match="non-finite"):
+        write_batch(tmp_path / "nan.safetensors", bad)
+    assert not (tmp_path / "nan.safetensors").exists()
+
+
+# ------------------------------------------------------------------ malformed files
+def write_raw(path, overrides=None, drop=(), metadata=None):
+    """A safetensors file from the good batch with some tensors replaced or removed."""
+    batch = good_batch()
+    tensors = {**batch.tensors(), **(overrides or {})}
+    for name in drop:
+        tensors.pop(name)
+    meta = batch.metadata() if metadata is None else {**batch.metadata(), **metadata}
+    save_file(tensors, path, metadata={k: v for k, v in meta.items() if v is not None})
+    return path
+
+
+def mutated(name, fn):
+    tensor = getattr(good_batch(), name).clone()
+    fn(tensor)
+    return {name: tensor}
+
+
+def set_at(index, value):
+    def fn(t):
+        t[index] = value
+
+    return fn
+
+
+def truncated(path):
+    data = write_raw(path).read_bytes()
+    path.write_bytes(data[:-5])
+
+
+def tiny(path):
+    path.write_bytes(b"\x10\x00")
+
+
+def pickled(path):
+    path.write_bytes(pickle.dumps({"input_ids": [1, 2, 3]}))
+
+
+def torch_saved(path):
+    torch.save(good_batch().tensors(), path)
+
+
+def huge_header(path):
+    path.write_bytes(struct.pack("<Q", 2**40) + b"{}")
+
+
+def header_past_end(path):
+    path.write_bytes(struct.pack("<Q", 5000) + b'{"__metadata__": {}}')
+
+
+def not_json(path):
+    path.write_bytes(struct.pack("<Q", 4) + b"\xff\xfe{]")
+
+
+def not_a_file(path):
+    path.mkdir()
+
+
+def raw(**kwargs):
+    return lambda path: write_raw(path, **kwargs)
+
+
+MALFORMED = {
+    "truncated data": (truncated, "is truncated: tensor"),
+    "shorter than 8 bytes": (tiny, "is truncated: 2 bytes"),
+    "pickle": (pickled, "is a Python pickle"),
+    "torch.save": (torch_saved, "is a zip archive (a torch.save file?)"),
+    "huge header length": (huge_header, "exceeds the 100 MB limit"),
+    "header past the end": (header_past_end, "the header claims 5000 bytes"),
+    "header not JSON": (not_json, "header is not valid JSON"),
+    "directory": (not_a_file, "is not a regular file"),
+    "wrong dtype": (
+        raw(overrides={"versions": good_batch().versions.to(torch.int32)}),
+        "tensor versions has dtype I32, expected I64",
+    ),
+    "2-D tensor": (
+        raw(overrides={"old_logprobs": good_batch().old_logprobs.reshape(7, 1)}),
+        "tensor old_logprobs has shape [7, 1], expected 1-D",
+    ),
+    "mismatched lengths": (
+        raw(overrides={"old_logprobs": good_batch().old_logprobs[:6]}),
+        "tensor old_logprobs has 6 entries, expected 7",
+    ),
+    "missing keys": (
+        raw(drop=("proximal_t_versions", "versions")),
+        "missing required tensor(s) versions, proximal_t_versions",
+    ),
+    "unexpected tensor": (raw(overrides={"extra": torch.zeros(1)}), "unexpected tensor 'extra'"),
+    "NaN logprob": (
+        raw(overrides=mutated("proximal_logprobs_t", set_at(3, float("nan")))),
+        "tensor proximal_logprobs_t holds a non-finite value at index 3",
+    ),
+    "cu_seqlens wrong length": (
+        raw(overrides={"cu_seqlens": torch.tensor([0, 5, 5, 7])}),
+        "tensor cu_seqlens has 4 entries, expected 3",
+    ),
+    "non-monotone cu_seqlens": (
+        raw(overrides={"cu_seqlens": torch.tensor([0, 0, 7])}),
+        "cu_seqlens is not strictly increasing at index 1 (0 → 0)",
+    ),
+    "cu_seqlens wrong start": (
+        raw(overrides={"cu_seqlens": torch.tensor([1, 5, 7])}),
+        "cu_seqlens starts at 1",
+    ),
+    "cu_seqlens wrong end": (
+        raw(overrides={"cu_seqlens": torch.tensor([0, 5, 6])}),
+        "cu_seqlens ends at 6 but input_ids has 7 tokens",
+    ),
+    "prompt longer than sequence": (
+        raw(overrides={"prompt_lens": torch.tensor([2, 3])}),
+        "prompt_lens[1] = 3 is outside [1, 2]",
+    ),
+    "wrong format tag": (
+        raw(metadata={"format": "verl-batch"}),
+        "format tag is 'verl-batch', expected 'sdp-batch'",
+    ),
+    "no metadata": (lambda p: save_file(good_batch().tensors(), p), "format tag is None"),
+    "missing metadata key": (raw(metadata={"mode": None}), "metadata lacks mode"),
+    "newer format version": (raw(metadata={"format_version": "2"}), "format version 2 is newer"),
+    "bad temperature": (raw(metadata={"temperature": "hot"}), "is not a number"),
+    "unknown mode": (raw(metadata={"mode": "ppo"}), "mode 'ppo' is not one of"),
+    "version out of range": (
+        raw(overrides=mutated("versions", set_at(6, 2)), metadata=None),
+        "version of output token 6 (sequence 1) is 2, outside [0, trainer_version=1]",
+    ),
+    "proximal_t_version not v or v+1": (
+        raw(overrides=mutated("proximal_t_versions", set_at(3, 2))),
+        "proximal_t_versions of output token 3 (sequence 0) is 2 for version 0",
+    ),
+    "proximal_t_version above trainer": (
+        raw(
+            overrides={
+                **mutated("versions", set_at(6, 1)),
+                **mutated("proximal_t_versions", set_at(6, 2)),
+            }
+        ),
+        "is 2 for version 1, must be 1 or 2 and <= trainer_version=1",
+    ),
+    "prompt token with a version": (
+        raw(overrides=mutated("versions", set_at(0, 0))),
+        "versions of prompt token 0 (sequence 0) is 0, prompt tokens must have -1",
+    ),
+    "prompt token with a logprob": (
+        raw(overrides=mutated("old_logprobs", set_at(5, -1.0))),
+        "old_logprobs of prompt token 5 (sequence 1) is -1.0",
+    ),
+    "loss_mask not 0/1": (
+        raw(overrides=mutated("loss_mask", set_at(2, 2))),
+        "loss_mask of token 2 (sequence 0) is 2, must be 0 or 1",
+    ),
+    "offsets inconsistent": (None, "data_offsets"),
+}
+
+
+def offsets_inconsistent(path):
+    """Edit the header so that a tensor claims more bytes than its shape."""
+    data = write_raw(path).read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header["rewards"]["shape"] = [3]
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
+
+
+MALFORMED["offsets inconsistent"] = (offsets_inconsistent, "tensor rewards has data_offsets")
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_gives_one_clear_line(tmp_path, case):
+    make, expected = MALFORMED[case]
+    path = tmp_path / "bad.safetensors"
+    make(path)
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    message = str(err.value)
+    assert isinstance(err.value, UserError)
+    assert message.startswith(f"{path}: ") and "; " in message and "\n" not in message
+    assert expected in message, message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(BatchFormatError, match="nope.safetensors: file not found; check the path"):
+        read_batch(tmp_path / "nope.safetensors")
+
+
+class _Trap:
+    """Unpickling this would create a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_is_never_unpickled(tmp_path):
+    marker = tmp_path / "unpickled"
+    path = tmp_path / "evil.safetensors"
+    path.write_bytes(pickle.dumps(_Trap(str(marker))))
+    with pytest.raises(BatchFormatError, match="Python pickle"):
+        read_batch(path)
+    assert not marker.exists()
