@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 Hook = Callable[[], None]
 PHASES = ("pre_pause", "post_pause", "pre_resume", "post_resume")

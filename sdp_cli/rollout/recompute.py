@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, MutableSequence, Sequence
+from typing import Any
 
 from sdp_cli.engine.base import EngineError, InferenceEngine
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
@@ -124,7 +125,9 @@ class ProximalRecomputer:
                     sample.set_proximal_t(t, logprob, current)
 
                 previous = [sample.proximal_logprobs_t[t] for t in targets]
-                jobs.append(_make_job(sample.prompt_ids, sample.output_ids, targets, previous, write))
+                jobs.append(
+                    _make_job(sample.prompt_ids, sample.output_ids, targets, previous, write)
+                )
         stats = RecomputeStats(version=current, samples_seen=len(seen))
         self._run(jobs, stats)
         stats.wall_time_s = time.perf_counter() - started

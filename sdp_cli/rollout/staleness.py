@@ -33,8 +33,9 @@ from __future__ import annotations
 import abc
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -191,7 +192,9 @@ class StalenessManager:
             return True
 
     def _submit_locked(self) -> None:
-        assert self._stat.enqueued > 0, "on_rollout_submitted without a matching on_rollout_enqueued"
+        assert self._stat.enqueued > 0, (
+            "on_rollout_submitted without a matching on_rollout_enqueued"
+        )
         self._stat.enqueued -= 1
         self._stat.submitted += 1
         self._stat.running += 1
@@ -295,7 +298,9 @@ class StalenessManager:
         names = {f.name for f in fields(RolloutStat)}
         stats = state["stats"]
         if set(stats) != names:
-            raise ValueError(f"staleness state has counters {sorted(stats)}, expected {sorted(names)}")
+            raise ValueError(
+                f"staleness state has counters {sorted(stats)}, expected {sorted(names)}"
+            )
         with self._lock:
             if len(state["modifiers"]) != len(self._modifiers):
                 raise ValueError(

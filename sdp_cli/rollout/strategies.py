@@ -5,7 +5,7 @@ A strategy is asked about a rollout in three places: before it is enqueued
 (:meth:`~StalenessControlStrategy.purge_stale_samples_from_queue`) and before a batch is taken
 from the cache (:meth:`~StalenessControlStrategy.filter_stale_from_cache`). Every drop is counted
 per version and reported through ``on_filtered(count, version)``, which the loop wires to
-:meth:`StalenessManager.on_samples_filtered <sdp_cli.rollout.staleness.StalenessManager.on_samples_filtered>`
+``StalenessManager.on_samples_filtered``
 so that each dropped rollout gives its slot back exactly once. The contract that makes this
 exact: only rollouts already counted as accepted are handed to a strategy.
 
@@ -17,13 +17,14 @@ from __future__ import annotations
 import abc
 import threading
 from collections import Counter
-from typing import Callable, ClassVar, Union
+from collections.abc import Callable
+from typing import ClassVar
 
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 
-Item = Union[RolloutSample, RolloutGroup]
+Item = RolloutSample | RolloutGroup
 OnFiltered = Callable[[int, int], None]
 
 
@@ -33,8 +34,11 @@ class StalenessConfigError(UserError, ValueError):
 
 def _check_lengths(sample: RolloutSample) -> int:
     n = len(sample.versions)
-    assert n == len(sample.proximal_t_versions) == len(sample.proximal_logprobs_t) == len(
-        sample.old_logprobs
+    assert (
+        n
+        == len(sample.proximal_t_versions)
+        == len(sample.proximal_logprobs_t)
+        == len(sample.old_logprobs)
     ), f"sample {sample.sample_id}: per-token lists disagree in length"
     return n
 
@@ -65,7 +69,9 @@ def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str 
     return None
 
 
-def segment_wise_stale_reason(item: Item, current_version: int, max_head_offpolicyness: int) -> str | None:
+def segment_wise_stale_reason(
+    item: Item, current_version: int, max_head_offpolicyness: int
+) -> str | None:
     """Why the segment-wise strategy drops ``item`` at version c, or ``None`` to keep it.
 
     Drop when c − min(versions) > η; when a token of version v ≤ c−2 lacks π_{v+1}
@@ -148,20 +154,28 @@ class StalenessControlStrategy(abc.ABC):
 
     def filter_before_enqueue(self, item: Item, current_version: int) -> bool:
         """True to keep ``item``; a drop is counted and reported."""
-        if not self.should_filter_before_enqueue() or not self.is_sample_too_stale(item, current_version):
+        if not self.should_filter_before_enqueue() or not self.is_sample_too_stale(
+            item, current_version
+        ):
             return True
         self._record(1, current_version)
         return False
 
-    def purge_stale_samples_from_queue(self, queue: RolloutQueue[Item], current_version: int) -> int:
+    def purge_stale_samples_from_queue(
+        self, queue: RolloutQueue[Item], current_version: int
+    ) -> int:
         """Drop the stale items from ``queue`` in place (order kept); return how many."""
-        removed = queue.filter_inplace(lambda item: not self.is_sample_too_stale(item, current_version))
+        removed = queue.filter_inplace(
+            lambda item: not self.is_sample_too_stale(item, current_version)
+        )
         self._record(removed, current_version)
         return removed
 
     def filter_stale_from_cache(self, cache: RolloutCache[Item], current_version: int) -> int:
         """Drop the stale items from ``cache`` in place; return how many."""
-        removed = cache.filter_inplace(lambda item: not self.is_sample_too_stale(item, current_version))
+        removed = cache.filter_inplace(
+            lambda item: not self.is_sample_too_stale(item, current_version)
+        )
         self._record(removed, current_version)
         return removed
 
@@ -185,7 +199,10 @@ class SegmentWiseStrategy(StalenessControlStrategy):
     name = "segment_wise"
 
     def is_sample_too_stale(self, item: Item, current_version: int) -> bool:
-        return segment_wise_stale_reason(item, current_version, self.max_head_offpolicyness) is not None
+        return (
+            segment_wise_stale_reason(item, current_version, self.max_head_offpolicyness)
+            is not None
+        )
 
     def should_filter_before_enqueue(self) -> bool:
         return True

@@ -47,7 +47,7 @@ def test_blocked_put_is_released_by_get_drain_and_filter():
         q.put(2)
         done = threading.Event()
 
-        def producer():
+        def producer(q=q, done=done):
             q.put(3, timeout=5)
             done.set()
 
@@ -105,7 +105,9 @@ def test_cache_operations():
         c.take_first_n(-1)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["add", "take", "filter"]), st.integers(0, 5)), max_size=40))
+@given(
+    st.lists(st.tuples(st.sampled_from(["add", "take", "filter"]), st.integers(0, 5)), max_size=40)
+)
 def test_cache_matches_a_list_model(ops):
     """Random operation sequences give the same result as the obvious list implementation."""
     c: RolloutCache[int] = RolloutCache()

@@ -54,8 +54,16 @@ def test_hooks_run_in_registration_order_around_the_engine():
     assert engine.is_paused
     ctl.resume()
     assert log == [
-        "pre_pause1", "pre_pause2", "engine.pause", "post_pause1", "post_pause2",
-        "pre_resume1", "pre_resume2", "engine.resume", "post_resume1", "post_resume2",
+        "pre_pause1",
+        "pre_pause2",
+        "engine.pause",
+        "post_pause1",
+        "post_pause2",
+        "pre_resume1",
+        "pre_resume2",
+        "engine.resume",
+        "post_resume1",
+        "post_resume2",
     ]
     assert not engine.is_paused
 

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
-from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.recompute import ProximalRecomputer
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.strategies import check_segment_wise_invariant
 
 
@@ -61,9 +61,12 @@ def test_only_version_c_minus_1_tokens_change_in_a_three_version_sample():
     stats = ProximalRecomputer(engine).recompute_all(inflight=[s])
     P = 3
     assert s.proximal_logprobs_t == [
-        -1.5, -1.25,  # version 1: untouched
-        lp(3, P + 2, 102), lp(3, P + 3, 103),  # version 2 = c − 1: π_3 at absolute positions 5, 6
-        -2.0, -2.0,  # version 3 = c: untouched (still π_behav)
+        -1.5,
+        -1.25,  # version 1: untouched
+        lp(3, P + 2, 102),
+        lp(3, P + 3, 103),  # version 2 = c − 1: π_3 at absolute positions 5, 6
+        -2.0,
+        -2.0,  # version 3 = c: untouched (still π_behav)
     ]
     assert s.proximal_t_versions == [2, 2, 3, 3, 3, 3]
     # sent: prompt + output up to the last target (index 3), scored from absolute position 5
@@ -88,9 +91,13 @@ def test_queue_cache_inflight_are_all_covered_once_and_idle_samples_are_not_sent
     cache.add(inflight)  # also reachable via the engine's in-flight list: scored once
     engine = FakeEngine(c, inflight=[inflight])
     stats = ProximalRecomputer(engine).recompute_all(queue=q, cache=cache)
-    assert stats.samples_seen == 4 and stats.samples_recomputed == 3 and stats.tokens_recomputed == 4
+    assert (
+        stats.samples_seen == 4 and stats.samples_recomputed == 3 and stats.tokens_recomputed == 4
+    )
     sent = engine.calls[0][0]
-    assert [1, 100, 101] in sent and [2, 2, 100, 101] in sent and [3, 100] in sent and len(sent) == 3
+    assert (
+        [1, 100, 101] in sent and [2, 2, 100, 101] in sent and [3, 100] in sent and len(sent) == 3
+    )
     assert in_cache.proximal_logprobs_t == [-2.0, lp(4, 3, 101)]  # only the version-3 token
     assert current_only.proximal_t_versions == [4, 4, 4]
 
@@ -120,7 +127,11 @@ def test_misbehaving_engine_is_reported():
         def score(self, sequences, starts):
             return [[math.nan] * (len(s) - k) for s, k in zip(sequences, starts)]
 
-    for engine, match in ((Short(1), "expected 2"), (Missing(1), "0 results"), (NaN(1), "non-finite")):
+    for engine, match in (
+        (Short(1), "expected 2"),
+        (Missing(1), "0 results"),
+        (NaN(1), "non-finite"),
+    ):
         with pytest.raises(EngineError, match=match):
             ProximalRecomputer(engine).recompute_all(inflight=[sample([5], [(0, 2)])])
 
@@ -134,7 +145,11 @@ def test_dict_api_matches_the_seed_example():
             assert sequences == [[1, 2, 3, 4, 5]] and starts == [3]
             return [[0.1, 0.2]]
 
-    trajectory = {"input_ids": [1, 2, 3, 4, 5], "output_version": [4, 4], "proximal_logprobs_t": [0.9, 0.8]}
+    trajectory = {
+        "input_ids": [1, 2, 3, 4, 5],
+        "output_version": [4, 4],
+        "proximal_logprobs_t": [0.9, 0.8],
+    }
     stats = ProximalRecomputer(Fixed()).recompute_for_sample(trajectory, prompt_len=3)
     assert trajectory["proximal_logprobs_t"] == [0.1, 0.2]
     assert trajectory["proximal_t_versions"] == [5, 5]
@@ -146,8 +161,12 @@ def test_dict_api_matches_the_seed_example():
 def test_dict_batch_touches_only_version_c_minus_1():
     engine = FakeEngine(3)
     batch = [
-        {"input_ids": [9, 9, 10, 11, 12], "versions": [1, 2, 3], "proximal_logprobs_t": [-1.0, -1.0, -1.0],
-         "proximal_t_versions": [2, 2, 3]},
+        {
+            "input_ids": [9, 9, 10, 11, 12],
+            "versions": [1, 2, 3],
+            "proximal_logprobs_t": [-1.0, -1.0, -1.0],
+            "proximal_t_versions": [2, 2, 3],
+        },
         {"input_ids": [9, 9, 13], "versions": [3], "proximal_logprobs_t": [-1.0]},
     ]
     stats = ProximalRecomputer(engine).recompute_batch(batch, prompt_len=2)
@@ -156,10 +175,13 @@ def test_dict_batch_touches_only_version_c_minus_1():
     assert batch[1]["proximal_logprobs_t"] == [-1.0]
     assert stats.samples_seen == 2 and stats.samples_recomputed == 1
     with pytest.raises(ValueError, match="versions"):
-        ProximalRecomputer(engine).recompute_batch([{"input_ids": [1, 2], "proximal_logprobs_t": [0.0]}], 1)
+        ProximalRecomputer(engine).recompute_batch(
+            [{"input_ids": [1, 2], "proximal_logprobs_t": [0.0]}], 1
+        )
     with pytest.raises(ValueError, match="3 input_ids"):
         ProximalRecomputer(engine).recompute_batch(
-            [{"input_ids": [1, 2, 3], "versions": [2], "proximal_logprobs_t": [0.0]}], 1)
+            [{"input_ids": [1, 2, 3], "versions": [2], "proximal_logprobs_t": [0.0]}], 1
+        )
 
 
 @given(
@@ -168,7 +190,9 @@ def test_dict_batch_touches_only_version_c_minus_1():
     budget=st.integers(1, 30),
     where=st.lists(st.sampled_from(["queue", "cache", "inflight"]), min_size=4, max_size=4),
 )
-def test_timeline_with_a_pass_at_every_update_gives_each_token_pi_v_plus_1(segments, prompt_lens, budget, where):
+def test_timeline_with_a_pass_at_every_update_gives_each_token_pi_v_plus_1(
+    segments, prompt_lens, budget, where
+):
     """Several samples generate tokens over versions 0..V (``segments[i][v]`` tokens of sample i
     at version v); before every update the pass runs. At the end (version V), each token of
     version v ≤ V − 2 must carry exactly log π_{v+1} at its absolute position, and the rest π_behav."""

@@ -35,8 +35,12 @@ def run_one(mgr: StalenessManager, accept: bool = True) -> None:
 
 def test_admission_formula_hand_computed():
     version = Version(0)
-    mgr = StalenessManager(max_concurrent_rollouts=100, consumer_batch_size=4, max_staleness=1,
-                           version_provider=version)
+    mgr = StalenessManager(
+        max_concurrent_rollouts=100,
+        consumer_batch_size=4,
+        max_staleness=1,
+        version_provider=version,
+    )
     # (η + v + 1)·B − (accepted + running) = (1 + 0 + 1)·4 − 0 = 8; concurrency 100 − 0
     assert mgr.get_capacity() == 8
     for _ in range(3):
@@ -51,20 +55,29 @@ def test_admission_formula_hand_computed():
     version.v = 2
     # (1 + 2 + 1)·4 − 2 = 14
     assert mgr.get_capacity() == 14
-    assert mgr.get_stats() == RolloutStat(enqueued=0, submitted=3, accepted=1, rejected=1,
-                                          running=1, filtered=0)
+    assert mgr.get_stats() == RolloutStat(
+        enqueued=0, submitted=3, accepted=1, rejected=1, running=1, filtered=0
+    )
     assert mgr.get_pending_limit() == 8  # (η + 1)·B
 
 
 def test_concurrency_limit_and_its_floor_of_one():
-    mgr = StalenessManager(max_concurrent_rollouts=2, consumer_batch_size=8, max_staleness=4,
-                           version_provider=Version(0))
+    mgr = StalenessManager(
+        max_concurrent_rollouts=2,
+        consumer_batch_size=8,
+        max_staleness=4,
+        version_provider=Version(0),
+    )
     assert mgr.get_capacity() == 2  # min(2 − 0, 5·8)
     mgr.on_rollout_enqueued()
     mgr.on_rollout_submitted()
     assert mgr.get_capacity() == 1  # 2 − 1 running
-    zero = StalenessManager(max_concurrent_rollouts=0, consumer_batch_size=0, max_staleness=0,
-                            version_provider=Version(0))
+    zero = StalenessManager(
+        max_concurrent_rollouts=0,
+        consumer_batch_size=0,
+        max_staleness=0,
+        version_provider=Version(0),
+    )
     # max(1, 0) = 1 concurrent; B = max(1, 0) = 1 → (0 + 0 + 1)·1 = 1
     assert zero.get_capacity() == 1
 
@@ -231,8 +244,12 @@ def test_modifier_reset_and_guards():
 
 
 def test_concurrent_try_submit_never_overshoots():
-    mgr = StalenessManager(max_concurrent_rollouts=7, consumer_batch_size=5, max_staleness=0,
-                           version_provider=Version(0))
+    mgr = StalenessManager(
+        max_concurrent_rollouts=7,
+        consumer_batch_size=5,
+        max_staleness=0,
+        version_provider=Version(0),
+    )
     for _ in range(200):
         mgr.on_rollout_enqueued()
     wins = []

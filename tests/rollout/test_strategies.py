@@ -25,13 +25,18 @@ def make(versions, prox_versions=None, prox_shift=None):
     set to old − 0.5 (or ``prox_shift[t]``) so that a recomputed value differs from π_behav.
     """
     s = RolloutSample(prompt_ids=[1, 2])
-    s.append_tokens(list(range(10, 10 + len(versions))), [-(t + 1.0) for t in range(len(versions))],
-                    list(versions))
+    s.append_tokens(
+        list(range(10, 10 + len(versions))),
+        [-(t + 1.0) for t in range(len(versions))],
+        list(versions),
+    )
     if prox_versions is not None:
         for t, pv in enumerate(prox_versions):
             if pv != versions[t]:
                 s.proximal_t_versions[t] = pv
-                s.proximal_logprobs_t[t] = s.old_logprobs[t] - (0.5 if prox_shift is None else prox_shift[t])
+                s.proximal_logprobs_t[t] = s.old_logprobs[t] - (
+                    0.5 if prox_shift is None else prox_shift[t]
+                )
     return s
 
 
@@ -50,7 +55,9 @@ def test_hand_computed_segment_wise_cases():
     # head lag 5 − 2 = 3 > η = 2, even with a complete π_prox_t chain
     assert "lags 3" in segment_wise_stale_reason(make([2, 3, 4], [3, 4, 4]), c, 2)
     # η = 1 drops the lag-2 chain that η = 2 keeps
-    assert SegmentWiseStrategy(max_head_offpolicyness=1).is_sample_too_stale(make([3, 4, 5], [4, 5, 5]), c)
+    assert SegmentWiseStrategy(max_head_offpolicyness=1).is_sample_too_stale(
+        make([3, 4, 5], [4, 5, 5]), c
+    )
     # a version from the future
     assert "> current version 5" in segment_wise_stale_reason(make([5, 6]), c, 2)
     # current-version token whose π_prox_t differs from π_behav
@@ -98,7 +105,10 @@ def test_strict_invariant_after_the_trainer_fill():
     assert "> current version" in check_segment_wise_invariant(make([6]), c)
     group = RolloutGroup(1, [make([5]), make([2], [2])])
     assert check_segment_wise_invariant(group, c).startswith(f"sample {group.samples[1].sample_id}")
-    for reason in (check_segment_wise_invariant(pending, 9), segment_wise_stale_reason(pending, 9, 0)):
+    for reason in (
+        check_segment_wise_invariant(pending, 9),
+        segment_wise_stale_reason(pending, 9, 0),
+    ):
         assert "\n" not in reason
 
 
@@ -135,7 +145,10 @@ def test_segment_wise_rule_matches_the_timeline_model(h):
     expected_drop = bool(versions) and (
         c - min(versions) > eta or any(not window_used[v] for v in versions if v <= c - 2)
     )
-    assert SegmentWiseStrategy(max_head_offpolicyness=eta).is_sample_too_stale(sample, c) == expected_drop
+    assert (
+        SegmentWiseStrategy(max_head_offpolicyness=eta).is_sample_too_stale(sample, c)
+        == expected_drop
+    )
     # the strict invariant additionally needs every c−1 token filled
     strict_ok = all(window_used[v] for v in versions if v <= c - 1)
     assert (check_segment_wise_invariant(sample, c) is None) == strict_ok
@@ -145,8 +158,9 @@ def test_drops_are_counted_and_give_capacity_back_through_the_manager():
     version = [5]
     mgr = StalenessManager(100, 2, 2, lambda: version[0])
     mgr.register_capacity_modifier(FilteredSamplesCapacityModifier())
-    seg = create_staleness_strategy("segment_wise", max_head_offpolicyness=2,
-                                    on_filtered=mgr.on_samples_filtered)
+    seg = create_staleness_strategy(
+        "segment_wise", max_head_offpolicyness=2, on_filtered=mgr.on_samples_filtered
+    )
     for _ in range(5):
         mgr.on_rollout_enqueued()
         mgr.on_rollout_submitted()
@@ -179,13 +193,17 @@ def test_drops_are_counted_and_give_capacity_back_through_the_manager():
 
 
 def test_factory():
-    assert isinstance(create_staleness_strategy("standard", max_head_offpolicyness=1), StandardStrategy)
+    assert isinstance(
+        create_staleness_strategy("standard", max_head_offpolicyness=1), StandardStrategy
+    )
     seg = create_staleness_strategy("segment_wise", max_head_offpolicyness=3)
     assert isinstance(seg, SegmentWiseStrategy) and seg.max_head_offpolicyness == 3
     with pytest.raises(ValueError) as err:
         create_staleness_strategy("segmentwise", max_head_offpolicyness=1)
     assert isinstance(err.value, UserError)
     message = str(err.value)
-    assert "'segmentwise'" in message and "segment_wise, standard" in message and "\n" not in message
+    assert (
+        "'segmentwise'" in message and "segment_wise, standard" in message and "\n" not in message
+    )
     with pytest.raises(ValueError, match="max_head_offpolicyness"):
         create_staleness_strategy("standard", max_head_offpolicyness=-1)
