@@ -17,7 +17,7 @@ import json
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import httpx
 
@@ -114,8 +114,12 @@ class HttpServer:
         timeout: float | None = None,
         retry: bool = True,
         refresh: Callable[[], Mapping[str, Any]] | None = None,
+        answer_statuses: Collection[int] = (),
     ) -> Any:
-        return self.request("POST", path, body=body, params=params, timeout=timeout, retry=retry, refresh=refresh)
+        return self.request(
+            "POST", path, body=body, params=params, timeout=timeout, retry=retry, refresh=refresh,
+            answer_statuses=answer_statuses,
+        )  # fmt: skip
 
     def request(
         self,
@@ -127,11 +131,14 @@ class HttpServer:
         timeout: float | None = None,
         retry: bool = True,
         refresh: Callable[[], Mapping[str, Any]] | None = None,
+        answer_statuses: Collection[int] = (),
     ) -> Any:
         """Send one request and return its decoded JSON (``None`` for an empty body).
 
         ``refresh`` builds the body of each retry (a generation retry needs a fresh request
-        id: servers reject a duplicate of one they may still be running).
+        id: servers reject a duplicate of one they may still be running). Answers with a
+        status in ``answer_statuses`` are decoded and returned instead of raising (for routes
+        whose error answers carry a message the caller reports).
         """
         where = f"{method} {self.base_url}{path}"
         attempts = 1 + (self.options.max_retries if retry else 0)
@@ -172,23 +179,14 @@ class HttpServer:
                 last_failure = f"HTTP {response.status_code}: {_excerpt(response.text)}"
                 unreachable = False
                 continue
-            return self._decode(where, response)
+            return self._decode(where, response, answer_statuses)
         if unreachable:
             raise EngineUnavailable(f"cannot reach the {self.label} at {self.base_url} ({last_failure}); {self._hint}")
         raise EngineError(f"{where} failed after {attempts} attempt(s): {last_failure}")
 
-    def _decode(self, where: str, response: httpx.Response) -> Any:
-        if response.status_code in (401, 403):
-            raise EngineError(
-                f"{where} was refused with HTTP {response.status_code}; set engine.api_key to the server's key"
-            )
-        if response.status_code == 404:
-            raise EngineError(
-                f"{where} answered HTTP 404: the server lacks this route; check the server version "
-                "and flags in docs/engines.md"
-            )
-        if response.status_code >= 400:
-            raise EngineError(f"{where} answered HTTP {response.status_code}: {_excerpt(response.text)}")
+    def _decode(self, where: str, response: httpx.Response, answer_statuses: Collection[int] = ()) -> Any:
+        if response.status_code >= 400 and response.status_code not in answer_statuses:
+            _raise_for_status(where, response)
         if not response.content.strip():
             return None
         try:
@@ -199,6 +197,18 @@ class HttpServer:
     def close(self) -> None:
         self._closed.set()
         self._client.close()
+
+
+def _raise_for_status(where: str, response: httpx.Response) -> None:
+    status, text = response.status_code, _excerpt(response.text)
+    if status in (401, 403):
+        raise EngineError(
+            f"{where} was refused with HTTP {status} ({text}); set engine.api_key to the server's key "
+            "and check the server flags in docs/engines.md"
+        )
+    if status == 404:
+        raise EngineError(f"{where} answered HTTP 404: the server lacks this route; check its version and flags in docs/engines.md")
+    raise EngineError(f"{where} answered HTTP {status}: {text}")
 
 
 def _describe_transport_error(exc: httpx.TransportError) -> str:

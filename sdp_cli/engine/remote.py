@@ -27,6 +27,7 @@ discarded (the sample is untouched) and resubmitted.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import math
 import threading
@@ -35,7 +36,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
@@ -107,6 +108,8 @@ class RemoteServer:
 
     http: HttpServer
     load: int = 0
+    #: ids of this client's requests in flight on the server
+    request_ids: set[str] = field(default_factory=set)
 
     @property
     def url(self) -> str:
@@ -230,7 +233,7 @@ class RemoteEngine(InferenceEngine):
         """Check that the server answers and has the routes sdp needs."""
 
     @abc.abstractmethod
-    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Any) -> Segment:
+    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]) -> Segment:
         """Run one generation request; ``refresh_id()`` gives a fresh request id for a retry."""
 
     @abc.abstractmethod
@@ -240,6 +243,10 @@ class RemoteEngine(InferenceEngine):
     @abc.abstractmethod
     def _server_abort_all(self, server: RemoteServer) -> None:
         """Abort every request in flight (they answer with their partial output); keep serving."""
+
+    @abc.abstractmethod
+    def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
+        """Abort this client's requests ``request_ids`` (used when the engine is closed)."""
 
     @abc.abstractmethod
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
@@ -305,8 +312,10 @@ class RemoteEngine(InferenceEngine):
                 server.load += 1
                 if sample.output_len:
                     self._stats["resubmissions"] += 1
+            segment_ids: list[str] = []
+            fresh_id = functools.partial(self._register_request_id, server, segment_ids)
             request = SegmentRequest(
-                request_id=new_request_id(),
+                request_id=fresh_id(),
                 input_ids=sample.input_ids,
                 max_new_tokens=budget,
                 stop_token_ids=tuple(params.stop_token_ids),
@@ -315,10 +324,11 @@ class RemoteEngine(InferenceEngine):
                 prefill_from=sample.prompt_len + proximal_indices[0] if proximal_indices else None,
             )
             try:
-                segment = self._server_generate(server, request, new_request_id)
+                segment = self._server_generate(server, request, fresh_id)
             finally:
                 with self._cond:
                     server.load -= 1
+                    server.request_ids.difference_update(segment_ids)
             self._check_segment(server, request, segment)
             with self._cond:
                 # A sample is never mutated while the engine is paused (the recompute pass owns it).
@@ -342,6 +352,14 @@ class RemoteEngine(InferenceEngine):
                         f"{server.url} aborted sample {sample.sample_id} {unexplained_aborts} times without a "
                         f"pause ({segment.message or 'no reason given'}); check the server's log"
                     )
+
+    def _register_request_id(self, server: RemoteServer, segment_ids: list[str]) -> str:
+        """A new request id, remembered so that ``close()`` can abort it."""
+        request_id = new_request_id()
+        with self._cond:
+            segment_ids.append(request_id)
+            server.request_ids.add(request_id)
+        return request_id
 
     def _check_segment(self, server: RemoteServer, request: SegmentRequest, segment: Segment) -> None:
         """Reject answers that cannot be right; the sample is left as it was."""
@@ -487,6 +505,14 @@ class RemoteEngine(InferenceEngine):
                 return
             self._closed = True
             self._cond.notify_all()
+            outstanding = [(server, sorted(server.request_ids)) for server in getattr(self, "servers", [])]
+        for server, request_ids in outstanding:
+            if request_ids:
+                try:
+                    # Best effort: a closed client should not leave the server generating for nobody.
+                    self._server_abort_requests(server, request_ids)
+                except EngineError as exc:
+                    logger.warning("could not abort %d request(s) on %s: %s", len(request_ids), server.url, exc)
         for server in getattr(self, "servers", []):
             server.http.close()
         for pool in (getattr(self, "_generate_pool", None), getattr(self, "_score_pool", None)):

@@ -217,21 +217,30 @@ class SGLangEngine(RemoteEngine):
         server.http.post("/pause_generation", {"mode": "abort"}, timeout=timeout)
         server.http.post("/continue_generation", {}, timeout=timeout)
 
+    def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
+        # /abort_request matches by prefix; sdp's ids are fixed-length, so none prefixes another.
+        for request_id in request_ids:
+            server.http.post("/abort_request", {"rid": request_id, "abort_all": False}, retry=False)
+
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
         timeout = self.options.http.admin_timeout_s
-        # Paused, the update runs at once instead of waiting for in-flight requests; the flush
-        # only succeeds with an idle scheduler, which an abort pause guarantees.
+        # Paused, the update runs at once instead of waiting for in-flight requests. The radix
+        # cache is flushed by a separate call so that a refused flush is not mistaken for a
+        # failed load (0.5.23 reports both as one failure); an abort pause leaves the
+        # scheduler idle, which the flush needs.
         server.http.post("/pause_generation", {"mode": "abort"}, timeout=timeout)
         try:
             answer = server.http.post(
                 "/update_weights_from_disk",
-                {"model_path": str(path), "weight_version": label, "flush_cache": True},
+                {"model_path": str(path), "weight_version": label, "flush_cache": False},
                 timeout=timeout,
                 retry=False,
+                answer_statuses=(400,),
             )
             if not isinstance(answer, dict) or answer.get("success") is not True:
                 message = answer.get("message") if isinstance(answer, dict) else answer
                 raise EngineError(f"{server.url} could not load weights from {path}: {message}")
+            server.http.post("/flush_cache", timeout=timeout)
         finally:
             server.http.post("/continue_generation", {}, timeout=timeout)
 

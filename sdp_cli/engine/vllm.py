@@ -234,6 +234,10 @@ class VLLMEngine(RemoteEngine):
         server.http.post("/pause", params={"mode": "abort", "clear_cache": "false"}, timeout=timeout)
         server.http.post("/resume", timeout=timeout)
 
+    def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
+        # The route takes external ids, which the token-in/token-out route prefixes.
+        server.http.post("/abort_requests", {"request_ids": [f"generate-tokens-{r}" for r in request_ids]}, retry=False)
+
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
         timeout = self.options.http.admin_timeout_s
         # Reloading while decoding corrupts the running requests (research note §4d pitfall 2).

@@ -1,0 +1,1 @@
+"""Stub HTTP servers that stand in for inference servers in tests."""

@@ -1,0 +1,1 @@
+"""A stand-in ``sglang`` package: ``python -m sglang.launch_server`` starts the stub server."""
