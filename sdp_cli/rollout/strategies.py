@@ -18,7 +18,7 @@ import abc
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
@@ -143,6 +143,18 @@ class StalenessControlStrategy(abc.ABC):
         """Dropped rollouts per trainer version at which they were dropped."""
         with self._lock:
             return dict(self._filtered_by_version)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe drop counts for checkpoints."""
+        with self._lock:
+            return {"filtered_by_version": sorted(self._filtered_by_version.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (replaces the current counts)."""
+        with self._lock:
+            self._filtered_by_version = Counter(
+                {int(v): int(n) for v, n in state["filtered_by_version"]}
+            )
 
     def _record(self, count: int, current_version: int) -> None:
         if count == 0:

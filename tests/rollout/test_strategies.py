@@ -1,6 +1,8 @@
 """Staleness strategies: the segment-wise rule (DESIGN.md §2 as resolved in issue #3), the strict
 invariant, drop counting and the factory."""
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -187,6 +189,10 @@ def test_drops_are_counted_and_give_capacity_back_through_the_manager():
     assert cache.size() == 2
 
     assert seg.filtered_by_version == {5: 2, 6: 1}
+    seg.filtered_by_version.clear()  # a copy: the strategy's own counts are not touched
+    restored = create_staleness_strategy("segment_wise", max_head_offpolicyness=2)
+    restored.load_state_dict(json.loads(json.dumps(seg.state_dict())))
+    assert restored.filtered_by_version == {5: 2, 6: 1}
     assert mgr.get_stats().filtered == 3
     # (2 + 6 + 1)·2 − 5 + 3 returned = 16
     assert mgr.get_capacity() == 16
