@@ -5,6 +5,8 @@ import json
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sdp_cli.rollout.staleness import (
     CapacityModifier,
@@ -266,3 +268,46 @@ def test_concurrent_try_submit_never_overshoots():
         t.join()
     # min(7 − 0, (0+0+1)·5) = 5 submissions in total, however the threads interleave
     assert sum(wins) == 5
+
+
+@given(
+    ops=st.lists(
+        st.sampled_from(["enqueue", "submit", "accept", "reject", "drop", "compact", "advance"]),
+        max_size=80,
+    ),
+    max_conc=st.integers(0, 6),
+    batch=st.integers(1, 4),
+    eta=st.integers(0, 3),
+)
+def test_capacity_matches_the_live_rollout_model(ops, max_conc, batch, eta):
+    """Against an independent model that never counts dropped rollouts at all:
+    capacity = min(max(1, max_conc) − running, (η + v + 1)·B − live_accepted − running)."""
+    version = Version(0)
+    mgr = StalenessManager(max_conc, batch, eta, version)
+    mgr.register_capacity_modifier(FilteredSamplesCapacityModifier())
+    live = running = enqueued = droppable = 0
+    for op in ops:
+        expected = min(max(1, max_conc) - running, (eta + version.v + 1) * batch - live - running)
+        if op == "enqueue":
+            mgr.on_rollout_enqueued()
+            enqueued += 1
+        elif op == "submit" and enqueued:
+            assert mgr.try_submit() == (expected > 0)
+            if expected > 0:
+                enqueued, running = enqueued - 1, running + 1
+        elif op == "accept" and running:
+            mgr.on_rollout_accepted()
+            running, live, droppable = running - 1, live + 1, droppable + 1
+        elif op == "reject" and running:
+            mgr.on_rollout_rejected()
+            running -= 1
+        elif op == "drop" and droppable:
+            mgr.on_samples_filtered(1, version=version.v)
+            live, droppable = live - 1, droppable - 1
+        elif op == "compact":
+            mgr.compact_filtered()
+        elif op == "advance":
+            version.v += 1
+        expected = min(max(1, max_conc) - running, (eta + version.v + 1) * batch - live - running)
+        assert mgr.get_capacity() == expected
+        assert running <= max(1, max_conc)
