@@ -1,0 +1,130 @@
+"""Token log-probabilities (and entropy) from logits, chunked over tokens (docs/math.md §6).
+
+The naive ``log_softmax(logits / T).gather(...)`` materialises several [N, V] float32 tensors
+in forward and backward. Here forward keeps one [chunk, V] tensor at a time and saves only the
+per-token log-normaliser; backward recomputes each chunk's softmax from the logits and writes
+the gradient straight into the [N, V] gradient it must return, so the extra memory stays
+O(chunk · V) instead of O(N · V).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from sdp_cli.core._masked import check_float_tensor, check_number
+
+#: Rows per chunk. 256 × 49,152 float32 logits = 48 MiB of scratch per chunk.
+DEFAULT_CHUNK_SIZE = 256
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision softmax loses too much: compute (and return) float32 for fp16/bf16 input.
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log p(target) = x_target − logsumexp(x) and H = logsumexp(x) − Σ p·x, x = logits / T."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+    ) -> tuple[Tensor, Tensor]:
+        n = logits.shape[0]
+        dtype = _compute_dtype(logits.dtype)
+        logprobs = torch.empty(n, dtype=dtype, device=logits.device)
+        log_norm = torch.empty(n, dtype=dtype, device=logits.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=logits.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            x = logits[rows].to(dtype) / temperature
+            lse = torch.logsumexp(x, dim=-1)
+            log_norm[rows] = lse
+            logprobs[rows] = x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                probs = torch.exp(x - lse.unsqueeze(-1))
+                entropy[rows] = lse - torch.linalg.vecdot(probs, x)
+        ctx.save_for_backward(logits, targets, log_norm, entropy)
+        # Unused outputs then arrive as None in backward instead of as tensors of zeros.
+        ctx.set_materialize_grads(False)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        logits, targets, log_norm, entropy = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        n = logits.shape[0]
+        dtype = log_norm.dtype
+        grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
+        use_entropy = ctx.with_entropy and grad_entropy is not None
+        grad_logits = torch.empty_like(logits)
+        # Work in place inside the returned gradient when its dtype is the compute dtype.
+        in_place = logits.dtype == dtype
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            out = grad_logits[rows]
+            work = out if in_place else torch.empty(out.shape, dtype=dtype, device=out.device)
+            g_lp = grad_logprobs[rows].unsqueeze(-1)
+            # work := log p = x − logsumexp(x)
+            torch.div(logits[rows], temperature, out=work)
+            work.sub_(log_norm[rows].unsqueeze(-1))
+            if use_entropy:
+                # d/dx [g_lp·log p_y + g_H·H] = g_lp·(onehot_y − p) − g_H·p·(log p + H)
+                g_h = grad_entropy[rows].to(dtype).unsqueeze(-1)
+                probs = torch.exp(work)
+                work.add_(entropy[rows].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(probs).neg_()
+            else:
+                work.exp_().mul_(g_lp).neg_()
+            work.scatter_add_(-1, targets[rows].unsqueeze(-1), g_lp)
+            work.div_(temperature)
+            if not in_place:
+                out.copy_(work)
+        return grad_logits, None, None, None, None
+
+
+def logprobs_from_logits(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log softmax(logits / T) at ``targets``, shape ``targets.shape`` (docs/math.md §6).
+
+    ``logits`` is [..., V] and ``targets`` [...] with ids in [0, V). Returns float32 for
+    half-precision logits, else the logits dtype; with ``return_entropy`` also the entropy of
+    softmax(logits / T) per token.
+    """
+    check_float_tensor("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}")
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but logits has shape {tuple(logits.shape)};"
+            " targets must match logits without the vocabulary dimension"
+        )
+    check_number("temperature", temperature, above=0)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    vocab = logits.shape[-1]
+    flat_targets = targets.reshape(-1).long()
+    if flat_targets.numel() and not bool(((flat_targets >= 0) & (flat_targets < vocab)).all()):
+        raise ValueError(f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position")
+
+    flat_logits = logits.reshape(-1, vocab)
+    if not flat_logits.is_contiguous():
+        flat_logits = flat_logits.contiguous()
+    logprobs, entropy = _ChunkedLogprobs.apply(flat_logits, flat_targets, float(temperature), chunk_size, return_entropy)
+    logprobs = logprobs.reshape(targets.shape)
+    if return_entropy:
+        return logprobs, entropy.reshape(targets.shape)
+    return logprobs

@@ -1,0 +1,155 @@
+"""Policy-gradient loss: PPO clip (with clip-higher and dual clip) or REINFORCE (docs/math.md §5).
+
+The clip ratio is r = π_θ / π_prox (the caller passes π_behav as the anchor in bypass mode); the
+behavioural weight w (``weights``, from ``sdp_cli.core.weights``) multiplies the per-token loss
+and is never differentiated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from sdp_cli.core._masked import (
+    LOG_CLAMP,
+    Masked,
+    check_2d,
+    check_choice,
+    check_float_tensor,
+    check_like,
+    check_number,
+    count,
+    keep,
+    masked,
+    to_host,
+)
+
+LOSS_TYPES = ("ppo_clip", "reinforce")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _aggregate(per_token: Tensor, mk: Masked, agg: str) -> Tensor:
+    """Reduce a [B, T] per-token loss, 0 at padding, to a scalar (docs/math.md §5.2)."""
+    if agg == "token-mean":
+        return per_token.sum() / mk.n_tokens
+    seq_sum = per_token.sum(-1)
+    # n_rows counts only rows with ≥ 1 valid token, so padding rows do not dilute the loss.
+    if agg == "seq-mean-token-sum":
+        return seq_sum.sum() / mk.n_rows
+    if agg == "seq-mean-token-mean":
+        return (seq_sum / mk.row_count.clamp_min(1)).sum() / mk.n_rows
+    return seq_sum.sum() / (mk.n_rows * max(per_token.shape[-1], 1))
+
+
+def aggregate_loss(values: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+    """Aggregate any per-token [B, T] loss term exactly as ``policy_loss`` does (docs §5.2)."""
+    check_float_tensor("values", values)
+    check_2d("values", values)
+    check_choice("agg", agg, AGGREGATIONS)
+    mk = masked(mask, values, "values")
+    return _aggregate(torch.where(mk.valid, values, 0.0), mk, agg)
+
+
+class _TokenLoss(torch.autograd.Function):
+    """Per-token loss ℓ whose derivative ∂ℓ/∂log π_θ was computed with it (docs §5.3).
+
+    Every branch of the PPO objective (clip, dual clip, the ±20 clamp, the mask) only decides
+    whether a token passes −A·w·r or nothing, so the derivative is known in closed form; one
+    node replaces the dozen autograd would record (each a full pass, in backward too).
+    """
+
+    @staticmethod
+    def forward(ctx, logprobs: Tensor, value: Tensor, slope: Tensor) -> Tensor:
+        ctx.save_for_backward(slope)
+        return value
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None, None
+
+
+def policy_loss(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    weights: Tensor | None = None,
+    clip: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    loss_type: str = "ppo_clip",
+) -> tuple[Tensor, dict[str, float]]:
+    """Aggregated policy loss and its metrics (docs/math.md §5).
+
+    ppo_clip: ℓ = max(−A·r, −A·clip(r, 1−ε, 1+ε_high)) with r = exp(clamp(lp − prox, ±20));
+    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. reinforce: ℓ = −A·lp. Then ℓ·w, and
+    ``agg`` reduces over valid tokens. Only ``logprobs`` receives a gradient.
+    """
+    check_float_tensor("logprobs", logprobs)
+    check_2d("logprobs", logprobs)
+    check_like("proximal_logprobs", proximal_logprobs, logprobs, "logprobs")
+    check_like("advantages", advantages, logprobs, "logprobs")
+    if weights is not None:
+        check_like("weights", weights, logprobs, "logprobs")
+    mk = masked(mask, logprobs, "logprobs")
+    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_number("clip", clip, above=0)
+    clip_high = clip if clip_high is None else clip_high
+    check_number("clip_high", clip_high, above=0)
+    if dual_clip is not None:
+        check_number("dual_clip", dual_clip, above=1)
+
+    with torch.no_grad():
+        # Every input is 0 at padding from here on, whatever it held there (NaN, inf).
+        lp = mk.select(logprobs.detach())
+        adv = mk.select(advantages.detach())
+        delta = lp - mk.select(proximal_logprobs.detach())
+        counts: dict[str, Tensor] = {}
+        if loss_type == "ppo_clip":
+            ratio = torch.exp(delta.clamp(-LOG_CLAMP, LOG_CLAMP))
+            unclipped = -adv * ratio
+            clipped = -adv * ratio.clamp(1 - clip, 1 + clip_high)
+            # At padding A = 0: both branches are 0, nothing is clipped or gets a gradient.
+            was_clipped = clipped > unclipped
+            value = torch.maximum(unclipped, clipped)
+            # The gradient −A·r flows where the unclipped branch wins and the ±20 clamp is
+            # inactive (clamp passes the gradient on its closed interval).
+            passes = ~was_clipped & (delta.abs() <= LOG_CLAMP) & mk.valid
+            counts["clipped"] = count(was_clipped)
+            counts["high"] = count(was_clipped & (adv > 0))
+            if dual_clip is not None:
+                # The dual clip bounds the loss of negative-advantage tokens by c·|A|; for A ≥ 0
+                # the loss is ≤ 0 ≤ c·|A| already, so the bound can be applied everywhere.
+                bound = dual_clip * adv.abs()
+                dual_bound = value > bound
+                value = torch.minimum(value, bound)
+                passes &= ~dual_bound
+                counts["dual"] = count(dual_bound)
+            slope = keep(unclipped, passes)
+        else:
+            slope = 0.0 - adv  # not -adv, which is -0.0 at padding
+            value = slope * lp
+        if weights is not None:
+            w = mk.select(weights.detach())
+            value = value * w
+            slope = slope * w
+
+    loss = _aggregate(_TokenLoss.apply(logprobs, value, slope), mk, agg)
+    host = to_host({"loss": loss, "n": mk.n_tokens, "delta": delta.sum(), **counts})
+    n, clipped_n, high_n = host["n"], host.get("clipped", 0.0), host.get("high", 0.0)
+    metrics = {
+        "pg_loss": host["loss"],
+        # Clipped with A > 0 means r > 1 + ε_high; with A < 0 it means r < 1 − ε.
+        "pg_clipfrac": clipped_n / n,
+        "pg_clipfrac_high": high_n / n,
+        "pg_clipfrac_low": (clipped_n - high_n) / n,
+        "pg_clipfrac_dual": host.get("dual", 0.0) / n,
+        "ppo_kl": 0.0 - host["delta"] / n,  # not -x, which is -0.0 for x = 0
+    }
+    return loss, metrics

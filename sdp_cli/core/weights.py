@@ -1,0 +1,262 @@
+"""Behavioural importance weights and rejection masks (DESIGN.md §4, docs/math.md §1–§3).
+
+The three correction modes differ only in the log ratio of the behavioural weight:
+
+    bypass        no weight (the PPO ratio is anchored at π_behav instead)
+    decoupled     lr = log π_prox   − log π_behav
+    segment_wise  lr = log π_prox_t − log π_behav
+
+``importance_weights`` turns lr into detached weights (token / sequence / geometric, bounded by
+truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it into a 0/1
+mask that drops whole tokens or sequences. The two are independent: a caller may use either,
+both, or neither.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sdp_cli.core._masked import (
+    LOG_CLAMP,
+    Masked,
+    as_float,
+    check_2d,
+    check_choice,
+    check_float_tensor,
+    check_like,
+    check_number,
+    count,
+    keep,
+    masked,
+    to_host,
+)
+
+MODES = ("bypass", "decoupled", "segment_wise")
+LEVELS = ("token", "sequence", "geometric")
+ACTIONS = ("truncate", "mask")
+
+
+def behavior_log_ratio(
+    old_logprobs: Tensor,
+    proximal_logprobs: Tensor | None = None,
+    proximal_logprobs_t: Tensor | None = None,
+    *,
+    mode: str,
+) -> Tensor | None:
+    """Log ratio of the behavioural weight for ``mode`` (DESIGN.md §1 table), detached.
+
+    decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav;
+    bypass: None (no behavioural weight).
+    """
+    check_choice("mode", mode, MODES)
+    check_float_tensor("old_logprobs", old_logprobs)
+    if mode == "bypass":
+        return None
+    name, anchor = (
+        ("proximal_logprobs", proximal_logprobs)
+        if mode == "decoupled"
+        else ("proximal_logprobs_t", proximal_logprobs_t)
+    )
+    if anchor is None:
+        raise ValueError(f"{name} is required for mode={mode!r}")
+    check_like(name, anchor, old_logprobs, "old_logprobs")
+    # π_prox, π_prox_t and π_behav are fixed numbers during the update: no gradient flows here.
+    return (anchor - old_logprobs).detach()
+
+
+def _level_log_ratio(log_ratio: Tensor, mk: Masked, level: str) -> Tensor:
+    """The log ratio a weight is built from: per token [B, T], or per sequence [B] (docs §2).
+
+    ``log_ratio`` must already be 0 at padding.
+    """
+    if level == "token":
+        return log_ratio
+    total = log_ratio.sum(-1)
+    if level == "sequence":
+        return total
+    return (total / mk.row_count.clamp_min(1)).to(log_ratio.dtype)
+
+
+def _any_row(flags: Tensor) -> Tensor:
+    """bool [B]: rows holding a True flag (uint8 max: much faster than ``any`` on CPU)."""
+    return flags.view(torch.uint8).amax(-1).bool()
+
+
+def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str) -> Masked:
+    check_float_tensor("log_ratio", log_ratio)
+    check_2d("log_ratio", log_ratio)
+    check_choice("level", level, LEVELS)
+    return masked(mask, log_ratio, "log_ratio")
+
+
+def importance_weights(
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    cap: float | None = None,
+    floor: float | None = None,
+    action: str = "truncate",
+    batch_normalize: bool = False,
+) -> tuple[Tensor, dict[str, float]]:
+    """Detached behavioural weights w = exp(clamp(lr, ±20)) at ``level``, bounded to [floor, cap].
+
+    token: w_t = exp(lr_t); sequence: w = exp(Σ_t lr_t) and geometric: w = exp(mean_t lr_t),
+    broadcast over the row. ``truncate`` clamps into [floor, cap]; ``mask`` sets weights outside
+    to 0. ``batch_normalize`` then divides by the mean weight (docs/math.md §2). Padding is 0.
+    Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
+    """
+    mk = _check_inputs(log_ratio, mask, level)
+    check_choice("action", action, ACTIONS)
+    if cap is not None:
+        check_number("cap", cap, above=0)
+    if floor is not None:
+        check_number("floor", floor, above=0, inclusive=True)
+    if cap is not None and floor is not None and floor > cap:
+        raise ValueError(f"floor must be <= cap; got floor={floor!r}, cap={cap!r}")
+
+    with torch.no_grad():
+        lr = mk.select(log_ratio.detach())
+        level_raw = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
+        # One bound decision per token (token level) or per sequence (sequence, geometric).
+        high = level_raw > cap if cap is not None else None
+        low = level_raw < floor if floor is not None else None
+        out = high if low is None else low if high is None else high | low
+        if out is None:
+            level_weight = level_raw
+        elif action == "mask":
+            level_weight = keep(level_raw, ~out)
+        else:
+            level_weight = level_raw.clamp(min=floor, max=cap)
+        if level != "token":
+            level_weight = level_weight.unsqueeze(-1).expand_as(lr)
+        weights = mk.select(level_weight)
+        seq_weight = mk.row_mean(weights)
+
+        factor = None
+        if batch_normalize:
+            mean = mk.mean(weights) if level == "token" else mk.rows_mean(seq_weight)
+            # Nothing to normalise when every weight is 0 or the batch is empty: factor 1.
+            factor = torch.where(mean > 0, mean, 1.0)
+            weights = (weights / factor).to(lr.dtype)
+            seq_weight = seq_weight / factor
+
+        stats = mk.stats(weights)
+        stats.update({f"seq_{name}": value for name, value in mk.row_stats(seq_weight).items()})
+        if batch_normalize:
+            stats["factor"] = factor
+        # Bound fractions count raw weights: valid tokens at token level, non-empty rows at the
+        # sequence levels (rollout_is_seq_* use each row's mean raw weight).
+        if level == "token":
+            among, seq_raw = mk.valid, mk.row_mean(mk.select(level_raw))
+        else:
+            among, seq_raw = mk.rows, level_raw
+        counts = {"tokens": mk.token_count, "rows": mk.row_total}
+        if high is not None:
+            counts["high"] = count(high & among)
+            counts["seq_high"] = count((seq_raw > cap) & mk.rows)
+        if low is not None:
+            counts["low"] = count(low & among)
+            counts["seq_low"] = count((seq_raw < floor) & mk.rows)
+        if action == "mask" and out is not None:
+            # Tokens whose weight was masked to 0 (a masked sequence counts all its tokens).
+            counts["masked"] = (
+                count(out & mk.valid)
+                if level == "token"
+                else (as_float(out, mk.row_count.dtype) * mk.row_count).sum()
+            )
+        host = to_host({**stats, **counts})
+    return weights, _is_metrics(host, level, action, batch_normalize)
+
+
+def _is_metrics(host: dict[str, float], level: str, action: str, batch_normalize: bool) -> dict[str, float]:
+    """Name the importance-weight statistics as verl does (docs/math.md §2.3)."""
+    tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
+    among = tokens if level == "token" else rows
+    mean, std = host["mean"], host["std"]
+    # ESS = 1 / mean((w / mean w)²) = mean² / (mean² + std²); 1 for an empty batch and
+    # 0 when every weight is 0 (no effective sample left).
+    if host["tokens"] == 0:
+        ess = 1.0
+    else:
+        ess = mean * mean / (mean * mean + std * std) if mean > 0 else 0.0
+    metrics = {
+        "rollout_is_mean": mean,
+        "rollout_is_std": std,
+        "rollout_is_min": host["min"],
+        "rollout_is_max": host["max"],
+        "rollout_is_eff_sample_size": ess,
+        "rollout_is_ratio_fraction_high": host.get("high", 0.0) / among,
+        "rollout_is_ratio_fraction_low": host.get("low", 0.0) / among,
+        "rollout_is_seq_mean": host["seq_mean"],
+        "rollout_is_seq_std": host["seq_std"],
+        "rollout_is_seq_min": host["seq_min"],
+        "rollout_is_seq_max": host["seq_max"],
+        "rollout_is_seq_fraction_high": host.get("seq_high", 0.0) / rows,
+        "rollout_is_seq_fraction_low": host.get("seq_low", 0.0) / rows,
+    }
+    if action == "mask":
+        metrics["rollout_is_masked_fraction"] = host.get("masked", 0.0) / tokens
+    if batch_normalize:
+        metrics["rollout_is_batch_norm_factor"] = host["factor"]
+    return metrics
+
+
+def rejection_mask(
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    level: str,
+    upper: float,
+    lower: float | None = None,
+    veto: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mask that keeps tokens/sequences whose ratio lies in [lower, upper] (docs/math.md §3).
+
+    The ratio is exp(clamp(stat, ±20)) with stat built as in ``importance_weights``; ``lower``
+    defaults to 1/upper. ``veto`` drops every sequence holding a valid token with raw
+    lr < log(veto). The result has the dtype of ``mask``; it does not depend on any weight.
+    """
+    mk = _check_inputs(log_ratio, mask, level)
+    check_number("upper", upper, above=0)
+    lower = 1.0 / upper if lower is None else lower
+    check_number("lower", lower, above=0, inclusive=True)
+    if lower > upper:
+        raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
+    if veto is not None:
+        check_number("veto", veto, above=0)
+
+    with torch.no_grad():
+        lr = mk.select(log_ratio.detach())
+        ratio = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
+        kept = (ratio >= lower) & (ratio <= upper)
+        if level != "token":
+            kept = kept.unsqueeze(-1)
+        counts = {"tokens": mk.token_count, "rows": mk.row_total}
+        if veto is not None:
+            # The veto reads the raw (unclamped) log ratio of every valid token.
+            catastrophic = (lr < math.log(veto)) & mk.valid
+            vetoed = _any_row(catastrophic)
+            kept = kept & ~vetoed.unsqueeze(-1)
+            counts["vetoed"] = count(vetoed)
+            counts["catastrophic"] = count(catastrophic)
+        dropped = mk.valid & ~kept
+        new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
+        counts["dropped"] = count(dropped)
+        counts["seq_dropped"] = count(_any_row(dropped))
+        stats = mk.stats(ratio, with_std=False) if level == "token" else mk.row_stats(ratio, with_std=False)
+        host = to_host({**stats, **counts})
+    tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
+    metrics = {
+        "rollout_rs_masked_fraction": host["dropped"] / tokens,
+        "rollout_rs_seq_masked_fraction": host["seq_dropped"] / rows,
+        "rollout_rs_veto_fraction": host.get("vetoed", 0.0) / rows,
+        "rollout_rs_catastrophic_token_fraction": host.get("catastrophic", 0.0) / tokens,
+        "rollout_rs_mean": host["mean"],
+        "rollout_rs_min": host["min"],
+        "rollout_rs_max": host["max"],
+    }
+    return new_mask, metrics
