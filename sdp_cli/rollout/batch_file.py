@@ -436,8 +436,8 @@ def _refuse_foreign(where: str, head: bytes) -> None:
         raise BatchFormatError(where, "is a Python pickle, which sdp never loads", FIX_NOT_OURS)
 
 
-def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int, int]:
-    """(parsed header JSON, header length, data length), checked cheaply before parsing."""
+def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int]:
+    """(parsed header JSON, bytes of tensor data after it), sizes checked before parsing."""
     try:
         size = path.stat().st_size
         if not path.is_file():
@@ -475,13 +475,13 @@ def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int, int]:
         ) from None
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise BatchFormatError(
             where, "header is not valid JSON (not a safetensors file, or corrupt)"
         ) from None
     if not isinstance(header, dict):
         raise BatchFormatError(where, "header is not a JSON object")
-    return header, header_len, size - 8 - header_len
+    return header, size - 8 - header_len
 
 
 def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
@@ -494,6 +494,9 @@ def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
     missing = [k for k in METADATA_KEYS if k not in meta]
     if missing:
         raise BatchFormatError(where, f"metadata lacks {', '.join(missing)}")
+    not_str = sorted(k for k, v in meta.items() if not isinstance(v, str))
+    if not_str:
+        raise BatchFormatError(where, f"metadata value of {not_str[0]!r} is not a string")
     try:
         version = int(meta["format_version"])
     except ValueError:
@@ -576,7 +579,7 @@ def read_batch(path: str | os.PathLike[str]) -> SavedBatch:
 
     target = Path(path)
     where = str(target)
-    header, _, data_len = _read_header(where, target)
+    header, data_len = _read_header(where, target)
     meta = _parse_metadata(where, header)
     _check_entries(where, header, data_len)
     try:

@@ -337,6 +337,30 @@ def offsets_inconsistent(path):
 MALFORMED["offsets inconsistent"] = (offsets_inconsistent, "tensor rewards has data_offsets")
 
 
+def trailing_garbage(path):
+    """Valid header and tensors, then 8 stray bytes: only safetensors itself notices."""
+    write_raw(path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+
+
+def metadata_not_string(path):
+    data = write_raw(path).read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + n])
+    header["__metadata__"]["trainer_version"] = 1
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
+
+
+MALFORMED["trailing bytes"] = (trailing_garbage, "safetensors cannot load it (")
+MALFORMED["metadata not a string"] = (
+    metadata_not_string,
+    "metadata value of 'trainer_version' is not a string",
+)
+
+
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_malformed_file_gives_one_clear_line(tmp_path, case):
     make, expected = MALFORMED[case]
