@@ -1,0 +1,37 @@
+"""Greedy accuracy of a policy on a task: the mean reward of argmax completions."""
+
+from __future__ import annotations
+
+import random
+
+from sdp_cli.models.decode import greedy_decode
+from sdp_cli.models.policy import Policy
+from sdp_cli.tasks.base import Task
+
+
+def greedy_accuracy(
+    policy: Policy,
+    task: Task,
+    n: int,
+    *,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+) -> float:
+    """Mean ``task.reward`` over ``n`` problems drawn with ``random.Random(seed)``, decoding greedily
+    for at most ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_id``."""
+    assert n >= 1, f"n must be >= 1, got {n}"
+    items = task.sample(random.Random(seed), n)
+    decoded = greedy_decode(
+        policy.model,
+        [policy.encode_prompt(item.prompt) for item in items],
+        max_new_tokens=max_new_tokens or task.max_new_tokens,
+        eos_id=policy.eos_id,
+        pad_id=policy.pad_id,
+        batch_size=batch_size,
+    )
+    rewards = [
+        task.reward(policy.decode(result.token_ids), item, stopped=result.stopped)
+        for item, result in zip(items, decoded)
+    ]
+    return sum(rewards) / len(rewards)

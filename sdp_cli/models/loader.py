@@ -1,0 +1,165 @@
+"""Load a policy (a tiny warm-started model or any local Hugging Face directory) and save one.
+
+``load_policy("tiny", task="arith1")`` builds the tiny Qwen2 of ``sdp_cli.models.tiny`` and warm
+starts it on the task (cached, ``sdp_cli.models.warm_start``). ``load_policy("hf", path=...)``
+loads a local model directory with its tokenizer; nothing is downloaded. ``save_policy`` writes a
+directory that ``load_policy("hf", ...)`` and a vLLM server can load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdp_cli.errors import UserError
+from sdp_cli.models.policy import Policy
+from sdp_cli.models.tiny import build_tiny_model, tiny_arch
+from sdp_cli.models.tokenizer import build_tokenizer
+from sdp_cli.models.warm_start import default_settings, warm_start
+from sdp_cli.tasks import build_task
+from sdp_cli.tasks.base import Task
+
+KINDS = ("tiny", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_policy(
+    kind: str,
+    *,
+    task: str | Task | None = None,
+    path: str | Path | None = None,
+    seed: int = 0,
+    warm_start_steps: int | None = None,
+    warm_start_lr: float | None = None,
+    warm_start_batch_size: int | None = None,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 4,
+    intermediate_size: int = 512,
+    max_positions: int = 1024,
+    charset: str | None = None,
+    cache_dir: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> Policy:
+    """The policy of ``kind``.
+
+    ``tiny``: needs ``task`` (a name or a Task); the charset defaults to the task's; warm-start
+    settings default to ``warm_start.default_settings(task)``; ``warm_start_steps=0`` skips the warm
+    start (random init, nothing cached). ``hf``: needs ``path``, a local model directory; the tiny
+    and warm-start arguments are ignored.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if kind == "hf":
+        if path is None:
+            raise UserError("model kind 'hf' needs a path; set model.path to a local Hugging Face model directory")
+        policy = load_hf_policy(path)
+    elif kind == "tiny":
+        if task is None:
+            raise UserError("model kind 'tiny' needs a task to warm start on; set task (e.g. arith1)")
+        task_obj = build_task(task) if isinstance(task, str) else task
+        arch = tiny_arch(
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+            max_positions=max_positions,
+        )
+        defaults = default_settings(task_obj.name)
+        steps = defaults.steps if warm_start_steps is None else warm_start_steps
+        lr = defaults.lr if warm_start_lr is None else warm_start_lr
+        batch_size = defaults.batch_size if warm_start_batch_size is None else warm_start_batch_size
+        if steps < 0 or batch_size < 1 or not lr > 0:
+            raise UserError(
+                f"warm start needs steps >= 0, batch_size >= 1 and lr > 0, got {steps}, {batch_size}, {lr}; fix the model settings"
+            )
+        policy = _tiny_policy(task_obj, arch, charset or task_obj.charset, steps, lr, batch_size, seed, cache_dir)
+    else:
+        raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+    policy.model.to(device=device, dtype=DTYPES[dtype])
+    return policy
+
+
+def _tiny_policy(
+    task: Task, arch: dict[str, Any], charset: str, steps: int, lr: float, batch_size: int, seed: int, cache_dir: str | Path | None
+) -> Policy:
+    if steps == 0:
+        tokenizer = build_tokenizer(charset)
+        model = build_tiny_model(len(tokenizer), seed=seed, **arch)
+        name = f"tiny-qwen2:{task.name}:init:seed{seed}"
+        return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name)
+    entry, info = warm_start(
+        task, arch=arch, charset=charset, steps=steps, lr=lr, batch_size=batch_size, seed=seed, cache_dir=cache_dir
+    )
+    policy = load_hf_policy(entry)
+    policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"
+    return policy
+
+
+def load_hf_policy(path: str | Path) -> Policy:
+    """A local Hugging Face causal-LM directory with its tokenizer (safetensors weights only)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(path).expanduser()
+    fix = "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
+    if not directory.is_dir():
+        raise UserError(f"model directory {directory} does not exist; {fix}")
+    if not (directory / "config.json").is_file():
+        raise UserError(f"model directory {directory} has no config.json; {fix}")
+    if not any(directory.glob("*.safetensors")):
+        if any(directory.glob("*.bin")):
+            raise UserError(
+                f"model directory {directory} has only .bin (pickle) weights, which sdp does not load; "
+                "re-save the model with save_pretrained to get safetensors"
+            )
+        raise UserError(f"model directory {directory} has no *.safetensors weights; {fix}")
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise UserError(
+            f"model directory {directory} has no tokenizer files; save the tokenizer into it with tokenizer.save_pretrained"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        config_eos = model.config.eos_token_id
+        eos_id = config_eos[0] if isinstance(config_eos, (list, tuple)) else config_eos
+    if eos_id is None:
+        raise UserError(f"model directory {directory} defines no EOS token; set eos_token in its tokenizer_config.json")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, str(directory.resolve()))
+
+
+def save_policy(policy: Policy, directory: str | Path) -> Path:
+    """Write ``policy`` as a Hugging Face directory (safetensors weights, config, tokenizer).
+
+    Files are written to a temporary sibling directory and then moved into ``directory`` one by
+    one with ``os.replace``, so a reader (e.g. a server reloading weights) never sees a partly
+    written file. Existing files with other names are left alone.
+    """
+    target = Path(directory).expanduser()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create {target} ({err.strerror}); choose a writable directory") from None
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        policy.model.save_pretrained(tmp)
+        policy.tokenizer.save_pretrained(tmp)
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, target / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

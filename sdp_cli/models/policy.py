@@ -1,0 +1,38 @@
+"""The policy bundle every engine and trainer receives: model, tokenizer and its token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class Policy:
+    """A causal LM with its tokenizer.
+
+    Attributes:
+        model: the transformers model (eval mode, on its device).
+        tokenizer: its tokenizer; ``encode_prompt``/``decode`` are the only text conversions used.
+        eos_id: the stop token id; a completion stops when it is generated.
+        pad_id: padding id (the EOS id when the tokenizer has no pad token).
+        bos_id: the id the tokenizer prepends to prompts, or None.
+        name: identifies the policy in batch metadata and logs (a path or a warm-start key).
+    """
+
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
+    eos_id: int
+    pad_id: int
+    bos_id: int | None
+    name: str
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Prompt ids with the tokenizer's special tokens (BOS for the character tokenizer)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Completion text; special tokens are kept so that a stray one cannot look like a right answer."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)

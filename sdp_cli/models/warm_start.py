@@ -1,0 +1,219 @@
+"""Supervised warm start of a tiny model, cached on disk between runs.
+
+Sparse-reward RL from a random tiny model never sees a reward (research/feasibility.md §5), so a
+tiny policy first learns the task format by teacher forcing on ``prompt + answer + EOS`` with the
+loss on the answer and EOS tokens only (AdamW, gradient norm clipped at 1).
+
+The result is cached under ``$SDP_CACHE_DIR`` (default ``~/.cache/sdp``) in
+``warm_start/<key>/``: a Hugging Face model directory (safetensors + config), the tokenizer files,
+and ``warm_start.json`` with the key inputs and the measured greedy accuracy. The key is a hash of
+everything that changes the weights (architecture, charset, task and its parameters, steps,
+learning rate, batch size, seed, ``FORMAT_VERSION``). An entry is built in a temporary directory
+and renamed into place, so a reader sees a complete entry or none; two processes that train the
+same key at once both succeed and one of the two identical results is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdp_cli.errors import UserError
+from sdp_cli.models.evaluate import greedy_accuracy
+from sdp_cli.models.policy import Policy
+from sdp_cli.models.tiny import build_tiny_model
+from sdp_cli.models.tokenizer import build_tokenizer
+from sdp_cli.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+#: bump when the training recipe or the entry layout changes, so old entries are not reused
+FORMAT_VERSION = 1
+INFO_FILE = "warm_start.json"
+#: problems used to measure the greedy accuracy recorded in the entry
+EVAL_N = 256
+_EVAL_SEED_OFFSET = 1_000_003  # evaluation problems come from a different stream than training ones
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    """SFT recipe: optimizer steps, AdamW learning rate, problems per step."""
+
+    steps: int
+    lr: float
+    batch_size: int
+
+
+# Measured on the 2-core CPU machine (feasibility.md §5): arith1 reaches greedy ≈ 0.3–0.45 in 40
+# steps, arith2 ≈ 0.4 in 800. gsm8k solutions are ~200 characters, hence the smaller batch.
+DEFAULT_SETTINGS: dict[str, WarmStartSettings] = {
+    "arith1": WarmStartSettings(steps=40, lr=1e-3, batch_size=64),
+    "arith2": WarmStartSettings(steps=800, lr=1e-3, batch_size=64),
+    "gsm8k": WarmStartSettings(steps=100, lr=1e-3, batch_size=16),
+}
+_FALLBACK_SETTINGS = WarmStartSettings(steps=200, lr=1e-3, batch_size=64)
+
+
+def default_settings(task_name: str) -> WarmStartSettings:
+    """The recipe used when the caller does not override it."""
+    return DEFAULT_SETTINGS.get(task_name, _FALLBACK_SETTINGS)
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$SDP_CACHE_DIR``, else ``~/.cache/sdp``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("SDP_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sdp"
+
+
+def cache_key(
+    *, arch: dict[str, Any], charset: str, task: Task, steps: int, lr: float, batch_size: int, seed: int
+) -> tuple[str, dict[str, Any]]:
+    """``(key, inputs)``: the hex digest and the JSON-able inputs it hashes."""
+    inputs = {
+        "format_version": FORMAT_VERSION,
+        "model": {"type": "qwen2", **arch},
+        "charset": charset,
+        "task": {"name": task.name, **task.params()},
+        "steps": steps,
+        "lr": lr,
+        "batch_size": batch_size,
+        "seed": seed,
+    }
+    blob = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32], inputs
+
+
+def sft_batch(tokenizer: Any, task: Task, items: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``target_mask`` (1 where the token is part
+    of the answer or the final EOS, i.e. where the loss applies) for ``prompt + answer + EOS``."""
+    rows, targets = [], []
+    for item in items:
+        prompt, answer = task.sft_example(item)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+        answer_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + answer_ids)
+        targets.append([0] * len(prompt_ids) + [1] * len(answer_ids))
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    target_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, target) in enumerate(zip(rows, targets)):
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+        target_mask[i, : len(row)] = torch.tensor(target)
+    return input_ids, attention_mask, target_mask
+
+
+def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the target positions (logits at t predict token t+1)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    labels = input_ids[:, 1:]
+    mask = target_mask[:, 1:].to(logits.dtype)
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    return (nll * mask).sum() / mask.sum()
+
+
+def train_sft(model: torch.nn.Module, tokenizer: Any, task: Task, *, steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+    """Teacher-force ``model`` in place for ``steps`` AdamW steps; returns the loss of every step."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = sft_loss(model, *sft_batch(tokenizer, task, task.sample(rng, batch_size)))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def read_info(entry: Path) -> dict[str, Any]:
+    """The ``warm_start.json`` of a cache entry."""
+    path = entry / INFO_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"warm-start cache entry {entry} is unreadable ({err}); delete the directory to retrain") from None
+
+
+def warm_start(
+    task: Task,
+    *,
+    arch: dict[str, Any],
+    charset: str,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    cache_dir: str | Path | None = None,
+    eval_n: int = EVAL_N,
+) -> tuple[Path, dict[str, Any]]:
+    """The cache entry for these settings, training and writing it first if it does not exist.
+
+    Returns ``(entry_dir, info)``; ``entry_dir`` is a Hugging Face model directory with tokenizer.
+    """
+    assert steps >= 1, f"warm start needs steps >= 1, got {steps}"
+    key, inputs = cache_key(arch=arch, charset=charset, task=task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    root = cache_root(cache_dir) / "warm_start"
+    entry = root / key
+    if (entry / INFO_FILE).is_file():
+        log.info("warm start: using cached %s", entry)
+        return entry, read_info(entry)
+    if entry.exists():
+        raise UserError(f"warm-start cache entry {entry} is incomplete (no {INFO_FILE}); delete the directory to retrain")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create the cache directory {root} ({err.strerror}); set SDP_CACHE_DIR to a writable directory") from None
+
+    log.info("warm start: training %s for %d steps (cache %s)", task.name, steps, entry)
+    started = time.perf_counter()
+    tokenizer = build_tokenizer(charset)
+    model = build_tiny_model(len(tokenizer), seed=seed, **arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        losses = train_sft(model, tokenizer, task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    train_seconds = time.perf_counter() - started
+    policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name=key)
+    accuracy = greedy_accuracy(policy, task, eval_n, seed=seed + _EVAL_SEED_OFFSET)
+    info = {
+        "key": key,
+        "inputs": inputs,
+        "greedy_accuracy": accuracy,
+        "eval_n": eval_n,
+        "final_loss": losses[-1],
+        "train_seconds": round(train_seconds, 3),
+    }
+    log.info("warm start: %s greedy accuracy %.3f after %.1f s", task.name, accuracy, train_seconds)
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            # Another process finished the same key first; its entry is equivalent to ours.
+            if not (entry / INFO_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return entry, read_info(entry)

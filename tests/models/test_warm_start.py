@@ -1,0 +1,159 @@
+"""Warm start: SFT batch layout and loss, learning on arith1, on-disk cache (hit, miss, races, damage)."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+import sdp_cli.models.warm_start as ws
+from sdp_cli.errors import UserError
+from sdp_cli.models import greedy_accuracy, load_policy
+from sdp_cli.models.tiny import build_tiny_model, tiny_arch
+from sdp_cli.models.tokenizer import build_tokenizer
+from sdp_cli.tasks import build_task
+from sdp_cli.tasks.base import TaskItem
+
+# A smaller model than the default keeps these tests to a few seconds each on 2 cores.
+SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)
+
+
+def _settings(**overrides):
+    settings = dict(arch=tiny_arch(**SMALL), charset="arith", steps=2, lr=1e-3, batch_size=8, seed=0)
+    settings.update(overrides)
+    return settings
+
+
+def test_sft_batch_layout_by_hand():
+    tok = build_tokenizer("arith")
+    task = build_task("arith1")
+    items = [TaskItem("3+4=", "7"), TaskItem("9+9=", "18")]
+    input_ids, attention_mask, target_mask = ws.sft_batch(tok, task, items)
+    # ids: <s>=1, digit d = 4+d, "+"=14, "="=18, </s>=2, <pad>=0 (right padding)
+    assert input_ids.tolist() == [[1, 7, 14, 8, 18, 11, 2, 0], [1, 13, 14, 13, 18, 5, 12, 2]]
+    assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1, 0], [1] * 8]
+    # the loss covers the answer digits and the EOS, never BOS, the prompt or padding
+    assert target_mask.tolist() == [[0, 0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+def test_sft_loss_is_the_mean_nll_of_target_tokens():
+    tok = build_tokenizer("arith")
+    model = build_tiny_model(len(tok), seed=0, **SMALL)
+    batch = ws.sft_batch(tok, build_task("arith1"), [TaskItem("3+4=", "7"), TaskItem("9+9=", "18")])
+    loss = ws.sft_loss(model, *batch)
+    logp = torch.log_softmax(model(input_ids=batch[0], attention_mask=batch[1]).logits, -1)
+    # row 0 targets: "7" (id 11) at position 5 and EOS (2) at 6, predicted from positions 4 and 5;
+    # row 1 targets: "1" (5), "8" (12), EOS (2) at positions 5, 6, 7. Five terms in the mean.
+    terms = [logp[0, 4, 11], logp[0, 5, 2], logp[1, 4, 5], logp[1, 5, 12], logp[1, 6, 2]]
+    assert torch.allclose(loss, -torch.stack(terms).mean(), atol=1e-6)
+
+
+def test_cache_key_changes_with_every_input():
+    task1, task2 = build_task("arith1"), build_task("arith2")
+    base = _settings()
+    key = lambda **kw: ws.cache_key(**{**{k: v for k, v in base.items()}, "task": task1, **kw})[0]  # noqa: E731
+    variants = [
+        key(),
+        key(arch=tiny_arch(**{**SMALL, "num_layers": 3})),
+        key(charset="ascii"),
+        key(task=task2),
+        key(steps=3),
+        key(lr=2e-3),
+        key(batch_size=9),
+        key(seed=1),
+    ]
+    assert len(set(variants)) == len(variants)
+    assert key() == key()  # stable
+
+
+def test_cache_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "env"))
+    assert ws.cache_root() == tmp_path / "env"
+    assert ws.cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv("SDP_CACHE_DIR")
+    assert ws.cache_root().parts[-2:] == (".cache", "sdp")
+
+
+def test_warm_start_learns_arith1_and_is_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path))
+    calls = []
+    real_train = ws.train_sft
+    monkeypatch.setattr(ws, "train_sft", lambda *a, **kw: calls.append(kw["seed"]) or real_train(*a, **kw))
+    task = build_task("arith1")
+    kwargs = dict(task=task, warm_start_steps=30, warm_start_lr=3e-3, warm_start_batch_size=32, **SMALL)
+
+    trained = load_policy("tiny", **kwargs)
+    untrained = load_policy("tiny", **{**kwargs, "warm_start_steps": 0})
+    acc_trained = greedy_accuracy(trained, task, 200, seed=9)
+    acc_untrained = greedy_accuracy(untrained, task, 200, seed=9)
+    # A random model essentially never emits "<digits></s>"; 30 SFT steps reach ~0.15 at this size.
+    assert acc_untrained <= 0.02
+    assert acc_trained >= acc_untrained + 0.08
+    assert calls == [0]
+
+    (entry,) = (tmp_path / "warm_start").iterdir()
+    info = json.loads((entry / "warm_start.json").read_text())
+    assert info["key"] == entry.name and info["inputs"]["steps"] == 30 and info["inputs"]["task"]["name"] == "arith1"
+    assert 0.0 < info["greedy_accuracy"] <= 1.0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
+
+    again = load_policy("tiny", **kwargs)  # same key: loaded, not retrained
+    assert calls == [0]
+    for a, b in zip(trained.model.state_dict().values(), again.model.state_dict().values()):
+        assert torch.equal(a, b)
+    assert again.name == trained.name
+
+    load_policy("tiny", **{**kwargs, "seed": 1, "warm_start_steps": 2})  # different key: trains again
+    assert calls == [0, 1]
+    assert len(list((tmp_path / "warm_start").iterdir())) == 2
+
+
+def test_concurrent_warm_starts_of_one_key_leave_one_complete_entry(tmp_path, monkeypatch):
+    # Both threads finish training before either renames its temp dir into place, so one rename
+    # must lose the race and fall back to the winner's entry.
+    barrier = threading.Barrier(2, timeout=60)
+    real_train = ws.train_sft
+
+    def train_then_wait(*args, **kwargs):
+        losses = real_train(*args, **kwargs)
+        barrier.wait()
+        return losses
+
+    monkeypatch.setattr(ws, "train_sft", train_then_wait)
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(ws.warm_start(build_task("arith1"), cache_dir=tmp_path, eval_n=8, **_settings()))
+        except Exception as err:  # surfaced by the assertion below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    (entry,) = (tmp_path / "warm_start").iterdir()  # no temp dirs left behind
+    assert results[0][0] == results[1][0] == entry
+    assert (entry / "warm_start.json").is_file()
+
+
+def test_damaged_cache_entries_are_user_errors(tmp_path):
+    task = build_task("arith1")
+    key, _ = ws.cache_key(task=task, **{k: v for k, v in _settings().items()})
+    entry = tmp_path / "warm_start" / key
+    entry.mkdir(parents=True)
+    with pytest.raises(UserError, match="incomplete .*delete the directory"):
+        ws.warm_start(task, cache_dir=tmp_path, **_settings())
+    (entry / "warm_start.json").write_text("{not json")
+    with pytest.raises(UserError, match="unreadable .*delete the directory") as err:
+        ws.warm_start(task, cache_dir=tmp_path, **_settings())
+    assert "\n" not in str(err.value)
+
+
+def test_unwritable_cache_is_a_user_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="SDP_CACHE_DIR"):
+        ws.warm_start(build_task("arith1"), cache_dir=blocker, **_settings())
