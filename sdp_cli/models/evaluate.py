@@ -19,15 +19,15 @@ def greedy_accuracy(
     max_new_tokens: int | None = None,
 ) -> float:
     """Mean ``task.reward`` over ``n`` problems drawn with ``random.Random(seed)``, decoding greedily
-    for at most ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_id``."""
+    for at most ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_token_id``."""
     assert n >= 1, f"n must be >= 1, got {n}"
     items = task.sample(random.Random(seed), n)
     decoded = greedy_decode(
         policy.model,
         [policy.encode_prompt(item.prompt) for item in items],
         max_new_tokens=max_new_tokens or task.max_new_tokens,
-        eos_id=policy.eos_id,
-        pad_id=policy.pad_id,
+        eos_id=policy.eos_token_id,
+        pad_id=policy.pad_token_id,
         batch_size=batch_size,
     )
     rewards = [

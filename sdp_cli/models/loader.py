@@ -9,6 +9,7 @@ directory that ``load_policy("hf", ...)`` and a vLLM server can load.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
-from sdp_cli.models.tokenizer import build_tokenizer
+from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
@@ -37,7 +38,7 @@ def load_policy(
     seed: int = 0,
     warm_start_steps: int | None = None,
     warm_start_lr: float | None = None,
-    warm_start_batch_size: int | None = None,
+    warm_start_batch: int | None = None,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
@@ -51,7 +52,8 @@ def load_policy(
 ) -> Policy:
     """The policy of ``kind``.
 
-    ``tiny``: needs ``task`` (a name or a Task); the charset defaults to the task's; warm-start
+    ``tiny``: needs ``task`` (a name or a Task); the charset defaults to the task's (another one
+    must cover the task's characters); warm-start
     settings default to ``warm_start.default_settings(task)``; ``warm_start_steps=0`` skips the warm
     start (random init, nothing cached). ``hf``: needs ``path``, a local model directory; the tiny
     and warm-start arguments are ignored.
@@ -77,16 +79,32 @@ def load_policy(
         defaults = default_settings(task_obj.name)
         steps = defaults.steps if warm_start_steps is None else warm_start_steps
         lr = defaults.lr if warm_start_lr is None else warm_start_lr
-        batch_size = defaults.batch_size if warm_start_batch_size is None else warm_start_batch_size
+        batch_size = defaults.batch_size if warm_start_batch is None else warm_start_batch
         if steps < 0 or batch_size < 1 or not lr > 0:
             raise UserError(
                 f"warm start needs steps >= 0, batch_size >= 1 and lr > 0, got {steps}, {batch_size}, {lr}; fix the model settings"
             )
-        policy = _tiny_policy(task_obj, arch, charset or task_obj.charset, steps, lr, batch_size, seed, cache_dir)
+        charset = charset or task_obj.charset
+        if charset != task_obj.charset:
+            _check_charset_covers(task_obj, charset)
+        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, seed, cache_dir)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
     policy.model.to(device=device, dtype=DTYPES[dtype])
     return policy
+
+
+def _check_charset_covers(task: Task, charset: str) -> None:
+    """A charset other than the task's own must hold every character of the task's problems."""
+    if charset not in CHARSETS:
+        raise UserError(f"unknown charset {charset!r}; choose one of {', '.join(sorted(CHARSETS))}")
+    used = {c for item in task.sample(random.Random(0), 64) for c in item.prompt + item.answer}
+    missing = sorted(used - set(CHARSETS[charset]))
+    if missing:
+        raise UserError(
+            f"charset {charset!r} lacks characters that task {task.name!r} uses (e.g. {missing[0]!r}); "
+            f"use charset {task.charset!r} or leave it unset"
+        )
 
 
 def _tiny_policy(

@@ -16,17 +16,17 @@ class Policy:
     Attributes:
         model: the transformers model (eval mode, on its device).
         tokenizer: its tokenizer; ``encode_prompt``/``decode`` are the only text conversions used.
-        eos_id: the stop token id; a completion stops when it is generated.
-        pad_id: padding id (the EOS id when the tokenizer has no pad token).
-        bos_id: the id the tokenizer prepends to prompts, or None.
+        eos_token_id: the stop token id; a completion stops when it is generated.
+        pad_token_id: padding id (the EOS id when the tokenizer has no pad token).
+        bos_token_id: the id the tokenizer prepends to prompts, or None.
         name: identifies the policy in batch metadata and logs (a path or a warm-start key).
     """
 
     model: "PreTrainedModel"
     tokenizer: "PreTrainedTokenizerBase"
-    eos_id: int
-    pad_id: int
-    bos_id: int | None
+    eos_token_id: int
+    pad_token_id: int
+    bos_token_id: int | None
     name: str
 
     def encode_prompt(self, text: str) -> list[int]:

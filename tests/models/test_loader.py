@@ -27,7 +27,7 @@ def _logits(p, ids):
 
 
 def test_untrained_tiny_policy_bundle(policy):
-    assert (policy.pad_id, policy.bos_id, policy.eos_id) == (0, 1, 2)
+    assert (policy.pad_token_id, policy.bos_token_id, policy.eos_token_id) == (0, 1, 2)
     assert policy.name == "tiny-qwen2:arith1:init:seed4"
     assert policy.encode_prompt("3+4=") == [1, 7, 14, 8, 18]
     assert policy.decode([7, 14, 8]) == "3+4"
@@ -39,7 +39,7 @@ def test_save_then_load_hf_gives_identical_logits(policy, tmp_path):
     loaded = load_policy("hf", path=tmp_path / "ckpt")
     ids = policy.encode_prompt("12+34=5 (6*7)")
     assert torch.equal(_logits(policy, ids), _logits(loaded, ids))
-    assert (loaded.eos_id, loaded.pad_id, loaded.bos_id) == (policy.eos_id, policy.pad_id, policy.bos_id)
+    assert (loaded.eos_token_id, loaded.pad_token_id, loaded.bos_token_id) == (policy.eos_token_id, policy.pad_token_id, policy.bos_token_id)
     assert loaded.encode_prompt("9+9=") == policy.encode_prompt("9+9=")
     assert loaded.name == str((tmp_path / "ckpt").resolve())
     assert loaded.model.config.tie_word_embeddings and loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
@@ -84,8 +84,8 @@ def test_greedy_accuracy_matches_a_per_item_reference():
             policy.model,
             [policy.encode_prompt(item.prompt)],
             max_new_tokens=6,
-            eos_id=policy.eos_id,
-            pad_id=policy.pad_id,
+            eos_id=policy.eos_token_id,
+            pad_id=policy.pad_token_id,
         )
         rewards.append(task.reward(policy.decode(result.token_ids), item, stopped=result.stopped))
     assert len(set(rewards)) >= 2, "the check is only meaningful when rewards differ between items"
@@ -140,6 +140,16 @@ def test_bad_arguments_are_user_errors(kwargs, message):
     with pytest.raises(UserError) as err:
         load_policy(kind, **kwargs)
     assert str(err.value) == message
+
+
+def test_charset_that_misses_task_characters_is_a_user_error():
+    with pytest.raises(UserError) as err:
+        load_policy("tiny", task="gsm8k", charset="arith", warm_start_steps=0)
+    # the sample's first problem starts with a capital letter; "arith" has no letters at all
+    assert str(err.value).startswith("charset 'arith' lacks characters that task 'gsm8k' uses (e.g. ")
+    assert str(err.value).endswith("use charset 'ascii' or leave it unset")
+    # the other direction is fine: ascii covers the arithmetic characters
+    assert len(load_policy("tiny", task="arith1", charset="ascii", warm_start_steps=0, **SMALL).tokenizer) == 100
 
 
 def test_bad_warm_start_settings_are_user_errors():

@@ -80,7 +80,7 @@ def test_warm_start_learns_arith1_and_is_cached(monkeypatch, tmp_path):
     real_train = ws.train_sft
     monkeypatch.setattr(ws, "train_sft", lambda *a, **kw: calls.append(kw["seed"]) or real_train(*a, **kw))
     task = build_task("arith1")
-    kwargs = dict(task=task, warm_start_steps=30, warm_start_lr=3e-3, warm_start_batch_size=32, **SMALL)
+    kwargs = dict(task=task, warm_start_steps=30, warm_start_lr=3e-3, warm_start_batch=32, **SMALL)
 
     trained = load_policy("tiny", **kwargs)
     untrained = load_policy("tiny", **{**kwargs, "warm_start_steps": 0})
