@@ -29,43 +29,32 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from sdp_cli.core.logprobs import logprobs_from_logits
 from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.rollout.records import RolloutSample
 
-# float32 elements of one log-softmax chunk (64 MiB): bounds the scoring memory on big vocabularies
-_LOGPROB_CHUNK_ELEMENTS = 1 << 24
-
-
 @dataclass
 class _Batch:
-    """Decode state of the samples of one ``generate`` call (or one chunk of it)."""
+    """Decode state of the samples of one ``generate`` call (or one chunk of it).
 
-    samples: list[RolloutSample]
+    Row ``i`` of every tensor belongs to ``rows[i]``; a finished row becomes ``None`` and stays
+    in the tensors (its tokens are ignored) until at most half of the rows are live, because
+    dropping rows from a KV cache copies the whole cache.
+    """
+
+    rows: list[RolloutSample | None]
+    max_new_tokens: int
     stop_ids: torch.Tensor  # [S] ids that end a row
-    remaining: torch.Tensor  # [B] tokens each row may still generate
     generator: torch.Generator
+    live: torch.Tensor | None = None  # [B] bool, False once a row has finished
+    remaining: torch.Tensor | None = None  # [B] tokens each row may still generate
     cache: Any = None  # the model's KV cache; None until the first prefill
     attention_mask: torch.Tensor | None = None  # [B, cached + 1], 0 on left padding
     next_positions: torch.Tensor | None = None  # [B, 1] position id of the next input token
     next_logits: torch.Tensor | None = None  # [B, V] logits of the token to sample next
     weights_epoch: int = -1  # weight epoch the cache was computed under
-
-
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) gathered at ``targets`` (DESIGN.md §4), in row chunks so that the
-    float32 [rows × positions × vocab] tensor is never materialised whole a second time.
-
-    ``logits``: [B, K, V]; ``targets``: [B, K] → [B, K] float32.
-    """
-    rows, positions, vocab = logits.shape
-    step = max(1, _LOGPROB_CHUNK_ELEMENTS // max(1, positions * vocab))
-    out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
-    for lo in range(0, rows, step):
-        chunk = torch.log_softmax(logits[lo : lo + step].float() / temperature, dim=-1)
-        out[lo : lo + step] = chunk.gather(-1, targets[lo : lo + step].unsqueeze(-1)).squeeze(-1)
-    return out
 
 
 class LocalEngine(InferenceEngine):
@@ -225,10 +214,7 @@ class LocalEngine(InferenceEngine):
             )
             for lo in range(0, len(todo), self.max_batch_size):
                 chunk = todo[lo : lo + self.max_batch_size]
-                remaining = torch.tensor(
-                    [params.max_new_tokens - s.output_len for s in chunk], dtype=torch.long, device=self.device
-                )
-                self._decode(_Batch(chunk, stop_ids, remaining, generator))
+                self._decode(_Batch(list(chunk), params.max_new_tokens, stop_ids, generator))
         finally:
             self._forget(samples)
 
@@ -255,7 +241,7 @@ class LocalEngine(InferenceEngine):
 
     def _decode(self, batch: _Batch) -> None:
         """Decode turn after turn until every row of ``batch`` has finished."""
-        while batch.samples:
+        while any(row is not None for row in batch.rows):
             with self._gate.decode_turn(), torch.inference_mode():
                 if batch.weights_epoch != self._weights_epoch:
                     self._prefill(batch)
@@ -270,19 +256,23 @@ class LocalEngine(InferenceEngine):
         v − 1 without a π_prox_t from version v take it (DESIGN.md §2 step 4).
         """
         version = self._version
+        samples = [s for s in batch.rows if s is not None]
         need = [
             any(tv == version - 1 and pv != version for tv, pv in zip(s.versions, s.proximal_t_versions))
-            for s in batch.samples
+            for s in samples
         ]
-        tails = [s.output_len if n else 0 for s, n in zip(batch.samples, need)]
-        logits, ids, mask, cache = self._forward_padded(
-            [s.input_ids for s in batch.samples], max(tails) + 1, True
-        )
+        tails = [s.output_len if n else 0 for s, n in zip(samples, need)]
+        logits, ids, mask, cache = self._forward_padded([s.input_ids for s in samples], max(tails) + 1, True)
         if any(need):
-            for sample, logprobs in zip(batch.samples, self._tail_logprobs(logits, ids, tails)):
+            for sample, logprobs in zip(samples, self._tail_logprobs(logits, ids, tails)):
                 for t, lp in enumerate(logprobs):
                     if sample.versions[t] == version - 1 and sample.proximal_t_versions[t] != version:
                         sample.set_proximal_t(t, lp, version)
+        batch.rows = list(samples)
+        batch.live = torch.ones(len(samples), dtype=torch.bool, device=self.device)
+        batch.remaining = torch.tensor(
+            [batch.max_new_tokens - s.output_len for s in samples], dtype=torch.long, device=self.device
+        )
         batch.cache = cache
         batch.attention_mask = mask
         batch.next_positions = mask.sum(dim=1, keepdim=True)
@@ -290,33 +280,39 @@ class LocalEngine(InferenceEngine):
         batch.weights_epoch = self._weights_epoch
 
     def _sample_and_advance(self, batch: _Batch) -> None:
-        """Draw one token per row from softmax(logits / T), record it, drop finished rows, and run
-        the decode forward that yields the next logits of the rows left."""
+        """Draw one token per row from softmax(logits / T), record it for the live rows, retire
+        finished rows, and run the decode forward that yields the next logits."""
         logprobs = torch.log_softmax(batch.next_logits.float() / self.temperature, dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1, generator=batch.generator)  # [B, 1]
         token_logprobs = logprobs.gather(1, tokens).squeeze(1)
         version = self._version
-        for sample, token, lp in zip(batch.samples, tokens.squeeze(1).tolist(), token_logprobs.tolist()):
-            sample.append_tokens((token,), (lp,), version)
+        for sample, token, lp in zip(batch.rows, tokens.squeeze(1).tolist(), token_logprobs.tolist()):
+            if sample is not None:
+                sample.append_tokens((token,), (lp,), version)
 
         batch.remaining -= 1
         stopped = torch.isin(tokens.squeeze(1), batch.stop_ids)
-        finished = stopped | (batch.remaining == 0)
+        finished = batch.live & (stopped | (batch.remaining == 0))
         if bool(finished.any()):
             done_rows = finished.nonzero().squeeze(1).tolist()
-            stop_flags = stopped[done_rows].tolist()
-            for row, by_stop in zip(done_rows, stop_flags):
-                batch.samples[row].finish("stop" if by_stop else "length")
-            self._forget([batch.samples[row] for row in done_rows])
-            keep = (~finished).nonzero().squeeze(1)
-            batch.samples = [batch.samples[row] for row in keep.tolist()]
-            if not batch.samples:
+            for row, by_stop in zip(done_rows, stopped[done_rows].tolist()):
+                batch.rows[row].finish("stop" if by_stop else "length")
+            self._forget([batch.rows[row] for row in done_rows])
+            for row in done_rows:
+                batch.rows[row] = None
+            batch.live &= ~finished
+            live = int(batch.live.sum())
+            if live == 0:
                 return
-            batch.cache.batch_select_indices(keep)
-            batch.attention_mask = batch.attention_mask[keep]
-            batch.next_positions = batch.next_positions[keep]
-            batch.remaining = batch.remaining[keep]
-            tokens = tokens[keep]
+            if 2 * live <= len(batch.rows):
+                keep = batch.live.nonzero().squeeze(1)
+                batch.cache.batch_select_indices(keep)
+                batch.rows = [batch.rows[row] for row in keep.tolist()]
+                batch.live = batch.live[keep]
+                batch.attention_mask = batch.attention_mask[keep]
+                batch.next_positions = batch.next_positions[keep]
+                batch.remaining = batch.remaining[keep]
+                tokens = tokens[keep]
 
         batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(tokens), 1)], 1)
         out = self.model(
@@ -359,5 +355,6 @@ class LocalEngine(InferenceEngine):
         if keep == 1:
             return [[] for _ in tails]
         targets = ids[:, ids.shape[1] - keep + 1 :]
-        rows = gather_logprobs(logits[:, :-1], targets, self.temperature).tolist()
+        # the formula the trainer uses (DESIGN.md §4), chunked so big vocabularies fit in memory
+        rows = logprobs_from_logits(logits[:, :-1], targets, temperature=self.temperature).tolist()
         return [row[len(row) - tail :] if tail else [] for row, tail in zip(rows, tails)]

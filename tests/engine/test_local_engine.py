@@ -22,6 +22,16 @@ EOS = 31
 PAD = 0
 
 
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
+    many times slower (measured in tests/models/conftest.py); one thread avoids that."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 def tiny_config() -> Qwen2Config:
     # initializer_range 0.1 makes next-token distributions clearly non-uniform (max p ≈ 0.15,
     # min p ≈ 0.003 on the probe prompt), so wrong positions or temperatures show in the logprobs

@@ -26,6 +26,16 @@ PAD = 0
 WAIT_S = 60  # a generous bound on any wait: reaching it means the engine hung
 
 
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
+    many times slower (measured in tests/models/conftest.py); one thread avoids that."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
