@@ -189,6 +189,8 @@ class ModelConfig:
     """tiny: transformer layers."""
     num_heads: int = 4
     """tiny: attention heads."""
+    num_kv_heads: int | None = None
+    """tiny: key/value heads (grouped-query attention); null = num_heads."""
     intermediate_size: int = 512
     """tiny: MLP width."""
     charset: str = "arith"
@@ -359,6 +361,11 @@ def validate(cfg: SdpConfig) -> None:
     _choice("model.charset", mdl.charset, CHARSETS)
     for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "warm_start_batch"):
         _positive(f"model.{key}", getattr(mdl, key))
+    _positive("model.num_kv_heads", mdl.num_kv_heads, allow_none=True)
+    if mdl.num_kv_heads is not None and mdl.num_heads % mdl.num_kv_heads:
+        raise ConfigValueError(
+            f"model.num_heads={mdl.num_heads} must be a multiple of model.num_kv_heads={mdl.num_kv_heads}"
+        )
     if mdl.hidden_size % mdl.num_heads:
         raise ConfigValueError(
             f"model.hidden_size={mdl.hidden_size} must be divisible by model.num_heads={mdl.num_heads}"

@@ -1,0 +1,211 @@
+"""Atomic, self-validating checkpoints of a training run (no pickle anywhere).
+
+Layout of ``<run>/checkpoints/step-000050/``:
+    policy/                 Hugging Face model directory (weights, config, tokenizer)
+    optimizer.safetensors   every optimizer tensor, keyed ``state.<param>.<name>``
+    state.json              optimizer param groups + scalar state, trainer version, RNG states,
+                            the loop snapshot (counters, staleness manager, queued/cached groups)
+    manifest.json           size and sha256 of every file above; written last
+
+A checkpoint is built in a temporary sibling directory, every file and directory is fsynced,
+and only then is it renamed into place; ``latest`` is replaced atomically afterwards. A reader
+accepts a directory only if its manifest matches the files, so a half-written checkpoint (the
+process was killed mid-write) is never loaded: the previous valid one is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sdp_cli.errors import UserError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = "sdp-checkpoint"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint on disk."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]
+    optimizer_tensors: dict[str, torch.Tensor]
+
+    @property
+    def policy_dir(self) -> Path:
+        return self.path / "policy"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically (temp file in the same directory + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split ``optimizer.state_dict()`` into tensors (for safetensors) and JSON-safe rest."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for pid, entries in state["state"].items():
+        for name, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{name}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(pid), {})[name] = value
+    groups = json.loads(json.dumps(state["param_groups"], default=list))
+    return tensors, {"scalars": scalars, "param_groups": groups}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`flatten_optimizer_state`."""
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, pid, name = key.split(".", 2)
+        state.setdefault(int(pid), {})[name] = value
+    for pid, entries in rest["scalars"].items():
+        state.setdefault(int(pid), {}).update(entries)
+    groups = rest["param_groups"]
+    for group in groups:
+        if isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    *,
+    save_policy: Callable[[Path], None],
+    optimizer_state: dict[str, Any],
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically and prune all but the newest ``keep``."""
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{step:06d}"
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    try:
+        save_policy(tmp / "policy")
+        tensors, opt_rest = flatten_optimizer_state(optimizer_state)
+        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
+        payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "optimizer": opt_rest, **state}
+        (tmp / "state.json").write_text(json.dumps(payload))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        for path in files:
+            _fsync_file(path)
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "files": {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_file(tmp / MANIFEST)
+        for directory in sorted({p.parent for p in files} | {tmp}, key=lambda p: -len(p.parts)):
+            _fsync_dir(directory)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    atomic_write_text(root / LATEST, name + "\n")
+    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _is_valid(path: Path) -> bool:
+    manifest_path = path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("format") != FORMAT:
+            return False
+        for rel, meta in manifest["files"].items():
+            file = path / rel
+            if not file.is_file() or file.stat().st_size != meta["size"] or _sha256(file) != meta["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest valid checkpoint under ``root`` (``latest`` first, then by step), or None."""
+    if not root.is_dir():
+        return None
+    candidates: list[Path] = []
+    pointer = root / LATEST
+    if pointer.is_file():
+        candidates.append(root / pointer.read_text().strip())
+    candidates.extend(sorted(root.glob("step-*"), reverse=True))
+    for path in candidates:
+        if path.is_dir() and _is_valid(path):
+            return path
+    return None
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Load a checkpoint directory that passed validation."""
+    from safetensors.torch import load_file
+
+    if not _is_valid(path):
+        raise UserError(f"{path}: checkpoint is incomplete or corrupted; resume from an earlier one")
+    state = json.loads((path / "state.json").read_text())
+    tensors = load_file(str(path / "optimizer.safetensors"))
+    return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
+
+
+def remove_stale_temporaries(root: Path) -> int:
+    """Delete leftovers of checkpoint writes that were killed midway; returns how many."""
+    removed = 0
+    for tmp in root.glob(".tmp-step-*") if root.is_dir() else []:
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed += 1
+    return removed

@@ -1,0 +1,416 @@
+"""The asynchronous RL loop: a rollout producer thread and the trainer, overlapping.
+
+Producer thread (``_produce``): while the staleness manager grants capacity, sample prompts,
+generate G responses per prompt on the engine (tokens tagged with the engine version), score
+them and hand each finished group to the queue (segment-wise: filtered before enqueue).
+
+Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
+step, then push the new weights following DESIGN.md §2: pause (hooks) → recompute pass with the
+old weights still loaded → load the new weights → purge stale queue items → resume (hooks).
+
+Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
+partial), in the queue, in the cache, or consumed/dropped. The producer moves groups from its
+hands to the queue under ``_handoff_lock``, which the weight push also holds, so the recompute
+pass sees every sample the system holds exactly once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from queue import Empty
+from typing import Any, Callable, Protocol
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.hooks import PauseController
+from sdp_cli.rollout.recompute import ProximalRecomputer
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
+from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
+from sdp_cli.tasks.base import Task, TaskItem
+from sdp_cli.train.batch import TrainBatch, assemble_batch
+from sdp_cli.train.trainer import StepOutput, Trainer
+
+
+class TextCodec(Protocol):
+    """Prompt encoding / completion decoding (a tokenizer)."""
+
+    def encode_prompt(self, text: str) -> list[int]: ...
+
+    def decode_completion(self, token_ids: list[int]) -> str: ...
+
+
+class LoopStopped(RuntimeError):
+    """The loop was asked to stop (or its producer failed) while waiting for a batch."""
+
+
+@dataclass
+class StepRecord:
+    """What the loop hands to its observer after each step."""
+
+    step: int
+    version: int
+    metrics: dict[str, float]
+    batch: TrainBatch
+    output: StepOutput
+
+
+@dataclass
+class LoopCounters:
+    """Monotone counters that describe the run; checkpointed with the loop."""
+
+    groups_generated: int = 0
+    groups_failed: int = 0
+    samples_generated: int = 0
+    tokens_generated: int = 0
+    engine_faults: int = 0
+    recompute_tokens: int = 0
+    recompute_seconds: float = 0.0
+    push_seconds: float = 0.0
+    train_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LoopState:
+    """Everything beyond the trainer needed to resume the loop exactly."""
+
+    step: int = 0
+    next_group_id: int = 0
+    producer_rng: Any = None
+    counters: LoopCounters = field(default_factory=LoopCounters)
+
+
+class AsyncLoop:
+    """Runs rollout production and training concurrently until ``train.steps`` steps are done."""
+
+    def __init__(
+        self,
+        cfg: SdpConfig,
+        *,
+        engine: InferenceEngine,
+        trainer: Trainer,
+        task: Task,
+        codec: TextCodec,
+        pad_token_id: int,
+        stop_token_ids: tuple[int, ...],
+        max_new_tokens: int,
+        push_weights: Callable[[int], WeightUpdate],
+        on_step: Callable[[StepRecord], None] | None = None,
+        max_consecutive_engine_faults: int = 5,
+    ):
+        self.cfg = cfg
+        self.engine = engine
+        self.trainer = trainer
+        self.task = task
+        self.codec = codec
+        self.pad_token_id = pad_token_id
+        self.params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+        self.push_weights = push_weights
+        self.on_step = on_step
+        self.max_consecutive_engine_faults = max_consecutive_engine_faults
+
+        ro = cfg.rollout
+        self.batch_groups = ro.batch_groups
+        self._version = engine.get_version()
+        self.manager = StalenessManager(
+            max_concurrent_rollouts=ro.max_concurrent_rollouts or 2 * ro.batch_groups,
+            consumer_batch_size=ro.batch_groups,
+            max_staleness=ro.max_head_offpolicyness,
+            version_provider=lambda: self._version,
+        )
+        self.filtered_capacity = FilteredSamplesCapacityModifier()
+        self.manager.register_capacity_modifier(self.filtered_capacity)
+        self.strategy: StalenessControlStrategy = create_staleness_strategy(
+            cfg.staleness.strategy,
+            max_head_offpolicyness=ro.max_head_offpolicyness,
+            on_filtered=self.manager.on_samples_filtered,
+        )
+        self.queue: RolloutQueue[RolloutGroup] = RolloutQueue()
+        self.cache: RolloutCache[RolloutGroup] = RolloutCache()
+        self.pause_controller = PauseController(engine)
+        self.recomputer = ProximalRecomputer(engine)
+        self.recompute_enabled = ro.recompute == "always" or (
+            ro.recompute == "auto" and cfg.loss.mode == "segment_wise"
+        )
+
+        self.state = LoopState(producer_rng=random.Random(cfg.seed + 1).getstate())
+        self._in_hand: dict[int, RolloutGroup] = {}
+        self._handoff_lock = threading.RLock()
+        self._capacity_changed = threading.Condition()
+        self._stop = threading.Event()
+        self._producer_error: BaseException | None = None
+        self._producer: threading.Thread | None = None
+        self._group_ids = itertools.count(self.state.next_group_id)
+
+    # ============================================================ producer side
+    def _produce(self) -> None:
+        rng = random.Random()
+        rng.setstate(self.state.producer_rng)
+        consecutive_faults = 0
+        try:
+            while not self._stop.is_set():
+                n_groups = self._wait_for_capacity()
+                if n_groups == 0:
+                    continue
+                groups = self._new_groups(rng, n_groups)
+                try:
+                    self.engine.generate([s for g in groups for s in g.samples], self.params)
+                except EngineError:
+                    consecutive_faults += 1
+                    self._give_back(groups)
+                    self.state.counters.engine_faults += 1
+                    if consecutive_faults >= self.max_consecutive_engine_faults:
+                        raise
+                    time.sleep(min(2.0**consecutive_faults * 0.1, 5.0))
+                    continue
+                consecutive_faults = 0
+                self._hand_over(groups)
+        except BaseException as exc:  # surfaced to the trainer thread, which stops the run
+            self._producer_error = exc
+            self._stop.set()
+        finally:
+            with self._capacity_changed:
+                self._capacity_changed.notify_all()
+
+    def _wait_for_capacity(self) -> int:
+        with self._capacity_changed:
+            while not self._stop.is_set():
+                capacity = self.manager.get_capacity()
+                if capacity > 0:
+                    return min(capacity, self.cfg.rollout.groups_per_request)
+                self._capacity_changed.wait(timeout=0.5)
+        return 0
+
+    def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
+        items = self.task.sample(rng, n_groups)
+        self.state.producer_rng = rng.getstate()
+        groups = []
+        with self._handoff_lock:
+            for item in items:
+                group_id = next(self._group_ids)
+                self.state.next_group_id = group_id + 1
+                prompt_ids = self.codec.encode_prompt(item.prompt)
+                # the task item is stored as plain data so that queued samples can be checkpointed
+                meta = {"prompt": item.prompt, "answer": item.answer, "task_meta": dict(item.meta)}
+                samples = [
+                    RolloutSample(prompt_ids=list(prompt_ids), group_id=group_id, meta=dict(meta))
+                    for _ in range(self.cfg.rollout.group_size)
+                ]
+                group = RolloutGroup(group_id=group_id, samples=samples)
+                self.manager.on_rollout_enqueued()
+                self.manager.on_rollout_submitted()
+                self._in_hand[group_id] = group
+                groups.append(group)
+        return groups
+
+    def _give_back(self, groups: list[RolloutGroup]) -> None:
+        """Generation failed: the groups are rejected and their capacity returns."""
+        with self._handoff_lock:
+            for group in groups:
+                self._in_hand.pop(group.group_id, None)
+                self.manager.on_rollout_rejected()
+                self.state.counters.groups_failed += 1
+        with self._capacity_changed:
+            self._capacity_changed.notify_all()
+
+    def _hand_over(self, groups: list[RolloutGroup]) -> None:
+        """Score finished groups and move them from the producer's hands into the queue."""
+        with self._handoff_lock:
+            version = self._version
+            for group in groups:
+                for sample in group.samples:
+                    completion = self.codec.decode_completion(sample.output_ids)
+                    item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
+                    sample.reward = float(self.task.reward(completion, item, stopped=sample.finish_reason == "stop"))
+                    self.state.counters.samples_generated += 1
+                    self.state.counters.tokens_generated += sample.output_len
+                self._in_hand.pop(group.group_id, None)
+                self.manager.on_rollout_accepted()
+                self.state.counters.groups_generated += 1
+                if self.strategy.should_filter_before_enqueue() and not self.strategy.filter_before_enqueue(
+                    group, version
+                ):
+                    continue
+                self.queue.put(group)
+
+    # ============================================================= trainer side
+    def start(self) -> None:
+        """Start the producer thread."""
+        assert self._producer is None, "AsyncLoop.start() called twice"
+        self._producer = threading.Thread(target=self._produce, name="sdp-rollout-producer", daemon=True)
+        self._producer.start()
+
+    def stop(self) -> None:
+        """Stop the producer and wait for it (it finishes the generate call it is in)."""
+        self._stop.set()
+        if self.engine.is_paused():
+            self.engine.resume()
+        with self._capacity_changed:
+            self._capacity_changed.notify_all()
+        if self._producer is not None:
+            self._producer.join(timeout=60)
+
+    def run(self) -> None:
+        """Train until ``train.steps`` steps are done (continuing from ``state.step``)."""
+        if self._producer is None:
+            self.start()
+        try:
+            while self.state.step < self.cfg.train.steps:
+                self.run_step()
+        finally:
+            self.stop()
+        if self._producer_error is not None:
+            raise self._producer_error
+
+    def run_step(self) -> StepRecord:
+        """Take one batch, train on it and push the new weights."""
+        t0 = time.perf_counter()
+        groups = self._next_batch()
+        t1 = time.perf_counter()
+        batch = assemble_batch(
+            groups,
+            pad_token_id=self.pad_token_id,
+            trainer_version=self.trainer.version,
+            scale_adv_by_std=self.cfg.loss.scale_adv_by_std,
+        )
+        output = self.trainer.step(batch)
+        t2 = time.perf_counter()
+        push_metrics = self._push()
+        t3 = time.perf_counter()
+
+        counters = self.state.counters
+        counters.wait_seconds += t1 - t0
+        counters.train_seconds += t2 - t1
+        counters.push_seconds += t3 - t2
+        self.state.step += 1
+        metrics = dict(output.metrics)
+        metrics.update(push_metrics)
+        metrics.update(self._loop_metrics())
+        metrics["time/wait_s"] = t1 - t0
+        metrics["time/train_s"] = t2 - t1
+        metrics["time/push_s"] = t3 - t2
+        record = StepRecord(step=self.state.step, version=self._version, metrics=metrics, batch=batch, output=output)
+        if self.on_step is not None:
+            self.on_step(record)
+        return record
+
+    def _next_batch(self) -> list[RolloutGroup]:
+        deadline = time.monotonic() + self.cfg.train.batch_timeout_s
+        while True:
+            self._raise_if_stopped()
+            version = self.trainer.version
+            while True:
+                try:
+                    self.cache.add(self.queue.get_nowait())
+                except Empty:
+                    break
+            self.strategy.filter_stale_from_cache(self.cache, version)
+            if self.cache.size() >= self.batch_groups:
+                return self.cache.take_first_n(self.batch_groups)
+            try:
+                self.cache.add(self.queue.get(timeout=0.2))
+            except Empty:
+                if time.monotonic() > deadline:
+                    raise LoopStopped(
+                        f"no batch arrived within train.batch_timeout_s={self.cfg.train.batch_timeout_s:g}s "
+                        f"(cache holds {self.cache.size()} of {self.batch_groups} groups)"
+                    ) from None
+
+    def _raise_if_stopped(self) -> None:
+        if self._producer_error is not None:
+            raise LoopStopped(f"rollout producer failed: {self._producer_error}") from self._producer_error
+        if self._stop.is_set():
+            raise LoopStopped("stopped")
+
+    def _push(self) -> dict[str, float]:
+        """DESIGN.md §2: pause → recompute (old weights) → load new weights → purge → resume."""
+        new_version = self.trainer.version
+        update = self.push_weights(new_version)
+        metrics: dict[str, float] = {}
+        with self.pause_controller.paused():
+            with self._handoff_lock:
+                if self.recompute_enabled:
+                    t0 = time.perf_counter()
+                    in_hand = [s for g in self._in_hand.values() for s in g.samples]
+                    stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=in_hand)
+                    elapsed = time.perf_counter() - t0
+                    self.state.counters.recompute_tokens += stats.tokens_recomputed
+                    self.state.counters.recompute_seconds += elapsed
+                    metrics["recompute/tokens"] = float(stats.tokens_recomputed)
+                    metrics["recompute/samples"] = float(stats.samples_recomputed)
+                    metrics["recompute/mean_abs_delta"] = float(stats.mean_abs_delta)
+                    metrics["time/recompute_s"] = elapsed
+                self.engine.update_weights(update)
+                self._version = new_version
+                metrics["staleness/purged_groups"] = float(
+                    self.strategy.purge_stale_samples_from_queue(self.queue, new_version)
+                )
+        with self._capacity_changed:
+            self._capacity_changed.notify_all()
+        return metrics
+
+    def _loop_metrics(self) -> dict[str, float]:
+        stats = self.manager.get_stats()
+        return {
+            "staleness/capacity": float(self.manager.get_capacity()),
+            "staleness/accepted": float(stats.accepted),
+            "staleness/running": float(stats.running),
+            "staleness/rejected": float(stats.rejected),
+            "staleness/filtered_groups_total": float(sum(self.strategy.filtered_by_version.values())),
+            "buffer/queue": float(self.queue.qsize()),
+            "buffer/cache": float(self.cache.size()),
+            "throughput/tokens_generated_total": float(self.state.counters.tokens_generated),
+        }
+
+    # ============================================================== checkpoint
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-safe picture of the loop (buffer contents, counters, RNG) taken atomically."""
+        with self._handoff_lock:
+            return {
+                "step": self.state.step,
+                "version": self._version,
+                "next_group_id": self.state.next_group_id,
+                "producer_rng": _rng_state_to_json(self.state.producer_rng),
+                "counters": self.state.counters.to_dict(),
+                "manager": self.manager.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "queue": [g.to_dict() for g in self.queue.snapshot()],
+                "cache": [g.to_dict() for g in self.cache.get_all()],
+                "in_flight_groups": len(self._in_hand),
+            }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Restore a snapshot before ``start()``. Groups that were in flight when it was taken are
+        gone: their capacity returns (running → 0); queued and cached groups come back."""
+        assert self._producer is None, "restore() must be called before start()"
+        self.state.step = int(snap["step"])
+        self._version = int(snap["version"])
+        self.state.next_group_id = int(snap["next_group_id"])
+        self._group_ids = itertools.count(self.state.next_group_id)
+        self.state.producer_rng = _rng_state_from_json(snap["producer_rng"])
+        self.state.counters = LoopCounters(**snap["counters"])
+        self.manager.load_state_dict(snap["manager"], drop_inflight=True)
+        self.strategy.load_state_dict(snap["strategy"])
+        for data in snap["queue"]:
+            self.queue.put(RolloutGroup.from_dict(data))
+        for data in snap["cache"]:
+            self.cache.add(RolloutGroup.from_dict(data))
+
+
+def _rng_state_to_json(state: Any) -> list[Any]:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_state_from_json(data: list[Any]) -> Any:
+    version, internal, gauss = data
+    return (version, tuple(internal), gauss)

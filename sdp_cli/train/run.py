@@ -1,0 +1,377 @@
+"""``sdp train`` end to end: run directory, components, the async loop, checkpoints, summary.
+
+Run directory (``runs/<timestamp>-<mode>-<task>/``):
+    config.yaml        the resolved config
+    overrides.json     the command-line overrides (``resume`` re-composes from them)
+    metrics.jsonl      one line per step
+    events.jsonl       start / resume / checkpoints / faults / end
+    tensorboard/       TensorBoard event files
+    checkpoints/       atomic, validated checkpoints (see checkpoint.py)
+    batches/           training batches in the sdp batch format (train.save_batches=true)
+    versions/          weights of every version (train.keep_version_checkpoints=true)
+    summary.json       final numbers of the run
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sdp_cli.config.compose import compose_config, to_yaml
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
+from sdp_cli.errors import UserError
+from sdp_cli.tasks import Task, build_task
+from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
+from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.trainer import Trainer
+
+
+# ------------------------------------------------------------------- helpers
+class PromptCodec:
+    """Prompt encoding and completion decoding of a policy (the stop token is not text)."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.stop_token_ids = {int(policy.eos_token_id)}
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.policy.encode_prompt(text)
+
+    def decode_completion(self, token_ids: list[int]) -> str:
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.policy.decode(token_ids)
+
+
+def _resolve_threads(cfg: SdpConfig) -> int:
+    cores = os.cpu_count() or 1
+    if cfg.train.threads is not None:
+        return cfg.train.threads
+    # Rollouts and training overlap when η > 0: give each worker its own core(s) so the two
+    # threads run in parallel instead of fighting over one intra-op pool.
+    return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
+
+
+def make_run_dir(cfg: SdpConfig) -> Path:
+    if cfg.run.dir:
+        path = Path(cfg.run.dir)
+    else:
+        name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.loss.mode}-{cfg.task.name}"
+        path = Path(cfg.run.root) / name
+    if path.exists() and any(path.iterdir()):
+        raise UserError(f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_task_from(cfg: SdpConfig) -> Task:
+    kwargs: dict[str, Any] = {}
+    if cfg.task.name == "gsm8k":
+        kwargs["path"] = cfg.task.path
+        if cfg.task.prompt_template is not None:
+            kwargs["prompt_template"] = cfg.task.prompt_template
+    return build_task(cfg.task.name, **kwargs)
+
+
+def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
+    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir)."""
+    from sdp_cli.models import load_policy
+
+    if path is not None:
+        return load_policy("hf", path=str(path))
+    if cfg.model.kind == "hf":
+        return load_policy("hf", path=cfg.model.path)
+    m = cfg.model
+    return load_policy(
+        "tiny",
+        task=task,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads or m.num_heads,
+        intermediate_size=m.intermediate_size,
+        charset=m.charset,
+        warm_start_steps=m.warm_start_steps,
+        warm_start_lr=m.warm_start_lr,
+        warm_start_batch=m.warm_start_batch,
+        seed=cfg.seed,
+    )
+
+
+def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path) -> InferenceEngine:
+    if cfg.engine.kind == "local":
+        from sdp_cli.engine.local import LocalEngine
+
+        return LocalEngine(
+            copy.deepcopy(policy.model),
+            temperature=cfg.rollout.temperature,
+            eos_token_id=policy.eos_token_id,
+            pad_token_id=policy.pad_token_id,
+            max_batch_size=cfg.engine.max_batch_size,
+            seed=cfg.seed,
+        )
+    from sdp_cli.engine.servers import build_remote_engine
+
+    return build_remote_engine(cfg, policy, run_dir)
+
+
+# ---------------------------------------------------------------------- run
+class TrainingRun:
+    """One ``sdp train`` invocation (fresh or resumed)."""
+
+    def __init__(self, cfg: SdpConfig, raw: Any, overrides: list[str], run_dir: Path, *, resuming: bool):
+        self.cfg = cfg
+        self.raw = raw
+        self.overrides = overrides
+        self.run_dir = run_dir
+        self.resuming = resuming
+        self.ckpt_root = run_dir / "checkpoints"
+        self.events = EventLog(run_dir / "events.jsonl")
+
+    # -- setup --------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one live display per run is enough
+        torch.set_num_threads(_resolve_threads(cfg))
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+
+        checkpoint = None
+        if self.resuming:
+            ckpt.remove_stale_temporaries(self.ckpt_root)
+            found = ckpt.find_latest(self.ckpt_root)
+            if found is None:
+                raise UserError(f"{self.run_dir}: no complete checkpoint to resume from; start a new run instead")
+            checkpoint = ckpt.read_checkpoint(found)
+
+        self.task = build_task_from(cfg)
+        self.policy = load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
+        stop_ids = (int(self.policy.eos_token_id),)
+        self.codec = PromptCodec(self.policy)
+        self.trainer = Trainer(
+            self.policy.model,
+            loss=cfg.loss,
+            optim=cfg.optim,
+            temperature=cfg.rollout.temperature,
+            seed=cfg.seed,
+            measure_proximal_t=cfg.rollout.recompute == "always",
+        )
+        self.engine = build_engine(cfg, self.policy, self.run_dir)
+        max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
+        self.loop = AsyncLoop(
+            cfg,
+            engine=self.engine,
+            trainer=self.trainer,
+            task=self.task,
+            codec=self.codec,
+            pad_token_id=int(self.policy.pad_token_id),
+            stop_token_ids=stop_ids,
+            max_new_tokens=max_new,
+            push_weights=self._weight_update,
+            on_step=self._on_step,
+        )
+        start_step = 0
+        if checkpoint is not None:
+            state = checkpoint.state
+            self.trainer.optimizer.load_state_dict(
+                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+            )
+            self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
+            torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
+            self.trainer.version = int(state["trainer"]["version"])
+            self.engine.set_version(self.trainer.version)
+            self.loop.restore(state["loop"])
+            start_step = checkpoint.step
+            self.events.write("resumed", step=start_step, version=self.trainer.version, checkpoint=str(checkpoint.path))
+        else:
+            self.events.write("started", overrides=self.overrides)
+            if cfg.train.keep_version_checkpoints:
+                self._save_version(0)
+
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+        self.tensorboard = TensorBoardLog(
+            self.run_dir / "tensorboard" if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
+        )
+        self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
+        self.start_step = start_step
+
+    # -- weights ------------------------------------------------------------
+    def _weight_update(self, version: int) -> WeightUpdate:
+        if self.cfg.train.keep_version_checkpoints:
+            self._save_version(version)
+        if self.cfg.engine.kind == "local":
+            return WeightUpdate(version=version, state_dict=self.trainer.weights())
+        target = self.run_dir / "weights" / f"v{version:06d}"
+        self._save_policy(target)
+        for old in sorted((self.run_dir / "weights").glob("v*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return WeightUpdate(version=version, path=target)
+
+    def _save_policy(self, directory: Path) -> None:
+        from sdp_cli.models import save_policy
+
+        save_policy(self.policy, directory)
+
+    def _save_version(self, version: int) -> None:
+        self._save_policy(self.run_dir / "versions" / f"v{version:06d}")
+
+    # -- per step -----------------------------------------------------------
+    def _on_step(self, record: StepRecord) -> None:
+        cfg = self.cfg
+        metrics = dict(record.metrics)
+        metrics["version"] = float(record.version)
+        if cfg.train.save_batches:
+            self._save_batch(record)
+        self.metrics.write(record.step, metrics)
+        self.tensorboard.write(record.step, metrics)
+        self.progress.update(record.step, metrics)
+        every = cfg.train.checkpoint_every
+        if (every and record.step % every == 0) or record.step == cfg.train.steps:
+            self.checkpoint(record.step)
+        if cfg.train.eval_every and record.step % cfg.train.eval_every == 0 and record.step != cfg.train.steps:
+            self._evaluate(record.step)
+
+    def _save_batch(self, record: StepRecord) -> None:
+        from sdp_cli.train.batch_io import write_train_batch
+
+        write_train_batch(
+            self.run_dir / "batches" / f"step-{record.step:06d}.safetensors",
+            record.batch,
+            record.output,
+            temperature=self.cfg.rollout.temperature,
+            model=self.policy.name,
+            mode=self.cfg.loss.mode,
+        )
+
+    def checkpoint(self, step: int) -> Path:
+        trainer_state = {
+            "version": self.trainer.version,
+            "generator": self.trainer.generator.get_state().tolist(),
+            "torch_rng": torch.get_rng_state().tolist(),
+        }
+        path = ckpt.write_checkpoint(
+            self.ckpt_root,
+            step,
+            save_policy=self._save_policy,
+            optimizer_state=self.trainer.optimizer.state_dict(),
+            state={"trainer": trainer_state, "loop": self.loop.snapshot()},
+        )
+        self.events.write("checkpoint", step=step, path=str(path))
+        return path
+
+    def _evaluate(self, step: int) -> float:
+        from sdp_cli.models import greedy_accuracy
+
+        acc = greedy_accuracy(self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7)
+        self.metrics.write(step, {"eval/greedy_accuracy": acc})
+        self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
+        self.events.write("eval", step=step, greedy_accuracy=acc)
+        return acc
+
+    # -- main ---------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        try:
+            self.loop.run()
+        except (LoopStopped, EngineError) as exc:
+            step = self.loop.state.step
+            path = self.checkpoint(step) if step > self.start_step else None
+            self.events.write("stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None)
+            where = f"; resume with: sdp train resume={self.run_dir}" if path or step else ""
+            raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
+        except KeyboardInterrupt:
+            step = self.loop.state.step
+            if step > self.start_step:
+                self.checkpoint(step)
+            self.events.write("interrupted", step=step)
+            raise
+        finally:
+            self.progress.close()
+            self.engine.close()
+        wall = time.perf_counter() - t0
+        acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
+        summary = self._summary(wall, acc_start, acc_end)
+        ckpt.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+        self.metrics.close()
+        self.tensorboard.close()
+        self.events.close()
+        return summary
+
+    def _summary(self, wall: float, acc_start: float | None, acc_end: float | None) -> dict[str, Any]:
+        rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
+        window = min(50, max(1, len(rewards) // 2))
+        counters = self.loop.state.counters
+        return {
+            "run_dir": str(self.run_dir),
+            "steps": self.loop.state.step,
+            "mode": self.cfg.loss.mode,
+            "staleness": self.cfg.staleness.strategy,
+            "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
+            "wall_seconds": wall,
+            "reward_first": sum(rewards[:window]) / window if rewards else None,
+            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            "reward_window": window,
+            "greedy_accuracy_start": acc_start,
+            "greedy_accuracy_end": acc_end,
+            "tokens_generated": counters.tokens_generated,
+            "tokens_per_second": counters.tokens_generated / wall if wall > 0 else None,
+            "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
+            "recompute_share": counters.recompute_seconds / wall if wall > 0 else None,
+            "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
+            "counters": counters.to_dict(),
+        }
+
+
+def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any]:
+    """Start (or resume) a run and return its summary."""
+    if cfg.resume:
+        run_dir = Path(cfg.resume)
+        saved = run_dir / "overrides.json"
+        if not saved.is_file():
+            raise UserError(f"{run_dir}: not an sdp run directory (no overrides.json); pass the run directory to resume=")
+        original = json.loads(saved.read_text())
+        extra = [o for o in overrides if not o.startswith("resume=")]
+        cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
+        if extra:
+            ckpt.atomic_write_text(saved, json.dumps([*original, *extra]))
+        resuming = True
+    else:
+        run_dir = make_run_dir(cfg)
+        ckpt.atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
+        resuming = False
+    ckpt.atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
+    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming)
+    run.setup()
+    summary = run.run()
+    print(_summary_line(summary))
+    return summary
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    return (
+        f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
+        f"reward {fmt(summary['reward_first'], '.3f')} → {fmt(summary['reward_last'], '.3f')} "
+        f"(first/last {summary['reward_window']} steps); greedy accuracy "
+        f"{fmt(summary['greedy_accuracy_start'], '.2f')} → {fmt(summary['greedy_accuracy_end'], '.2f')}; "
+        f"run dir {summary['run_dir']}"
+    )

@@ -1,0 +1,263 @@
+"""The PPO trainer: one optimisation step per consumed batch, math delegated to ``sdp_cli.core``.
+
+Per step (DESIGN.md §1, §4):
+1. π_prox: a no-grad forward of the current weights at the rollout temperature (not in bypass).
+2. segment-wise: tokens one version behind take π_prox_t := π_prox (see ``fill_one_step_proximal``).
+3. behavioural log ratio of the mode → bounded importance weights (+ optional rejection mask).
+4. ``ppo_epochs`` × ``minibatches`` optimizer steps on ``policy_loss`` with π_prox (or π_behav in
+   bypass) as the clip anchor.
+
+The model and optimizer go through ``accelerate`` so the same code runs under
+``accelerate launch`` (each process trains on its shard of every minibatch; DDP averages the
+gradients). Both behavioural weights (decoupled and segment-wise) are measured on the same
+tokens whenever their inputs exist, whatever the training mode ("shadow" metrics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sdp_cli.config.schema import LossConfig, OptimConfig
+from sdp_cli.core.logprobs import logprobs_from_logits
+from sdp_cli.core.loss import policy_loss
+from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.weights import behavior_log_ratio, importance_weights, rejection_mask
+from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal, segment_wise_violation
+
+
+@dataclass
+class StepOutput:
+    """What one training step reports: flat scalar metrics and the tensors worth saving."""
+
+    metrics: dict[str, float]
+    proximal_logprobs: torch.Tensor | None
+    loss_mask: torch.Tensor
+
+
+def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
+
+
+class Trainer:
+    """Owns the trained model, its optimizer and the trainer version c."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        loss: LossConfig,
+        optim: OptimConfig,
+        temperature: float,
+        seed: int = 0,
+        measure_proximal_t: bool = False,
+        accelerator: Any | None = None,
+    ):
+        from accelerate import Accelerator
+
+        self.loss_cfg = loss
+        self.optim_cfg = optim
+        self.temperature = float(temperature)
+        self.measure_proximal_t = measure_proximal_t or loss.mode == "segment_wise"
+        self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            weight_decay=optim.weight_decay,
+        )
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.version = 0
+
+    # ------------------------------------------------------------------ forward
+    def logprobs(self, batch: TrainBatch, *, grad: bool) -> torch.Tensor:
+        """log π_θ of every target token at the rollout temperature, shape [N, L-1].
+
+        With ``grad`` the result stays on the training device and carries the graph; without it
+        it is a detached float32 CPU tensor (π_prox).
+        """
+        device = self.accelerator.device
+        with torch.set_grad_enabled(grad):
+            out = self.model(
+                input_ids=batch.input_ids.to(device),
+                attention_mask=batch.attention_mask.to(device),
+                use_cache=False,
+            )
+            logprobs = logprobs_from_logits(
+                out.logits[:, :-1], batch.input_ids[:, 1:].to(device), temperature=self.temperature
+            )
+        return logprobs if grad else logprobs.detach().float().cpu()
+
+    # --------------------------------------------------------------------- step
+    def step(self, batch: TrainBatch) -> StepOutput:
+        """Train on one batch; the trainer version then advances by one."""
+        cfg = self.loss_cfg
+        c = self.version
+        assert batch.trainer_version == c, f"batch built for version {batch.trainer_version}, trainer at {c}"
+        metrics: dict[str, float] = {}
+        mask = batch.mask
+
+        need_prox = cfg.mode != "bypass" or self.measure_proximal_t
+        prox = self.logprobs(batch, grad=False) if need_prox else None
+
+        loss_mask = mask
+        if self.measure_proximal_t and prox is not None:
+            metrics["sdp/one_step_filled_tokens"] = float(fill_one_step_proximal(batch, prox))
+            violation = segment_wise_violation(batch)
+            uncorrectable = (mask > 0) & (batch.versions < c) & (batch.proximal_t_versions != batch.versions + 1)
+            metrics["sdp/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(float(mask.sum()), 1.0)
+            if cfg.mode == "segment_wise" and violation is not None:
+                # Reachable only without consume-time filtering (staleness=standard): a token whose
+                # π_{v+1} window closed cannot be corrected, so it leaves the loss.
+                loss_mask = torch.where(uncorrectable, torch.zeros_like(mask), mask)
+
+        old = batch.old_logprobs
+        log_ratio = behavior_log_ratio(
+            old,
+            proximal_logprobs=prox,
+            proximal_logprobs_t=batch.proximal_logprobs_t if cfg.mode == "segment_wise" else None,
+            mode=cfg.mode,
+        )
+        weights = None
+        if log_ratio is not None:
+            weights, wmetrics = importance_weights(
+                log_ratio,
+                loss_mask,
+                level=cfg.is_level,
+                cap=cfg.weight_cap,
+                floor=cfg.weight_floor,
+                action=cfg.weight_action,
+                batch_normalize=cfg.batch_normalize,
+            )
+            metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
+            if cfg.rejection.level is not None:
+                loss_mask, rmetrics = rejection_mask(
+                    log_ratio,
+                    loss_mask,
+                    level=cfg.rejection.level,
+                    upper=cfg.rejection.upper,
+                    lower=cfg.rejection.lower,
+                    veto=cfg.rejection.veto,
+                )
+                metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
+
+        metrics.update(self._diagnostics(batch, prox))
+        anchor = prox if cfg.mode != "bypass" else old
+        metrics.update(self._optimise(batch, anchor, loss_mask, weights))
+        self.version += 1
+        return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
+
+    def _optimise(
+        self,
+        batch: TrainBatch,
+        anchor: torch.Tensor,
+        loss_mask: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> dict[str, float]:
+        cfg, opt = self.loss_cfg, self.optim_cfg
+        acc = self.accelerator
+        n = batch.num_sequences
+        per_step: list[dict[str, float]] = []
+        self.model.train()
+        for _ in range(opt.ppo_epochs):
+            order = torch.randperm(n, generator=self.generator)
+            for chunk in torch.tensor_split(order, opt.minibatches):
+                # data parallel: each process takes every world_size-th row of the minibatch
+                rows = chunk[acc.process_index :: acc.num_processes]
+                if rows.numel() == 0:
+                    rows = chunk[:1]
+                mb = batch.rows(rows)
+                dev = acc.device
+                loss, lmetrics = policy_loss(
+                    self.logprobs(mb, grad=True),
+                    anchor[rows].to(dev),
+                    mb.advantages.to(dev),
+                    loss_mask[rows].to(dev),
+                    weights=None if weights is None else weights[rows].to(dev),
+                    clip=cfg.clip,
+                    clip_high=cfg.clip_high,
+                    dual_clip=cfg.dual_clip,
+                    agg=cfg.agg,
+                    loss_type=cfg.loss_type,
+                )
+                acc.backward(loss)
+                if opt.grad_clip is not None:
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
+                else:
+                    grad_norm = torch.sqrt(
+                        sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None)
+                    )
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                lmetrics = {f"loss/{k}": float(v) for k, v in lmetrics.items()}
+                lmetrics["loss/grad_norm"] = float(grad_norm)
+                per_step.append(lmetrics)
+        self.model.eval()
+        out = _mean_of(per_step)
+        out["loss/optimizer_steps"] = float(len(per_step))
+        return out
+
+    def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None) -> dict[str, float]:
+        """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown."""
+        c = batch.trainer_version
+        mask = batch.mask
+        valid = mask > 0
+        out: dict[str, float] = {
+            "reward/mean": float(batch.rewards.mean()),
+            "batch/sequences": float(batch.num_sequences),
+            "batch/response_tokens": float(mask.sum()),
+            "batch/response_len_mean": float(mask.sum() / max(batch.num_sequences, 1)),
+        }
+        lags = (c - batch.versions)[valid]
+        if lags.numel():
+            out["staleness/lag_mean"] = float(lags.float().mean())
+            out["staleness/lag_max"] = float(lags.max())
+        if prox is None:
+            return out
+        old = batch.old_logprobs
+        out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
+
+        shadows = {"decoupled": prox - old}
+        if self.measure_proximal_t:
+            shadows["segment_wise"] = batch.proximal_logprobs_t - old
+        for name, lr in shadows.items():
+            _, raw = importance_weights(lr, mask, level="token")
+            for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
+                out[f"shadow/{name}/{key}"] = raw[key]
+            # per-lag breakdown with AReaL's names (behav_imp_weight, behav_kl)
+            w = torch.exp(lr.clamp(-20, 20))
+            for lag in sorted(set(int(x) for x in lags.tolist())):
+                sel = valid & ((c - batch.versions) == lag)
+                count = int(sel.sum())
+                ws = w[sel]
+                out[f"shadow/{name}/lag{lag}/tokens"] = float(count)
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = float(ws.mean())
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = float(ws.std(unbiased=False)) if count > 1 else 0.0
+                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float((-lr[sel]).mean())
+        return out
+
+    # -------------------------------------------------------------- weights I/O
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The current weights (detached views; the engine copies them into its own model)."""
+        return {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.weights(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.unwrapped_model().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        self.version = int(state["version"])

@@ -1,0 +1,92 @@
+"""Batch assembly puts every token in its target-frame column; the lag-1 fill and the invariant."""
+
+import pytest
+import torch
+
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.train.batch import assemble_batch, fill_one_step_proximal, segment_wise_violation
+
+
+def _sample(prompt, outputs, logprobs, versions, reward, group_id=0):
+    s = RolloutSample(prompt_ids=list(prompt), group_id=group_id)
+    for tok, lp, v in zip(outputs, logprobs, versions):
+        s.append_tokens([tok], [lp], v)
+    s.finish("stop")
+    s.reward = reward
+    return s
+
+
+def _batch(trainer_version=3):
+    a = _sample([1, 5, 6], [7, 2], [-0.5, -0.25], [2, 3], reward=1.0)
+    b = _sample([1, 9], [4, 4, 2], [-1.0, -2.0, -0.125], [1, 2, 3], reward=0.0)
+    return assemble_batch([RolloutGroup(0, [a, b])], pad_token_id=0, trainer_version=trainer_version), a, b
+
+
+def test_tokens_land_in_their_target_columns():
+    batch, a, b = _batch()
+    # row a: prompt length 3 → output token t sits at position 3+t, i.e. target column 2+t
+    assert batch.input_ids[0].tolist() == [1, 5, 6, 7, 2]
+    assert batch.mask[0].tolist() == [0, 0, 1, 1]
+    assert batch.old_logprobs[0].tolist() == [0, 0, -0.5, -0.25]
+    assert batch.versions[0].tolist() == [-1, -1, 2, 3]
+    # row b: prompt length 2, three outputs → columns 1..3, nothing padded
+    assert batch.input_ids[1].tolist() == [1, 9, 4, 4, 2]
+    assert batch.mask[1].tolist() == [0, 1, 1, 1]
+    assert batch.old_logprobs[1].tolist() == [0, -1.0, -2.0, -0.125]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def test_right_padding_and_grpo_advantages():
+    s1 = _sample([1, 2], [3], [-0.1], [0], reward=1.0)
+    s2 = _sample([1, 2, 2, 2], [3, 3], [-0.1, -0.2], [0, 0], reward=0.0)
+    batch = assemble_batch([RolloutGroup(0, [s1, s2])], pad_token_id=0, trainer_version=0)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 0, 0, 0]
+    assert batch.attention_mask[0].tolist() == [1, 1, 1, 0, 0, 0]
+    # rewards (1, 0): mean 0.5, unbiased std √0.5 → advantages ±0.5/√0.5 = ±0.7071 (eps aside)
+    adv = batch.advantages
+    assert adv[0, 1].item() == pytest.approx(0.70711, abs=1e-4)
+    # row 1 has a 4-token prompt: its two outputs sit in target columns 3 and 4
+    assert adv[1, 3].item() == pytest.approx(-0.70711, abs=1e-4)
+    assert adv[1, 4].item() == pytest.approx(-0.70711, abs=1e-4)
+    assert adv[1, :3].abs().sum().item() == 0
+    # advantages are zero off the response
+    assert adv[0, 0].item() == 0 and adv[0, 2:].abs().sum().item() == 0
+
+
+def test_one_step_fill_only_touches_lag_one_tokens_and_updates_records():
+    batch, a, b = _batch(trainer_version=3)
+    prox = torch.full_like(batch.old_logprobs, -9.0)
+    filled = fill_one_step_proximal(batch, prox)
+    # versions at c=3: a = [2, 3], b = [1, 2, 3] → the two version-2 tokens are one step behind
+    assert filled == 2
+    assert a.proximal_logprobs_t == [-9.0, -0.25] and a.proximal_t_versions == [3, 3]
+    assert b.proximal_logprobs_t == [-1.0, -9.0, -0.125] and b.proximal_t_versions == [1, 3, 3]
+    assert batch.proximal_logprobs_t[1].tolist() == [0, -1.0, -9.0, -0.125]
+
+
+def test_invariant_catches_a_closed_window_and_passes_when_complete():
+    batch, a, b = _batch(trainer_version=3)
+    fill_one_step_proximal(batch, torch.zeros_like(batch.old_logprobs))
+    # b's version-1 token was never scored under version 2: its window has closed
+    assert "version 1 but proximal_t_version 1" in segment_wise_violation(batch)
+    b.set_proximal_t(0, -0.75, 2)
+    batch2 = assemble_batch([RolloutGroup(0, [a, b])], pad_token_id=0, trainer_version=3)
+    fill_one_step_proximal(batch2, torch.zeros_like(batch2.old_logprobs))
+    assert segment_wise_violation(batch2) is None
+
+
+def test_rows_selects_a_consistent_sub_batch():
+    batch, a, b = _batch()
+    sub = batch.rows(torch.tensor([1]))
+    assert sub.num_sequences == 1 and sub.samples == [b]
+    assert sub.old_logprobs[0].tolist() == batch.old_logprobs[1].tolist()
+
+
+def test_assemble_refuses_unscored_or_empty_samples():
+    s = RolloutSample(prompt_ids=[1, 2])
+    s.append_tokens([3], [-0.1], 0)
+    with pytest.raises(ValueError, match="no reward"):
+        assemble_batch([RolloutGroup(0, [s])], pad_token_id=0, trainer_version=0)
+    empty = RolloutSample(prompt_ids=[1], reward=1.0)
+    with pytest.raises(ValueError, match="empty response"):
+        assemble_batch([RolloutGroup(0, [empty])], pad_token_id=0, trainer_version=0)
