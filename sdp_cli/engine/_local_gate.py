@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from sdp_cli.engine.base import EngineError
 
@@ -39,7 +39,10 @@ class StepGate:
             self._queue.append(ticket)
             try:
                 while not self._closed and (
-                    self._paused or self._busy or self._exclusive_waiting or self._queue[0] is not ticket
+                    self._paused
+                    or self._busy
+                    or self._exclusive_waiting
+                    or self._queue[0] is not ticket
                 ):
                     self._cond.wait()
                 if self._closed:
@@ -56,7 +59,7 @@ class StepGate:
 
     @contextmanager
     def exclusive_turn(self) -> Iterator[None]:
-        """Hold the model for trainer-side work; ignores the pause switch, goes before decode turns."""
+        """Hold the model for trainer-side work: ignores the pause, goes before decode turns."""
         with self._cond:
             self._exclusive_waiting += 1
             try:

@@ -9,8 +9,8 @@ stores a tied pair (e.g. ``lm_head.weight`` / ``model.embed_tokens.weight``) und
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from safetensors import SafetensorError
@@ -37,13 +37,17 @@ def read_safetensors_dir(path: Path | str) -> dict[str, torch.Tensor]:
         return _read_file(path / SINGLE_FILE)
     index_path = path / INDEX_FILE
     if not index_path.is_file():
-        raise EngineError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} in the directory; {_LAYOUT_HINT}")
+        raise EngineError(
+            f"{path}: no {SINGLE_FILE} or {INDEX_FILE} in the directory; {_LAYOUT_HINT}"
+        )
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError("weight_map is empty or not an object")
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise EngineError(f"{index_path}: unreadable shard index ({_one_line(exc)}); {_LAYOUT_HINT}") from exc
+        raise EngineError(
+            f"{index_path}: unreadable shard index ({_one_line(exc)}); {_LAYOUT_HINT}"
+        ) from exc
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         part = _read_file(path / shard)
@@ -51,7 +55,8 @@ def read_safetensors_dir(path: Path | str) -> dict[str, torch.Tensor]:
         absent = sorted(expected - part.keys())
         if absent:
             raise EngineError(
-                f"{path / shard}: lacks {len(absent)} tensor(s) the index names (e.g. {absent[0]}); "
+                f"{path / shard}: lacks {len(absent)} tensor(s) named by the index "
+                f"(e.g. {absent[0]}); "
                 "re-save the checkpoint"
             )
         tensors.update(part)
@@ -64,10 +69,14 @@ def _read_file(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except (OSError, SafetensorError, ValueError) as exc:
-        raise EngineError(f"{file}: not a readable safetensors file ({_one_line(exc)}); re-save the checkpoint") from exc
+        raise EngineError(
+            f"{file}: not a readable safetensors file ({_one_line(exc)}); re-save the checkpoint"
+        ) from exc
 
 
-def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str) -> None:
+def copy_weights(
+    model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], source: str
+) -> None:
     """Copy ``state_dict`` into ``model`` in place, strictly: every tensor of the model (one name
     per tied group suffices), no unknown names, same shapes. ``source`` names it in errors."""
     own = model.state_dict(keep_vars=True)
@@ -91,7 +100,9 @@ def copy_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
         problems.append(f"{len(mismatched)} of the wrong shape (e.g. {mismatched[0]})")
     for names in groups.values():
         given = [n for n in names if n in state_dict]
-        if len(given) > 1 and not all(torch.equal(state_dict[given[0]], state_dict[n]) for n in given[1:]):
+        if len(given) > 1 and not all(
+            torch.equal(state_dict[given[0]], state_dict[n]) for n in given[1:]
+        ):
             problems.append(f"tied tensors {' and '.join(given)} differ")
     if problems:
         raise EngineError(

@@ -23,9 +23,9 @@ older versions were patched at earlier resumes (or by the recompute pass) and ar
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,6 +34,7 @@ from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.rollout.records import RolloutSample
+
 
 @dataclass
 class _Batch:
@@ -67,7 +68,8 @@ class LocalEngine(InferenceEngine):
         pad_token_id: id written into left padding (masked out, any valid id works).
         max_batch_size: at most this many samples of one call are decoded together; a larger
             call is decoded chunk after chunk. Also the row chunk of ``score``.
-        seed: seeds the engine's sampling generator (``SamplingParams.seed`` overrides per call).
+        seed: seeds the engine's sampling generator, shared by all calls (so draws repeat only
+            for the same order of calls); ``SamplingParams.seed`` gives a call its own generator.
         device: where the model runs.
         step_callback: called by the generating thread after each decode step, outside the model
             turn (so it may call ``pause``); for tests and progress meters.
@@ -139,16 +141,17 @@ class LocalEngine(InferenceEngine):
 
     # ---------------------------------------------------------------- weights
     def update_weights(self, update: WeightUpdate) -> None:
-        """Load new weights while paused; the version becomes ``update.version`` (DESIGN.md §2 step 3).
+        """Load new weights while paused; the version becomes ``update.version``.
 
-        In-flight calls re-prefill under the new weights at their next turn after ``resume``.
+        DESIGN.md §2 step 3. In-flight calls re-prefill under the new weights at their next turn
+        after ``resume``.
         """
         if not self.is_paused():
             raise EngineError("update_weights needs a paused engine; call pause() first")
         if update.version < self._version:
             raise EngineError(
-                f"weight update to version {update.version} would go back from version {self._version}; "
-                "versions only grow (use set_version for recovery)"
+                f"weight update to version {update.version} would go back from version "
+                f"{self._version}; versions only grow (use set_version for recovery)"
             )
         if update.state_dict is not None:
             state, source = update.state_dict, f"in-memory weights for version {update.version}"
@@ -164,13 +167,15 @@ class LocalEngine(InferenceEngine):
 
     # ---------------------------------------------------------------- scoring
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:
-        """log p(s[t] | s[:t]) for t ≥ start under the loaded weights at the engine's temperature."""
+        """log p(s[t] | s[:t]) for t ≥ start, under the loaded weights at the engine's T."""
         if len(sequences) != len(starts):
             raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
         seqs = [[int(t) for t in s] for s in sequences]
-        for i, (seq, start) in enumerate(zip(seqs, starts)):
+        for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
             if not 1 <= start <= len(seq):
-                raise ValueError(f"score: start {start} of sequence {i} must lie in [1, {len(seq)}]")
+                raise ValueError(
+                    f"score: start {start} of sequence {i} must lie in [1, {len(seq)}]"
+                )
         self._check_ids([t for s in seqs for t in s], "token id")
         # similar lengths together keep the padding small
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -179,8 +184,10 @@ class LocalEngine(InferenceEngine):
             for lo in range(0, len(order), self.max_batch_size):
                 chunk = order[lo : lo + self.max_batch_size]
                 tails = [len(seqs[i]) - starts[i] for i in chunk]
-                logits, ids, _, _ = self._forward_padded([seqs[i] for i in chunk], max(tails) + 1, False)
-                for i, values in zip(chunk, self._tail_logprobs(logits, ids, tails)):
+                logits, ids, _, _ = self._forward_padded(
+                    [seqs[i] for i in chunk], max(tails) + 1, False
+                )
+                for i, values in zip(chunk, self._tail_logprobs(logits, ids, tails), strict=True):
                     results[i] = values
         return results
 
@@ -196,7 +203,9 @@ class LocalEngine(InferenceEngine):
         with self._inflight_lock:
             taken = [s.sample_id for s in samples if s.sample_id in self._inflight]
             if taken:
-                raise ValueError(f"generate: sample {taken[0]} is already being generated by another call")
+                raise ValueError(
+                    f"generate: sample {taken[0]} is already being generated by another call"
+                )
             self._inflight.update((s.sample_id, s) for s in samples)
         try:
             todo = []
@@ -210,7 +219,9 @@ class LocalEngine(InferenceEngine):
             if params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
             stop_ids = torch.tensor(
-                sorted({*self.eos_token_ids, *params.stop_token_ids}), dtype=torch.long, device=self.device
+                sorted({*self.eos_token_ids, *params.stop_token_ids}),
+                dtype=torch.long,
+                device=self.device,
             )
             for lo in range(0, len(todo), self.max_batch_size):
                 chunk = todo[lo : lo + self.max_batch_size]
@@ -223,7 +234,9 @@ class LocalEngine(InferenceEngine):
             raise ValueError("generate: the same sample appears twice in one call")
         for s in samples:
             if s.is_finished:
-                raise ValueError(f"generate: sample {s.sample_id} is already finished ({s.finish_reason})")
+                raise ValueError(
+                    f"generate: sample {s.sample_id} is already finished ({s.finish_reason})"
+                )
             if not s.prompt_ids:
                 raise ValueError(f"generate: sample {s.sample_id} has an empty prompt")
             s.check_consistent()
@@ -232,7 +245,9 @@ class LocalEngine(InferenceEngine):
     def _check_ids(self, ids: Sequence[int], what: str) -> None:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"{what} {bad} is outside the model's vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"{what} {bad} is outside the model's vocabulary [0, {self.vocab_size})"
+            )
 
     def _forget(self, samples: Sequence[RolloutSample]) -> None:
         with self._inflight_lock:
@@ -258,20 +273,32 @@ class LocalEngine(InferenceEngine):
         version = self._version
         samples = [s for s in batch.rows if s is not None]
         need = [
-            any(tv == version - 1 and pv != version for tv, pv in zip(s.versions, s.proximal_t_versions))
+            any(
+                tv == version - 1 and pv != version
+                for tv, pv in zip(s.versions, s.proximal_t_versions, strict=True)
+            )
             for s in samples
         ]
-        tails = [s.output_len if n else 0 for s, n in zip(samples, need)]
-        logits, ids, mask, cache = self._forward_padded([s.input_ids for s in samples], max(tails) + 1, True)
+        tails = [s.output_len if n else 0 for s, n in zip(samples, need, strict=True)]
+        logits, ids, mask, cache = self._forward_padded(
+            [s.input_ids for s in samples], max(tails) + 1, True
+        )
         if any(need):
-            for sample, logprobs in zip(samples, self._tail_logprobs(logits, ids, tails)):
+            for sample, logprobs in zip(
+                samples, self._tail_logprobs(logits, ids, tails), strict=True
+            ):
                 for t, lp in enumerate(logprobs):
-                    if sample.versions[t] == version - 1 and sample.proximal_t_versions[t] != version:
+                    if (
+                        sample.versions[t] == version - 1
+                        and sample.proximal_t_versions[t] != version
+                    ):
                         sample.set_proximal_t(t, lp, version)
         batch.rows = list(samples)
         batch.live = torch.ones(len(samples), dtype=torch.bool, device=self.device)
         batch.remaining = torch.tensor(
-            [batch.max_new_tokens - s.output_len for s in samples], dtype=torch.long, device=self.device
+            [batch.max_new_tokens - s.output_len for s in samples],
+            dtype=torch.long,
+            device=self.device,
         )
         batch.cache = cache
         batch.attention_mask = mask
@@ -286,7 +313,9 @@ class LocalEngine(InferenceEngine):
         tokens = torch.multinomial(logprobs.exp(), 1, generator=batch.generator)  # [B, 1]
         token_logprobs = logprobs.gather(1, tokens).squeeze(1)
         version = self._version
-        for sample, token, lp in zip(batch.rows, tokens.squeeze(1).tolist(), token_logprobs.tolist()):
+        for sample, token, lp in zip(
+            batch.rows, tokens.squeeze(1).tolist(), token_logprobs.tolist(), strict=True
+        ):
             if sample is not None:
                 sample.append_tokens((token,), (lp,), version)
 
@@ -295,7 +324,7 @@ class LocalEngine(InferenceEngine):
         finished = batch.live & (stopped | (batch.remaining == 0))
         if bool(finished.any()):
             done_rows = finished.nonzero().squeeze(1).tolist()
-            for row, by_stop in zip(done_rows, stopped[done_rows].tolist()):
+            for row, by_stop in zip(done_rows, stopped[done_rows].tolist(), strict=True):
                 batch.rows[row].finish("stop" if by_stop else "length")
             self._forget([batch.rows[row] for row in done_rows])
             for row in done_rows:
@@ -314,7 +343,9 @@ class LocalEngine(InferenceEngine):
                 batch.remaining = batch.remaining[keep]
                 tokens = tokens[keep]
 
-        batch.attention_mask = torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(tokens), 1)], 1)
+        batch.attention_mask = torch.cat(
+            [batch.attention_mask, batch.attention_mask.new_ones(len(tokens), 1)], 1
+        )
         out = self.model(
             input_ids=tokens,
             attention_mask=batch.attention_mask,
@@ -330,25 +361,35 @@ class LocalEngine(InferenceEngine):
     def _forward_padded(
         self, sequences: list[list[int]], keep: int, use_cache: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """One forward of left-padded ``sequences``, keeping the logits of the last ``keep`` columns.
+        """One forward of left-padded ``sequences``, keeping logits of the last ``keep`` columns.
 
         Returns logits [B, keep, V], input ids [B, L], attention mask [B, L] and the KV cache.
         """
         width = max(len(s) for s in sequences)
         ids = torch.tensor(
-            [[self.pad_token_id] * (width - len(s)) + s for s in sequences], dtype=torch.long, device=self.device
+            [[self.pad_token_id] * (width - len(s)) + s for s in sequences],
+            dtype=torch.long,
+            device=self.device,
         )
         mask = torch.tensor(
-            [[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long, device=self.device
+            [[0] * (width - len(s)) + [1] * len(s) for s in sequences],
+            dtype=torch.long,
+            device=self.device,
         )
         # positions count real tokens only, so padding does not shift a row
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache, logits_to_keep=keep
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=use_cache,
+            logits_to_keep=keep,
         )
         return out.logits, ids, mask, out.past_key_values if use_cache else None
 
-    def _tail_logprobs(self, logits: torch.Tensor, ids: torch.Tensor, tails: list[int]) -> list[list[float]]:
+    def _tail_logprobs(
+        self, logits: torch.Tensor, ids: torch.Tensor, tails: list[int]
+    ) -> list[list[float]]:
         """Logprobs of the last ``tails[i]`` tokens of row ``i`` from the kept logits of its last
         ``K = logits.shape[1]`` columns (column j predicts token j + 1)."""
         keep = logits.shape[1]
@@ -357,4 +398,6 @@ class LocalEngine(InferenceEngine):
         targets = ids[:, ids.shape[1] - keep + 1 :]
         # the formula the trainer uses (DESIGN.md §4), chunked so big vocabularies fit in memory
         rows = logprobs_from_logits(logits[:, :-1], targets, temperature=self.temperature).tolist()
-        return [row[len(row) - tail :] if tail else [] for row, tail in zip(rows, tails)]
+        return [
+            row[len(row) - tail :] if tail else [] for row, tail in zip(rows, tails, strict=True)
+        ]

@@ -22,7 +22,6 @@ EOS = 31
 PAD = 0
 
 
-
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
@@ -32,13 +31,20 @@ def _one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
 def tiny_config() -> Qwen2Config:
     # initializer_range 0.1 makes next-token distributions clearly non-uniform (max p ≈ 0.15,
     # min p ≈ 0.003 on the probe prompt), so wrong positions or temperatures show in the logprobs
     return Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True, initializer_range=0.1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
     )
 
 
@@ -47,7 +53,9 @@ def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(tiny_config()).eval()
 
 
-def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int, temperature: float) -> list[float]:
+def reference_logprobs(
+    model: torch.nn.Module, ids: list[int], start: int, temperature: float
+) -> list[float]:
     """log p(ids[t] | ids[:t]) for t ≥ start from one unpadded full forward."""
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].float()
@@ -57,7 +65,9 @@ def reference_logprobs(model: torch.nn.Module, ids: list[int], start: int, tempe
 
 def prompts(lengths: list[int], seed: int = 1) -> list[RolloutSample]:
     g = torch.Generator().manual_seed(seed)
-    return [RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths]
+    return [
+        RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths
+    ]
 
 
 # -------------------------------------------------------------- logprobs
@@ -74,20 +84,22 @@ def test_sampled_logprobs_equal_full_forward_with_left_padded_prompts(temperatur
         assert s.versions == [0] * s.output_len and s.proximal_t_versions == s.versions
         assert s.proximal_logprobs_t == s.old_logprobs
         ref = reference_logprobs(model, s.input_ids, s.prompt_len, temperature)
-        worst = max(worst, max(abs(a - b) for a, b in zip(s.old_logprobs, ref)))
+        worst = max(worst, max(abs(a - b) for a, b in zip(s.old_logprobs, ref, strict=True)))
     assert worst <= 1e-5
 
 
 def test_score_equals_sampled_logprobs_and_honours_starts():
     model = tiny_model()
-    engine = LocalEngine(model, temperature=0.7, eos_token_id=EOS, pad_token_id=PAD, seed=4, max_batch_size=4)
+    engine = LocalEngine(
+        model, temperature=0.7, eos_token_id=EOS, pad_token_id=PAD, seed=4, max_batch_size=4
+    )
     samples = prompts([2, 8, 5, 3, 6, 1, 4])  # 7 rows with max_batch_size 4: two chunks
     engine.generate(samples, SamplingParams(max_new_tokens=10))
 
     scored = engine.score([s.input_ids for s in samples], [s.prompt_len for s in samples])
-    for s, values in zip(samples, scored):
+    for s, values in zip(samples, scored, strict=True):
         assert len(values) == s.output_len
-        assert max(abs(a - b) for a, b in zip(values, s.old_logprobs)) <= 1e-5
+        assert max(abs(a - b) for a, b in zip(values, s.old_logprobs, strict=True)) <= 1e-5
 
     # a start inside the prompt scores prompt tokens too; start == len gives nothing
     seq = samples[1].input_ids
@@ -95,7 +107,7 @@ def test_score_equals_sampled_logprobs_and_honours_starts():
     assert empty == []
     ref = reference_logprobs(model, seq, 3, 0.7)
     assert len(inner) == len(seq) - 3
-    assert max(abs(a - b) for a, b in zip(inner, ref)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(inner, ref, strict=True)) <= 1e-5
 
 
 def test_score_rejects_bad_starts_and_ids():
@@ -121,7 +133,12 @@ def test_first_token_is_drawn_from_the_full_tempered_softmax(temperature):
     prompt = [5, 7, 9]
     n = 20_000
     engine = LocalEngine(
-        model, temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=11, max_batch_size=n
+        model,
+        temperature=temperature,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        seed=11,
+        max_batch_size=n,
     )
     samples = [RolloutSample(prompt_ids=list(prompt)) for _ in range(n)]
     engine.generate(samples, SamplingParams(max_new_tokens=1))
@@ -129,17 +146,21 @@ def test_first_token_is_drawn_from_the_full_tempered_softmax(temperature):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     probs = torch.softmax(logits / temperature, dim=-1).double()
-    counts = torch.bincount(torch.tensor([s.output_ids[0] for s in samples]), minlength=VOCAB).double()
+    counts = torch.bincount(
+        torch.tensor([s.output_ids[0] for s in samples]), minlength=VOCAB
+    ).double()
 
     # the test can see truncation: top-p 0.9 would drop this much mass, i.e. hundreds of draws
     tail_mass = probs.sort().values.cumsum(0)
     assert n * tail_mass[tail_mass <= 0.1].max() > 300
     # every token within 5 binomial std of n·p (a false alarm per token has p ≈ 6e-7)
     assert binomial_bounds_hold(counts, probs, n, 5.0)
-    # chi-square with 31 degrees of freedom; 70 is above its 0.9999 quantile (Wilson-Hilferty:
-    # 31·(1 − 2/279 + 3.72·sqrt(2/279))³ ≈ 65.3)
+    # chi-square against its 0.9999 quantile with VOCAB − 1 = 31 degrees of freedom, by
+    # Wilson-Hilferty: k·(1 − 2/(9k) + z·sqrt(2/(9k)))³ with z = 3.719 (normal 0.9999) ≈ 69.3
+    k = VOCAB - 1
+    critical = k * (1 - 2 / (9 * k) + 3.719 * math.sqrt(2 / (9 * k))) ** 3
     chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum().item()
-    assert chi2 < 70
+    assert chi2 < critical, (chi2, critical)
     # the same draws are far from the distribution at the other temperature
     other = torch.softmax(logits / (1.7 - temperature), dim=-1).double()
     assert not binomial_bounds_hold(counts, other, n, 5.0)
@@ -196,7 +217,7 @@ def test_partial_output_is_continued_within_the_budget():
     assert 4 <= partial.output_len <= 5 and partial.versions[3:] == [2] * (partial.output_len - 3)
     ref = reference_logprobs(model, partial.input_ids, partial.prompt_len, 1.0)
     # the new tokens continue the partial sequence
-    assert max(abs(a - b) for a, b in zip(partial.old_logprobs[3:], ref[3:])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(partial.old_logprobs[3:], ref[3:], strict=True)) <= 1e-5
     # tokens of version 1 = current − 1 take π_prox_t from the prefill under version 2;
     # the version-0 token missed its window and stays untouched
     assert partial.proximal_t_versions[:3] == [0, 2, 2]
@@ -254,8 +275,10 @@ def test_update_in_memory_sets_version_and_keeps_tied_weights_tied():
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
     after = engine.score([seq], [1])[0]
     ref = reference_logprobs(model_with(state), seq, 1, 1.0)
-    assert max(abs(a - b) for a, b in zip(after, ref)) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3, "the new weights must matter"
+    assert max(abs(a - b) for a, b in zip(after, ref, strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3, (
+        "the new weights must matter"
+    )
 
 
 @pytest.mark.parametrize("shard", [None, "40KB"])
@@ -277,7 +300,7 @@ def test_update_from_a_safetensors_directory(tmp_path, shard):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     seq = [2, 7, 1, 8, 2, 8]
     ref = reference_logprobs(saved, seq, 1, 1.0)
-    assert max(abs(a - b) for a, b in zip(engine.score([seq], [1])[0], ref)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(engine.score([seq], [1])[0], ref, strict=True)) <= 1e-5
 
 
 def test_weight_update_errors_leave_the_engine_unchanged(tmp_path):

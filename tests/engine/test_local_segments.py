@@ -26,7 +26,6 @@ PAD = 0
 WAIT_S = 60  # a generous bound on any wait: reaching it means the engine hung
 
 
-
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
@@ -36,12 +35,19 @@ def _one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
 def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True, initializer_range=0.1,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -58,7 +64,9 @@ def perturb_(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def reference_logprobs(state: dict[str, torch.Tensor], ids: list[int], start: int, temperature: float) -> list[float]:
+def reference_logprobs(
+    state: dict[str, torch.Tensor], ids: list[int], start: int, temperature: float
+) -> list[float]:
     model = tiny_model()
     model.load_state_dict(state)
     with torch.no_grad():
@@ -69,7 +77,9 @@ def reference_logprobs(state: dict[str, torch.Tensor], ids: list[int], start: in
 
 def prompts(lengths: list[int], seed: int = 1) -> list[RolloutSample]:
     g = torch.Generator().manual_seed(seed)
-    return [RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths]
+    return [
+        RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths
+    ]
 
 
 def check_versions_and_proximal(samples, states, temperature):
@@ -83,13 +93,19 @@ def check_versions_and_proximal(samples, states, temperature):
         assert s.versions == sorted(s.versions), "versions never decrease along a response"
         last = s.max_version()
         needed = set(s.versions) | {v + 1 for v in s.versions if v < last}
-        refs = {v: reference_logprobs(states[v], s.input_ids, s.prompt_len, temperature) for v in needed}
+        refs = {
+            v: reference_logprobs(states[v], s.input_ids, s.prompt_len, temperature) for v in needed
+        }
         for t, v in enumerate(s.versions):
             worst_old = max(worst_old, abs(s.old_logprobs[t] - refs[v][t]))
             if v == last:
-                assert s.proximal_t_versions[t] == v and s.proximal_logprobs_t[t] == s.old_logprobs[t]
+                assert (
+                    s.proximal_t_versions[t] == v and s.proximal_logprobs_t[t] == s.old_logprobs[t]
+                )
             else:
-                assert s.proximal_t_versions[t] == v + 1, f"token {t} of version {v} was not patched"
+                assert s.proximal_t_versions[t] == v + 1, (
+                    f"token {t} of version {v} was not patched"
+                )
                 worst_prox = max(worst_prox, abs(s.proximal_logprobs_t[t] - refs[v + 1][t]))
     assert worst_old <= 1e-5 and worst_prox <= 1e-5, (worst_old, worst_prox)
 
@@ -135,7 +151,14 @@ def test_proximal_t_is_right_across_three_updates_mid_generation(temperature):
     model = tiny_model()
     trainer = tiny_model()  # a separate copy that moves the way a trainer would
     pauser = Pauser({3, 6, 9, 10})
-    engine = LocalEngine(model, temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=7, step_callback=pauser)
+    engine = LocalEngine(
+        model,
+        temperature=temperature,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        seed=7,
+        step_callback=pauser,
+    )
     pauser.engine = engine
     states = {0: snapshot(trainer)}
     samples = prompts([5, 2, 8, 3, 6, 4])
@@ -158,7 +181,11 @@ def test_proximal_t_is_right_across_three_updates_mid_generation(temperature):
     # steps 1-3 ran under version 0, 4-6 under 1, 7-9 under 2, 10 under 3, the rest under 4;
     # the step-10 segment is a single token: a segment boundary right after another
     assert max(s.max_version() for s in samples) == 4
-    assert any(s.versions[:11] == [0] * 3 + [1] * 3 + [2] * 3 + [3] + [4] for s in samples if s.output_len > 10)
+    assert any(
+        s.versions[:11] == [0] * 3 + [1] * 3 + [2] * 3 + [3] + [4]
+        for s in samples
+        if s.output_len > 10
+    )
     check_versions_and_proximal(samples, states, temperature)
 
 
@@ -166,7 +193,11 @@ def test_resume_without_update_neither_reprefills_nor_patches():
     model = tiny_model()
     prefills = []
     model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefills.append(kwargs["input_ids"].shape[1]) if kwargs["input_ids"].shape[1] > 1 else None,
+        lambda module, args, kwargs: (
+            prefills.append(kwargs["input_ids"].shape[1])
+            if kwargs["input_ids"].shape[1] > 1
+            else None
+        ),
         with_kwargs=True,
     )
     pauser = Pauser({2, 4})
@@ -210,7 +241,7 @@ def test_engine_patches_only_new_minus_one_and_keeps_the_recompute_pass_values()
             # recompute pass under weights 1 for the tokens of version 0
             inflight = engine.inflight_samples()
             scored = engine.score([s.input_ids for s in inflight], [s.prompt_len for s in inflight])
-            for s, values in zip(inflight, scored):
+            for s, values in zip(inflight, scored, strict=True):
                 for t, lp in enumerate(values):
                     if s.versions[t] == 0:
                         s.set_proximal_t(t, lp, 1)
@@ -237,7 +268,9 @@ def test_concurrent_callers_with_pauses_and_updates_from_another_thread():
     pauser.engine = engine
     states = {0: snapshot(trainer)}
     calls = [prompts([3, 5, 2], seed=20 + i) for i in range(4)]
-    started = [start_generate(engine, samples, SamplingParams(max_new_tokens=18)) for samples in calls]
+    started = [
+        start_generate(engine, samples, SamplingParams(max_new_tokens=18)) for samples in calls
+    ]
 
     def controller():
         for version in (1, 2, 3):
