@@ -183,10 +183,27 @@ def test_same_seed_same_samples_and_per_call_seed_overrides():
 
 # ------------------------------------------------------------- stopping
 def test_stop_tokens_eos_and_length():
-    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD, seed=5)
+    model = tiny_model()
+    decode_rows = []
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            decode_rows.append(kwargs["input_ids"].shape[0])
+            if kwargs["input_ids"].shape[1] == 1
+            else None
+        ),
+        with_kwargs=True,
+    )
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD, seed=5)
     stop = tuple(range(1, 9))  # with EOS, 9 of 32 ids stop a row: most rows stop early
     samples = prompts([3] * 40 + [6] * 24)
     engine.generate(samples, SamplingParams(max_new_tokens=6, stop_token_ids=stop))
+
+    # finished rows are dropped from the batch (with its KV cache) once half are done, and the
+    # rows left still get exact logprobs
+    assert decode_rows[0] == 64 and min(decode_rows) < 32
+    for s in samples:
+        ref = reference_logprobs(model, s.input_ids, s.prompt_len, 1.0)
+        assert max(abs(a - b) for a, b in zip(s.old_logprobs, ref, strict=True)) <= 1e-5
 
     enders = set(stop) | {EOS}
     reasons = {s.finish_reason for s in samples}
