@@ -29,17 +29,18 @@ def group_advantages(
     rewards = rewards.detach()
     _, group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(group.max()) + 1 if group.numel() else 0
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(
-        0, group, torch.ones_like(rewards)
+    per_group = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    count = per_group.index_add(0, group, torch.ones_like(rewards))
+    centred = rewards - (per_group.index_add(0, group, rewards) / count)[group]
+    # A group whose rewards are all equal (a singleton included) has no signal: advantage 0.
+    # Decided on max == min, since the rounded mean of equal values can miss them by an ulp.
+    spread = per_group.scatter_reduce(0, group, rewards, "amax", include_self=False) - per_group.scatter_reduce(
+        0, group, rewards, "amin", include_self=False
     )
-    total = torch.zeros_like(count).index_add_(0, group, rewards)
-    centred = rewards - (total / count)[group]
-    size = count[group]
     if scale_by_std:
         # Two-pass variance (sum of squared deviations) avoids E[r²] − E[r]² cancellation.
-        sq_dev = torch.zeros_like(count).index_add_(0, group, centred.square())
-        std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
+        std = (per_group.index_add(0, group, centred.square()) / (count - 1).clamp_min(1)).sqrt()
         denom = std[group] + eps
-        # With eps = 0 a group of equal rewards has std 0: its advantages are 0, not 0/0.
+        # With eps = 0 the std of a tiny spread can underflow to 0: no resolvable signal, 0.
         centred = torch.where(denom > 0, centred / denom, 0.0)
-    return torch.where(size > 1, centred, 0.0)
+    return torch.where(spread[group] > 0, centred, 0.0)
