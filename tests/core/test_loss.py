@@ -1,0 +1,152 @@
+"""Hand-computed checks of sdp_cli.core.loss (docs/math.md §5)."""
+
+import math
+
+import pytest
+import torch
+
+from sdp_cli.core.loss import aggregate_loss, policy_loss
+
+LN = math.log
+NAN, INF = float("nan"), float("inf")
+
+
+def t64(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+# Four tokens, ε = 0.2 (anchor = proximal logprobs 0, so lp = log r):
+#   a: A = +1, r = 1.5 → −A·r = −1.5, −A·clip(r) = −1.2 → ℓ = −1.2 (clipped high)
+#   b: A = −1, r = 0.5 → 0.5 vs 0.8                     → ℓ = 0.8  (clipped low)
+#   c: A = +2, r = 1   → −2 vs −2                        → ℓ = −2   (not clipped)
+#   d: A = −1, r = 4   → 4 vs 1.2                        → ℓ = 4    (not clipped; dual clip 3 binds)
+LP = [LN(1.5), LN(0.5), 0.0, LN(4.0)]
+ADV = [1.0, -1.0, 2.0, -1.0]
+
+
+def run(lp=LP, adv=ADV, mask=None, weights=None, **kwargs):
+    logprobs = t64([lp]).requires_grad_(True)
+    mask = t64([[1] * len(lp)]) if mask is None else mask
+    w = None if weights is None else t64([weights])
+    loss, metrics = policy_loss(logprobs, torch.zeros_like(logprobs), t64([adv]), mask, weights=w, **kwargs)
+    loss.backward()
+    return loss.item(), metrics, logprobs.grad[0].tolist()
+
+
+def test_ppo_clip_hand_values():
+    loss, m, grad = run()
+    assert loss == pytest.approx((-1.2 + 0.8 - 2 + 4) / 4)  # 0.4
+    assert m["pg_loss"] == pytest.approx(0.4)
+    assert m["pg_clipfrac"] == 0.5  # a and b
+    assert m["pg_clipfrac_high"] == 0.25 and m["pg_clipfrac_low"] == 0.25
+    assert m["pg_clipfrac_dual"] == 0.0
+    # ppo_kl = mean(prox − lp) = −(ln 1.5 + ln 0.5 + 0 + ln 4) / 4 = −ln 3 / 4
+    assert m["ppo_kl"] == pytest.approx(-LN(3.0) / 4)
+    # dℓ/dlp = −A·r on unclipped tokens, 0 on clipped ones; token-mean divides by 4
+    assert grad == pytest.approx([0.0, 0.0, -2.0 / 4, 4.0 / 4])
+
+
+def test_dual_clip_bounds_negative_advantage_loss():
+    loss, m, grad = run(dual_clip=3.0)
+    # token d: min(4, 3·|−1|) = 3 and its gradient stops
+    assert loss == pytest.approx((-1.2 + 0.8 - 2 + 3) / 4)
+    assert m["pg_clipfrac_dual"] == 0.25
+    assert grad == pytest.approx([0.0, 0.0, -0.5, 0.0])
+
+
+def test_dual_clip_never_touches_positive_advantages():
+    # A = +1, r = 0.1: ℓ = max(−0.1, −0.8) = −0.1; c·|A| = 1.5 would not bind anyway
+    # A = +5, r = 1: ℓ = −5 ≤ 0 ≤ c·|A|
+    loss, m, _ = run(lp=[LN(0.1), 0.0], adv=[1.0, 5.0], dual_clip=1.5)
+    assert loss == pytest.approx((-0.1 - 5.0) / 2)
+    assert m["pg_clipfrac_dual"] == 0.0
+
+
+def test_clip_higher_widens_only_the_upper_side():
+    # ε_high = 0.6: token a's r = 1.5 < 1.6 is no longer clipped: ℓ = −1.5, grad −1.5 / 4
+    loss, m, grad = run(clip_high=0.6)
+    assert loss == pytest.approx((-1.5 + 0.8 - 2 + 4) / 4)
+    assert m["pg_clipfrac_high"] == 0.0 and m["pg_clipfrac_low"] == 0.25
+    assert grad[0] == pytest.approx(-1.5 / 4)
+
+
+def test_weights_multiply_the_per_token_loss_and_gradient():
+    loss, _, grad = run(weights=[2.0, 1.0, 0.5, 3.0])
+    # ℓ·w = [−2.4, 0.8, −1, 12]; gradients [0, 0, −2·0.5, 4·3] / 4
+    assert loss == pytest.approx((-2.4 + 0.8 - 1.0 + 12.0) / 4)
+    assert grad == pytest.approx([0.0, 0.0, -0.25, 3.0])
+
+
+def test_reinforce_is_minus_advantage_times_logprob():
+    loss, m, grad = run(loss_type="reinforce", weights=[2.0, 1.0, 1.0, 1.0])
+    # ℓ = −A·lp·w: a −1·ln 1.5·2, b +1·ln 0.5, c −2·0, d +1·ln 4
+    expected = (-2 * LN(1.5) + LN(0.5) + 0.0 + LN(4.0)) / 4
+    assert loss == pytest.approx(expected)
+    assert grad == pytest.approx([-2.0 / 4, 1.0 / 4, -2.0 / 4, 1.0 / 4])  # −A·w / n
+    assert m["pg_clipfrac"] == 0.0 and m["pg_clipfrac_dual"] == 0.0
+
+
+def test_log_ratio_is_clamped_at_20():
+    # A = −1, lp − prox = 30 → r = e^20 (not e^30); the clamp also stops the gradient
+    loss, _, grad = run(lp=[30.0], adv=[-1.0])
+    assert loss == pytest.approx(math.exp(20))
+    assert grad == [0.0]
+
+
+# Per-token losses [1, 2, 3 | 4 | –]: rows of 3, 1 and 0 valid tokens, T = 3.
+AGG_VALUES = t64([[1.0, 2.0, 3.0], [4.0, NAN, INF], [INF, NAN, -INF]])
+AGG_MASK = t64([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected"),
+    [
+        ("token-mean", 10 / 4),  # Σℓ / 4 valid tokens
+        ("seq-mean-token-sum", (6 + 4) / 2),  # mean over the 2 non-empty rows of row sums
+        ("seq-mean-token-mean", (2 + 4) / 2),  # mean over rows of row means
+        ("seq-mean-token-sum-norm", (6 + 4) / (2 * 3)),  # Σ row sums / (n_seq · T), T = 3
+    ],
+)
+def test_aggregations(agg, expected):
+    assert aggregate_loss(AGG_VALUES, AGG_MASK, agg).item() == pytest.approx(expected)
+
+
+def test_policy_loss_uses_the_same_aggregation():
+    # reinforce with A = −1 and lp = value gives ℓ = value; compare to aggregate_loss
+    lp = t64([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    mask = t64([[1, 1, 1], [1, 0, 0]])
+    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        loss, _ = policy_loss(lp, lp, -torch.ones_like(lp), mask, agg=agg, loss_type="reinforce")
+        assert loss.item() == pytest.approx(aggregate_loss(lp, mask, agg).item()), agg
+
+
+def test_all_masked_batch_gives_zero_loss_with_a_gradient_path():
+    lp = t64([[NAN, 3.0]]).requires_grad_(True)
+    loss, m = policy_loss(lp, t64([[INF, -INF]]), t64([[NAN, 1e30]]), t64([[0, 0]]), weights=t64([[NAN, INF]]))
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+    assert m == {
+        "pg_loss": 0.0,
+        "pg_clipfrac": 0.0,
+        "pg_clipfrac_high": 0.0,
+        "pg_clipfrac_low": 0.0,
+        "pg_clipfrac_dual": 0.0,
+        "ppo_kl": 0.0,
+    }
+
+
+def test_padding_garbage_changes_nothing():
+    mask = t64([[1, 1, 1, 1, 0, 0]])
+    clean = run(lp=LP + [0.0, 0.0], adv=ADV + [0.0, 0.0], mask=mask, dual_clip=3.0, weights=[1.0] * 6)
+    dirty = run(lp=LP + [NAN, 1e30], adv=ADV + [INF, -1e30], mask=mask, dual_clip=3.0, weights=[1.0] * 4 + [NAN, INF])
+    assert clean[0] == dirty[0] and clean[1] == dirty[1]
+    assert clean[2] == dirty[2] and dirty[2][4:] == [0.0, 0.0]
+
+
+def test_float32_in_float32_out():
+    lp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = policy_loss(lp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert lp.grad.dtype == torch.float32
