@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutSample
 
 if TYPE_CHECKING:
     import torch
 
 
-class EngineError(RuntimeError):
-    """An engine failed in a way the user can act on; the message says how."""
+class EngineError(UserError, RuntimeError):
+    """An engine failed in a way the user can act on; the message says how (one line)."""
 
 
 class EngineUnavailable(EngineError):
