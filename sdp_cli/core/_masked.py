@@ -15,7 +15,6 @@ bit pattern of each value with an all-ones/all-zeros word, and flags become floa
 from __future__ import annotations
 
 import math
-from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -95,48 +94,54 @@ def keep(values: Tensor, flags: Tensor, bits: Tensor | None = None) -> Tensor:
 
 
 class Masked:
-    """A validated 0/1 mask over a [B, T] batch; counts are computed on first use and cached,
-    so each kernel pays only for the statistics it reports."""
+    """A validated 0/1 mask over a [B, T] batch and the counts its statistics divide by.
+
+    Token counts are computed up front; row counts on first use (a token-mean loss needs none).
+    """
 
     def __init__(self, valid: Tensor, weight: Tensor):
         self.valid = valid  #: bool [B, T], True at valid tokens
         self.weight = weight  #: [B, T] 1.0 at valid tokens, 0.0 elsewhere (float ≥ 32 bit)
+        self.row_count = weight.sum(-1)  #: [B] valid tokens per row
+        self.token_count = self.row_count.sum()  #: 0-d number of valid tokens
+        self.n_tokens = self.token_count.clamp_min(1)  #: valid tokens as a safe divisor (≥ 1)
         self._bits: dict[torch.dtype, Tensor] = {}
+        self._rows: dict[str, Tensor] = {}
 
-    @cached_property
-    def row_count(self) -> Tensor:
-        """[B] number of valid tokens per row."""
-        return self.weight.sum(-1)
+    def _row(self, name: str) -> Tensor:
+        if not self._rows:
+            divisor = self.row_count.clamp_min(1)
+            row_weight = self.row_count.clamp(max=1)  # min(count, 1) of an integer count
+            total = row_weight.sum()
+            self._rows.update(
+                divisor=divisor, weight=row_weight, rows=row_weight.bool(), total=total, n=total.clamp_min(1)
+            )
+        return self._rows[name]
 
-    @cached_property
-    def rows(self) -> Tensor:
-        """bool [B], rows with ≥ 1 valid token."""
-        return self.row_count > 0
+    @property
+    def row_divisor(self) -> Tensor:
+        """[B] valid tokens per row, at least 1."""
+        return self._row("divisor")
 
-    @cached_property
+    @property
     def row_weight(self) -> Tensor:
         """[B] 1.0 for rows with ≥ 1 valid token."""
-        return as_float(self.rows, self.weight.dtype)
+        return self._row("weight")
 
-    @cached_property
-    def token_count(self) -> Tensor:
-        """0-d number of valid tokens."""
-        return self.row_count.sum()
+    @property
+    def rows(self) -> Tensor:
+        """bool [B], rows with ≥ 1 valid token."""
+        return self._row("rows")
 
-    @cached_property
+    @property
     def row_total(self) -> Tensor:
         """0-d number of rows with ≥ 1 valid token."""
-        return self.row_weight.sum()
+        return self._row("total")
 
-    @cached_property
-    def n_tokens(self) -> Tensor:
-        """Number of valid tokens as a safe divisor (≥ 1)."""
-        return self.token_count.clamp_min(1)
-
-    @cached_property
+    @property
     def n_rows(self) -> Tensor:
         """Number of rows with ≥ 1 valid token as a safe divisor (≥ 1)."""
-        return self.row_total.clamp_min(1)
+        return self._row("n")
 
     def select(self, values: Tensor) -> Tensor:
         """``values`` at valid tokens, exactly +0.0 at padding (see ``keep``)."""
@@ -151,7 +156,7 @@ class Masked:
 
     def row_mean(self, values: Tensor) -> Tensor:
         """[B] mean over each row's valid tokens (values 0 at padding); 0 for an empty row."""
-        return values.sum(-1) / self.row_count.clamp_min(1)
+        return values.sum(-1) / self.row_divisor
 
     def rows_mean(self, values: Tensor) -> Tensor:
         """Mean of finite per-row values [..., B] over rows with ≥ 1 valid token; 0 when none."""
@@ -194,16 +199,30 @@ def masked(mask: object, ref: Tensor, ref_name: str) -> Masked:
         return Masked(valid, as_float(valid, count_dtype))
     weight = mask.to(count_dtype)
     # A mask holding values other than 0 and 1 is a weight, not a mask: refuse to guess.
-    # m·(m − 1) is 0 exactly for m ∈ {0, 1} (NaN and inf fail too).
-    if bool((weight * (weight - 1)).any()):
+    # m − m² is 0 exactly for m ∈ {0, 1} (NaN and inf fail too).
+    if torch.count_nonzero(torch.addcmul(weight, weight, weight, value=-1)).item():
         raise ValueError("mask must contain only 0 and 1")
     return Masked(valid, weight)
 
 
-def to_host(values: dict[str, Tensor]) -> dict[str, float]:
-    """0-d tensors (counts, sums, statistics) as python floats, with a single host sync.
+def to_host(values: dict[str, Tensor]) -> dict[str, float | list[float]]:
+    """0-d or 1-d tensors (counts, sums, statistics) as python numbers or lists.
 
     Kernels compute their final scalar metrics from these in python, where scalar arithmetic
-    is far cheaper than on 0-d tensors.
+    is far cheaper than on 0-d tensors. On CPU reading a tensor is a memory load, so each is
+    read on its own; on an accelerator every read is a device sync, so they travel together.
     """
-    return dict(zip(values, torch.stack(list(values.values())).detach().double().tolist(), strict=True))
+    if all(value.device.type == "cpu" for value in values.values()):
+        return {name: value.tolist() for name, value in values.items()}
+    return _to_host_batched(values)
+
+
+def _to_host_batched(values: dict[str, Tensor]) -> dict[str, float | list[float]]:
+    """``to_host`` with one transfer: concatenate, copy once, split by size."""
+    flat = torch.cat([v.reshape(-1) for v in values.values()]).double().tolist()
+    out: dict[str, float | list[float]] = {}
+    start = 0
+    for name, value in values.items():
+        out[name] = flat[start] if value.dim() == 0 else flat[start : start + value.numel()]
+        start += value.numel()
+    return out

@@ -14,13 +14,13 @@ from torch.autograd.function import once_differentiable
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
+    as_float,
     check_2d,
     check_choice,
     check_float_tensor,
     check_like,
     check_number,
     count,
-    keep,
     masked,
     to_host,
 )
@@ -111,16 +111,16 @@ def policy_loss(
         adv = mk.select(advantages.detach())
         delta = lp - mk.select(proximal_logprobs.detach())
         counts: dict[str, Tensor] = {}
+        # −A written as 0 − A: it is +0.0 (not −0.0) at padding, so every padded gradient is +0.
+        neg_adv = 0.0 - adv
         if loss_type == "ppo_clip":
-            ratio = torch.exp(delta.clamp(-LOG_CLAMP, LOG_CLAMP))
-            unclipped = -adv * ratio
-            clipped = -adv * ratio.clamp(1 - clip, 1 + clip_high)
+            log_ratio = delta.clamp(-LOG_CLAMP, LOG_CLAMP)
+            ratio = torch.exp(log_ratio)
+            unclipped = neg_adv * ratio
+            clipped = neg_adv * ratio.clamp(1 - clip, 1 + clip_high)
             # At padding A = 0: both branches are 0, nothing is clipped or gets a gradient.
             was_clipped = clipped > unclipped
             value = torch.maximum(unclipped, clipped)
-            # The gradient −A·r flows where the unclipped branch wins and the ±20 clamp is
-            # inactive (clamp passes the gradient on its closed interval).
-            passes = ~was_clipped & (delta.abs() <= LOG_CLAMP) & mk.valid
             counts["clipped"] = count(was_clipped)
             counts["high"] = count(was_clipped & (adv > 0))
             if dual_clip is not None:
@@ -129,11 +129,13 @@ def policy_loss(
                 bound = dual_clip * adv.abs()
                 dual_bound = value > bound
                 value = torch.minimum(value, bound)
-                passes &= ~dual_bound
+                was_clipped |= dual_bound
                 counts["dual"] = count(dual_bound)
-            slope = keep(unclipped, passes)
+            # The gradient −A·r flows where no clip binds and the ±20 clamp is inactive (a
+            # clamp passes the gradient on its closed interval, where it returns its input).
+            slope = unclipped * as_float(~was_clipped & (log_ratio == delta), unclipped.dtype)
         else:
-            slope = 0.0 - adv  # not -adv, which is -0.0 at padding
+            slope = neg_adv
             value = slope * lp
         if weights is not None:
             w = mk.select(weights.detach())

@@ -48,51 +48,49 @@ def offpolicy_metrics(rollout_logprobs: Tensor, training_logprobs: Tensor, mask:
         training = mk.select(training_logprobs.detach())
         log_ratio = training - rollout
         safe = log_ratio.clamp(-LOG_CLAMP, LOG_CLAMP)
-        # expm1(x) − x is e^x − 1 − x without the cancellation at small x; both it and
-        # expm1(2x) = e^{2x} − 1 (chi2_token) are 0 at padding, where x = 0.
-        k3 = torch.expm1(safe) - safe
-        seq_log_ratio = log_ratio.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)
-
         train_mean = mk.row_mean(training)
         rollout_mean = mk.row_mean(rollout)
         diff = rollout_mean - train_mean
-        diff_stats = mk.row_stats(diff, with_std=False)
-        # The per-row quantities averaged over non-empty rows, in one reduction.
-        row_names = (
-            "training_ppl",
-            "training_log_ppl",
-            "rollout_ppl",
-            "rollout_log_ppl",
-            "log_ppl_abs_diff",
-            "ppl_ratio",
-            "chi2_seq",
-        )
-        row_means = mk.rows_mean(
-            torch.stack(
-                [
-                    torch.exp(-train_mean),
-                    -train_mean,
-                    torch.exp(-rollout_mean),
-                    -rollout_mean,
-                    diff.abs(),
-                    torch.exp(diff),
-                    torch.expm1(2 * seq_log_ratio),
-                ]
-            )
-        )
+        # Per-row log values, each row then averaged over non-empty rows in one reduction:
+        # −a_i, −b_i (log ppl), d_i, 2·Σ_t lr (clamped), |d_i|, e^{−a_i}, e^{−b_i}, e^{d_i}, e^{2Σ lr} − 1.
+        logs = torch.stack([-train_mean, -rollout_mean, diff, 2 * log_ratio.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)])
+        per_row = torch.cat([logs, diff.abs().unsqueeze(0), logs[:3].exp(), torch.expm1(logs[3:])])
+        row_sums = (per_row * mk.row_weight).sum(-1)
+        diff_min, diff_max = torch.aminmax(torch.lerp(row_sums[2] / mk.n_rows, diff, mk.row_weight))
+        # e^x − 1 − x as expm1(x) − x and e^{2x} − 1 as expm1(x)·(expm1(x) + 2): no
+        # cancellation at small x, and both are 0 at padding, where x = 0.
+        em1 = torch.expm1(safe)
         host = to_host(
             {
                 "tokens": mk.token_count,
-                "kl": -mk.mean(log_ratio),
-                "k3_kl": mk.mean(k3),
-                "log_ppl_diff": diff_stats["mean"],
-                "log_ppl_diff_max": diff_stats["max"],
-                "log_ppl_diff_min": diff_stats["min"],
-                "chi2_token": mk.mean(torch.expm1(2 * safe)),
-                **dict(zip(row_names, row_means.unbind(), strict=True)),
+                "rows": mk.row_total,
+                "lr": log_ratio.sum(),
+                "k3": (em1 - safe).sum(),
+                "chi2": (em1 * (em1 + 2)).sum(),
+                "diff_min": diff_min,
+                "diff_max": diff_max,
+                "row_sums": row_sums,
             }
         )
-    if host.pop("tokens") == 0:
+    if host["tokens"] == 0:
         # No valid token: no divergence, and every perplexity (ratio) is exp(0) = 1.
         return {name: 1.0 if name in _EXP_OF_ZERO else 0.0 for name in _NAMES}
-    return {name: host[name] for name in _NAMES}
+    tokens, rows = host["tokens"], host["rows"]
+    train_log_ppl, rollout_log_ppl, diff_sum, _, abs_diff, train_ppl, rollout_ppl, ratio, chi2_seq = (
+        value / rows for value in host["row_sums"]
+    )
+    return {
+        "kl": -host["lr"] / tokens,  # mean(log π_rollout − log π_train)
+        "k3_kl": host["k3"] / tokens,
+        "training_ppl": train_ppl,
+        "training_log_ppl": train_log_ppl,
+        "rollout_ppl": rollout_ppl,
+        "rollout_log_ppl": rollout_log_ppl,
+        "log_ppl_diff": diff_sum,
+        "log_ppl_abs_diff": abs_diff,
+        "log_ppl_diff_max": host["diff_max"],
+        "log_ppl_diff_min": host["diff_min"],
+        "ppl_ratio": ratio,
+        "chi2_token": host["chi2"] / tokens,
+        "chi2_seq": chi2_seq,
+    }

@@ -77,7 +77,8 @@ def _level_log_ratio(log_ratio: Tensor, mk: Masked, level: str) -> Tensor:
     total = log_ratio.sum(-1)
     if level == "sequence":
         return total
-    return (total / mk.row_count.clamp_min(1)).to(log_ratio.dtype)
+    mean = total / mk.row_divisor
+    return mean if mean.dtype == log_ratio.dtype else mean.to(log_ratio.dtype)
 
 
 def _any_row(flags: Tensor) -> Tensor:
@@ -141,7 +142,7 @@ def importance_weights(
             mean = mk.mean(weights) if level == "token" else mk.rows_mean(seq_weight)
             # Nothing to normalise when every weight is 0 or the batch is empty: factor 1.
             factor = torch.where(mean > 0, mean, 1.0)
-            weights = (weights / factor).to(lr.dtype)
+            weights = weights / factor  # a 0-d factor keeps the dtype of the weights
             seq_weight = seq_weight / factor
 
         stats = mk.stats(weights)
@@ -232,26 +233,31 @@ def rejection_mask(
     with torch.no_grad():
         lr = mk.select(log_ratio.detach())
         ratio = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
-        kept = (ratio >= lower) & (ratio <= upper)
-        if level != "token":
-            kept = kept.unsqueeze(-1)
+        kept = (ratio >= lower) & (ratio <= upper)  # per token, or per row at sequence levels
         counts = {"tokens": mk.token_count, "rows": mk.row_total}
         if veto is not None:
             # The veto reads the raw (unclamped) log ratio of every valid token.
             catastrophic = (lr < math.log(veto)) & mk.valid
             vetoed = _any_row(catastrophic)
-            kept = kept & ~vetoed.unsqueeze(-1)
+            kept = kept & (~vetoed if level != "token" else ~vetoed.unsqueeze(-1))
             counts["vetoed"] = count(vetoed)
             counts["catastrophic"] = count(catastrophic)
-        dropped = mk.valid & ~kept
+        if level == "token":
+            dropped = mk.valid & ~kept
+            counts["kept"] = mk.token_count - count(dropped)
+            counts["seq_dropped"] = count(_any_row(dropped))
+        else:
+            # Whole rows are kept or dropped: count in rows and in the rows' tokens.
+            kept_weight = as_float(kept, mk.row_count.dtype)
+            counts["kept"] = (mk.row_count * kept_weight).sum()
+            counts["seq_dropped"] = mk.row_total - (mk.row_weight * kept_weight).sum()
+            kept = kept.unsqueeze(-1)
         new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
-        counts["dropped"] = count(dropped)
-        counts["seq_dropped"] = count(_any_row(dropped))
         stats = mk.stats(ratio, with_std=False) if level == "token" else mk.row_stats(ratio, with_std=False)
         host = to_host({**stats, **counts})
     tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
     metrics = {
-        "rollout_rs_masked_fraction": host["dropped"] / tokens,
+        "rollout_rs_masked_fraction": (host["tokens"] - host["kept"]) / tokens,
         "rollout_rs_seq_masked_fraction": host["seq_dropped"] / rows,
         "rollout_rs_veto_fraction": host.get("vetoed", 0.0) / rows,
         "rollout_rs_catastrophic_token_fraction": host.get("catastrophic", 0.0) / tokens,

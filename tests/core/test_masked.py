@@ -1,0 +1,42 @@
+"""The shared masked helpers (sdp_cli/core/_masked.py)."""
+
+import torch
+
+from sdp_cli.core._masked import _to_host_batched, keep, masked, to_host
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_keep_writes_positive_zero_over_anything():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        values = torch.tensor([NAN, INF, -INF, -3.5, 2.0], dtype=dtype)
+        flags = torch.tensor([False, False, False, True, False])
+        out = keep(values, flags)
+        assert out.dtype == dtype
+        assert out.tolist() == [0.0, 0.0, 0.0, -3.5, 0.0]
+        assert not torch.signbit(out[[0, 1, 2, 4]]).any()  # +0.0, never -0.0
+
+
+def test_select_agrees_with_where():
+    values = torch.randn(4, 9, dtype=torch.float64)
+    values[0, 0], values[1, 1] = NAN, -INF
+    mask = torch.rand(4, 9) < 0.5
+    mask[0, 0] = mask[1, 1] = False
+    assert torch.equal(masked(mask, values, "values").select(values), torch.where(mask, values, 0.0))
+
+
+def test_counts_of_a_ragged_mask():
+    mk = masked(torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]), torch.zeros(3, 3), "x")
+    assert mk.row_count.tolist() == [2.0, 0.0, 1.0]
+    assert mk.token_count.item() == 3.0 and mk.row_total.item() == 2.0
+    assert mk.rows.tolist() == [True, False, True]
+    assert mk.row_divisor.tolist() == [2.0, 1.0, 1.0]
+
+
+def test_to_host_paths_agree():
+    values = {
+        "count": torch.tensor(7, dtype=torch.int32),
+        "mean": torch.tensor(0.25),
+        "rows": torch.tensor([1.0, 2.5, -3.0], dtype=torch.float64),
+    }
+    assert to_host(values) == _to_host_batched(values) == {"count": 7, "mean": 0.25, "rows": [1.0, 2.5, -3.0]}
