@@ -172,6 +172,8 @@ class HttpServer:
                     "raise engine.request_timeout_s or check the server's log"
                 ) from None
             except httpx.TransportError as exc:
+                if self._closed.is_set():
+                    raise EngineError(f"{where}: the engine was closed") from None
                 last_failure = _describe_transport_error(exc)
                 unreachable = isinstance(exc, httpx.ConnectError)
                 continue

@@ -6,22 +6,20 @@ owns the rollout record and accumulates (token, logprob, version) triples across
 tokens of a segment carry the client's version at submission, cross-checked against the
 weight-version label the server reports (a disagreement is an ``EngineError``).
 
-Pause protocol (DESIGN.md §2), as seen from the server:
+Pause protocol (DESIGN.md §2), as seen from the servers:
 
-- ``pause()``: stop admitting requests, then abort everything in flight on the servers (which
-  return their partial output) and let the servers run again, so that the recompute pass can
-  ``score`` while generation is paused. Partial samples wait, unmodified, until ``resume()``:
-  no sample is mutated while the engine is paused.
-- ``update_weights()``: pause the servers again (aborting any request that slipped in), load
-  the new weights, reset the prefix cache, relabel the weight version, resume the servers.
+- ``pause()``: stop admitting requests, abort everything in flight on the servers and let
+  them run again (so that the recompute pass can ``score`` while generation is paused), and
+  return once every request has ended and its partial output is recorded in its sample. From
+  then until ``resume()`` no sample is mutated: the recompute pass owns them.
+- ``update_weights()``: pause the servers (aborting anything that slipped in), load the new
+  weights, reset the prefix cache, relabel the weight version, resume the servers.
 - ``resume()``: admit again. A partial sample is resubmitted as prompt + partial output with
   the remaining token budget and a fresh request id; when it holds tokens of version
-  (new − 1), the resubmission also asks for the prefill logprobs of its input, and those
-  become π_prox_t of the tokens (DESIGN.md §2 step 4, patched by absolute index).
-
-A request sent just before ``pause()`` can reach the server only after the next weight load;
-its tokens then carry the new label, disagree with the submission version, and the segment is
-discarded (the sample is untouched) and resubmitted.
+  (new − 1) without π_prox_t, the resubmission also asks for the prefill logprobs of its
+  input, and those become π_prox_t of the tokens (DESIGN.md §2 step 4, patched by absolute
+  index). Tokens whose resubmission was aborted before its prefill are left to the next
+  recompute pass (step 2).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import functools
 import logging
 import math
 import threading
+import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -126,6 +125,15 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+def request_seed(seed: int | None, position: int, output_len: int) -> int | None:
+    """The server-side seed of one segment: distinct for every sample of a call (a GRPO group
+    with one seed must not get identical samples) and for every resubmission (which must not
+    replay the random stream of the first segment)."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + position * 65_537 + output_len) % 2**31
+
+
 def check_temperature(options: RemoteOptions, engine_name: str) -> None:
     """Refuse T != 1: neither server temperature-scales prefill logprobs (research notes)."""
     if options.temperature == 1.0:
@@ -208,7 +216,6 @@ class RemoteEngine(InferenceEngine):
             "segments": 0,
             "resubmissions": 0,
             "aborted_segments": 0,
-            "discarded_stale_segments": 0,
             "prefill_proximal_tokens": 0,
         }
         self._generate_pool = ThreadPoolExecutor(options.max_concurrent_requests, thread_name_prefix=f"sdp-{self.engine_name}-gen")
@@ -246,7 +253,7 @@ class RemoteEngine(InferenceEngine):
 
     @abc.abstractmethod
     def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
-        """Abort this client's requests ``request_ids`` (used when the engine is closed)."""
+        """Abort this client's requests ``request_ids`` (pause stragglers, engine close)."""
 
     @abc.abstractmethod
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
@@ -276,7 +283,7 @@ class RemoteEngine(InferenceEngine):
                 self._inflight[sample.sample_id] = sample
         futures: list[Future[None]] = []
         try:
-            futures = [self._generate_pool.submit(self._run_sample, s, params) for s in pending]
+            futures = [self._generate_pool.submit(self._run_sample, s, params, i) for i, s in enumerate(pending)]
         finally:
             errors: list[BaseException] = []
             for future in futures:
@@ -290,8 +297,9 @@ class RemoteEngine(InferenceEngine):
         if errors:
             raise errors[0]
 
-    def _run_sample(self, sample: RolloutSample, params: SamplingParams) -> None:
-        """Generate segments for one sample until it stops or runs out of budget."""
+    def _run_sample(self, sample: RolloutSample, params: SamplingParams, position: int) -> None:
+        """Generate segments for the ``position``-th sample of a call until it stops or runs
+        out of budget."""
         server: RemoteServer | None = None  # sticky: every resubmission goes to the same server
         unexplained_aborts = 0
         while True:
@@ -319,30 +327,32 @@ class RemoteEngine(InferenceEngine):
                 input_ids=sample.input_ids,
                 max_new_tokens=budget,
                 stop_token_ids=tuple(params.stop_token_ids),
-                # a resubmission must not replay the random stream of the first segment
-                seed=None if params.seed is None else params.seed + sample.output_len,
+                seed=request_seed(params.seed, position, sample.output_len),
                 prefill_from=sample.prompt_len + proximal_indices[0] if proximal_indices else None,
             )
             try:
                 segment = self._server_generate(server, request, fresh_id)
-            finally:
+                self._check_segment(server, request, segment)
+            except BaseException:
                 with self._cond:
-                    server.load -= 1
-                    server.request_ids.difference_update(segment_ids)
-            self._check_segment(server, request, segment)
+                    self._end_request(server, segment_ids)
+                raise
             with self._cond:
-                # A sample is never mutated while the engine is paused (the recompute pass owns it).
-                self._wait_running()
+                # Ending the request and recording its tokens in one critical section: once
+                # pause() has seen every request end, every partial output is in its sample.
+                self._end_request(server, segment_ids)
+                self._raise_if_closed()
                 self._stats["segments"] += 1
-                if not self._versions_agree(server, segment, version):
-                    self._stats["discarded_stale_segments"] += 1
-                    continue
+                self._check_versions(server, segment, version)
                 self._patch_proximal(sample, request, segment, proximal_indices, version)
                 sample.append_tokens(segment.token_ids, segment.logprobs, version)
                 if segment.finish_reason in FINISHED:
                     sample.finish(segment.finish_reason)
                     return
                 self._stats["aborted_segments"] += 1
+                if sample.output_len >= params.max_new_tokens:
+                    sample.finish("length")
+                    return
                 if epoch != self._pause_epoch:
                     unexplained_aborts = 0
                     continue
@@ -352,6 +362,12 @@ class RemoteEngine(InferenceEngine):
                         f"{server.url} aborted sample {sample.sample_id} {unexplained_aborts} times without a "
                         f"pause ({segment.message or 'no reason given'}); check the server's log"
                     )
+
+    def _end_request(self, server: RemoteServer, segment_ids: list[str]) -> None:
+        """Forget a finished request (lock held); wakes a pause() waiting for it."""
+        server.load -= 1
+        server.request_ids.difference_update(segment_ids)
+        self._cond.notify_all()
 
     def _register_request_id(self, server: RemoteServer, segment_ids: list[str]) -> str:
         """A new request id, remembered so that ``close()`` can abort it."""
@@ -379,31 +395,26 @@ class RemoteEngine(InferenceEngine):
                     server, "", f"{len(segment.prefill_logprobs)} prefill logprobs for {expected} scored input tokens"
                 )
 
-    def _versions_agree(self, server: RemoteServer, segment: Segment, version: int) -> bool:
-        """True when the server ran the segment under ``version``; False for a stale race.
+    def _check_versions(self, server: RemoteServer, segment: Segment, version: int) -> None:
+        """The server must have run the segment under the version sdp tags it with.
 
-        Called under the lock. A segment whose labels are all newer than ``version`` was
-        submitted before a weight update and reached the server after it; it is discarded.
+        pause() returns only after every request in flight has ended, so no weight update can
+        fall inside a request: a different label means someone else changed the weights.
         """
-        labels = set(segment.token_versions or ())
-        if segment.prefill_version is not None:
-            labels.add(segment.prefill_version)
         if segment.token_ids and segment.token_versions is None:
             raise EngineError(
                 f"{server.url} reports no weight version for its tokens; sdp needs the server versions "
                 "listed in docs/engines.md"
             )
-        expected = version_label(version)
-        if labels <= {expected}:
-            return True
-        newer = {version_label(v) for v in range(version + 1, self._version + 1)}
-        if labels <= newer:
-            logger.info("discarding a segment submitted at version %d and run at %s", version, sorted(labels))
-            return False
-        raise EngineError(
-            f"{server.url} ran a request under weight version(s) {sorted(labels)} while sdp tagged it version "
-            f"{version}; another client may be changing this server's weights (give each run its own servers)"
-        )
+        labels = set(segment.token_versions or ())
+        if segment.prefill_version is not None:
+            labels.add(segment.prefill_version)
+        if not labels <= {version_label(version)}:
+            raise EngineError(
+                f"{server.url} ran a request under weight version(s) {sorted(labels)} while sdp tagged it "
+                f"version {version}; another client may be changing this server's weights (give each run "
+                "its own servers)"
+            )
 
     def _patch_proximal(
         self,
@@ -425,6 +436,8 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ pause / weights
     def pause(self) -> None:
+        """Stop admitting requests, abort the ones in flight and return once every one of them
+        has ended and its partial output is recorded in its sample."""
         with self._cond:
             self._raise_if_closed()
             if self._paused:
@@ -432,6 +445,23 @@ class RemoteEngine(InferenceEngine):
             self._paused = True
             self._pause_epoch += 1
         self._on_all_servers(self._server_abort_all)
+        # A request sent just before the pause may reach a server after the abort: abort the
+        # stragglers by id until none is left (the first wait normally ends by notification).
+        deadline = time.monotonic() + self.options.http.admin_timeout_s
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or not any(s.request_ids for s in self.servers), 0.1)
+                self._raise_if_closed()
+                stragglers = [(s, sorted(s.request_ids)) for s in self.servers if s.request_ids]
+            if not stragglers:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"engine={self.engine_name}: {sum(len(ids) for _, ids in stragglers)} request(s) did not end "
+                    f"within {self.options.http.admin_timeout_s:.0f} s of an abort; check the servers' logs"
+                )
+            for server, request_ids in stragglers:
+                self._server_abort_requests(server, request_ids)
 
     def resume(self) -> None:
         with self._cond:
@@ -494,8 +524,8 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict[str, int]:
-        """Counters since start: segments, resubmissions, aborts, discarded stale segments, and
-        tokens whose π_prox_t came from a resubmission's prefill."""
+        """Counters since start: segments, resubmissions, aborted segments, and tokens whose
+        π_prox_t came from a resubmission's prefill."""
         with self._cond:
             return dict(self._stats)
 

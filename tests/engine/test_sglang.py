@@ -171,12 +171,13 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
             stub.wait_holding(n)
             engine.pause()
             assert sorted(s.sample_id for s in engine.inflight_samples()) == sorted(s.sample_id for s in samples)
-            frozen = [s.output_len for s in samples]
+            # pause() returns with every aborted partial output recorded, and nothing changes
+            # until resume()
+            assert [s.output_len for s in samples] == [hold * version] * n
             _recompute_pass(engine, version - 1)
             engine.update_weights(WeightUpdate(version=version, path=weight_dirs[version]))
             assert stub.weight_version == str(version)
-            # the aborted partial outputs are not appended while paused
-            assert [s.output_len for s in samples] == frozen
+            assert [s.output_len for s in samples] == [hold * version] * n
             engine.resume()
         stub.wait_holding(n)
         stub.release()
@@ -199,10 +200,10 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
                 assert (s.proximal_t_versions[t], s.proximal_logprobs_t[t]) == (3, s.old_logprobs[t])
     # each sample: 4 segments (3 aborted), 3 resubmissions, 9 tokens patched from a prefill
     assert stats["resubmissions"] == 3 * n and stats["aborted_segments"] == 3 * n
-    assert stats["prefill_proximal_tokens"] == 9 * n and stats["discarded_stale_segments"] == 0
-    # scoring requests (max_new_tokens 0) come from the recompute pass: a partial answer parked
-    # during the pause has not patched its tokens yet, so the pass scores them (same weights)
-    bodies = [b for b in stub.requests_to("/generate") if b["sampling_params"]["max_new_tokens"] > 0]
+    assert stats["prefill_proximal_tokens"] == 9 * n
+    bodies = stub.requests_to("/generate")
+    # the resubmissions' prefills covered every token: the recompute pass had nothing to score
+    assert all(b["sampling_params"]["max_new_tokens"] > 0 for b in bodies)
     by_prompt = {}
     for b in bodies:
         by_prompt.setdefault(tuple(b["input_ids"][:1]), []).append(b)
@@ -309,10 +310,11 @@ def test_servers_without_spans_are_checked_with_their_single_label(weight_dirs):
             engine.generate(_samples(PROMPTS[:1]), SamplingParams(max_new_tokens=3))
 
 
-def test_a_request_that_reaches_the_server_after_an_update_is_discarded(stub, weight_dirs):
-    """A request submitted at v0 whose bytes reach the server only after the update to v1
-    runs under v1: the segment disagrees with its submission version and is redone."""
-    weights1 = tiny_lm.load_weights(weight_dirs[1])
+def test_pause_waits_for_a_request_that_reaches_the_server_after_the_abort(stub, weight_dirs):
+    """A request sent just before pause() can reach the server after the server-wide abort;
+    pause() aborts it by id and returns only once its partial output is recorded, so the
+    weight update cannot fall inside it."""
+    weights = [tiny_lm.load_weights(d) for d in weight_dirs]
     with _engine(stub) as engine:
         entered, release = threading.Event(), threading.Event()
         original = engine._server_generate
@@ -326,18 +328,26 @@ def test_a_request_that_reaches_the_server_after_an_update_is_discarded(stub, we
             return original(server, request, refresh)
 
         engine._server_generate = delayed
+        stub.set_hold(2)
         samples = _samples(PROMPTS[:1])
-        _, join = _in_thread(engine.generate, samples, SamplingParams(max_new_tokens=4, seed=9))
+        _, join = _in_thread(engine.generate, samples, SamplingParams(max_new_tokens=5, seed=9))
         entered.wait()
-        engine.pause()
+        pause_thread, pause_join = _in_thread(engine.pause)
+        stub.wait_requests("/abort_request", 1)  # pause() is aborting the straggler by id ...
+        assert pause_thread.is_alive()  # ... and has not returned
+        release.set()  # the request reaches the server only now, after the server-wide abort
+        pause_join()
+        assert {b["rid"] for b in stub.requests_to("/abort_request")} == {calls[0].request_id}
+        (sample,) = samples
+        k = sample.output_len  # recorded before pause() returned: 0..2 tokens, as the abort fell
+        assert k <= 2 and sample.versions == [0] * k
         engine.update_weights(WeightUpdate(version=1, path=weight_dirs[1]))
         engine.resume()
-        release.set()
+        stub.release()
         join()
-        assert engine.stats()["discarded_stale_segments"] == 1
-    (s,) = samples
-    assert s.versions == [1, 1, 1, 1] and len(calls) == 2
-    assert s.old_logprobs == pytest.approx(tiny_lm.score(weights1, s.input_ids, s.prompt_len), abs=1e-9)
+    assert sample.versions == [0] * k + [1] * (5 - k)
+    assert sample.old_logprobs[:k] == pytest.approx(tiny_lm.score(weights[0], sample.input_ids, 3)[:k], abs=1e-9)
+    assert sample.proximal_logprobs_t[:k] == pytest.approx(tiny_lm.score(weights[1], sample.input_ids, 3)[:k], abs=1e-9)
 
 
 def test_an_abort_no_pause_explains_is_retried_then_reported(stub):
@@ -523,3 +533,15 @@ def test_launch_starts_the_server_and_close_stops_it(weight_dirs, tmp_path):
     finally:
         engine.close()
     assert managed.pid is None and (tmp_path / "run" / "sglang_server.log").is_file()
+
+
+def test_one_seed_gives_distinct_and_reproducible_samples(stub):
+    def run() -> list[tuple[int, ...]]:
+        with _engine(stub) as engine:
+            samples = _samples([[5, 6, 7]] * 4)
+            engine.generate(samples, SamplingParams(max_new_tokens=8, seed=42))
+        return [tuple(s.output_ids) for s in samples]
+
+    first = run()
+    # a GRPO group shares one seed, yet its samples must differ; the same seed repeats them
+    assert run() == first and len(set(first)) == 4

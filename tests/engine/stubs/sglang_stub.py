@@ -142,6 +142,11 @@ class SGLangStub:
         with self.state.cond:
             self.state.faults.setdefault(path, []).extend([action] * times)
 
+    def wait_requests(self, path: str, n: int, timeout: float = 30.0) -> None:
+        with self.state.cond:
+            if not self.state.cond.wait_for(lambda: len([1 for _, p, _ in self.state.requests if p == path]) >= n, timeout):
+                raise AssertionError(f"expected {n} requests to {path}")
+
     def requests_to(self, path: str) -> list[Any]:
         with self.state.cond:
             return [body for _, p, body in self.state.requests if p == path]
@@ -185,6 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
         with state.cond:
             state.requests.append((method, path, body))
             state.auth_headers.append(self.headers.get("Authorization"))
+            state.cond.notify_all()
             faults = state.faults.get(path)
             fault = faults.pop(0) if faults else None
         if fault == "drop":
@@ -247,16 +253,13 @@ class _Handler(BaseHTTPRequestHandler):
                 state.cond.notify_all()
                 finish = {"type": "abort", "message": "logprob_start_len too large", "status_code": 400}
                 return 200, {"text": "", "output_ids": [], "meta_info": {**meta, "finish_reason": finish}}
-            if start >= 0:
-                # Row 0 (position `start`) is always null; row k scores position start + k.
-                scored = tiny_lm.score(state.weights, input_ids, 1)
-                meta["input_token_logprobs"] = [[None, input_ids[start], None]] + [
-                    [scored[p - 1], input_ids[p], None] for p in range(start + 1, len(input_ids))
-                ]
         tokens: list[int] = []
         rows_out: list[list[Any]] = []
         labels: list[str] = []
         finish: dict[str, Any] = {"type": "length", "length": max_new}
+        if max_new == 0 and start >= 0:
+            with state.cond:
+                meta["input_token_logprobs"] = _prefill_rows(state.weights, input_ids, start)
         try:
             while len(tokens) < max_new:
                 with state.cond:
@@ -266,8 +269,12 @@ class _Handler(BaseHTTPRequestHandler):
                         state.cond.wait()
                         state.holding.discard(rid)
                     if live.aborted:
-                        finish = {"type": "abort", "message": "Aborted", "status_code": None}
+                        # held before its first step = still in the waiting queue: no prefill ran
+                        message = "Aborted" if tokens else "Abort in waiting queue"
+                        finish = {"type": "abort", "message": message, "status_code": None}
                         break
+                    if start >= 0 and "input_token_logprobs" not in meta:
+                        meta["input_token_logprobs"] = _prefill_rows(state.weights, input_ids, start)
                     logprobs = tiny_lm.next_logprobs(state.weights, input_ids + tokens, temperature)
                     token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
                     labels.append(state.weight_version)
@@ -363,6 +370,15 @@ class _Handler(BaseHTTPRequestHandler):
     def health_generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         with self.state.cond:
             return (503, None) if self.state.paused else (200, None)
+
+
+def _prefill_rows(weights: dict[str, torch.Tensor], input_ids: list[int], start: int) -> list[list[Any]]:
+    """``input_token_logprobs`` from position ``start``: row 0 is always null, row k scores
+    position start + k (research note sglang.md §2)."""
+    scored = tiny_lm.score(weights, input_ids, 1)
+    return [[None, input_ids[start], None]] + [
+        [scored[p - 1], input_ids[p], None] for p in range(start + 1, len(input_ids))
+    ]
 
 
 ROUTES = {

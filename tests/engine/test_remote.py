@@ -1,0 +1,354 @@
+"""The shared remote-engine machinery: HTTP transport, server processes, and the segment /
+version / π_prox_t bookkeeping, checked as a property over arbitrary abort schedules."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import torch
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdp_cli.engine.base import EngineError, EngineUnavailable, SamplingParams, WeightUpdate
+from sdp_cli.engine.http import HttpOptions, HttpServer
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions, Segment, expand_spans, request_seed
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.rollout.records import RolloutSample
+
+
+def _load_tiny_lm():
+    name = "sdp_engine_stubs"
+    if name not in sys.modules:
+        root = Path(__file__).parent / "stubs"
+        spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return importlib.import_module(f"{name}.tiny_lm")
+
+
+tiny_lm = _load_tiny_lm()
+
+
+# ---------------------------------------------------------------------------- transport
+def _server(handler, **options) -> tuple[HttpServer, list[float]]:
+    delays: list[float] = []
+    server = HttpServer(
+        "http://test.invalid:1",
+        HttpOptions(**options),
+        label="test server",
+        unavailable_hint="start it",
+        transport=httpx.MockTransport(handler),
+        sleep=delays.append,
+    )
+    return server, delays
+
+
+def test_backoff_doubles_up_to_the_cap_and_retries_are_bounded():
+    calls = []
+
+    def always_503(request):
+        calls.append(request)
+        return httpx.Response(503, text="overloaded")
+
+    server, delays = _server(always_503, max_retries=4, backoff_initial_s=0.5, backoff_max_s=2.0)
+    with pytest.raises(EngineError, match=r"failed after 5 attempt\(s\): HTTP 503: overloaded"):
+        server.post("/generate", {"x": 1})
+    # 0.5 · 2^k for k = 0, 1, 2, 3, capped at 2.0: 0.5, 1.0, 2.0, 2.0
+    assert delays == [0.5, 1.0, 2.0, 2.0] and len(calls) == 5
+
+
+def test_a_retry_gets_a_fresh_body_and_success_ends_the_loop():
+    bodies = []
+
+    def flaky(request):
+        bodies.append(json.loads(request.content))
+        if len(bodies) < 3:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={"ok": True})
+
+    fresh = iter(["b", "c"])
+    server, delays = _server(flaky, max_retries=3, backoff_initial_s=0.1)
+    answer = server.post("/generate", {"rid": "a"}, refresh=lambda: {"rid": next(fresh)})
+    assert answer == {"ok": True} and bodies == [{"rid": "a"}, {"rid": "b"}, {"rid": "c"}] and delays == [0.1, 0.2]
+
+
+def test_connection_refused_is_engine_unavailable_in_one_line():
+    def refused(request):
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    server, _ = _server(refused, max_retries=2, backoff_initial_s=0.0)
+    with pytest.raises(EngineUnavailable) as err:
+        server.get("/health")
+    assert str(err.value) == (
+        "cannot reach the test server at http://test.invalid:1 ([Errno 111] Connection refused); start it"
+    )
+
+
+def test_a_read_timeout_is_not_retried():
+    calls = []
+
+    def slow(request):
+        calls.append(request)
+        raise httpx.ReadTimeout("timed out")
+
+    server, delays = _server(slow, max_retries=3, request_timeout_s=7.0)
+    with pytest.raises(EngineError, match="no answer within 7.0 s; raise engine.request_timeout_s"):
+        server.post("/generate", {})
+    assert len(calls) == 1 and delays == []
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [
+        (404, "Not Found", "HTTP 404: the server lacks this route"),
+        (401, "Unauthorized", r"refused with HTTP 401 \(Unauthorized\); set engine.api_key"),
+        (400, '{"error": "max_tokens must be at least 1"}', "HTTP 400: .*max_tokens must be at least 1"),
+        (200, "{not json", "answered malformed JSON: {not json"),
+    ],
+)
+def test_error_answers_become_one_line_engine_errors(status, body, message):
+    server, delays = _server(lambda r: httpx.Response(status, text=body), max_retries=3)
+    with pytest.raises(EngineError, match=message) as err:
+        server.post("/route", {})
+    assert "\n" not in str(err.value) and delays == []
+
+
+def test_answer_statuses_are_returned_instead_of_raised():
+    server, _ = _server(lambda r: httpx.Response(400, json={"success": False, "message": "bad path"}))
+    assert server.post("/update", {}, answer_statuses=(400,)) == {"success": False, "message": "bad path"}
+
+
+def test_the_api_key_goes_in_the_header_only():
+    seen = []
+    server, _ = _server(lambda r: (seen.append(r.headers.get("authorization")), httpx.Response(200))[1], api_key="k-77")
+    server.get("/x")
+    assert seen == ["Bearer k-77"] and "k-77" not in repr(server) and "k-77" not in repr(server.options)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"max_retries": -1}, {"request_timeout_s": 0}, {"backoff_initial_s": 5, "backoff_max_s": 1}]
+)
+def test_http_options_are_validated(bad):
+    with pytest.raises(ValueError):
+        HttpOptions(**bad)
+
+
+# ------------------------------------------------------------------------------ parsing
+def test_spans_must_tile_the_output():
+    from sdp_cli.engine.remote import RemoteServer
+
+    server = RemoteServer(HttpServer("http://x.invalid", HttpOptions()))
+    spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 5}]
+    assert expand_spans(server, "/g", spans, 5) == ["1", "1", "2", "2", "2"]
+    with pytest.raises(EngineError, match="do not tile"):
+        expand_spans(server, "/g", [{"version": "1", "start": 1, "end": 5}], 5)
+    with pytest.raises(EngineError, match="cover 2 tokens, the output has 3"):
+        expand_spans(server, "/g", spans[:1], 3)
+
+
+def test_request_seeds_differ_per_sample_and_segment_and_repeat_per_seed():
+    seeds = {request_seed(7, position, done) for position in range(8) for done in range(0, 40, 5)}
+    assert len(seeds) == 64 and request_seed(None, 3, 4) is None
+    assert request_seed(7, 2, 10) == request_seed(7, 2, 10) != request_seed(8, 2, 10)
+
+
+# ------------------------------------------------------------------------ server process
+def _spec(tmp_path, code: str, *, timeout: float = 30.0, secrets=()) -> LaunchSpec:
+    port = free_port()
+    return LaunchSpec(
+        label="test server",
+        command=[sys.executable, "-c", code, str(port)],
+        env={},
+        host="127.0.0.1",
+        port=port,
+        health_path="/health",
+        log_path=tmp_path / "logs" / "server.log",
+        startup_timeout_s=timeout,
+        poll_interval_s=0.05,
+        secrets=secrets,
+    )
+
+
+HEALTHY = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+print("serving", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_launched_server_is_ready_then_stopped(tmp_path):
+    server = ManagedServer(_spec(tmp_path, HEALTHY))
+    with server:
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        pid = server.pid
+    assert server.pid is None
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
+    assert "serving" in (tmp_path / "logs" / "server.log").read_text()
+
+
+def test_a_server_that_exits_at_startup_is_reported_with_its_log(tmp_path):
+    code = "import sys; print('unrecognized arguments: --bogus key-123'); sys.exit(3)"
+    server = ManagedServer(_spec(tmp_path, code, secrets=("key-123",)))
+    with pytest.raises(EngineUnavailable) as err:
+        server.start()
+    message = str(err.value)
+    assert "exited with code 3 during startup: unrecognized arguments: --bogus ***" in message
+    assert "key-123" not in message and "\n" not in message and str(tmp_path / "logs" / "server.log") in message
+
+
+def test_a_server_that_never_gets_ready_times_out_and_is_stopped(tmp_path):
+    server = ManagedServer(_spec(tmp_path, "import time; time.sleep(60)", timeout=0.5))
+    with pytest.raises(EngineUnavailable, match=r"was not ready after 0 s; see .* or raise engine.startup_timeout_s"):
+        server.start()
+    assert server.pid is None
+
+
+def test_a_missing_interpreter_is_reported(tmp_path):
+    spec = _spec(tmp_path, "")
+    spec = LaunchSpec(**{**spec.__dict__, "command": ["/no/such/python", "-m", "x"]})
+    with pytest.raises(EngineUnavailable, match="cannot start the test server .*set engine.python"):
+        ManagedServer(spec).start()
+
+
+# ------------------------------------------------- π_prox_t bookkeeping, as a property
+class MemoryEngine(RemoteEngine):
+    """A remote engine whose "server" is ``tiny_lm`` in memory.
+
+    ``schedule`` lists the segments before the last one: each generates ``k`` tokens, is
+    aborted by a pause, and that pause runs the recompute pass and one weight update on a
+    trainer thread. ``prefill_ran=False`` makes a segment that was aborted before its prefill
+    (so it returns no prefill logprobs): its tokens must then be covered by a later pass.
+    """
+
+    engine_name = "memory"
+
+    def __init__(self, weight_dirs, schedule):
+        self.weight_dirs = weight_dirs
+        self.weights = [tiny_lm.load_weights(d) for d in weight_dirs]
+        self.loaded, self.label = 0, "0"
+        self.schedule = list(schedule)
+        self.trainer_threads: list[threading.Thread] = []
+        self._abort_seen = threading.Event()
+        super().__init__(["memory://server"], RemoteOptions(ignore_eos=True, http=HttpOptions(max_retries=0)))
+
+    def _unavailable_hint(self):
+        return ""
+
+    def _server_connect(self, server):
+        pass
+
+    def _server_set_version(self, server, label):
+        self.label = label
+
+    def _server_abort_all(self, server):
+        self._abort_seen.set()
+
+    def _server_abort_requests(self, server, request_ids):
+        pass
+
+    def _server_load_weights(self, server, path, label):
+        self.loaded, self.label = self.weight_dirs.index(path), label
+
+    def _server_score(self, server, sequence, start):
+        return tiny_lm.score(self.weights[self.loaded], sequence, start), self.label
+
+    def _server_generate(self, server, request, refresh_id):
+        weights, label = self.weights[self.loaded], self.label
+        k, prefill_ran = self.schedule.pop(0) if self.schedule else (request.max_new_tokens, True)
+        k = min(k, request.max_new_tokens)
+        gen = torch.Generator().manual_seed(request.seed or 0)
+        ids, logprobs = list(request.input_ids), []
+        for _ in range(k):
+            lp = tiny_lm.next_logprobs(weights, ids)
+            token = int(torch.multinomial(lp.exp(), 1, generator=gen))
+            ids.append(token)
+            logprobs.append(float(lp[token]))
+        prefill = None
+        if request.prefill_from is not None and (prefill_ran or k):
+            prefill = tiny_lm.score(weights, request.input_ids, request.prefill_from)
+        finished = k == request.max_new_tokens
+        if not finished:
+            # the abort comes from a pause: start the trainer's cycle and answer once it has begun
+            thread = threading.Thread(target=self._trainer_cycle, daemon=True)
+            self.trainer_threads.append(thread)
+            thread.start()
+            self._abort_seen.wait()
+            self._abort_seen.clear()
+        return Segment(
+            token_ids=ids[len(request.input_ids) :],
+            logprobs=logprobs,
+            finish_reason="length" if finished else "abort",
+            token_versions=[label] * k,
+            prefill_logprobs=prefill,
+            prefill_version=label if prefill is not None else None,
+        )
+
+    def _trainer_cycle(self):
+        self.pause()
+        loaded = self.get_version()
+        for s in self.inflight_samples():  # DESIGN.md §2 step 2
+            idx = [t for t in range(s.output_len) if s.versions[t] == loaded - 1 and s.proximal_t_versions[t] != loaded]
+            if idx:
+                (values,) = self.score([s.input_ids], [s.prompt_len + idx[0]])
+                for t in idx:
+                    s.set_proximal_t(t, values[t - idx[0]], loaded)
+        self.update_weights(WeightUpdate(version=loaded + 1, path=self.weight_dirs[loaded + 1]))
+        self.resume()
+
+
+MAX_UPDATES = 5
+
+
+@pytest.fixture(scope="module")
+def version_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("versions")
+    return [tiny_lm.save_weights(root / f"v{v}", tiny_lm.make_weights(seed=500 + v)) for v in range(MAX_UPDATES + 1)]
+
+
+@settings(max_examples=40)
+@given(
+    schedule=st.lists(st.tuples(st.integers(0, 3), st.booleans()), max_size=MAX_UPDATES),
+    budget=st.integers(1, 12),
+)
+def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedule, budget):
+    """DESIGN.md §2 invariant: every token of version v below the final version has π_prox_t
+    from version v+1 (computed here directly from those weights); the others keep π_behav."""
+    engine = MemoryEngine(version_dirs, schedule)
+    sample = RolloutSample(prompt_ids=[3, 1, 4])
+    with engine:
+        engine.generate([sample], SamplingParams(max_new_tokens=budget, seed=1))
+        for thread in engine.trainer_threads:
+            thread.join(30)
+        final = engine.get_version()
+    weights = engine.weights
+    sample.check_consistent()
+    assert sample.output_len == budget and sample.finish_reason == "length"
+    expected_versions = []
+    for version, (k, _) in enumerate(schedule[: len(engine.trainer_threads)]):
+        expected_versions += [version] * min(k, budget - len(expected_versions))
+    expected_versions += [final] * (budget - len(expected_versions))
+    assert sample.versions == expected_versions
+    for t, v in enumerate(sample.versions):
+        assert sample.old_logprobs[t] == pytest.approx(tiny_lm.score(weights[v], sample.input_ids, 3)[t], abs=1e-12)
+        if v < final:
+            assert sample.proximal_t_versions[t] == v + 1
+            direct = tiny_lm.score(weights[v + 1], sample.input_ids, 3)[t]
+            assert sample.proximal_logprobs_t[t] == pytest.approx(direct, abs=1e-12)
+        else:
+            assert (sample.proximal_t_versions[t], sample.proximal_logprobs_t[t]) == (v, sample.old_logprobs[t])
