@@ -31,20 +31,30 @@ class _ChunkedLogprobs(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool
     ) -> tuple[Tensor, Tensor]:
-        n = logits.shape[0]
+        n, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
         logprobs = torch.empty(n, dtype=dtype, device=logits.device)
         log_norm = torch.empty(n, dtype=dtype, device=logits.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=logits.device)
+        # One scratch chunk reused by every chunk (a fresh one each time costs page faults).
+        scratch = torch.empty(min(chunk_size, n), vocab, dtype=dtype, device=logits.device)
+        probs = torch.empty_like(scratch) if with_entropy else None
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            x = logits[rows].to(dtype) / temperature
-            lse = torch.logsumexp(x, dim=-1)
+            x = scratch[: logits[rows].shape[0]]
+            x.copy_(logits[rows]).div_(temperature)  # half precision is widened before dividing
+            target_logit = x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+            # logsumexp(x) = max + log Σ e^{x − max}, computed in place in the scratch.
+            top = x.amax(-1, keepdim=True)
+            shifted = x.sub_(top)
+            exp = torch.exp(shifted, out=probs[: x.shape[0]]) if with_entropy else shifted.exp_()
+            total = exp.sum(-1)
+            lse = total.log() + top.squeeze(-1)
             log_norm[rows] = lse
-            logprobs[rows] = x.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1) - lse
+            logprobs[rows] = target_logit - lse
             if with_entropy:
-                probs = torch.exp(x - lse.unsqueeze(-1))
-                entropy[rows] = lse - torch.linalg.vecdot(probs, x)
+                # H = log Σ e^s − Σ e^s·s / Σ e^s with s = x − max.
+                entropy[rows] = total.log() - torch.linalg.vecdot(exp, shifted) / total
         ctx.save_for_backward(logits, targets, log_norm, entropy)
         # Unused outputs then arrive as None in backward instead of as tensors of zeros.
         ctx.set_materialize_grads(False)
@@ -64,26 +74,29 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         grad_logits = torch.empty_like(logits)
-        # Work in place inside the returned gradient when its dtype is the compute dtype.
+        # Work in place inside the returned gradient when its dtype is the compute dtype;
+        # otherwise in one reused float32 scratch chunk.
         in_place = logits.dtype == dtype
+        scratch = None if in_place else torch.empty(min(chunk_size, n), logits.shape[1], dtype=dtype, device=logits.device)
+        probs = torch.empty(min(chunk_size, n), logits.shape[1], dtype=dtype, device=logits.device) if use_entropy else None
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
             out = grad_logits[rows]
-            work = out if in_place else torch.empty(out.shape, dtype=dtype, device=out.device)
+            work = out if scratch is None else scratch[: out.shape[0]]
             g_lp = grad_logprobs[rows].unsqueeze(-1)
             # work := log p = x − logsumexp(x)
-            torch.div(logits[rows], temperature, out=work)
+            work.copy_(logits[rows]).div_(temperature)
             work.sub_(log_norm[rows].unsqueeze(-1))
             if use_entropy:
                 # d/dx [g_lp·log p_y + g_H·H] = g_lp·(onehot_y − p) − g_H·p·(log p + H)
                 g_h = grad_entropy[rows].to(dtype).unsqueeze(-1)
-                probs = torch.exp(work)
-                work.add_(entropy[rows].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(probs).neg_()
+                p = torch.exp(work, out=probs[: out.shape[0]])
+                work.add_(entropy[rows].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
             else:
                 work.exp_().mul_(g_lp).neg_()
             work.scatter_add_(-1, targets[rows].unsqueeze(-1), g_lp)
             work.div_(temperature)
-            if not in_place:
+            if scratch is not None:
                 out.copy_(work)
         return grad_logits, None, None, None, None
 
