@@ -1,0 +1,297 @@
+"""Benchmark sdp_cli.core against plain unfused torch (not a test; prints a table, writes JSON).
+
+1. Speed: one training step's correction math, forward + backward —
+   segment-wise log ratio → token importance weights (truncate to [0.5, 2], batch-normalised) →
+   geometric rejection with veto → PPO clip loss (clip-higher, dual clip, weights) → off-policy
+   metrics — at B=256, T=2048 and B=32, T=256, against a reference written here in the most
+   direct way (float masks, one op per formula term, each metric read with ``.item()``). Both
+   produce the same loss and gradient (checked before timing). The two alternate within each
+   repeat and the minimum is reported, because the machine is shared; one torch thread by
+   default (``--threads``), since a second OpenMP thread waiting for a busy core adds noise.
+2. Memory: ``logprobs_from_logits`` vs ``log_softmax(logits / T).gather(...)`` at vocab 49,152,
+   N=4,096 tokens (float32 logits of 768 MiB). Each variant runs in a fresh subprocess: the
+   inputs are allocated and written first, ``ru_maxrss`` (peak resident set) is read, the
+   variant runs, and ``ru_maxrss`` is read again; the difference is the variant's peak extra
+   memory. PyTorch's CPU allocator does not cache, and glibc serves blocks this large with
+   mmap/munmap, so the resident set follows live tensors. Forward+backward necessarily returns
+   an [N, V] logits gradient; "scratch" is the extra memory beyond that required output.
+
+Run: ``.venv/bin/python bench/loss.py`` (about 20 s on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sdp_cli.core import (
+    behavior_log_ratio,
+    importance_weights,
+    logprobs_from_logits,
+    offpolicy_metrics,
+    policy_loss,
+    rejection_mask,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "loss.json"
+CAP, FLOOR, RS_UPPER, VETO = 2.0, 0.5, 1.5, 1e-4
+CLIP, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
+VOCAB, N_TOKENS, TEMPERATURE = 49_152, 4_096, 0.7
+
+
+def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random padded batch: response lengths uniform in [1, T], logprobs a few versions apart."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(batch, length, generator=gen) * 3
+    prox = old + 0.1 * torch.randn(batch, length, generator=gen)
+    prox_t = old + 0.05 * torch.randn(batch, length, generator=gen)
+    logprobs = prox + 0.05 * torch.randn(batch, length, generator=gen)
+    lengths = torch.randint(1, length + 1, (batch,), generator=gen)
+    mask = (torch.arange(length) < lengths[:, None]).float()
+    advantages = torch.randn(batch, 1, generator=gen).expand(batch, length).contiguous()
+    return {"old": old, "prox": prox, "prox_t": prox_t, "logprobs": logprobs, "mask": mask, "adv": advantages}
+
+
+def ours(x: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+    log_ratio = behavior_log_ratio(x["old"], x["prox"], x["prox_t"], mode="segment_wise")
+    weights, _ = importance_weights(
+        log_ratio, x["mask"], level="token", cap=CAP, floor=FLOOR, action="truncate", batch_normalize=True
+    )
+    mask, _ = rejection_mask(log_ratio, x["mask"], level="geometric", upper=RS_UPPER, veto=VETO)
+    loss, _ = policy_loss(
+        logprobs, x["prox"], x["adv"], mask, weights=weights, clip=CLIP, clip_high=CLIP_HIGH, dual_clip=DUAL_CLIP
+    )
+    offpolicy_metrics(x["old"], x["prox"], x["mask"])
+    return loss
+
+
+def reference(x: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+    """The same math as ``ours`` written term by term, no helpers, no fusion, no chunking."""
+    old, prox, mask, adv = x["old"], x["prox"], x["mask"], x["adv"]
+    metrics: dict[str, float] = {}
+    n_tok = mask.sum()
+    valid = mask.bool()
+    # Importance weights, token level, truncated, batch-normalised.
+    log_ratio = (x["prox_t"] - old) * mask
+    raw = torch.exp(torch.clamp(log_ratio, -20, 20)) * mask
+    metrics["frac_high"] = (((raw > CAP).float() * mask).sum() / n_tok).item()
+    metrics["frac_low"] = (((raw < FLOOR).float() * mask).sum() / n_tok).item()
+    w = torch.clamp(raw, FLOOR, CAP) * mask
+    factor = (w * mask).sum() / n_tok
+    w = w / factor
+    metrics["factor"] = factor.item()
+    w_mean = (w * mask).sum() / n_tok
+    metrics["mean"] = w_mean.item()
+    metrics["std"] = torch.sqrt((((w - w_mean) ** 2) * mask).sum() / n_tok).item()
+    metrics["min"] = w[valid].min().item()
+    metrics["max"] = w[valid].max().item()
+    metrics["ess"] = (1.0 / ((((w / w_mean) ** 2) * mask).sum() / n_tok)).item()
+    seq_w = (w * mask).sum(-1) / mask.sum(-1)
+    metrics["seq_mean"] = seq_w.mean().item()
+    metrics["seq_std"] = seq_w.std(unbiased=False).item()
+    metrics["seq_min"] = seq_w.min().item()
+    metrics["seq_max"] = seq_w.max().item()
+    raw_seq = (raw * mask).sum(-1) / mask.sum(-1)
+    metrics["seq_frac_high"] = (raw_seq > CAP).float().mean().item()
+    metrics["seq_frac_low"] = (raw_seq < FLOOR).float().mean().item()
+    # Geometric rejection with veto.
+    geo = torch.exp(torch.clamp((log_ratio * mask).sum(-1) / mask.sum(-1), -20, 20))
+    keep = ((geo >= 1 / RS_UPPER) & (geo <= RS_UPPER)).float()
+    catastrophic = ((x["prox_t"] - old) < torch.log(torch.tensor(VETO))).float() * mask
+    vetoed = (catastrophic.sum(-1) > 0).float()
+    keep = keep * (1 - vetoed)
+    rs_mask = mask * keep[:, None]
+    metrics["rs_masked"] = (1 - rs_mask.sum() / n_tok).item()
+    metrics["rs_seq_masked"] = (1 - keep).mean().item()
+    metrics["rs_veto"] = vetoed.mean().item()
+    metrics["rs_catastrophic"] = (catastrophic.sum() / n_tok).item()
+    metrics["rs_mean"] = geo.mean().item()
+    metrics["rs_min"] = geo.min().item()
+    metrics["rs_max"] = geo.max().item()
+    # PPO clip loss with clip-higher, dual clip and weights, token-mean.
+    delta = (logprobs - prox) * rs_mask
+    ratio = torch.exp(torch.clamp(delta, -20, 20))
+    loss1 = -adv * ratio
+    loss2 = -adv * torch.clamp(ratio, 1 - CLIP, 1 + CLIP_HIGH)
+    clipped_loss = torch.maximum(loss1, loss2)
+    loss3 = -adv * DUAL_CLIP
+    dual_loss = torch.minimum(loss3, clipped_loss)
+    per_token = torch.where(adv < 0, dual_loss, clipped_loss) * w * rs_mask
+    n_rs = rs_mask.sum()
+    loss = per_token.sum() / n_rs
+    clipped = (loss2 > loss1).float() * rs_mask
+    metrics["pg_loss"] = loss.item()
+    metrics["clipfrac"] = (clipped.sum() / n_rs).item()
+    metrics["clipfrac_high"] = ((clipped * (adv > 0).float()).sum() / n_rs).item()
+    metrics["clipfrac_low"] = ((clipped * (adv < 0).float()).sum() / n_rs).item()
+    metrics["clipfrac_dual"] = (((clipped_loss > loss3) & (adv < 0)).float() * rs_mask).sum().item() / n_rs.item()
+    metrics["ppo_kl"] = ((-delta * rs_mask).sum() / n_rs).item()
+    # Off-policy metrics (verl definitions; every row is non-empty here).
+    lr = (prox - old) * mask
+    metrics["kl"] = ((-lr * mask).sum() / n_tok).item()
+    lr_safe = torch.clamp(lr, -20, 20)
+    metrics["k3_kl"] = (((torch.exp(lr_safe) - lr_safe - 1) * mask).sum() / n_tok).item()
+    train_mean = (prox * mask).sum(-1) / mask.sum(-1)
+    roll_mean = (old * mask).sum(-1) / mask.sum(-1)
+    metrics["training_ppl"] = torch.exp(-train_mean).mean().item()
+    metrics["training_log_ppl"] = (-train_mean).mean().item()
+    metrics["rollout_ppl"] = torch.exp(-roll_mean).mean().item()
+    metrics["rollout_log_ppl"] = (-roll_mean).mean().item()
+    diff = roll_mean - train_mean
+    metrics["log_ppl_diff"] = diff.mean().item()
+    metrics["log_ppl_abs_diff"] = diff.abs().mean().item()
+    metrics["log_ppl_diff_max"] = diff.max().item()
+    metrics["log_ppl_diff_min"] = diff.min().item()
+    metrics["ppl_ratio"] = torch.exp(diff).mean().item()
+    metrics["chi2_token"] = (((torch.exp(lr_safe) ** 2) * mask).sum() / n_tok - 1).item()
+    metrics["chi2_seq"] = (torch.exp(2 * torch.clamp((lr * mask).sum(-1), -20, 20)).mean() - 1).item()
+    return loss
+
+
+def time_pair(x: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
+    """Minimum forward + backward wall time of ``ours`` and ``reference`` over ``repeats`` runs.
+
+    The two alternate within each repeat, so both see the same background load.
+    """
+    best = {ours: float("inf"), reference: float("inf")}
+    for i in range(repeats + 1):
+        for fn in best:
+            logprobs = x["logprobs"].clone().requires_grad_(True)
+            start = time.perf_counter()
+            fn(x, logprobs).backward()
+            elapsed = time.perf_counter() - start
+            if i:  # the first round warms up
+                best[fn] = min(best[fn], elapsed)
+    return best[ours], best[reference]
+
+
+def check_same(x: dict[str, torch.Tensor]) -> float:
+    """Largest |Δ| between the two implementations' losses and gradients (must be ~0)."""
+    lp_a = x["logprobs"].clone().requires_grad_(True)
+    lp_b = x["logprobs"].clone().requires_grad_(True)
+    loss_a, loss_b = ours(x, lp_a), reference(x, lp_b)
+    loss_a.backward()
+    loss_b.backward()
+    return max((loss_a - loss_b).abs().item(), (lp_a.grad - lp_b.grad).abs().max().item())
+
+
+def memory_child(variant: str, phase: str) -> None:
+    """Runs in a fresh process: peak resident memory added by one logprobs variant, in bytes."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(N_TOKENS, VOCAB, generator=gen).requires_grad_(phase == "fwd_bwd")
+    targets = torch.randint(0, VOCAB, (N_TOKENS,), generator=gen)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if variant == "naive":
+        out = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        out = logprobs_from_logits(logits, targets, temperature=TEMPERATURE)
+    if phase == "fwd_bwd":
+        out.sum().backward()
+    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({"extra_bytes": (after - before) * 1024, "seconds": elapsed, "check": out.sum().item()}))
+
+
+def measure_memory(variant: str, phase: str, threads: int) -> dict[str, float]:
+    """Run ``memory_child`` in a fresh interpreter (memory is deterministic: one run)."""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--threads", str(threads), "--memory-child", variant, phase],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--memory-child", nargs=2, metavar=("VARIANT", "PHASE"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=10, help="timed repeats of the large case (×20 small)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for the speed runs")
+    args = parser.parse_args()
+    # One thread by default: on a shared machine a second OpenMP thread that waits for a busy
+    # core adds noise that swamps the comparison; both implementations run alike.
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        memory_child(*args.memory_child)
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    results: dict[str, object] = {
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'unknown'})",
+        "threads": torch.get_num_threads(),
+        "speed": [],
+        "memory": {},
+    }
+    speed = Table(title="correction math, forward + backward (min over repeats)")
+    for col in ("B × T", "sdp_cli.core [ms]", "unfused reference [ms]", "speed-up", "max |Δ| loss/grad"):
+        speed.add_column(col, justify="right")
+    for batch, length, repeats in ((32, 256, 20 * args.repeats), (256, 2048, args.repeats)):
+        x = make_inputs(batch, length)
+        diff = check_same(x)
+        t_ours, t_ref = time_pair(x, repeats)
+        results["speed"].append(
+            {
+                "batch": batch,
+                "length": length,
+                "ours_ms": t_ours * 1e3,
+                "reference_ms": t_ref * 1e3,
+                "speedup": t_ref / t_ours,
+                "max_abs_diff": diff,
+            }
+        )
+        speed.add_row(f"{batch} × {length}", f"{t_ours * 1e3:.2f}", f"{t_ref * 1e3:.2f}", f"{t_ref / t_ours:.2f}×", f"{diff:.1e}")
+
+    naive_bytes = N_TOKENS * VOCAB * 4
+    memory = Table(title=f"logprobs_from_logits, N={N_TOKENS}, V={VOCAB}, float32 (logits = {naive_bytes / 2**20:.0f} MiB)")
+    for col in ("phase", "naive extra [MiB]", "chunked extra [MiB]", "ratio", "scratch ratio", "naive [s]", "chunked [s]"):
+        memory.add_column(col, justify="right")
+    for phase in ("fwd", "fwd_bwd"):
+        naive = measure_memory("naive", phase, args.threads)
+        chunked = measure_memory("chunked", phase, args.threads)
+        assert abs(naive["check"] - chunked["check"]) < 1e-3 * abs(naive["check"]), "variants disagree"
+        # Forward+backward must return the [N, V] logits gradient; scratch excludes that output.
+        required = naive_bytes if phase == "fwd_bwd" else 0
+        row = {
+            "naive_extra_mib": naive["extra_bytes"] / 2**20,
+            "chunked_extra_mib": chunked["extra_bytes"] / 2**20,
+            "ratio": chunked["extra_bytes"] / naive["extra_bytes"],
+            "required_output_mib": required / 2**20,
+            "scratch_ratio": max(chunked["extra_bytes"] - required, 0) / (naive["extra_bytes"] - required),
+            "naive_s": naive["seconds"],
+            "chunked_s": chunked["seconds"],
+        }
+        results["memory"][phase] = row
+        memory.add_row(
+            phase,
+            f"{row['naive_extra_mib']:.0f}",
+            f"{row['chunked_extra_mib']:.0f}",
+            f"{row['ratio']:.1%}",
+            f"{row['scratch_ratio']:.1%}",
+            f"{row['naive_s']:.2f}",
+            f"{row['chunked_s']:.2f}",
+        )
+
+    console = Console()
+    console.print(speed)
+    console.print(memory)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    console.print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
