@@ -150,3 +150,19 @@ def test_float32_in_float32_out():
     assert loss.dtype == torch.float32
     loss.backward()
     assert lp.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gradcheck(loss_type, agg):
+    gen = torch.Generator().manual_seed(3)
+    lp = (torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.5).requires_grad_(True)
+    prox = torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.5
+    adv = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    w = torch.rand(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+
+    def loss(x):
+        return policy_loss(x, prox, adv, mask, weights=w, dual_clip=2.0, agg=agg, loss_type=loss_type)[0]
+
+    assert torch.autograd.gradcheck(loss, (lp,))
