@@ -50,10 +50,10 @@ FINISHED = ("stop", "length")
 class RemoteOptions:
     """Settings shared by the vLLM and SGLang clients."""
 
-    #: sampling temperature; scoring uses the same one (see ``allow_unscaled_prefill``)
+    #: sampling temperature; scoring uses the same one (see ``allow_temperature_mismatch``)
     temperature: float = 1.0
     #: accept temperature != 1 although the servers do not temperature-scale prefill logprobs
-    allow_unscaled_prefill: bool = False
+    allow_temperature_mismatch: bool = False
     #: keep generating past the model's end-of-sequence token (benchmarks)
     ignore_eos: bool = False
     #: requests in flight at once over all servers (generation; scoring has its own pool)
@@ -142,10 +142,10 @@ def check_temperature(options: RemoteOptions, engine_name: str) -> None:
         f"engine={engine_name} with temperature={options.temperature}: the server's prefill logprobs "
         "are not temperature-scaled, so scores and π_prox_t would not match the sampled logprobs"
     )
-    if not options.allow_unscaled_prefill:
-        raise EngineError(message + "; use temperature=1.0 or set engine.allow_unscaled_prefill=true to accept it")
-    warnings.warn(message + " (allowed by engine.allow_unscaled_prefill)", RuntimeWarning, stacklevel=3)
-    logger.warning("%s (allowed by engine.allow_unscaled_prefill)", message)
+    if not options.allow_temperature_mismatch:
+        raise EngineError(message + "; use temperature=1.0 or set engine.allow_temperature_mismatch=true to accept it")
+    warnings.warn(message + " (allowed by engine.allow_temperature_mismatch)", RuntimeWarning, stacklevel=3)
+    logger.warning("%s (allowed by engine.allow_temperature_mismatch)", message)
 
 
 # ------------------------------------------------------------------ response parsing helpers
@@ -195,7 +195,7 @@ class RemoteEngine(InferenceEngine):
 
     def __init__(self, base_urls: Sequence[str], options: RemoteOptions, *, version: int = 0):
         if not base_urls:
-            raise EngineError(f"engine={self.engine_name} needs at least one server address (engine.base_urls)")
+            raise EngineError(f"engine={self.engine_name} needs at least one server address (engine.urls)")
         check_temperature(options, self.engine_name)
         self.options = options
         self.temperature = options.temperature

@@ -125,7 +125,7 @@ class SGLangEngine(RemoteEngine):
 
     # ------------------------------------------------------------------ dialect
     def _unavailable_hint(self) -> str:
-        return "start it (python -m sglang.launch_server, see docs/engines.md) or fix engine.base_urls"
+        return "start it (python -m sglang.launch_server, see docs/engines.md) or fix engine.urls, or leave engine.urls empty to let sdp launch one"
 
     def _server_connect(self, server: RemoteServer) -> None:
         info = server.http.get("/get_model_info")

@@ -155,7 +155,7 @@ class VLLMEngine(RemoteEngine):
 
     # ------------------------------------------------------------------ dialect
     def _unavailable_hint(self) -> str:
-        return "start it (see docs/engines.md) or fix engine.base_urls; or let sdp launch one with engine.launch=true"
+        return "start it (see docs/engines.md) or fix engine.urls, or leave engine.urls empty to let sdp launch one"
 
     def _server_connect(self, server: RemoteServer) -> None:
         server.http.get("/health")

@@ -494,14 +494,14 @@ def test_api_key_is_sent_and_never_logged(weight_dirs, caplog):
 
 # -------------------------------------------------------------------------- temperature
 def test_temperature_other_than_one_is_refused(stub):
-    with pytest.raises(EngineError, match=r"temperature=0.7.*use temperature=1.0 or set engine.allow_unscaled_prefill=true"):
+    with pytest.raises(EngineError, match=r"temperature=0.7.*use temperature=1.0 or set engine.allow_temperature_mismatch=true"):
         SGLangEngine([stub.url], RemoteOptions(temperature=0.7))
 
 
 def test_temperature_opt_out_warns_and_the_mismatch_is_real(stub, weight_dirs):
     weights = tiny_lm.load_weights(weight_dirs[0])
     with pytest.warns(RuntimeWarning, match="not temperature-scaled"):
-        engine = SGLangEngine([stub.url], RemoteOptions(temperature=0.5, allow_unscaled_prefill=True, ignore_eos=True, http=FAST))
+        engine = SGLangEngine([stub.url], RemoteOptions(temperature=0.5, allow_temperature_mismatch=True, ignore_eos=True, http=FAST))
     with engine:
         samples = _samples(PROMPTS[:1])
         engine.generate(samples, SamplingParams(max_new_tokens=4))
