@@ -545,3 +545,46 @@ def test_one_seed_gives_distinct_and_reproducible_samples(stub):
     first = run()
     # a GRPO group shares one seed, yet its samples must differ; the same seed repeats them
     assert run() == first and len(set(first)) == 4
+
+
+# ----------------------------------------------------------------- from the run config
+def _run_cfg(**engine):
+    """The fields of the run config that build_remote_engine reads (schema.EngineConfig)."""
+    from types import SimpleNamespace
+
+    defaults = dict(
+        kind="sglang", urls=[], launch=True, python="python", host="127.0.0.1", port=0, dtype="float32",
+        startup_timeout_s=30.0, request_timeout_s=30.0, retries=0, api_key_env=None,
+        allow_temperature_mismatch=False, extra_args=[],
+    )  # fmt: skip
+    return SimpleNamespace(engine=SimpleNamespace(**{**defaults, **engine}), rollout=SimpleNamespace(temperature=1.0))
+
+
+def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(weight_dirs, tmp_path, monkeypatch):
+    from sdp_cli.engine.servers import build_remote_engine
+
+    monkeypatch.setenv("SDP_TEST_SGLANG_KEY", "sk-env-42")
+    with sglang_stub.SGLangStub(weight_dirs[0], api_key="sk-env-42") as stub:
+        cfg = _run_cfg(urls=[stub.url], api_key_env="SDP_TEST_SGLANG_KEY", retries=2)
+        with build_remote_engine(cfg, policy=None, run_dir=tmp_path) as engine:
+            assert isinstance(engine, SGLangEngine) and engine.options.http.max_retries == 2
+            samples = _samples(PROMPTS[:1])
+            engine.generate(samples, SamplingParams(max_new_tokens=2))
+            assert samples[0].output_len == 2
+
+
+@pytest.mark.parametrize(
+    ("engine_fields", "message"),
+    [
+        ({"api_key_env": "SDP_TEST_UNSET_KEY"}, "engine.api_key_env=SDP_TEST_UNSET_KEY, but that environment variable is empty"),
+        ({"launch": False}, "has no engine.urls and engine.launch=false"),
+        ({"kind": "local"}, "engine.kind='local' is not a remote engine"),
+    ],
+)
+def test_build_from_the_run_config_refuses_bad_settings(tmp_path, monkeypatch, engine_fields, message):
+    from sdp_cli.engine.servers import build_remote_engine
+    from sdp_cli.errors import UserError
+
+    monkeypatch.delenv("SDP_TEST_UNSET_KEY", raising=False)
+    with pytest.raises(UserError, match=message):
+        build_remote_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
