@@ -14,8 +14,8 @@ def group_advantages(
     """Per-sample advantage within its group of samples for the same prompt.
 
     GRPO: (r − mean_g) / (std_g + eps) with the unbiased (Bessel-corrected) group std, as in
-    verl and TRL; Dr.GRPO (``scale_by_std=False``): r − mean_g. A group of one sample has no
-    baseline and gets 0. ``rewards`` and ``group_ids`` are 1-D of equal length.
+    verl and TRL; Dr.GRPO (``scale_by_std=False``): r − mean_g. A group whose rewards are all
+    equal (a singleton included) gets 0. ``rewards`` and ``group_ids`` are 1-D of equal length.
     """
     check_float_tensor("rewards", rewards)
     if rewards.dim() != 1:

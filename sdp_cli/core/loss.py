@@ -38,7 +38,7 @@ def _aggregate(per_token: Tensor, mk: Masked, agg: str) -> Tensor:
     if agg == "seq-mean-token-sum":
         return seq_sum.sum() / mk.n_rows
     if agg == "seq-mean-token-mean":
-        return (seq_sum / mk.row_count.clamp_min(1)).sum() / mk.n_rows
+        return (seq_sum / mk.row_divisor).sum() / mk.n_rows
     return seq_sum.sum() / (mk.n_rows * max(per_token.shape[-1], 1))
 
 

@@ -109,3 +109,29 @@ def test_extreme_logits_stay_finite():
     logits = torch.tensor([[1e4, -1e4, 0.0]])
     lp, ent = logprobs_from_logits(logits, torch.tensor([1]), return_entropy=True)
     assert lp.item() == pytest.approx(-2e4) and ent.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_next_token_shift_is_not_copied():
+    # logits[:, :-1] cannot be flattened to [N, V] without a copy; it is processed per sequence
+    full = torch.randn(3, 6, 11, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5))
+    shifted = full[:, :-1]
+    lp, ent = logprobs_from_logits(shifted, targets, chunk_size=2, return_entropy=True)
+    ref_lp, ref_ent = naive(shifted.detach(), targets)
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    assert torch.autograd.gradcheck(
+        lambda x: logprobs_from_logits(x[:, :-1], targets, chunk_size=2, return_entropy=True), (full,)
+    )
+
+
+def test_one_dimensional_logits():
+    logits = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64)
+    assert logprobs_from_logits(logits, torch.tensor(1)).item() == pytest.approx(math.log(0.75))
+
+
+def test_exotic_strides_fall_back_to_a_copy():
+    # leading dims that cannot be merged into one view: results must still be right
+    logits = torch.randn(3, 2, 4, 7, dtype=torch.float64).transpose(0, 1)[:, :, :-1]
+    targets = torch.randint(0, 7, logits.shape[:-1])
+    torch.testing.assert_close(logprobs_from_logits(logits, targets, chunk_size=2), naive(logits, targets)[0])
