@@ -182,8 +182,12 @@ class SGLangEngine(RemoteEngine):
             raise EngineError(f"{server.url}{GENERATE} rejected the request: {finish.get('message')}")
         token_versions = _token_versions(server, meta, len(token_ids))
         prefill = None
-        if request.prefill_from is not None and meta.get("input_token_logprobs") is not None:
-            prefill = _input_logprobs(server, meta["input_token_logprobs"], request.input_ids, start)
+        input_rows = meta.get("input_token_logprobs")
+        if request.prefill_from is not None and input_rows is not None:
+            # An abort during the prefill may leave the rows short: then there is no prefill.
+            complete = isinstance(input_rows, list) and len(input_rows) == len(request.input_ids) - start
+            if finish["type"] != "abort" or complete:
+                prefill = _input_logprobs(server, input_rows, request.input_ids, start)
         return Segment(
             token_ids=token_ids,
             logprobs=logprobs,

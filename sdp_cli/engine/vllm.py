@@ -199,13 +199,17 @@ class VLLMEngine(RemoteEngine):
             logprobs.append(as_logprob(server, GENERATE, entry.get("logprob"), f"logprobs.content[{i}].logprob"))
         spans = choice.get("weight_versions")
         token_versions = None if spans is None else expand_spans(server, GENERATE, spans, len(token_ids))
+        finish_reason = str(choice.get("finish_reason"))
         prefill = None
-        if request.prefill_from is not None and answer.get("prompt_logprobs") is not None:
-            prefill = _prompt_logprobs(server, answer["prompt_logprobs"], request.input_ids, request.prefill_from)
+        entries = answer.get("prompt_logprobs")
+        if request.prefill_from is not None and entries is not None:
+            # An abort during the prefill may leave the list short: then there is no prefill.
+            if finish_reason != "abort" or (isinstance(entries, list) and len(entries) == len(request.input_ids)):
+                prefill = _prompt_logprobs(server, entries, request.input_ids, request.prefill_from)
         return Segment(
             token_ids=token_ids,
             logprobs=logprobs,
-            finish_reason=str(choice.get("finish_reason")),
+            finish_reason=finish_reason,
             token_versions=token_versions,
             prefill_logprobs=prefill,
             # the prefill ran just before the first token was sampled, under the same weights

@@ -588,3 +588,32 @@ def test_build_from_the_run_config_refuses_bad_settings(tmp_path, monkeypatch, e
     monkeypatch.delenv("SDP_TEST_UNSET_KEY", raising=False)
     with pytest.raises(UserError, match=message):
         build_remote_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
+
+
+# ------------------------------------------------- the stub keeps SGLang's documented rules
+def test_stub_rejects_unknown_sampling_keys_and_duplicate_live_rids(stub):
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "top_q": 1}, "return_logprob": True}
+    answer = httpx.post(stub.url + "/generate", json=body)
+    assert answer.status_code == 400 and "unknown field: sampling_params.top_q" in answer.text
+    stub.set_hold(0)
+    live = {"rid": "f" * 32, "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}
+    first, _ = _in_thread(lambda: httpx.post(stub.url + "/generate", json=live, timeout=30))
+    stub.wait_holding(1)
+    duplicate = httpx.post(stub.url + "/generate", json=live)
+    assert duplicate.status_code == 400 and "Duplicate request ID" in duplicate.text
+    stub.release()
+    first.join(30)
+
+
+def test_stub_blocks_generate_while_paused(stub):
+    httpx.post(stub.url + "/pause_generation", json={"mode": "abort"})
+    answers = []
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    thread, _ = _in_thread(lambda: answers.append(httpx.post(stub.url + "/generate", json=body, timeout=30)))
+    stub.wait_requests("/generate", 1)
+    thread.join(0.2)
+    assert thread.is_alive() and not answers  # received, blocked until continue_generation
+    httpx.post(stub.url + "/continue_generation", json={})
+    thread.join(30)
+    meta = answers[0].json()["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 2 and meta["finish_reason"]["type"] == "length"
