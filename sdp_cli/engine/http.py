@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping
+from typing import Any
 
 import httpx
 
@@ -55,7 +56,12 @@ class HttpOptions:
     def __post_init__(self) -> None:
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("connect_timeout_s", "request_timeout_s", "admin_timeout_s", "keepalive_expiry_s"):
+        for name in (
+            "connect_timeout_s",
+            "request_timeout_s",
+            "admin_timeout_s",
+            "keepalive_expiry_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.backoff_initial_s <= self.backoff_max_s:
@@ -149,7 +155,14 @@ class HttpServer:
                 raise EngineError(f"{where}: the engine was closed")
             if attempt > 0:
                 delay = self.options.backoff(attempt - 1)
-                logger.info("%s failed (%s); retry %d/%d in %.1f s", where, last_failure, attempt, attempts - 1, delay)
+                logger.info(
+                    "%s failed (%s); retry %d/%d in %.1f s",
+                    where,
+                    last_failure,
+                    attempt,
+                    attempts - 1,
+                    delay,
+                )
                 self._sleep(delay)
                 if refresh is not None:
                     body = refresh()
@@ -159,7 +172,9 @@ class HttpServer:
                     path,
                     json=None if body is None else dict(body),
                     params=None if params is None else dict(params),
-                    timeout=None if timeout is None else httpx.Timeout(timeout, connect=self.options.connect_timeout_s),
+                    timeout=None
+                    if timeout is None
+                    else httpx.Timeout(timeout, connect=self.options.connect_timeout_s),
                 )
             except httpx.TimeoutException as exc:
                 if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
@@ -183,10 +198,14 @@ class HttpServer:
                 continue
             return self._decode(where, response, answer_statuses)
         if unreachable:
-            raise EngineUnavailable(f"cannot reach the {self.label} at {self.base_url} ({last_failure}); {self._hint}")
+            raise EngineUnavailable(
+                f"cannot reach the {self.label} at {self.base_url} ({last_failure}); {self._hint}"
+            )
         raise EngineError(f"{where} failed after {attempts} attempt(s): {last_failure}")
 
-    def _decode(self, where: str, response: httpx.Response, answer_statuses: Collection[int] = ()) -> Any:
+    def _decode(
+        self, where: str, response: httpx.Response, answer_statuses: Collection[int] = ()
+    ) -> Any:
         if response.status_code >= 400 and response.status_code not in answer_statuses:
             _raise_for_status(where, response)
         if not response.content.strip():
@@ -194,7 +213,9 @@ class HttpServer:
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise EngineError(f"{where} answered malformed JSON: {_excerpt(response.text)}") from None
+            raise EngineError(
+                f"{where} answered malformed JSON: {_excerpt(response.text)}"
+            ) from None
 
     def close(self) -> None:
         self._closed.set()
@@ -209,7 +230,9 @@ def _raise_for_status(where: str, response: httpx.Response) -> None:
             "and check the server flags in docs/engines.md"
         )
     if status == 404:
-        raise EngineError(f"{where} answered HTTP 404: the server lacks this route; check its version and flags in docs/engines.md")
+        raise EngineError(
+            f"{where} answered HTTP 404: the server lacks this route; check its version and flags in docs/engines.md"
+        )
     raise EngineError(f"{where} answered HTTP {status}: {text}")
 
 

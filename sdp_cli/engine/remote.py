@@ -32,10 +32,11 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
@@ -143,24 +144,38 @@ def check_temperature(options: RemoteOptions, engine_name: str) -> None:
         "are not temperature-scaled, so scores and π_prox_t would not match the sampled logprobs"
     )
     if not options.allow_temperature_mismatch:
-        raise EngineError(message + "; use temperature=1.0 or set engine.allow_temperature_mismatch=true to accept it")
-    warnings.warn(message + " (allowed by engine.allow_temperature_mismatch)", RuntimeWarning, stacklevel=3)
+        raise EngineError(
+            message
+            + "; use temperature=1.0 or set engine.allow_temperature_mismatch=true to accept it"
+        )
+    warnings.warn(
+        message + " (allowed by engine.allow_temperature_mismatch)", RuntimeWarning, stacklevel=3
+    )
     logger.warning("%s (allowed by engine.allow_temperature_mismatch)", message)
 
 
 # ------------------------------------------------------------------ response parsing helpers
 def malformed(server: RemoteServer, path: str, problem: str) -> EngineError:
-    return EngineError(f"{server.url}{path} answered a malformed response ({problem}); the sample is not used")
+    return EngineError(
+        f"{server.url}{path} answered a malformed response ({problem}); the sample is not used"
+    )
 
 
 def as_token_ids(server: RemoteServer, path: str, value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
         raise malformed(server, path, f"{what} is not a list of token ids")
     return list(value)
 
 
 def as_logprob(server: RemoteServer, path: str, value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > 1e-4:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value > 1e-4
+    ):
         raise malformed(server, path, f"{what} is {value!r}, not a finite log-probability")
     return min(float(value), 0.0)
 
@@ -179,7 +194,9 @@ def expand_spans(server: RemoteServer, path: str, spans: Any, n_tokens: int) -> 
             raise malformed(server, path, f"weight_versions spans {spans!r} do not tile the output")
         labels.extend([version] * (end - start))
     if len(labels) != n_tokens:
-        raise malformed(server, path, f"weight_versions cover {len(labels)} tokens, the output has {n_tokens}")
+        raise malformed(
+            server, path, f"weight_versions cover {len(labels)} tokens, the output has {n_tokens}"
+        )
     return labels
 
 
@@ -195,13 +212,20 @@ class RemoteEngine(InferenceEngine):
 
     def __init__(self, base_urls: Sequence[str], options: RemoteOptions, *, version: int = 0):
         if not base_urls:
-            raise EngineError(f"engine={self.engine_name} needs at least one server address (engine.urls)")
+            raise EngineError(
+                f"engine={self.engine_name} needs at least one server address (engine.urls)"
+            )
         check_temperature(options, self.engine_name)
         self.options = options
         self.temperature = options.temperature
         self.servers = [
             RemoteServer(
-                HttpServer(url, options.http, label=f"{self.engine_name} server", unavailable_hint=self._unavailable_hint())
+                HttpServer(
+                    url,
+                    options.http,
+                    label=f"{self.engine_name} server",
+                    unavailable_hint=self._unavailable_hint(),
+                )
             )
             for url in base_urls
         ]
@@ -218,9 +242,12 @@ class RemoteEngine(InferenceEngine):
             "aborted_segments": 0,
             "prefill_proximal_tokens": 0,
         }
-        self._generate_pool = ThreadPoolExecutor(options.max_concurrent_requests, thread_name_prefix=f"sdp-{self.engine_name}-gen")
+        self._generate_pool = ThreadPoolExecutor(
+            options.max_concurrent_requests, thread_name_prefix=f"sdp-{self.engine_name}-gen"
+        )
         self._score_pool = ThreadPoolExecutor(
-            max(1, min(options.max_concurrent_requests, 16 * len(self.servers))), thread_name_prefix=f"sdp-{self.engine_name}-score"
+            max(1, min(options.max_concurrent_requests, 16 * len(self.servers))),
+            thread_name_prefix=f"sdp-{self.engine_name}-score",
         )
         try:
             for server in self.servers:
@@ -240,11 +267,15 @@ class RemoteEngine(InferenceEngine):
         """Check that the server answers and has the routes sdp needs."""
 
     @abc.abstractmethod
-    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]) -> Segment:
+    def _server_generate(
+        self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]
+    ) -> Segment:
         """Run one generation request; ``refresh_id()`` gives a fresh request id for a retry."""
 
     @abc.abstractmethod
-    def _server_score(self, server: RemoteServer, sequence: list[int], start: int) -> tuple[list[float], str | None]:
+    def _server_score(
+        self, server: RemoteServer, sequence: list[int], start: int
+    ) -> tuple[list[float], str | None]:
         """Prefill logprobs of ``sequence[start:]`` and the weight-version label they ran under."""
 
     @abc.abstractmethod
@@ -283,7 +314,10 @@ class RemoteEngine(InferenceEngine):
                 self._inflight[sample.sample_id] = sample
         futures: list[Future[None]] = []
         try:
-            futures = [self._generate_pool.submit(self._run_sample, s, params, i) for i, s in enumerate(pending)]
+            futures = [
+                self._generate_pool.submit(self._run_sample, s, params, i)
+                for i, s in enumerate(pending)
+            ]
         finally:
             errors: list[BaseException] = []
             for future in futures:
@@ -377,13 +411,17 @@ class RemoteEngine(InferenceEngine):
             server.request_ids.add(request_id)
         return request_id
 
-    def _check_segment(self, server: RemoteServer, request: SegmentRequest, segment: Segment) -> None:
+    def _check_segment(
+        self, server: RemoteServer, request: SegmentRequest, segment: Segment
+    ) -> None:
         """Reject answers that cannot be right; the sample is left as it was."""
         n = len(segment.token_ids)
         if len(segment.logprobs) != n:
             raise malformed(server, "", f"{n} token ids but {len(segment.logprobs)} logprobs")
         if segment.token_versions is not None and len(segment.token_versions) != n:
-            raise malformed(server, "", f"{n} token ids but {len(segment.token_versions)} version labels")
+            raise malformed(
+                server, "", f"{n} token ids but {len(segment.token_versions)} version labels"
+            )
         if n > request.max_new_tokens:
             raise malformed(server, "", f"{n} tokens for a budget of {request.max_new_tokens}")
         if segment.finish_reason not in ("stop", "length", "abort"):
@@ -392,7 +430,9 @@ class RemoteEngine(InferenceEngine):
             expected = len(request.input_ids) - request.prefill_from
             if len(segment.prefill_logprobs) != expected:
                 raise malformed(
-                    server, "", f"{len(segment.prefill_logprobs)} prefill logprobs for {expected} scored input tokens"
+                    server,
+                    "",
+                    f"{len(segment.prefill_logprobs)} prefill logprobs for {expected} scored input tokens",
                 )
 
     def _check_versions(self, server: RemoteServer, segment: Segment, version: int) -> None:
@@ -450,7 +490,9 @@ class RemoteEngine(InferenceEngine):
         deadline = time.monotonic() + self.options.http.admin_timeout_s
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._closed or not any(s.request_ids for s in self.servers), 0.1)
+                self._cond.wait_for(
+                    lambda: self._closed or not any(s.request_ids for s in self.servers), 0.1
+                )
                 self._raise_if_closed()
                 stragglers = [(s, sorted(s.request_ids)) for s in self.servers if s.request_ids]
             if not stragglers:
@@ -476,14 +518,18 @@ class RemoteEngine(InferenceEngine):
         with self._cond:
             self._raise_if_closed()
             if not self._paused:
-                raise EngineError(f"engine={self.engine_name}: update_weights needs a paused engine; call pause() first")
+                raise EngineError(
+                    f"engine={self.engine_name}: update_weights needs a paused engine; call pause() first"
+                )
         if update.path is None:
             raise EngineError(
                 f"engine={self.engine_name} loads weights from disk; pass WeightUpdate(path=<safetensors directory>)"
             )
         path = Path(update.path).resolve()
         if not path.is_dir():
-            raise EngineError(f"weight directory {path} does not exist; save the policy there before the update")
+            raise EngineError(
+                f"weight directory {path} does not exist; save the policy there before the update"
+            )
         label = version_label(update.version)
         self._on_all_servers(lambda server: self._server_load_weights(server, path, label))
         with self._cond:
@@ -504,17 +550,25 @@ class RemoteEngine(InferenceEngine):
             self._raise_if_closed()
             expected = version_label(self._version)
         futures = [
-            self._score_pool.submit(self._score_one, self.servers[i % len(self.servers)], list(seq), int(k), expected)
+            self._score_pool.submit(
+                self._score_one, self.servers[i % len(self.servers)], list(seq), int(k), expected
+            )
             for i, (seq, k) in enumerate(zip(sequences, starts))
         ]
         return [f.result() for f in futures]
 
-    def _score_one(self, server: RemoteServer, sequence: list[int], start: int, expected: str) -> list[float]:
+    def _score_one(
+        self, server: RemoteServer, sequence: list[int], start: int, expected: str
+    ) -> list[float]:
         if start == len(sequence):
             return []
         logprobs, label = self._server_score(server, sequence, start)
         if len(logprobs) != len(sequence) - start:
-            raise malformed(server, "", f"{len(logprobs)} prefill logprobs for {len(sequence) - start} scored tokens")
+            raise malformed(
+                server,
+                "",
+                f"{len(logprobs)} prefill logprobs for {len(sequence) - start} scored tokens",
+            )
         if label is not None and label != expected:
             raise EngineError(
                 f"{server.url} scored under weight version {label!r}, sdp expected {expected!r}; "
@@ -535,14 +589,18 @@ class RemoteEngine(InferenceEngine):
                 return
             self._closed = True
             self._cond.notify_all()
-            outstanding = [(server, sorted(server.request_ids)) for server in getattr(self, "servers", [])]
+            outstanding = [
+                (server, sorted(server.request_ids)) for server in getattr(self, "servers", [])
+            ]
         for server, request_ids in outstanding:
             if request_ids:
                 try:
                     # Best effort: a closed client should not leave the server generating for nobody.
                     self._server_abort_requests(server, request_ids)
                 except EngineError as exc:
-                    logger.warning("could not abort %d request(s) on %s: %s", len(request_ids), server.url, exc)
+                    logger.warning(
+                        "could not abort %d request(s) on %s: %s", len(request_ids), server.url, exc
+                    )
         for server in getattr(self, "servers", []):
             server.http.close()
         for pool in (getattr(self, "_generate_pool", None), getattr(self, "_score_pool", None)):

@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import httpx
 
@@ -76,19 +77,26 @@ class ManagedServer:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
-    def start(self) -> "ManagedServer":
+    def start(self) -> ManagedServer:
         """Start the process and return once its health route answers 200."""
         spec = self.spec
         if spec.port == 0:
             raise ValueError("LaunchSpec.port must be a real port; use free_port()")
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        logger.info("starting %s: %s (log: %s)", spec.label, self._redacted(spec.command), spec.log_path)
+        logger.info(
+            "starting %s: %s (log: %s)", spec.label, self._redacted(spec.command), spec.log_path
+        )
         env = {**os.environ, **spec.env}
         with open(spec.log_path, "ab") as log:
             try:
                 # Its own session, so stop() can end the server's worker processes too.
                 self._process = subprocess.Popen(
-                    spec.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+                    spec.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
                 )
             except OSError as exc:
                 raise EngineUnavailable(
@@ -153,7 +161,9 @@ class ManagedServer:
                 process.wait(timeout=wait_s)
                 return
             except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) ignored signal %s", self.spec.label, process.pid, sig.name)
+                logger.warning(
+                    "%s (pid %d) ignored signal %s", self.spec.label, process.pid, sig.name
+                )
 
     def _redacted(self, value: Sequence[str] | str) -> str:
         text = value if isinstance(value, str) else " ".join(value)
@@ -162,7 +172,7 @@ class ManagedServer:
                 text = text.replace(secret, "***")
         return text
 
-    def __enter__(self) -> "ManagedServer":
+    def __enter__(self) -> ManagedServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -193,7 +203,9 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
         temperature=float(cfg.rollout.temperature),
         allow_temperature_mismatch=bool(engine_cfg.allow_temperature_mismatch),
         http=HttpOptions(
-            request_timeout_s=float(engine_cfg.request_timeout_s), max_retries=int(engine_cfg.retries), api_key=api_key
+            request_timeout_s=float(engine_cfg.request_timeout_s),
+            max_retries=int(engine_cfg.retries),
+            api_key=api_key,
         ),
     )
     kind = engine_cfg.kind
@@ -208,7 +220,9 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
 
         return SGLangEngine(list(engine_cfg.urls), options)
     if not engine_cfg.launch:
-        raise UserError(f"engine={kind} has no engine.urls and engine.launch=false; give the server URLs or set engine.launch=true")
+        raise UserError(
+            f"engine={kind} has no engine.urls and engine.launch=false; give the server URLs or set engine.launch=true"
+        )
     from sdp_cli.models.loader import save_policy
 
     model_dir = save_policy(policy, Path(run_dir) / "weights" / "launch")

@@ -15,9 +15,10 @@ SGLang 0.5.23 rejects unknown ``sampling_params`` keys, so only documented keys 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.remote import (
@@ -59,7 +60,9 @@ class SGLangLaunchConfig:
     startup_timeout_s: float = 900.0
 
 
-def launch_spec(config: SGLangLaunchConfig, log_dir: Path, *, version: int = 0, api_key: str | None = None) -> LaunchSpec:
+def launch_spec(
+    config: SGLangLaunchConfig, log_dir: Path, *, version: int = 0, api_key: str | None = None
+) -> LaunchSpec:
     """The command and environment of an SGLang server whose weights are labelled ``version``."""
     port = config.port or free_port(config.host)
     command = [
@@ -97,19 +100,25 @@ class SGLangEngine(RemoteEngine):
     def __init__(
         self,
         base_urls: Sequence[str],
-        options: RemoteOptions = RemoteOptions(),
+        options: RemoteOptions | None = None,
         *,
         version: int = 0,
         managed: Sequence[ManagedServer] = (),
     ):
         self._managed = list(managed)
-        super().__init__(base_urls, options, version=version)
+        super().__init__(base_urls, options or RemoteOptions(), version=version)
 
     @classmethod
     def launch(
-        cls, config: SGLangLaunchConfig, log_dir: Path, options: RemoteOptions = RemoteOptions(), *, version: int = 0
-    ) -> "SGLangEngine":
+        cls,
+        config: SGLangLaunchConfig,
+        log_dir: Path,
+        options: RemoteOptions | None = None,
+        *,
+        version: int = 0,
+    ) -> SGLangEngine:
         """Start an SGLang server and attach to it; ``close()`` stops it."""
+        options = options or RemoteOptions()
         spec = launch_spec(config, log_dir, version=version, api_key=options.http.api_key)
         server = ManagedServer(spec).start()
         try:
@@ -134,7 +143,9 @@ class SGLangEngine(RemoteEngine):
                 f"{server.url}/get_model_info reports no weight_version; sdp needs SGLang 0.5.6 or newer"
             )
 
-    def _sampling_params(self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None) -> dict[str, Any]:
+    def _sampling_params(
+        self, max_new_tokens: int, stop_token_ids: Sequence[int], seed: int | None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
@@ -147,7 +158,9 @@ class SGLangEngine(RemoteEngine):
             params["sampling_seed"] = seed
         return params
 
-    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]) -> Segment:
+    def _server_generate(
+        self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]
+    ) -> Segment:
         # logprob_start_len = k - 1 because row 0 of input_token_logprobs is always null.
         start = -1 if request.prefill_from is None else request.prefill_from - 1
 
@@ -155,13 +168,17 @@ class SGLangEngine(RemoteEngine):
             return {
                 "rid": rid,
                 "input_ids": request.input_ids,
-                "sampling_params": self._sampling_params(request.max_new_tokens, request.stop_token_ids, request.seed),
+                "sampling_params": self._sampling_params(
+                    request.max_new_tokens, request.stop_token_ids, request.seed
+                ),
                 "return_logprob": True,
                 "logprob_start_len": start,
                 "stream": False,
             }
 
-        answer = server.http.post(GENERATE, body(request.request_id), refresh=lambda: body(refresh_id()))
+        answer = server.http.post(
+            GENERATE, body(request.request_id), refresh=lambda: body(refresh_id())
+        )
         meta = _meta(server, answer)
         token_ids = as_token_ids(server, GENERATE, answer.get("output_ids"), "output_ids")
         rows = meta.get("output_token_logprobs")
@@ -172,20 +189,32 @@ class SGLangEngine(RemoteEngine):
             if not isinstance(row, list) or len(row) < 2:
                 raise malformed(server, GENERATE, f"output_token_logprobs[{i}] is {row!r}")
             if i < len(token_ids) and row[1] != token_ids[i]:
-                raise malformed(server, GENERATE, f"output_token_logprobs[{i}] is for token {row[1]}, not {token_ids[i]}")
+                raise malformed(
+                    server,
+                    GENERATE,
+                    f"output_token_logprobs[{i}] is for token {row[1]}, not {token_ids[i]}",
+                )
             logprobs.append(as_logprob(server, GENERATE, row[0], f"output_token_logprobs[{i}]"))
         finish = meta.get("finish_reason")
         if not isinstance(finish, dict) or not isinstance(finish.get("type"), str):
             raise malformed(server, GENERATE, f"finish_reason {finish!r}")
-        if finish["type"] == "abort" and isinstance(finish.get("status_code"), int) and finish["status_code"] >= 400:
+        if (
+            finish["type"] == "abort"
+            and isinstance(finish.get("status_code"), int)
+            and finish["status_code"] >= 400
+        ):
             # Validation failures arrive as aborts that carry an HTTP status.
-            raise EngineError(f"{server.url}{GENERATE} rejected the request: {finish.get('message')}")
+            raise EngineError(
+                f"{server.url}{GENERATE} rejected the request: {finish.get('message')}"
+            )
         token_versions = _token_versions(server, meta, len(token_ids))
         prefill = None
         input_rows = meta.get("input_token_logprobs")
         if request.prefill_from is not None and input_rows is not None:
             # An abort during the prefill may leave the rows short: then there is no prefill.
-            complete = isinstance(input_rows, list) and len(input_rows) == len(request.input_ids) - start
+            complete = (
+                isinstance(input_rows, list) and len(input_rows) == len(request.input_ids) - start
+            )
             if finish["type"] != "abort" or complete:
                 prefill = _input_logprobs(server, input_rows, request.input_ids, start)
         return Segment(
@@ -198,7 +227,9 @@ class SGLangEngine(RemoteEngine):
             message=str(finish.get("message") or ""),
         )
 
-    def _server_score(self, server: RemoteServer, sequence: list[int], start: int) -> tuple[list[float], str | None]:
+    def _server_score(
+        self, server: RemoteServer, sequence: list[int], start: int
+    ) -> tuple[list[float], str | None]:
         # max_new_tokens = 0 makes a prefill-only request (research note §2).
         body = {
             "input_ids": sequence,
@@ -274,14 +305,24 @@ def _token_versions(server: RemoteServer, meta: dict[str, Any], n_tokens: int) -
     return None if label is None else [label] * n_tokens
 
 
-def _input_logprobs(server: RemoteServer, rows: Any, input_ids: list[int], start: int) -> list[float]:
+def _input_logprobs(
+    server: RemoteServer, rows: Any, input_ids: list[int], start: int
+) -> list[float]:
     """Logprobs of input positions ``start + 1 ..`` from rows that begin at ``start`` (row 0 null)."""
     expected = len(input_ids) - start
     if not isinstance(rows, list) or len(rows) != expected:
-        raise malformed(server, GENERATE, f"input_token_logprobs has {len(rows) if isinstance(rows, list) else 'no'} rows, expected {expected}")
+        raise malformed(
+            server,
+            GENERATE,
+            f"input_token_logprobs has {len(rows) if isinstance(rows, list) else 'no'} rows, expected {expected}",
+        )
     values = []
     for k, row in enumerate(rows[1:], start=1):
         if not isinstance(row, list) or len(row) < 2 or row[1] != input_ids[start + k]:
-            raise malformed(server, GENERATE, f"input_token_logprobs[{k}] is {row!r}, not for token {input_ids[start + k]}")
+            raise malformed(
+                server,
+                GENERATE,
+                f"input_token_logprobs[{k}] is {row!r}, not for token {input_ids[start + k]}",
+            )
         values.append(as_logprob(server, GENERATE, row[0], f"input_token_logprobs[{k}]"))
     return values

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.remote import (
@@ -68,7 +69,9 @@ class VLLMLaunchConfig:
     startup_timeout_s: float = 600.0
 
 
-def launch_spec(config: VLLMLaunchConfig, log_dir: Path, *, api_key: str | None = None) -> LaunchSpec:
+def launch_spec(
+    config: VLLMLaunchConfig, log_dir: Path, *, api_key: str | None = None
+) -> LaunchSpec:
     """The command and environment of a vLLM server with sdp's worker extension."""
     log_dir = Path(log_dir)
     ext_dir = log_dir / "vllm_ext"
@@ -124,26 +127,40 @@ class VLLMEngine(RemoteEngine):
     def __init__(
         self,
         base_urls: Sequence[str],
-        options: RemoteOptions = RemoteOptions(),
+        options: RemoteOptions | None = None,
         *,
         version: int = 0,
         reload_method: str = "reload_weights",
         managed: Sequence[ManagedServer] = (),
     ):
         if reload_method not in RELOAD_METHODS:
-            raise EngineError(f"engine.reload_method={reload_method!r}; use one of {', '.join(RELOAD_METHODS)}")
+            raise EngineError(
+                f"engine.reload_method={reload_method!r}; use one of {', '.join(RELOAD_METHODS)}"
+            )
         self.reload_method = reload_method
         self._managed = list(managed)
-        super().__init__(base_urls, options, version=version)
+        super().__init__(base_urls, options or RemoteOptions(), version=version)
 
     @classmethod
     def launch(
-        cls, config: VLLMLaunchConfig, log_dir: Path, options: RemoteOptions = RemoteOptions(), *, version: int = 0
-    ) -> "VLLMEngine":
+        cls,
+        config: VLLMLaunchConfig,
+        log_dir: Path,
+        options: RemoteOptions | None = None,
+        *,
+        version: int = 0,
+    ) -> VLLMEngine:
         """Start a vLLM server with sdp's worker extension and attach to it; ``close()`` stops it."""
+        options = options or RemoteOptions()
         server = ManagedServer(launch_spec(config, log_dir, api_key=options.http.api_key)).start()
         try:
-            return cls([server.base_url], options, version=version, reload_method="reload_weights_cpu", managed=[server])
+            return cls(
+                [server.base_url],
+                options,
+                version=version,
+                reload_method="reload_weights_cpu",
+                managed=[server],
+            )
         except BaseException:
             server.stop()
             raise
@@ -163,7 +180,9 @@ class VLLMEngine(RemoteEngine):
         if not isinstance(answer, dict) or "is_paused" not in answer:
             raise malformed(server, "/is_paused", "no is_paused field")
 
-    def _sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None) -> dict[str, Any]:
+    def _sampling_params(
+        self, max_tokens: int, stop_token_ids: Sequence[int], seed: int | None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
@@ -176,15 +195,23 @@ class VLLMEngine(RemoteEngine):
             params["seed"] = seed
         return params
 
-    def _server_generate(self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]) -> Segment:
+    def _server_generate(
+        self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]
+    ) -> Segment:
         params = self._sampling_params(request.max_new_tokens, request.stop_token_ids, request.seed)
         if request.prefill_from is not None:
             params["prompt_logprobs"] = 0
 
         def body(request_id: str) -> dict[str, Any]:
-            return {"request_id": request_id, "token_ids": request.input_ids, "sampling_params": params}
+            return {
+                "request_id": request_id,
+                "token_ids": request.input_ids,
+                "sampling_params": params,
+            }
 
-        answer = server.http.post(GENERATE, body(request.request_id), refresh=lambda: body(refresh_id()))
+        answer = server.http.post(
+            GENERATE, body(request.request_id), refresh=lambda: body(refresh_id())
+        )
         choice = _only_choice(server, answer)
         token_ids = as_token_ids(server, GENERATE, choice.get("token_ids"), "token_ids")
         content = (choice.get("logprobs") or {}).get("content")
@@ -195,16 +222,26 @@ class VLLMEngine(RemoteEngine):
             if not isinstance(entry, dict):
                 raise malformed(server, GENERATE, f"logprobs.content[{i}] is not an object")
             if i < len(token_ids) and entry.get("token_id") != token_ids[i]:
-                raise malformed(server, GENERATE, f"logprobs.content[{i}] is for token {entry.get('token_id')}, not {token_ids[i]}")
-            logprobs.append(as_logprob(server, GENERATE, entry.get("logprob"), f"logprobs.content[{i}].logprob"))
+                raise malformed(
+                    server,
+                    GENERATE,
+                    f"logprobs.content[{i}] is for token {entry.get('token_id')}, not {token_ids[i]}",
+                )
+            logprobs.append(
+                as_logprob(server, GENERATE, entry.get("logprob"), f"logprobs.content[{i}].logprob")
+            )
         spans = choice.get("weight_versions")
-        token_versions = None if spans is None else expand_spans(server, GENERATE, spans, len(token_ids))
+        token_versions = (
+            None if spans is None else expand_spans(server, GENERATE, spans, len(token_ids))
+        )
         finish_reason = str(choice.get("finish_reason"))
         prefill = None
         entries = answer.get("prompt_logprobs")
         if request.prefill_from is not None and entries is not None:
             # An abort during the prefill may leave the list short: then there is no prefill.
-            if finish_reason != "abort" or (isinstance(entries, list) and len(entries) == len(request.input_ids)):
+            if finish_reason != "abort" or (
+                isinstance(entries, list) and len(entries) == len(request.input_ids)
+            ):
                 prefill = _prompt_logprobs(server, entries, request.input_ids, request.prefill_from)
         return Segment(
             token_ids=token_ids,
@@ -217,30 +254,48 @@ class VLLMEngine(RemoteEngine):
             message=str(choice.get("stop_reason") or ""),
         )
 
-    def _server_score(self, server: RemoteServer, sequence: list[int], start: int) -> tuple[list[float], str | None]:
+    def _server_score(
+        self, server: RemoteServer, sequence: list[int], start: int
+    ) -> tuple[list[float], str | None]:
         # The server insists on sampling at least one token; it is discarded.
         params = self._sampling_params(1, (), None)
         params["prompt_logprobs"] = 0
         params["ignore_eos"] = True
-        body = {"request_id": "score-" + new_request_id(), "token_ids": sequence, "sampling_params": params}
-        answer = server.http.post(GENERATE, body, refresh=lambda: {**body, "request_id": "score-" + new_request_id()})
+        body = {
+            "request_id": "score-" + new_request_id(),
+            "token_ids": sequence,
+            "sampling_params": params,
+        }
+        answer = server.http.post(
+            GENERATE, body, refresh=lambda: {**body, "request_id": "score-" + new_request_id()}
+        )
         choice = _only_choice(server, answer)
         if answer.get("prompt_logprobs") is None:
             raise malformed(server, GENERATE, "prompt_logprobs missing from a scoring answer")
         spans = choice.get("weight_versions") or []
-        label = str(spans[0]["version"]) if spans and isinstance(spans[0], dict) and "version" in spans[0] else None
+        label = (
+            str(spans[0]["version"])
+            if spans and isinstance(spans[0], dict) and "version" in spans[0]
+            else None
+        )
         return _prompt_logprobs(server, answer["prompt_logprobs"], sequence, start), label
 
     def _server_abort_all(self, server: RemoteServer) -> None:
         # Pause with abort returns every in-flight request with its partial output; the server
         # then runs again at once, so that scoring works while sdp is paused.
         timeout = self.options.http.admin_timeout_s
-        server.http.post("/pause", params={"mode": "abort", "clear_cache": "false"}, timeout=timeout)
+        server.http.post(
+            "/pause", params={"mode": "abort", "clear_cache": "false"}, timeout=timeout
+        )
         server.http.post("/resume", timeout=timeout)
 
     def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
         # The route takes external ids, which the token-in/token-out route prefixes.
-        server.http.post("/abort_requests", {"request_ids": [f"generate-tokens-{r}" for r in request_ids]}, retry=False)
+        server.http.post(
+            "/abort_requests",
+            {"request_ids": [f"generate-tokens-{r}" for r in request_ids]},
+            retry=False,
+        )
 
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
         timeout = self.options.http.admin_timeout_s
@@ -249,7 +304,11 @@ class VLLMEngine(RemoteEngine):
         try:
             answer = server.http.post(
                 "/collective_rpc",
-                {"method": self.reload_method, "kwargs": {"weights_path": str(path)}, "timeout": timeout},
+                {
+                    "method": self.reload_method,
+                    "kwargs": {"weights_path": str(path)},
+                    "timeout": timeout,
+                },
                 timeout=timeout,
                 retry=False,
             )
@@ -261,11 +320,19 @@ class VLLMEngine(RemoteEngine):
             server.http.post("/resume", timeout=timeout)
 
     def _server_set_version(self, server: RemoteServer, label: str) -> None:
-        server.http.post("/update_weight_version", {"new_version": label}, timeout=self.options.http.admin_timeout_s)
+        server.http.post(
+            "/update_weight_version",
+            {"new_version": label},
+            timeout=self.options.http.admin_timeout_s,
+        )
 
 
 def _only_choice(server: RemoteServer, answer: Any) -> dict[str, Any]:
-    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list) or len(answer["choices"]) != 1:
+    if (
+        not isinstance(answer, dict)
+        or not isinstance(answer.get("choices"), list)
+        or len(answer["choices"]) != 1
+    ):
         raise malformed(server, GENERATE, "expected exactly one choice")
     choice = answer["choices"][0]
     if not isinstance(choice, dict):
@@ -273,10 +340,16 @@ def _only_choice(server: RemoteServer, answer: Any) -> dict[str, Any]:
     return choice
 
 
-def _prompt_logprobs(server: RemoteServer, entries: Any, input_ids: list[int], start: int) -> list[float]:
+def _prompt_logprobs(
+    server: RemoteServer, entries: Any, input_ids: list[int], start: int
+) -> list[float]:
     """log p(x_t | x_<t) for t in [start, len(input_ids)) from vLLM's ``prompt_logprobs``."""
     if not isinstance(entries, list) or len(entries) != len(input_ids):
-        raise malformed(server, GENERATE, f"prompt_logprobs has {len(entries) if isinstance(entries, list) else 'no'} entries for {len(input_ids)} input tokens")
+        raise malformed(
+            server,
+            GENERATE,
+            f"prompt_logprobs has {len(entries) if isinstance(entries, list) else 'no'} entries for {len(input_ids)} input tokens",
+        )
     values = []
     for t in range(start, len(input_ids)):
         entry = entries[t]

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 import httpx
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +27,9 @@ def _load_tiny_lm():
     name = "sdp_engine_stubs"
     if name not in sys.modules:
         root = Path(__file__).parent / "stubs"
-        spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
+        spec = importlib.util.spec_from_file_location(
+            name, root / "__init__.py", submodule_search_locations=[str(root)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -77,7 +79,11 @@ def test_a_retry_gets_a_fresh_body_and_success_ends_the_loop():
     fresh = iter(["b", "c"])
     server, delays = _server(flaky, max_retries=3, backoff_initial_s=0.1)
     answer = server.post("/generate", {"rid": "a"}, refresh=lambda: {"rid": next(fresh)})
-    assert answer == {"ok": True} and bodies == [{"rid": "a"}, {"rid": "b"}, {"rid": "c"}] and delays == [0.1, 0.2]
+    assert (
+        answer == {"ok": True}
+        and bodies == [{"rid": "a"}, {"rid": "b"}, {"rid": "c"}]
+        and delays == [0.1, 0.2]
+    )
 
 
 def test_connection_refused_is_engine_unavailable_in_one_line():
@@ -110,7 +116,11 @@ def test_a_read_timeout_is_not_retried():
     [
         (404, "Not Found", "HTTP 404: the server lacks this route"),
         (401, "Unauthorized", r"refused with HTTP 401 \(Unauthorized\); set engine.api_key"),
-        (400, '{"error": "max_tokens must be at least 1"}', "HTTP 400: .*max_tokens must be at least 1"),
+        (
+            400,
+            '{"error": "max_tokens must be at least 1"}',
+            "HTTP 400: .*max_tokens must be at least 1",
+        ),
         (200, "{not json", "answered malformed JSON: {not json"),
     ],
 )
@@ -122,19 +132,32 @@ def test_error_answers_become_one_line_engine_errors(status, body, message):
 
 
 def test_answer_statuses_are_returned_instead_of_raised():
-    server, _ = _server(lambda r: httpx.Response(400, json={"success": False, "message": "bad path"}))
-    assert server.post("/update", {}, answer_statuses=(400,)) == {"success": False, "message": "bad path"}
+    server, _ = _server(
+        lambda r: httpx.Response(400, json={"success": False, "message": "bad path"})
+    )
+    assert server.post("/update", {}, answer_statuses=(400,)) == {
+        "success": False,
+        "message": "bad path",
+    }
 
 
 def test_the_api_key_goes_in_the_header_only():
     seen = []
-    server, _ = _server(lambda r: (seen.append(r.headers.get("authorization")), httpx.Response(200))[1], api_key="k-77")
+    server, _ = _server(
+        lambda r: (seen.append(r.headers.get("authorization")), httpx.Response(200))[1],
+        api_key="k-77",
+    )
     server.get("/x")
-    assert seen == ["Bearer k-77"] and "k-77" not in repr(server) and "k-77" not in repr(server.options)
+    assert (
+        seen == ["Bearer k-77"]
+        and "k-77" not in repr(server)
+        and "k-77" not in repr(server.options)
+    )
 
 
 @pytest.mark.parametrize(
-    "bad", [{"max_retries": -1}, {"request_timeout_s": 0}, {"backoff_initial_s": 5, "backoff_max_s": 1}]
+    "bad",
+    [{"max_retries": -1}, {"request_timeout_s": 0}, {"backoff_initial_s": 5, "backoff_max_s": 1}],
 )
 def test_http_options_are_validated(bad):
     with pytest.raises(ValueError):
@@ -209,12 +232,19 @@ def test_a_server_that_exits_at_startup_is_reported_with_its_log(tmp_path):
         server.start()
     message = str(err.value)
     assert "exited with code 3 during startup: unrecognized arguments: --bogus ***" in message
-    assert "key-123" not in message and "\n" not in message and str(tmp_path / "logs" / "server.log") in message
+    assert (
+        "key-123" not in message
+        and "\n" not in message
+        and str(tmp_path / "logs" / "server.log") in message
+    )
 
 
 def test_a_server_that_never_gets_ready_times_out_and_is_stopped(tmp_path):
     server = ManagedServer(_spec(tmp_path, "import time; time.sleep(60)", timeout=0.5))
-    with pytest.raises(EngineUnavailable, match=r"was not ready after 0 s; see .* or raise engine.startup_timeout_s"):
+    with pytest.raises(
+        EngineUnavailable,
+        match=r"was not ready after 0 s; see .* or raise engine.startup_timeout_s",
+    ):
         server.start()
     assert server.pid is None
 
@@ -245,7 +275,9 @@ class MemoryEngine(RemoteEngine):
         self.schedule = list(schedule)
         self.trainer_threads: list[threading.Thread] = []
         self._abort_seen = threading.Event()
-        super().__init__(["memory://server"], RemoteOptions(ignore_eos=True, http=HttpOptions(max_retries=0)))
+        super().__init__(
+            ["memory://server"], RemoteOptions(ignore_eos=True, http=HttpOptions(max_retries=0))
+        )
 
     def _unavailable_hint(self):
         return ""
@@ -303,7 +335,11 @@ class MemoryEngine(RemoteEngine):
         self.pause()
         loaded = self.get_version()
         for s in self.inflight_samples():  # DESIGN.md §2 step 2
-            idx = [t for t in range(s.output_len) if s.versions[t] == loaded - 1 and s.proximal_t_versions[t] != loaded]
+            idx = [
+                t
+                for t in range(s.output_len)
+                if s.versions[t] == loaded - 1 and s.proximal_t_versions[t] != loaded
+            ]
             if idx:
                 (values,) = self.score([s.input_ids], [s.prompt_len + idx[0]])
                 for t in idx:
@@ -318,7 +354,10 @@ MAX_UPDATES = 5
 @pytest.fixture(scope="module")
 def version_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("versions")
-    return [tiny_lm.save_weights(root / f"v{v}", tiny_lm.make_weights(seed=500 + v)) for v in range(MAX_UPDATES + 1)]
+    return [
+        tiny_lm.save_weights(root / f"v{v}", tiny_lm.make_weights(seed=500 + v))
+        for v in range(MAX_UPDATES + 1)
+    ]
 
 
 @settings(max_examples=40)
@@ -345,10 +384,15 @@ def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedu
     expected_versions += [final] * (budget - len(expected_versions))
     assert sample.versions == expected_versions
     for t, v in enumerate(sample.versions):
-        assert sample.old_logprobs[t] == pytest.approx(tiny_lm.score(weights[v], sample.input_ids, 3)[t], abs=1e-12)
+        assert sample.old_logprobs[t] == pytest.approx(
+            tiny_lm.score(weights[v], sample.input_ids, 3)[t], abs=1e-12
+        )
         if v < final:
             assert sample.proximal_t_versions[t] == v + 1
             direct = tiny_lm.score(weights[v + 1], sample.input_ids, 3)[t]
             assert sample.proximal_logprobs_t[t] == pytest.approx(direct, abs=1e-12)
         else:
-            assert (sample.proximal_t_versions[t], sample.proximal_logprobs_t[t]) == (v, sample.old_logprobs[t])
+            assert (sample.proximal_t_versions[t], sample.proximal_logprobs_t[t]) == (
+                v,
+                sample.old_logprobs[t],
+            )

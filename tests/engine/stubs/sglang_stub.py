@@ -89,14 +89,16 @@ class SGLangStub:
         handler = type("Handler", (_Handler,), {"state": self.state, "timeout": idle_timeout_s})
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.02,), daemon=True
+        )
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def __enter__(self) -> "SGLangStub":
+    def __enter__(self) -> SGLangStub:
         self._thread.start()
         return self
 
@@ -118,7 +120,9 @@ class SGLangStub:
     def wait_holding(self, n: int, timeout: float = 30.0) -> None:
         with self.state.cond:
             if not self.state.cond.wait_for(lambda: len(self.state.holding) == n, timeout):
-                raise AssertionError(f"expected {n} holding requests, have {len(self.state.holding)}")
+                raise AssertionError(
+                    f"expected {n} holding requests, have {len(self.state.holding)}"
+                )
 
     def wait_new_holding(self, seen: set[str], timeout: float = 30.0) -> str:
         """The rid of a holding request not in ``seen`` (waits for one)."""
@@ -130,7 +134,9 @@ class SGLangStub:
     def wait_closed_connections(self, n: int, timeout: float = 30.0) -> None:
         with self.state.cond:
             if not self.state.cond.wait_for(lambda: self.state.closed_connections >= n, timeout):
-                raise AssertionError(f"expected {n} closed connections, have {self.state.closed_connections}")
+                raise AssertionError(
+                    f"expected {n} closed connections, have {self.state.closed_connections}"
+                )
 
     def serve_forever(self) -> None:
         """Serve in the calling thread (the fake ``sglang.launch_server`` process)."""
@@ -144,7 +150,9 @@ class SGLangStub:
 
     def wait_requests(self, path: str, n: int, timeout: float = 30.0) -> None:
         with self.state.cond:
-            if not self.state.cond.wait_for(lambda: len([1 for _, p, _ in self.state.requests if p == path]) >= n, timeout):
+            if not self.state.cond.wait_for(
+                lambda: len([1 for _, p, _ in self.state.requests if p == path]) >= n, timeout
+            ):
                 raise AssertionError(f"expected {n} requests to {path}")
 
     def requests_to(self, path: str) -> list[Any]:
@@ -200,7 +208,10 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(fault, int):
             self._send(fault, {"error": {"message": f"injected {fault}"}})
             return
-        if state.api_key is not None and self.headers.get("Authorization") != f"Bearer {state.api_key}":
+        if (
+            state.api_key is not None
+            and self.headers.get("Authorization") != f"Bearer {state.api_key}"
+        ):
             self._send(401, {"error": {"message": "Unauthorized"}})
             return
         route = ROUTES.get((method, path)) or ROUTES.get(("ANY", path))
@@ -212,7 +223,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_raw(status, b'{"output_ids": [1, 2')
             return
         if fault == "mismatch" and isinstance(answer, dict) and "meta_info" in answer:
-            answer["meta_info"]["output_token_logprobs"] = answer["meta_info"]["output_token_logprobs"][:-1]
+            answer["meta_info"]["output_token_logprobs"] = answer["meta_info"][
+                "output_token_logprobs"
+            ][:-1]
         self._send(status, answer)
 
     def _send(self, status: int, answer: Any) -> None:
@@ -251,8 +264,16 @@ class _Handler(BaseHTTPRequestHandler):
             if start >= len(input_ids):
                 del state.live[rid]
                 state.cond.notify_all()
-                finish = {"type": "abort", "message": "logprob_start_len too large", "status_code": 400}
-                return 200, {"text": "", "output_ids": [], "meta_info": {**meta, "finish_reason": finish}}
+                finish = {
+                    "type": "abort",
+                    "message": "logprob_start_len too large",
+                    "status_code": 400,
+                }
+                return 200, {
+                    "text": "",
+                    "output_ids": [],
+                    "meta_info": {**meta, "finish_reason": finish},
+                }
         tokens: list[int] = []
         rows_out: list[list[Any]] = []
         labels: list[str] = []
@@ -263,7 +284,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             while len(tokens) < max_new:
                 with state.cond:
-                    while state.hold_after is not None and len(tokens) >= state.hold_after and not live.aborted:
+                    while (
+                        state.hold_after is not None
+                        and len(tokens) >= state.hold_after
+                        and not live.aborted
+                    ):
                         state.holding.add(rid)
                         state.cond.notify_all()
                         state.cond.wait()
@@ -274,7 +299,9 @@ class _Handler(BaseHTTPRequestHandler):
                         finish = {"type": "abort", "message": message, "status_code": None}
                         break
                     if start >= 0 and "input_token_logprobs" not in meta:
-                        meta["input_token_logprobs"] = _prefill_rows(state.weights, input_ids, start)
+                        meta["input_token_logprobs"] = _prefill_rows(
+                            state.weights, input_ids, start
+                        )
                     logprobs = tiny_lm.next_logprobs(state.weights, input_ids + tokens, temperature)
                     token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
                     labels.append(state.weight_version)
@@ -288,7 +315,9 @@ class _Handler(BaseHTTPRequestHandler):
                 del state.live[rid]
                 state.cond.notify_all()
                 meta["weight_version"] = state.weight_version
-        meta.update(finish_reason=finish, completion_tokens=len(tokens), output_token_logprobs=rows_out)
+        meta.update(
+            finish_reason=finish, completion_tokens=len(tokens), output_token_logprobs=rows_out
+        )
         if state.report_spans:
             spans: list[dict[str, Any]] = []
             for i, label in enumerate(labels):
@@ -331,17 +360,30 @@ class _Handler(BaseHTTPRequestHandler):
         state = self.state
         path = Path(body["model_path"])
         if not (path / tiny_lm.WEIGHTS_FILE).is_file():
-            return 400, {"success": False, "message": f"Failed to load weights from {path}", "num_paused_requests": 0}
+            return 400, {
+                "success": False,
+                "message": f"Failed to load weights from {path}",
+                "num_paused_requests": 0,
+            }
         with state.cond:
             if not state.paused:
-                state.cond.wait_for(lambda: not state.live)  # the writer lock waits for running requests
+                state.cond.wait_for(
+                    lambda: not state.live
+                )  # the writer lock waits for running requests
             state.weights = tiny_lm.load_weights(path)
             state.model_path = str(path)
             if body.get("weight_version") is not None:
                 state.weight_version = str(body["weight_version"])
             if body.get("flush_cache", True) and state.live:
-                return 400, {"success": False, "message": "Weights were updated, but the cache was not flushed"}
-        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+                return 400, {
+                    "success": False,
+                    "message": "Weights were updated, but the cache was not flushed",
+                }
+        return 200, {
+            "success": True,
+            "message": "Succeeded to update model weights.",
+            "num_paused_requests": 0,
+        }
 
     def update_weight_version(self, body: dict[str, Any]) -> tuple[int, Any]:
         with self.state.cond:
@@ -372,7 +414,9 @@ class _Handler(BaseHTTPRequestHandler):
             return (503, None) if self.state.paused else (200, None)
 
 
-def _prefill_rows(weights: dict[str, torch.Tensor], input_ids: list[int], start: int) -> list[list[Any]]:
+def _prefill_rows(
+    weights: dict[str, torch.Tensor], input_ids: list[int], start: int
+) -> list[list[Any]]:
     """``input_token_logprobs`` from position ``start``: row 0 is always null, row k scores
     position start + k (research note sglang.md §2)."""
     scored = tiny_lm.score(weights, input_ids, 1)

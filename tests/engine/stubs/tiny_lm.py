@@ -46,7 +46,9 @@ def logits(weights: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
     return hidden @ weights["head"] + weights["bias"]
 
 
-def next_logprobs(weights: dict[str, torch.Tensor], ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+def next_logprobs(
+    weights: dict[str, torch.Tensor], ids: list[int], temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(z / T) of the token after ``ids``."""
     return torch.log_softmax(logits(weights, ids)[-1] / temperature, dim=-1)
 

@@ -17,5 +17,9 @@ parser.add_argument("--api-key", default=None)
 args, _ = parser.parse_known_args()
 print(f"stub SGLang server on {args.host}:{args.port}", flush=True)
 SGLangStub(
-    Path(args.model_path), weight_version=args.weight_version, api_key=args.api_key, host=args.host, port=args.port
+    Path(args.model_path),
+    weight_version=args.weight_version,
+    api_key=args.api_key,
+    host=args.host,
+    port=args.port,
 ).serve_forever()
