@@ -39,6 +39,7 @@ def load_policy(
     warm_start_steps: int | None = None,
     warm_start_lr: float | None = None,
     warm_start_batch: int | None = None,
+    warm_start_target: float | None = None,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
@@ -52,11 +53,12 @@ def load_policy(
 ) -> Policy:
     """The policy of ``kind``.
 
-    ``tiny``: needs ``task`` (a name or a Task); the charset defaults to the task's (another one
-    must cover the task's characters); warm-start
-    settings default to ``warm_start.default_settings(task)``; ``warm_start_steps=0`` skips the warm
-    start (random init, nothing cached). ``hf``: needs ``path``, a local model directory; the tiny
-    and warm-start arguments are ignored.
+    ``tiny``: needs ``task`` (a name or a Task). The charset defaults to the task's (another one
+    must cover the task's characters); the warm-start settings default to
+    ``warm_start.default_settings(task.name)``; ``warm_start_steps=0`` skips the warm start
+    (random init, nothing cached); ``warm_start_target=1.0`` runs every step unless the policy is
+    already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
+    warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds.
     """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -80,14 +82,17 @@ def load_policy(
         steps = defaults.steps if warm_start_steps is None else warm_start_steps
         lr = defaults.lr if warm_start_lr is None else warm_start_lr
         batch_size = defaults.batch_size if warm_start_batch is None else warm_start_batch
+        target = defaults.target if warm_start_target is None else warm_start_target
         if steps < 0 or batch_size < 1 or not lr > 0:
             raise UserError(
                 f"warm start needs steps >= 0, batch_size >= 1 and lr > 0, got {steps}, {batch_size}, {lr}; fix the model settings"
             )
+        if target is not None and not 0.0 < target <= 1.0:
+            raise UserError(f"warm start target accuracy must be in (0, 1], got {target}; 1.0 runs every step")
         charset = charset or task_obj.charset
         if charset != task_obj.charset:
             _check_charset_covers(task_obj, charset)
-        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, seed, cache_dir)
+        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
     policy.model.to(device=device, dtype=DTYPES[dtype])
@@ -108,7 +113,15 @@ def _check_charset_covers(task: Task, charset: str) -> None:
 
 
 def _tiny_policy(
-    task: Task, arch: dict[str, Any], charset: str, steps: int, lr: float, batch_size: int, seed: int, cache_dir: str | Path | None
+    task: Task,
+    arch: dict[str, Any],
+    charset: str,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    target: float | None,
+    seed: int,
+    cache_dir: str | Path | None,
 ) -> Policy:
     if steps == 0:
         tokenizer = build_tokenizer(charset)
@@ -116,7 +129,7 @@ def _tiny_policy(
         name = f"tiny-qwen2:{task.name}:init:seed{seed}"
         return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name)
     entry, info = warm_start(
-        task, arch=arch, charset=charset, steps=steps, lr=lr, batch_size=batch_size, seed=seed, cache_dir=cache_dir
+        task, arch=arch, charset=charset, steps=steps, lr=lr, batch_size=batch_size, target=target, seed=seed, cache_dir=cache_dir
     )
     policy = load_hf_policy(entry)
     policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"

@@ -157,6 +157,8 @@ def test_bad_warm_start_settings_are_user_errors():
         load_policy("tiny", task="arith1", warm_start_steps=-1)
     with pytest.raises(UserError, match="warm start needs"):
         load_policy("tiny", task="arith1", warm_start_lr=0.0)
+    with pytest.raises(UserError, match=r"target accuracy must be in \(0, 1\], got 1.5; 1.0 runs every step"):
+        load_policy("tiny", task="arith1", warm_start_target=1.5)
 
 
 def test_importing_the_package_does_not_import_torch():
