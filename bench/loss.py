@@ -58,17 +58,37 @@ def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tenso
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     mask = (torch.arange(length) < lengths[:, None]).float()
     advantages = torch.randn(batch, 1, generator=gen).expand(batch, length).contiguous()
-    return {"old": old, "prox": prox, "prox_t": prox_t, "logprobs": logprobs, "mask": mask, "adv": advantages}
+    return {
+        "old": old,
+        "prox": prox,
+        "prox_t": prox_t,
+        "logprobs": logprobs,
+        "mask": mask,
+        "adv": advantages,
+    }
 
 
 def ours(x: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
     log_ratio = behavior_log_ratio(x["old"], x["prox"], x["prox_t"], mode="segment_wise")
     weights, _ = importance_weights(
-        log_ratio, x["mask"], level="token", cap=CAP, floor=FLOOR, action="truncate", batch_normalize=True
+        log_ratio,
+        x["mask"],
+        level="token",
+        cap=CAP,
+        floor=FLOOR,
+        action="truncate",
+        batch_normalize=True,
     )
     mask, _ = rejection_mask(log_ratio, x["mask"], level="geometric", upper=RS_UPPER, veto=VETO)
     loss, _ = policy_loss(
-        logprobs, x["prox"], x["adv"], mask, weights=weights, clip=CLIP, clip_high=CLIP_HIGH, dual_clip=DUAL_CLIP
+        logprobs,
+        x["prox"],
+        x["adv"],
+        mask,
+        weights=weights,
+        clip=CLIP,
+        clip_high=CLIP_HIGH,
+        dual_clip=DUAL_CLIP,
     )
     offpolicy_metrics(x["old"], x["prox"], x["mask"])
     return loss
@@ -133,7 +153,9 @@ def reference(x: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tenso
     metrics["clipfrac"] = (clipped.sum() / n_rs).item()
     metrics["clipfrac_high"] = ((clipped * (adv > 0).float()).sum() / n_rs).item()
     metrics["clipfrac_low"] = ((clipped * (adv < 0).float()).sum() / n_rs).item()
-    metrics["clipfrac_dual"] = (((clipped_loss > loss3) & (adv < 0)).float() * rs_mask).sum().item() / n_rs.item()
+    metrics["clipfrac_dual"] = (
+        ((clipped_loss > loss3) & (adv < 0)).float() * rs_mask
+    ).sum().item() / n_rs.item()
     metrics["ppo_kl"] = ((-delta * rs_mask).sum() / n_rs).item()
     # Off-policy metrics (verl definitions; every row is non-empty here).
     lr = (prox - old) * mask
@@ -153,7 +175,9 @@ def reference(x: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tenso
     metrics["log_ppl_diff_min"] = diff.min().item()
     metrics["ppl_ratio"] = torch.exp(diff).mean().item()
     metrics["chi2_token"] = (((torch.exp(lr_safe) ** 2) * mask).sum() / n_tok - 1).item()
-    metrics["chi2_seq"] = (torch.exp(2 * torch.clamp((lr * mask).sum(-1), -20, 20)).mean() - 1).item()
+    metrics["chi2_seq"] = (
+        torch.exp(2 * torch.clamp((lr * mask).sum(-1), -20, 20)).mean() - 1
+    ).item()
     return loss
 
 
@@ -192,14 +216,22 @@ def memory_child(variant: str, phase: str) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
     if variant == "naive":
-        out = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        out = (
+            torch.log_softmax(logits / TEMPERATURE, dim=-1)
+            .gather(-1, targets.unsqueeze(-1))
+            .squeeze(-1)
+        )
     else:
         out = logprobs_from_logits(logits, targets, temperature=TEMPERATURE)
     if phase == "fwd_bwd":
         out.sum().backward()
     elapsed = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    print(json.dumps({"extra_bytes": (after - before) * 1024, "seconds": elapsed, "check": out.sum().item()}))
+    print(
+        json.dumps(
+            {"extra_bytes": (after - before) * 1024, "seconds": elapsed, "check": out.sum().item()}
+        )
+    )
 
 
 def measure_memory(variant: str, phase: str, threads: int) -> dict[str, float]:
@@ -215,9 +247,15 @@ def measure_memory(variant: str, phase: str, threads: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--memory-child", nargs=2, metavar=("VARIANT", "PHASE"), help=argparse.SUPPRESS)
-    parser.add_argument("--repeats", type=int, default=10, help="timed repeats of the large case (×20 small)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for the speed runs")
+    parser.add_argument(
+        "--memory-child", nargs=2, metavar=("VARIANT", "PHASE"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=10, help="timed repeats of the large case (×20 small)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads for the speed runs"
+    )
     args = parser.parse_args()
     # One thread by default: on a shared machine a second OpenMP thread that waits for a busy
     # core adds noise that swamps the comparison; both implementations run alike.
@@ -231,13 +269,19 @@ def main() -> None:
 
     results: dict[str, object] = {
         "torch": torch.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'unknown'})",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "threads": torch.get_num_threads(),
         "speed": [],
         "memory": {},
     }
     speed = Table(title="correction math, forward + backward (min over repeats)")
-    for col in ("B × T", "sdp_cli.core [ms]", "unfused reference [ms]", "speed-up", "max |Δ| loss/grad"):
+    for col in (
+        "B × T",
+        "sdp_cli.core [ms]",
+        "unfused reference [ms]",
+        "speed-up",
+        "max |Δ| loss/grad",
+    ):
         speed.add_column(col, justify="right")
     for batch, length, repeats in ((32, 256, 20 * args.repeats), (256, 2048, args.repeats)):
         x = make_inputs(batch, length)
@@ -253,16 +297,33 @@ def main() -> None:
                 "max_abs_diff": diff,
             }
         )
-        speed.add_row(f"{batch} × {length}", f"{t_ours * 1e3:.2f}", f"{t_ref * 1e3:.2f}", f"{t_ref / t_ours:.2f}×", f"{diff:.1e}")
+        speed.add_row(
+            f"{batch} × {length}",
+            f"{t_ours * 1e3:.2f}",
+            f"{t_ref * 1e3:.2f}",
+            f"{t_ref / t_ours:.2f}×",
+            f"{diff:.1e}",
+        )
 
     naive_bytes = N_TOKENS * VOCAB * 4
-    memory = Table(title=f"logprobs_from_logits, N={N_TOKENS}, V={VOCAB}, float32 (logits = {naive_bytes / 2**20:.0f} MiB)")
-    for col in ("phase", "naive extra [MiB]", "chunked extra [MiB]", "ratio", "scratch ratio", "naive [s]", "chunked [s]"):
+    title = f"logprobs_from_logits, N={N_TOKENS}, V={VOCAB}, float32"
+    memory = Table(title=f"{title} (logits = {naive_bytes / 2**20:.0f} MiB)")
+    for col in (
+        "phase",
+        "naive extra [MiB]",
+        "chunked extra [MiB]",
+        "ratio",
+        "scratch ratio",
+        "naive [s]",
+        "chunked [s]",
+    ):
         memory.add_column(col, justify="right")
     for phase in ("fwd", "fwd_bwd"):
         naive = measure_memory("naive", phase, args.threads)
         chunked = measure_memory("chunked", phase, args.threads)
-        assert abs(naive["check"] - chunked["check"]) < 1e-3 * abs(naive["check"]), "variants disagree"
+        assert abs(naive["check"] - chunked["check"]) < 1e-3 * abs(naive["check"]), (
+            "variants disagree"
+        )
         # Forward+backward must return the [N, V] logits gradient; scratch excludes that output.
         required = naive_bytes if phase == "fwd_bwd" else 0
         row = {
@@ -270,7 +331,8 @@ def main() -> None:
             "chunked_extra_mib": chunked["extra_bytes"] / 2**20,
             "ratio": chunked["extra_bytes"] / naive["extra_bytes"],
             "required_output_mib": required / 2**20,
-            "scratch_ratio": max(chunked["extra_bytes"] - required, 0) / (naive["extra_bytes"] - required),
+            "scratch_ratio": max(chunked["extra_bytes"] - required, 0)
+            / (naive["extra_bytes"] - required),
             "naive_s": naive["seconds"],
             "chunked_s": chunked["seconds"],
         }

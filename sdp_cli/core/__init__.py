@@ -1,10 +1,10 @@
 """Pure-torch correction math of sdp (DESIGN.md §4, docs/math.md): no I/O, no config objects.
 
-    weights      behavioural log ratio per mode, importance weights, rejection masks
-    loss         PPO-clip / REINFORCE policy loss and its aggregations
-    metrics      verl-named off-policy diagnostics (kl, k3_kl, ppl family, chi2)
-    logprobs     chunked log-probabilities and entropy from logits
-    advantages   GRPO / Dr.GRPO group-normalised advantages
+weights      behavioural log ratio per mode, importance weights, rejection masks
+loss         PPO-clip / REINFORCE policy loss and its aggregations
+metrics      verl-named off-policy diagnostics (kl, k3_kl, ppl family, chi2)
+logprobs     chunked log-probabilities and entropy from logits
+advantages   GRPO / Dr.GRPO group-normalised advantages
 """
 
 from sdp_cli.core.advantages import group_advantages

@@ -46,7 +46,9 @@ def check_like(name: str, tensor: object, ref: Tensor, ref_name: str) -> Tensor:
     check_float_tensor(name, tensor)
     assert isinstance(tensor, Tensor)
     if tensor.shape != ref.shape:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)} but {ref_name} has shape {tuple(ref.shape)}")
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but {ref_name} has shape {tuple(ref.shape)}"
+        )
     if tensor.dtype != ref.dtype:
         raise ValueError(f"{name} has dtype {tensor.dtype} but {ref_name} has dtype {ref.dtype}")
     return tensor
@@ -114,7 +116,11 @@ class Masked:
             row_weight = self.row_count.clamp(max=1)  # min(count, 1) of an integer count
             total = row_weight.sum()
             self._rows.update(
-                divisor=divisor, weight=row_weight, rows=row_weight.bool(), total=total, n=total.clamp_min(1)
+                divisor=divisor,
+                weight=row_weight,
+                rows=row_weight.bool(),
+                total=total,
+                n=total.clamp_min(1),
             )
         return self._rows[name]
 
@@ -189,8 +195,14 @@ def masked(mask: object, ref: Tensor, ref_name: str) -> Masked:
     if not isinstance(mask, Tensor):
         raise ValueError(f"mask must be a torch.Tensor; got {type(mask).__name__}")
     if mask.shape != ref.shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(ref.shape)}")
-    if mask.dtype != torch.bool and mask.dtype not in _INT_MASK_DTYPES and not mask.is_floating_point():
+        raise ValueError(
+            f"mask has shape {tuple(mask.shape)} but {ref_name} has shape {tuple(ref.shape)}"
+        )
+    if (
+        mask.dtype != torch.bool
+        and mask.dtype not in _INT_MASK_DTYPES
+        and not mask.is_floating_point()
+    ):
         raise ValueError(f"mask must be bool, integer or float; got dtype {mask.dtype}")
     valid = mask.bool()
     # Counts are exact integers; a half-precision sum would round them (2049 → 2048 in bf16).

@@ -21,9 +21,13 @@ def group_advantages(
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be a 1-D tensor; got shape {tuple(rewards.shape)}")
     if not isinstance(group_ids, Tensor) or group_ids.is_floating_point() or group_ids.is_complex():
-        raise ValueError(f"group_ids must be an integer tensor; got {getattr(group_ids, 'dtype', type(group_ids))}")
+        got = getattr(group_ids, "dtype", type(group_ids))
+        raise ValueError(f"group_ids must be an integer tensor; got {got}")
     if group_ids.shape != rewards.shape:
-        raise ValueError(f"group_ids has shape {tuple(group_ids.shape)} but rewards has shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"group_ids has shape {tuple(group_ids.shape)} "
+            f"but rewards has shape {tuple(rewards.shape)}"
+        )
     check_number("eps", eps, above=0, inclusive=True)
 
     rewards = rewards.detach()
@@ -34,9 +38,9 @@ def group_advantages(
     centred = rewards - (per_group.index_add(0, group, rewards) / count)[group]
     # A group whose rewards are all equal (a singleton included) has no signal: advantage 0.
     # Decided on max == min, since the rounded mean of equal values can miss them by an ulp.
-    spread = per_group.scatter_reduce(0, group, rewards, "amax", include_self=False) - per_group.scatter_reduce(
-        0, group, rewards, "amin", include_self=False
-    )
+    spread = per_group.scatter_reduce(
+        0, group, rewards, "amax", include_self=False
+    ) - per_group.scatter_reduce(0, group, rewards, "amin", include_self=False)
     if scale_by_std:
         # Two-pass variance (sum of squared deviations) avoids E[r²] − E[r]² cancellation.
         std = (per_group.index_add(0, group, centred.square()) / (count - 1).clamp_min(1)).sqrt()

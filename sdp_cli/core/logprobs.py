@@ -39,7 +39,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, logits: Tensor, targets: Tensor, temperature: float, chunk_size: int, with_entropy: bool
+        ctx: FunctionCtx,
+        logits: Tensor,
+        targets: Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         groups, rows_per_group, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
@@ -47,7 +52,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         log_norm = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         # One scratch chunk reused by every chunk (a fresh one each time costs page faults).
-        scratch = torch.empty(min(chunk_size, rows_per_group), vocab, dtype=dtype, device=logits.device)
+        scratch = torch.empty(
+            min(chunk_size, rows_per_group), vocab, dtype=dtype, device=logits.device
+        )
         probs = torch.empty_like(scratch) if with_entropy else None
         for group, rows in _chunks(groups, rows_per_group, chunk_size):
             chunk = logits[group, rows]
@@ -81,13 +88,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         groups, rows_per_group, vocab = logits.shape
         dtype = log_norm.dtype
-        grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
+        grad_logprobs = (
+            torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
+        )
         use_entropy = ctx.with_entropy and grad_entropy is not None
         grad_logits = torch.empty_like(logits)
         # Work in place inside the returned gradient when its dtype is the compute dtype;
         # otherwise in one reused float32 scratch chunk.
         size = (min(chunk_size, rows_per_group), vocab)
-        scratch = None if logits.dtype == dtype else torch.empty(size, dtype=dtype, device=logits.device)
+        scratch = (
+            None if logits.dtype == dtype else torch.empty(size, dtype=dtype, device=logits.device)
+        )
         probs = torch.empty(size, dtype=dtype, device=logits.device) if use_entropy else None
         for group, rows in _chunks(groups, rows_per_group, chunk_size):
             out = grad_logits[group, rows]
@@ -143,9 +154,13 @@ def logprobs_from_logits(
     """
     check_float_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}"
+        )
     if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}")
+        raise ValueError(
+            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
+        )
     if targets.shape != logits.shape[:-1]:
         raise ValueError(
             f"targets has shape {tuple(targets.shape)} but logits has shape {tuple(logits.shape)};"
@@ -156,11 +171,16 @@ def logprobs_from_logits(
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
     vocab = logits.shape[-1]
     if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
-        raise ValueError(f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position")
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); "
+            "pad with any valid id and mask the position"
+        )
 
     grouped = _grouped(logits)
     grouped_targets = targets.reshape(grouped.shape[:2]).long()
-    logprobs, entropy = _ChunkedLogprobs.apply(grouped, grouped_targets, float(temperature), chunk_size, return_entropy)
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        grouped, grouped_targets, float(temperature), chunk_size, return_entropy
+    )
     logprobs = logprobs.reshape(targets.shape)
     if return_entropy:
         return logprobs, entropy.reshape(targets.shape)

@@ -26,7 +26,12 @@ from sdp_cli.core._masked import (
 )
 
 LOSS_TYPES = ("ppo_clip", "reinforce")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 
 
 def _aggregate(per_token: Tensor, mk: Masked, agg: str) -> Tensor:

@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sdp_cli.core._masked import LOG_CLAMP, check_2d, check_float_tensor, check_like, masked, to_host
+from sdp_cli.core._masked import (
+    LOG_CLAMP,
+    check_2d,
+    check_float_tensor,
+    check_like,
+    masked,
+    to_host,
+)
 
 _NAMES = (
     "kl",
@@ -31,7 +38,9 @@ _NAMES = (
 _EXP_OF_ZERO = ("training_ppl", "rollout_ppl", "ppl_ratio")
 
 
-def offpolicy_metrics(rollout_logprobs: Tensor, training_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+def offpolicy_metrics(
+    rollout_logprobs: Tensor, training_logprobs: Tensor, mask: Tensor
+) -> dict[str, float]:
     """verl's mismatch metrics between π_rollout (the sampler) and π_train (docs/math.md §4).
 
     With lr = log π_train − log π_rollout over valid tokens: kl = mean(−lr), k3_kl =
@@ -51,9 +60,11 @@ def offpolicy_metrics(rollout_logprobs: Tensor, training_logprobs: Tensor, mask:
         train_mean = mk.row_mean(training)
         rollout_mean = mk.row_mean(rollout)
         diff = rollout_mean - train_mean
-        # Per-row log values, each row then averaged over non-empty rows in one reduction:
-        # −a_i, −b_i (log ppl), d_i, 2·Σ_t lr (clamped), |d_i|, e^{−a_i}, e^{−b_i}, e^{d_i}, e^{2Σ lr} − 1.
-        logs = torch.stack([-train_mean, -rollout_mean, diff, 2 * log_ratio.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)])
+        # Per-row values, averaged over non-empty rows in one reduction: −a_i, −b_i (log ppl),
+        # d_i, 2·Σ_t lr (clamped), |d_i|, e^{−a_i}, e^{−b_i}, e^{d_i}, e^{2Σ lr} − 1.
+        logs = torch.stack(
+            [-train_mean, -rollout_mean, diff, 2 * log_ratio.sum(-1).clamp(-LOG_CLAMP, LOG_CLAMP)]
+        )
         per_row = torch.cat([logs, diff.abs().unsqueeze(0), logs[:3].exp(), torch.expm1(logs[3:])])
         row_sums = (per_row * mk.row_weight).sum(-1)
         diff_min, diff_max = torch.aminmax(torch.lerp(row_sums[2] / mk.n_rows, diff, mk.row_weight))
@@ -76,9 +87,17 @@ def offpolicy_metrics(rollout_logprobs: Tensor, training_logprobs: Tensor, mask:
         # No valid token: no divergence, and every perplexity (ratio) is exp(0) = 1.
         return {name: 1.0 if name in _EXP_OF_ZERO else 0.0 for name in _NAMES}
     tokens, rows = host["tokens"], host["rows"]
-    train_log_ppl, rollout_log_ppl, diff_sum, _, abs_diff, train_ppl, rollout_ppl, ratio, chi2_seq = (
-        value / rows for value in host["row_sums"]
-    )
+    (
+        train_log_ppl,
+        rollout_log_ppl,
+        diff_sum,
+        _,
+        abs_diff,
+        train_ppl,
+        rollout_ppl,
+        ratio,
+        chi2_seq,
+    ) = (value / rows for value in host["row_sums"])
     return {
         "kl": -host["lr"] / tokens,  # mean(log π_rollout − log π_train)
         "k3_kl": host["k3"] / tokens,

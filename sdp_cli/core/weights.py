@@ -173,7 +173,9 @@ def importance_weights(
     return weights, _is_metrics(host, level, action, batch_normalize)
 
 
-def _is_metrics(host: dict[str, float], level: str, action: str, batch_normalize: bool) -> dict[str, float]:
+def _is_metrics(
+    host: dict[str, float], level: str, action: str, batch_normalize: bool
+) -> dict[str, float]:
     """Name the importance-weight statistics as verl does (docs/math.md §2.3)."""
     tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
     among = tokens if level == "token" else rows
@@ -253,7 +255,11 @@ def rejection_mask(
             counts["seq_dropped"] = mk.row_total - (mk.row_weight * kept_weight).sum()
             kept = kept.unsqueeze(-1)
         new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
-        stats = mk.stats(ratio, with_std=False) if level == "token" else mk.row_stats(ratio, with_std=False)
+        stats = (
+            mk.stats(ratio, with_std=False)
+            if level == "token"
+            else mk.row_stats(ratio, with_std=False)
+        )
         host = to_host({**stats, **counts})
     tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
     metrics = {

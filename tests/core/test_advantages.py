@@ -29,7 +29,9 @@ def test_eps_is_added_to_the_std():
 
 
 def test_dr_grpo_only_centres():
-    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 5.0, 3.0]), torch.tensor([0, 0, 0, 1, 1]), scale_by_std=False)
+    adv = group_advantages(
+        torch.tensor([1.0, 0.0, 1.0, 5.0, 3.0]), torch.tensor([0, 0, 0, 1, 1]), scale_by_std=False
+    )
     assert adv.tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3, 1.0, -1.0])
 
 
@@ -46,7 +48,11 @@ def test_equal_rewards_whose_mean_rounds_off_get_zero():
     # found by hypothesis: 3·x / 3 ≠ x in float64 for this x, so r − mean is ±1 ulp and the
     # std is tiny; dividing would turn rounding noise into advantages of ±0.8
     rewards = torch.full((3,), 5.9119861180206765, dtype=torch.float64)
-    assert group_advantages(rewards, torch.zeros(3, dtype=torch.long), eps=0.0).tolist() == [0.0, 0.0, 0.0]
+    assert group_advantages(rewards, torch.zeros(3, dtype=torch.long), eps=0.0).tolist() == [
+        0.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_empty_batch():

@@ -23,7 +23,9 @@ def batch(seed, rows=4, length=6, dtype=torch.float64):
 
 
 def correction(log_ratio, mask, level, action):
-    weights, w_metrics = importance_weights(log_ratio, mask, level=level, cap=1.5, floor=0.7, action=action)
+    weights, w_metrics = importance_weights(
+        log_ratio, mask, level=level, cap=1.5, floor=0.7, action=action
+    )
     rs_mask, rs_metrics = rejection_mask(log_ratio, mask, level=level, upper=1.6, veto=0.3)
     return weights, rs_mask, {**w_metrics, **rs_metrics}
 
@@ -33,11 +35,18 @@ def test_segment_wise_equals_decoupled_when_prox_t_is_prox(level, action):
     for seed in range(5):
         old, prox, logprobs, adv, mask = batch(seed)
         dec = behavior_log_ratio(old, prox, mode="decoupled")
-        seg = behavior_log_ratio(old, torch.full_like(prox, float("nan")), prox.clone(), mode="segment_wise")
+        seg = behavior_log_ratio(
+            old, torch.full_like(prox, float("nan")), prox.clone(), mode="segment_wise"
+        )
         w_dec, m_dec, metrics_dec = correction(dec, mask, level, action)
         w_seg, m_seg, metrics_seg = correction(seg, mask, level, action)
-        assert torch.equal(w_dec, w_seg) and torch.equal(m_dec, m_seg) and metrics_dec == metrics_seg
-        lp_dec, lp_seg = logprobs.clone().requires_grad_(True), logprobs.clone().requires_grad_(True)
+        assert (
+            torch.equal(w_dec, w_seg) and torch.equal(m_dec, m_seg) and metrics_dec == metrics_seg
+        )
+        lp_dec, lp_seg = (
+            logprobs.clone().requires_grad_(True),
+            logprobs.clone().requires_grad_(True),
+        )
         loss_dec, _ = policy_loss(lp_dec, prox, adv, m_dec, weights=w_dec, dual_clip=3.0)
         loss_seg, _ = policy_loss(lp_seg, prox, adv, m_seg, weights=w_seg, dual_clip=3.0)
         loss_dec.backward()
@@ -52,7 +61,9 @@ def test_every_mode_equals_bypass_when_all_logprobs_agree(level, action, loss_ty
         old, _, logprobs, adv, mask = batch(seed)
         # π_behav = π_prox = π_prox_t: every behavioural weight is exactly 1
         bypass_lp = logprobs.clone().requires_grad_(True)
-        bypass, bypass_metrics = policy_loss(bypass_lp, old, adv, mask, loss_type=loss_type, dual_clip=2.0)
+        bypass, bypass_metrics = policy_loss(
+            bypass_lp, old, adv, mask, loss_type=loss_type, dual_clip=2.0
+        )
         bypass.backward()
         for mode in ("decoupled", "segment_wise"):
             lr = behavior_log_ratio(old, old.clone(), old.clone(), mode=mode)
@@ -60,7 +71,9 @@ def test_every_mode_equals_bypass_when_all_logprobs_agree(level, action, loss_ty
             assert torch.equal(rs_mask, mask)
             assert torch.equal(weights, mask.to(weights.dtype))
             lp = logprobs.clone().requires_grad_(True)
-            loss, metrics = policy_loss(lp, old, adv, rs_mask, weights=weights, loss_type=loss_type, dual_clip=2.0)
+            loss, metrics = policy_loss(
+                lp, old, adv, rs_mask, weights=weights, loss_type=loss_type, dual_clip=2.0
+            )
             loss.backward()
             assert torch.equal(loss, bypass) and metrics == bypass_metrics
             assert torch.equal(lp.grad, bypass_lp.grad)
@@ -80,8 +93,15 @@ def test_levels_agree_on_one_token_sequences(action):
         token_w, token_mask, token_metrics = results[0]
         for w, m, metrics in results[1:]:
             assert torch.allclose(w, token_w, rtol=1e-12, atol=0) and torch.equal(m, token_mask)
-            for name in ("rollout_is_mean", "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction"):
-                assert metrics[name] == pytest.approx(token_metrics[name], rel=1e-12, abs=1e-15), name
+            for name in (
+                "rollout_is_mean",
+                "rollout_is_ratio_fraction_high",
+                "rollout_is_ratio_fraction_low",
+                "rollout_rs_masked_fraction",
+            ):
+                assert metrics[name] == pytest.approx(token_metrics[name], rel=1e-12, abs=1e-15), (
+                    name
+                )
 
 
 @pytest.mark.parametrize("level", LEVELS)
@@ -101,6 +121,8 @@ def test_token_batch_normalisation_gives_mean_one():
     for seed in range(5):
         old, prox, _, _, mask = batch(seed, rows=6, length=8)
         mask[0, 0] = True  # at least one valid token
-        weights, metrics = importance_weights(behavior_log_ratio(old, prox, mode="decoupled"), mask, cap=1.3, batch_normalize=True)
+        weights, metrics = importance_weights(
+            behavior_log_ratio(old, prox, mode="decoupled"), mask, cap=1.3, batch_normalize=True
+        )
         assert weights[mask].mean().item() == pytest.approx(1.0)
         assert metrics["rollout_is_mean"] == pytest.approx(1.0)

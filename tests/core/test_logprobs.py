@@ -30,7 +30,9 @@ def test_hand_values():
 def test_matches_naive_log_softmax(chunk_size, temperature):
     logits = torch.randn(3, 7, 11, dtype=torch.float64) * 4
     targets = torch.randint(0, 11, (3, 7))
-    lp, ent = logprobs_from_logits(logits, targets, temperature=temperature, chunk_size=chunk_size, return_entropy=True)
+    lp, ent = logprobs_from_logits(
+        logits, targets, temperature=temperature, chunk_size=chunk_size, return_entropy=True
+    )
     ref_lp, ref_ent = naive(logits, targets, temperature)
     assert lp.shape == targets.shape and ent.shape == targets.shape
     torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
@@ -43,13 +45,17 @@ def test_gradcheck(chunk_size):
     targets = torch.randint(0, 6, (2, 5))
 
     def both(x):
-        return logprobs_from_logits(x, targets, temperature=0.8, chunk_size=chunk_size, return_entropy=True)
+        return logprobs_from_logits(
+            x, targets, temperature=0.8, chunk_size=chunk_size, return_entropy=True
+        )
 
     assert torch.autograd.gradcheck(both, (logits,))
     # each output alone (the other's gradient arrives as None)
     assert torch.autograd.gradcheck(lambda x: both(x)[0], (logits,))
     assert torch.autograd.gradcheck(lambda x: both(x)[1], (logits,))
-    assert torch.autograd.gradcheck(lambda x: logprobs_from_logits(x, targets, chunk_size=chunk_size), (logits,))
+    assert torch.autograd.gradcheck(
+        lambda x: logprobs_from_logits(x, targets, chunk_size=chunk_size), (logits,)
+    )
 
 
 def test_gradient_matches_naive_autograd_in_float32():
@@ -57,7 +63,9 @@ def test_gradient_matches_naive_autograd_in_float32():
     reference = logits.detach().clone().requires_grad_(True)
     targets = torch.randint(0, 300, (40,))
     g_lp, g_ent = torch.randn(40), torch.randn(40)
-    lp, ent = logprobs_from_logits(logits, targets, temperature=0.9, chunk_size=16, return_entropy=True)
+    lp, ent = logprobs_from_logits(
+        logits, targets, temperature=0.9, chunk_size=16, return_entropy=True
+    )
     (lp * g_lp + ent * g_ent).sum().backward()
     logp = torch.log_softmax(reference / 0.9, dim=-1)
     ref_ent = -(logp.exp() * logp).sum(-1)
@@ -90,7 +98,9 @@ def test_full_precision_dtype_is_kept(dtype):
 def test_int32_targets_and_non_contiguous_logits():
     logits = torch.randn(5, 4, 9, dtype=torch.float64).transpose(0, 1)  # [4, 5, 9], not contiguous
     targets = torch.randint(0, 9, (4, 5), dtype=torch.int32)
-    torch.testing.assert_close(logprobs_from_logits(logits, targets, chunk_size=3), naive(logits, targets.long())[0])
+    torch.testing.assert_close(
+        logprobs_from_logits(logits, targets, chunk_size=3), naive(logits, targets.long())[0]
+    )
 
 
 def test_strided_vocabulary_dimension():
@@ -121,7 +131,8 @@ def test_next_token_shift_is_not_copied():
     torch.testing.assert_close(lp, ref_lp)
     torch.testing.assert_close(ent, ref_ent)
     assert torch.autograd.gradcheck(
-        lambda x: logprobs_from_logits(x[:, :-1], targets, chunk_size=2, return_entropy=True), (full,)
+        lambda x: logprobs_from_logits(x[:, :-1], targets, chunk_size=2, return_entropy=True),
+        (full,),
     )
 
 
@@ -134,4 +145,6 @@ def test_exotic_strides_fall_back_to_a_copy():
     # leading dims that cannot be merged into one view: results must still be right
     logits = torch.randn(3, 2, 4, 7, dtype=torch.float64).transpose(0, 1)[:, :, :-1]
     targets = torch.randint(0, 7, logits.shape[:-1])
-    torch.testing.assert_close(logprobs_from_logits(logits, targets, chunk_size=2), naive(logits, targets)[0])
+    torch.testing.assert_close(
+        logprobs_from_logits(logits, targets, chunk_size=2), naive(logits, targets)[0]
+    )

@@ -28,7 +28,9 @@ def run(lp=LP, adv=ADV, mask=None, weights=None, **kwargs):
     logprobs = t64([lp]).requires_grad_(True)
     mask = t64([[1] * len(lp)]) if mask is None else mask
     w = None if weights is None else t64([weights])
-    loss, metrics = policy_loss(logprobs, torch.zeros_like(logprobs), t64([adv]), mask, weights=w, **kwargs)
+    loss, metrics = policy_loss(
+        logprobs, torch.zeros_like(logprobs), t64([adv]), mask, weights=w, **kwargs
+    )
     loss.backward()
     return loss.item(), metrics, logprobs.grad[0].tolist()
 
@@ -115,14 +117,21 @@ def test_policy_loss_uses_the_same_aggregation():
     # reinforce with A = −1 and lp = value gives ℓ = value; compare to aggregate_loss
     lp = t64([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = t64([[1, 1, 1], [1, 0, 0]])
-    for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for agg in (
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ):
         loss, _ = policy_loss(lp, lp, -torch.ones_like(lp), mask, agg=agg, loss_type="reinforce")
         assert loss.item() == pytest.approx(aggregate_loss(lp, mask, agg).item()), agg
 
 
 def test_all_masked_batch_gives_zero_loss_with_a_gradient_path():
     lp = t64([[NAN, 3.0]]).requires_grad_(True)
-    loss, m = policy_loss(lp, t64([[INF, -INF]]), t64([[NAN, 1e30]]), t64([[0, 0]]), weights=t64([[NAN, INF]]))
+    loss, m = policy_loss(
+        lp, t64([[INF, -INF]]), t64([[NAN, 1e30]]), t64([[0, 0]]), weights=t64([[NAN, INF]])
+    )
     assert loss.item() == 0.0 and loss.requires_grad
     loss.backward()
     assert torch.equal(lp.grad, torch.zeros_like(lp))
@@ -138,15 +147,25 @@ def test_all_masked_batch_gives_zero_loss_with_a_gradient_path():
 
 def test_padding_garbage_changes_nothing():
     mask = t64([[1, 1, 1, 1, 0, 0]])
-    clean = run(lp=LP + [0.0, 0.0], adv=ADV + [0.0, 0.0], mask=mask, dual_clip=3.0, weights=[1.0] * 6)
-    dirty = run(lp=LP + [NAN, 1e30], adv=ADV + [INF, -1e30], mask=mask, dual_clip=3.0, weights=[1.0] * 4 + [NAN, INF])
+    clean = run(
+        lp=LP + [0.0, 0.0], adv=ADV + [0.0, 0.0], mask=mask, dual_clip=3.0, weights=[1.0] * 6
+    )
+    dirty = run(
+        lp=LP + [NAN, 1e30],
+        adv=ADV + [INF, -1e30],
+        mask=mask,
+        dual_clip=3.0,
+        weights=[1.0] * 4 + [NAN, INF],
+    )
     assert clean[0] == dirty[0] and clean[1] == dirty[1]
     assert clean[2] == dirty[2] and dirty[2][4:] == [0.0, 0.0]
 
 
 def test_float32_in_float32_out():
     lp = torch.zeros(2, 3, requires_grad=True)
-    loss, _ = policy_loss(lp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    loss, _ = policy_loss(
+        lp, torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    )
     assert loss.dtype == torch.float32
     loss.backward()
     assert lp.grad.dtype == torch.float32
@@ -163,6 +182,8 @@ def test_gradcheck(loss_type, agg):
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
 
     def loss(x):
-        return policy_loss(x, prox, adv, mask, weights=w, dual_clip=2.0, agg=agg, loss_type=loss_type)[0]
+        return policy_loss(
+            x, prox, adv, mask, weights=w, dual_clip=2.0, agg=agg, loss_type=loss_type
+        )[0]
 
     assert torch.autograd.gradcheck(loss, (lp,))

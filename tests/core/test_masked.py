@@ -22,7 +22,9 @@ def test_select_agrees_with_where():
     values[0, 0], values[1, 1] = NAN, -INF
     mask = torch.rand(4, 9) < 0.5
     mask[0, 0] = mask[1, 1] = False
-    assert torch.equal(masked(mask, values, "values").select(values), torch.where(mask, values, 0.0))
+    assert torch.equal(
+        masked(mask, values, "values").select(values), torch.where(mask, values, 0.0)
+    )
 
 
 def test_counts_of_a_ragged_mask():
@@ -39,4 +41,8 @@ def test_to_host_paths_agree():
         "mean": torch.tensor(0.25),
         "rows": torch.tensor([1.0, 2.5, -3.0], dtype=torch.float64),
     }
-    assert to_host(values) == _to_host_batched(values) == {"count": 7, "mean": 0.25, "rows": [1.0, 2.5, -3.0]}
+    assert (
+        to_host(values)
+        == _to_host_batched(values)
+        == {"count": 7, "mean": 0.25, "rows": [1.0, 2.5, -3.0]}
+    )

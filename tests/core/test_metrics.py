@@ -71,7 +71,11 @@ def test_k3_does_not_overflow_on_a_huge_log_ratio():
 
 def test_k3_is_accurate_for_tiny_log_ratios():
     # e^x − 1 − x ≈ x²/2 = 5e-17 for x = 1e-8; evaluated naively in float64 it is −6e-17
-    m = offpolicy_metrics(torch.tensor([[0.0]], dtype=torch.float64), torch.tensor([[1e-8]], dtype=torch.float64), torch.tensor([[1]]))
+    m = offpolicy_metrics(
+        torch.tensor([[0.0]], dtype=torch.float64),
+        torch.tensor([[1e-8]], dtype=torch.float64),
+        torch.tensor([[1]]),
+    )
     assert m["k3_kl"] == pytest.approx(5e-17, rel=1e-6)
 
 

@@ -16,7 +16,9 @@ from sdp_cli.core.weights import importance_weights, rejection_mask
 
 LEVELS = st.sampled_from(["token", "sequence", "geometric"])
 DTYPES = st.sampled_from([torch.float32, torch.float64])
-AGGS = st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+AGGS = st.sampled_from(
+    ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
 GARBAGE = [float("nan"), float("inf"), -float("inf"), 1e30, -1e30]
 
 
@@ -31,7 +33,9 @@ def batches(draw, scale=None):
         return torch.randn(rows, length, generator=gen, dtype=dtype) * scale
 
     mask = torch.rand(rows, length, generator=gen) < draw(st.sampled_from([0.0, 0.5, 0.9, 1.0]))
-    garbage = torch.tensor(GARBAGE, dtype=dtype)[torch.randint(0, len(GARBAGE), (rows, length), generator=gen)]
+    garbage = torch.tensor(GARBAGE, dtype=dtype)[
+        torch.randint(0, len(GARBAGE), (rows, length), generator=gen)
+    ]
     return {"a": randn(), "b": randn(), "adv": randn() / scale, "mask": mask, "garbage": garbage}
 
 
@@ -46,7 +50,13 @@ bounds = st.tuples(st.sampled_from([None, 0.0, 0.5, 0.9]), st.sampled_from([None
 @given(batches(), LEVELS, bounds, st.sampled_from(["truncate", "mask"]), st.booleans())
 def test_weights_are_finite_nonnegative_and_ignore_padding(b, level, bound, action, normalize):
     floor, cap = bound
-    kwargs = {"level": level, "cap": cap, "floor": floor, "action": action, "batch_normalize": normalize}
+    kwargs = {
+        "level": level,
+        "cap": cap,
+        "floor": floor,
+        "action": action,
+        "batch_normalize": normalize,
+    }
     weights, metrics = importance_weights(b["a"], b["mask"], **kwargs)
     assert weights.dtype == b["a"].dtype
     assert torch.isfinite(weights).all() and (weights >= 0).all()
@@ -71,7 +81,9 @@ def test_rejection_mask_is_a_sub_mask_and_ignores_padding(b, level, upper, veto)
         kept = new.any(-1)
         assert torch.equal(new, b["mask"] & kept[:, None])
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values())
-    again, metrics_again = rejection_mask(dirty(b["a"], b), b["mask"], level=level, upper=upper, veto=veto)
+    again, metrics_again = rejection_mask(
+        dirty(b["a"], b), b["mask"], level=level, upper=upper, veto=veto
+    )
     assert torch.equal(new, again) and metrics == metrics_again
 
 
@@ -88,7 +100,9 @@ def closed_form(lp, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_ty
         loss = -adv * lp
     else:
         ratio = torch.exp(torch.clamp(lp - prox, -20, 20))
-        loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + (clip_high or clip)))
+        loss = torch.maximum(
+            -adv * ratio, -adv * torch.clamp(ratio, 1 - clip, 1 + (clip_high or clip))
+        )
         if dual_clip is not None:
             loss = torch.where(adv < 0, torch.minimum(loss, -dual_clip * adv), loss)
     loss = torch.where(mask, loss * w, torch.zeros_like(loss))
@@ -112,13 +126,21 @@ def closed_form(lp, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_ty
     st.sampled_from([None, 0.28]),
     st.sampled_from([None, 1.5, 3.0]),
 )
-def test_policy_loss_gradient_matches_closed_form_in_float64(b, agg, loss_type, clip, clip_high, dual_clip):
+def test_policy_loss_gradient_matches_closed_form_in_float64(
+    b, agg, loss_type, clip, clip_high, dual_clip
+):
     lp, prox = b["a"].double(), b["b"].double()
     adv, mask = b["adv"].double(), b["mask"]
     w = torch.rand(lp.shape, dtype=torch.float64) * 2
     ours = lp.clone().requires_grad_(True)
     ref = lp.clone().requires_grad_(True)
-    kwargs = {"clip": clip, "clip_high": clip_high, "dual_clip": dual_clip, "agg": agg, "loss_type": loss_type}
+    kwargs = {
+        "clip": clip,
+        "clip_high": clip_high,
+        "dual_clip": dual_clip,
+        "agg": agg,
+        "loss_type": loss_type,
+    }
     loss, _ = policy_loss(ours, prox, adv, mask, weights=w, **kwargs)
     expected = closed_form(ref, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_type)
     loss.backward()
@@ -132,7 +154,16 @@ def test_masked_and_zero_weight_tokens_get_exactly_zero_gradient(b, agg, loss_ty
     # weights from the mask action: tokens out of [0.8, 1.25] carry weight exactly 0
     weights, _ = importance_weights(b["b"] * 0.3, b["mask"], cap=1.25, floor=0.8, action="mask")
     clean = b["a"].clone().requires_grad_(True)
-    loss, metrics = policy_loss(clean, b["b"], b["adv"], b["mask"], weights=weights, agg=agg, loss_type=loss_type, dual_clip=dual_clip)
+    loss, metrics = policy_loss(
+        clean,
+        b["b"],
+        b["adv"],
+        b["mask"],
+        weights=weights,
+        agg=agg,
+        loss_type=loss_type,
+        dual_clip=dual_clip,
+    )
     loss.backward()
     assert loss.dtype == b["a"].dtype and clean.grad.dtype == b["a"].dtype
     assert torch.isfinite(clean.grad).all()

@@ -34,7 +34,9 @@ def test_segment_wise_uses_prox_t_not_prox():
     prox = t64([[-9.0, -9.0]])  # must be ignored
     prox_t = t64([[-1.0, -1.0]])
     # −1 − (−1) = 0 and −1 − (−2) = 1
-    assert torch.equal(behavior_log_ratio(old, prox, prox_t, mode="segment_wise"), t64([[0.0, 1.0]]))
+    assert torch.equal(
+        behavior_log_ratio(old, prox, prox_t, mode="segment_wise"), t64([[0.0, 1.0]])
+    )
 
 
 def test_bypass_has_no_weight():
@@ -70,7 +72,9 @@ def test_token_truncate_values_and_metrics():
     # one sequence: its mean returned weight 7/6, std 0
     assert m["rollout_is_seq_mean"] == pytest.approx(7 / 6)
     assert m["rollout_is_seq_std"] == 0.0
-    assert m["rollout_is_seq_min"] == pytest.approx(7 / 6) and m["rollout_is_seq_max"] == pytest.approx(7 / 6)
+    assert m["rollout_is_seq_min"] == pytest.approx(7 / 6) and m[
+        "rollout_is_seq_max"
+    ] == pytest.approx(7 / 6)
     # its raw mean (3 + 0.25 + 1) / 3 = 1.417 is inside [0.5, 2]
     assert m["rollout_is_seq_fraction_high"] == 0.0 and m["rollout_is_seq_fraction_low"] == 0.0
     assert "rollout_is_masked_fraction" not in m and "rollout_is_batch_norm_factor" not in m
@@ -78,7 +82,9 @@ def test_token_truncate_values_and_metrics():
 
 
 def test_token_mask_action_zeroes_out_of_bound_weights():
-    w, m = importance_weights(TOKEN_LR, TOKEN_MASK, level="token", cap=2.0, floor=0.5, action="mask")
+    w, m = importance_weights(
+        TOKEN_LR, TOKEN_MASK, level="token", cap=2.0, floor=0.5, action="mask"
+    )
     # 3 > 2 and 0.25 < 0.5 are masked to 0; 1 stays.
     assert torch.equal(w, t64([[0.0, 0.0, 1.0, 0.0]]))
     assert m["rollout_is_masked_fraction"] == pytest.approx(2 / 3)
@@ -106,7 +112,9 @@ def test_log_ratio_is_clamped_at_20_before_exp():
 
 
 def test_token_batch_normalisation_divides_by_mean_after_truncation():
-    w, m = importance_weights(TOKEN_LR, TOKEN_MASK, level="token", cap=2.0, floor=0.5, batch_normalize=True)
+    w, m = importance_weights(
+        TOKEN_LR, TOKEN_MASK, level="token", cap=2.0, floor=0.5, batch_normalize=True
+    )
     # bounded [2, 0.5, 1] has mean 7/6 → divided: [12/7, 3/7, 6/7]
     assert torch.allclose(w, t64([[12 / 7, 3 / 7, 6 / 7, 0.0]]))
     assert m["rollout_is_batch_norm_factor"] == pytest.approx(7 / 6)
@@ -134,7 +142,9 @@ def test_sequence_weight_is_product_broadcast_over_the_row():
     assert m["rollout_is_mean"] == pytest.approx(6.6 / 3)
     assert m["rollout_is_seq_mean"] == pytest.approx(1.8)
     assert m["rollout_is_seq_std"] == pytest.approx(1.2)  # population std of [3, 0.6]
-    assert m["rollout_is_seq_min"] == pytest.approx(0.6) and m["rollout_is_seq_max"] == pytest.approx(3.0)
+    assert m["rollout_is_seq_min"] == pytest.approx(0.6) and m[
+        "rollout_is_seq_max"
+    ] == pytest.approx(3.0)
 
 
 def test_geometric_weight_is_mean_log_ratio():
@@ -147,7 +157,9 @@ def test_sequence_batch_normalisation_averages_over_sequences():
     w, m = importance_weights(SEQ_LR, SEQ_MASK, level="sequence", cap=3.0, batch_normalize=True)
     # sequence weights [3, 0.5] have mean 1.75 over the two sequences (not over 3 tokens)
     assert m["rollout_is_batch_norm_factor"] == pytest.approx(1.75)
-    assert torch.allclose(w, t64([[3 / 1.75, 3 / 1.75, 0.0], [0.5 / 1.75, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    assert torch.allclose(
+        w, t64([[3 / 1.75, 3 / 1.75, 0.0], [0.5 / 1.75, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    )
     assert m["rollout_is_seq_mean"] == pytest.approx(1.0)
 
 
@@ -170,16 +182,24 @@ def test_mask_action_without_bounds_masks_nothing():
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 def test_empty_mask_gives_defined_metrics(level):
     lr = t64([[NAN, 5.0], [INF, -INF]])
-    w, m = importance_weights(lr, torch.zeros(2, 2), level=level, cap=2.0, floor=0.5, action="mask", batch_normalize=True)
+    w, m = importance_weights(
+        lr, torch.zeros(2, 2), level=level, cap=2.0, floor=0.5, action="mask", batch_normalize=True
+    )
     assert torch.equal(w, torch.zeros(2, 2, dtype=torch.float64))
     assert m["rollout_is_eff_sample_size"] == 1.0  # empty batch: ESS 1
     assert m["rollout_is_batch_norm_factor"] == 1.0  # nothing to normalise
-    others = {k: v for k, v in m.items() if k not in ("rollout_is_eff_sample_size", "rollout_is_batch_norm_factor")}
+    others = {
+        k: v
+        for k, v in m.items()
+        if k not in ("rollout_is_eff_sample_size", "rollout_is_batch_norm_factor")
+    }
     assert all(v == 0.0 for v in others.values()), others
 
 
 def test_every_weight_masked_gives_zero_ess_and_unit_factor():
-    w, m = importance_weights(t64([[LN(5.0), LN(6.0)]]), t64([[1, 1]]), cap=2.0, action="mask", batch_normalize=True)
+    w, m = importance_weights(
+        t64([[LN(5.0), LN(6.0)]]), t64([[1, 1]]), cap=2.0, action="mask", batch_normalize=True
+    )
     assert torch.equal(w, t64([[0.0, 0.0]]))
     assert m["rollout_is_eff_sample_size"] == 0.0  # no effective sample left
     assert m["rollout_is_batch_norm_factor"] == 1.0
@@ -202,7 +222,9 @@ def test_token_rejection_keeps_ratios_inside_bounds():
     assert m["rollout_rs_seq_masked_fraction"] == 1.0  # the one sequence lost a token
     assert m["rollout_rs_mean"] == pytest.approx((3 + 0.4 + 1) / 3)
     assert m["rollout_rs_min"] == pytest.approx(0.4) and m["rollout_rs_max"] == pytest.approx(3.0)
-    assert m["rollout_rs_veto_fraction"] == 0.0 and m["rollout_rs_catastrophic_token_fraction"] == 0.0
+    assert (
+        m["rollout_rs_veto_fraction"] == 0.0 and m["rollout_rs_catastrophic_token_fraction"] == 0.0
+    )
 
 
 def test_explicit_asymmetric_lower_bound():
@@ -245,7 +267,9 @@ def test_veto_drops_sequence_with_a_catastrophic_token_using_raw_log_ratio():
     assert m["rollout_rs_masked_fraction"] == pytest.approx(2 / 3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.uint8, torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.int64, torch.uint8, torch.float32, torch.float64]
+)
 def test_rejection_keeps_the_mask_dtype(dtype):
     lr = t64([[LN(3.0), 0.0]])
     new, _ = rejection_mask(lr, torch.tensor([[1, 1]]).to(dtype), level="token", upper=2.0)
@@ -254,6 +278,8 @@ def test_rejection_keeps_the_mask_dtype(dtype):
 
 
 def test_rejection_of_empty_mask_is_defined():
-    new, m = rejection_mask(t64([[NAN, INF]]), t64([[0, 0]]), level="sequence", upper=2.0, veto=1e-4)
+    new, m = rejection_mask(
+        t64([[NAN, INF]]), t64([[0, 0]]), level="sequence", upper=2.0, veto=1e-4
+    )
     assert torch.equal(new, t64([[0, 0]]))
     assert all(v == 0.0 for v in m.values()), m
