@@ -1,0 +1,249 @@
+"""`sdp recompute`: recompute π_prox_t (and optionally π_prox and the exact chain) of saved
+batches from per-version checkpoints. Parsing and reporting only; the work is in
+``sdp_cli.analysis.recompute``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from sdp_cli.cli.main import app
+from sdp_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from sdp_cli.analysis.recompute import RecomputeResult
+
+RECOMPUTE_HELP = """Recompute π_prox_t of saved batches from the run's per-version checkpoints.
+
+Every output token of version v < c (c: the batch's trainer version) is scored under the checkpoint of version v + 1; tokens of version c keep π_prox_t = π_behav. Needs a run trained with train.save_batches=true train.keep_version_checkpoints=true. Files are replaced atomically; see docs/recompute.md.
+
+[bold]Examples[/bold]
+
+  sdp recompute runs/my-run/batches --checkpoints runs/my-run
+
+  sdp recompute runs/my-run/batches/step-000040.safetensors --checkpoints runs/my-run --exact -o fixed.safetensors
+
+  sdp recompute runs/my-run/batches --checkpoints runs/my-run --proximal trainer --dry-run --json
+"""
+
+
+@app.command("recompute", help=RECOMPUTE_HELP)
+def recompute_command(
+    batches: list[Path] = typer.Argument(
+        ..., help="Batch files, or directories of them (e.g. <run>/batches).", show_default=False
+    ),
+    checkpoints: Path = typer.Option(
+        ...,
+        "--checkpoints",
+        "-c",
+        help="A run directory (its versions/ is used) or a directory of v000012/ checkpoints.",
+        show_default=False,
+    ),
+    proximal: str | None = typer.Option(
+        None,
+        "--proximal",
+        metavar="VERSION",
+        help="Also compute π_prox under a checkpoint: 'trainer' (each batch's trainer version c, "
+        "as the trainer did), 'latest', or a version number.",
+    ),
+    exact: bool = typer.Option(
+        False,
+        "--exact",
+        help="Score every lagged token under each version v+1 … c: π_prox from version c and a "
+        "per-lag report of the factor π_c/π_{v+1} that segment-wise drops.",
+    ),
+    output: Path | None = typer.Option(
+        None,
+        "--output",
+        "-o",
+        help="Write here instead of in place: a directory, or a file when one batch is given.",
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Compute and report; write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    engine: str = typer.Option(
+        "local", "--engine", help="Scorer: local (in-process), or vllm / sglang with --server."
+    ),
+    server: list[str] | None = typer.Option(
+        None,
+        "--server",
+        help="URL of a running vLLM/SGLang server (repeatable). Its weights are replaced by each "
+        "checkpoint in turn: use a server dedicated to this.",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="Device of the local engine: auto (cuda if available), cpu, cuda, cuda:1 …"
+    ),
+) -> None:
+    from sdp_cli.analysis.recompute import ProximalChoice, RecomputeOptions
+
+    servers = list(server or [])
+    if engine not in ("local", "vllm", "sglang"):
+        raise UserError(f"--engine {engine!r} is unknown; choose local, vllm or sglang")
+    if engine == "local" and servers:
+        raise UserError("--server needs --engine vllm or --engine sglang")
+    if engine != "local" and not servers:
+        raise UserError(f"--engine {engine} needs the URL of a running server: --server http://host:port")
+    options = RecomputeOptions(
+        proximal=None if proximal is None else ProximalChoice.parse(proximal), exact=exact
+    )
+    result = _run(batches, checkpoints, options, output, engine, servers, device, as_json)
+    if not dry_run:
+        from sdp_cli.analysis.recompute import commit
+
+        commit(result)
+    if as_json:
+        typer.echo(json.dumps({**result.to_dict(), "dry_run": dry_run}, indent=2))
+    else:
+        _print_report(result, dry_run)
+
+
+def _run(
+    batches: list[Path],
+    checkpoints: Path,
+    options: Any,
+    output: Path | None,
+    engine: str,
+    servers: list[str],
+    device: str,
+    quiet: bool,
+) -> RecomputeResult:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from sdp_cli.analysis.recompute import LocalScorer, connect_remote, recompute
+
+    def make_scorer(saved: Any) -> Any:
+        if engine == "local":
+            import torch
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # one progress bar is enough
+
+            target = device
+            if device == "auto":
+                target = "cuda" if torch.cuda.is_available() else "cpu"
+            return LocalScorer(device=target)
+        return connect_remote(engine, servers, [b.temperature for b in saved])
+
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=quiet or not console.is_terminal,
+    )
+    task: list[Any] = []
+
+    def on_plan(plan: Any) -> None:
+        if plan.jobs:
+            task.append(bar.add_task("scoring", total=plan.tokens()))
+
+    def on_progress(version: int, tokens: int) -> None:
+        bar.update(task[0], advance=tokens, description=f"scoring under v{version:06d}")
+
+    with bar:
+        return recompute(
+            batches,
+            checkpoints,
+            make_scorer,
+            options,
+            output=output,
+            on_plan=on_plan,
+            progress=on_progress,
+        )
+
+
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1e}"
+
+
+def _pm(m: Any) -> str:
+    return f"{m.mean:+.1e}±{m.std:.1e}"
+
+
+def _print_report(result: RecomputeResult, dry_run: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # a file or pipe gets whole columns, not truncated ones
+    n_tokens = sum(o.proximal_t.tokens for o in result.outcomes)
+    choice = result.options.proximal_choice
+    what = "π_prox_t" if choice is None else f"π_prox_t and π_prox (from version: {choice.describe()})"
+    console.print(
+        f"recomputed {what} of {len(result.outcomes)} batch(es), {n_tokens} lagged token(s); "
+        f"{sum(w.tokens for w in result.work)} token(s) scored under {len(result.work)} checkpoint(s) "
+        f"by the {result.scorer} in {result.seconds:.1f} s"
+    )
+    if result.work:
+        table = Table("version", "scored", "π_prox_t", "π_prox", "sequences", "load s", "score s", box=None)
+        for w in result.work:
+            table.add_row(
+                f"v{w.version:06d}",
+                str(w.tokens),
+                str(w.proximal_t_tokens),
+                str(w.proximal_tokens),
+                str(w.sequences),
+                f"{w.load_seconds:.2f}",
+                f"{w.score_seconds:.2f}",
+            )
+        console.print(table)
+    columns = ["batch", "c", "π_prox_t tokens", "mean |Δ|", "max |Δ|", "retagged"]
+    if choice is not None:
+        columns += ["π_prox mean |Δ|", "max |Δ|"]
+    table = Table(*columns, box=None)
+    table.columns[0].no_wrap = True
+    for o in result.outcomes:
+        row = [
+            o.source.name,
+            str(o.batch.trainer_version),
+            str(o.proximal_t.tokens),
+            _fmt(o.proximal_t.mean_abs),
+            _fmt(o.proximal_t.max_abs),
+            str(o.retagged),
+        ]
+        if choice is not None:
+            prox = o.proximal
+            row += [_fmt(prox and prox.mean_abs), _fmt(prox and prox.max_abs)]
+        table.add_row(*row)
+    console.print(table)
+    if result.lags:
+        console.print(
+            "exact decomposition (loss-mask tokens, lag = c − v): log π_c/π_behav = Σ_j log π_{v+j+1}/π_{v+j}, "
+            "segment-wise keeps j = 0 and drops log π_c/π_{v+1}"
+        )
+        table = Table(
+            "lag", "tokens", "seg-wise log w", "decoupled log w", "dropped", "max |dropped|", "E[π_c/π_{v+1}]",
+            box=None,
+        )
+        for d in result.lags:
+            table.add_row(
+                str(d.lag),
+                str(d.tokens),
+                _pm(d.segment_wise),
+                _pm(d.decoupled),
+                _pm(d.dropped),
+                f"{d.dropped.max_abs:.1e}",
+                f"{d.dropped_ratio_mean:.4f}",
+            )
+        console.print(table)
+        longest = max(d.lag for d in result.lags)
+        title = "mean log π_{v+j+1}/π_{v+j}"
+        table = Table("lag", *(f"j={j}" for j in range(longest)), title=title, box=None)
+        for d in result.lags:
+            table.add_row(str(d.lag), *(f"{x:+.1e}" for x in d.step_means), *([""] * (longest - d.lag)))
+        console.print(table)
+    if dry_run:
+        console.print("dry run: nothing written")
+    else:
+        in_place = all(o.target == o.source for o in result.outcomes)
+        places = sorted({str(o.target.parent) for o in result.outcomes if o.target is not None})
+        where = "in place" if in_place else "to " + ", ".join(places)
+        console.print(f"wrote {len(result.written)} batch file(s) {where}")

@@ -1,0 +1,433 @@
+"""`sdp recompute` logic on hand-made batches with a fake scorer: which token is scored under
+which checkpoint, what is written back, the exact decomposition, missing checkpoints, targets
+and the all-or-nothing commit. No model is loaded here (see test_recompute_models.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import sdp_cli.analysis.recompute as rc
+from sdp_cli.errors import UserError
+from sdp_cli.rollout.batch_file import SavedBatch, read_batch, write_batch
+
+
+# ----------------------------------------------------------------------------- helpers
+def fake_logprob(version: int, position: int) -> float:
+    """What the fake scorer returns for the token at ``position`` of a sequence under
+    ``version``: −(version + position / 1000), so a value names its version and position."""
+    return -(version + position / 1000)
+
+
+class FakeScorer(rc.Scorer):
+    """Records loads and calls; scores with :func:`fake_logprob`."""
+
+    description = "fake scorer"
+
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+        self.version: int | None = None
+        self.calls: list[tuple[int, float, list[tuple[int, int]]]] = []
+        self.closed = False
+
+    def load(self, version: int, path: Path) -> None:
+        assert path.name == f"v{version:06d}"
+        self.loaded.append(version)
+        self.version = version
+
+    def score(self, temperature, sequences, starts):
+        assert self.version is not None
+        self.calls.append((self.version, temperature, [(len(s), k) for s, k in zip(sequences, starts)]))
+        return [[fake_logprob(self.version, t) for t in range(k, len(s))] for s, k in zip(sequences, starts)]
+
+    def unload(self) -> None:
+        self.version = None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_batch(c: int, sequences, *, temperature: float = 1.0, mode: str = "segment_wise") -> SavedBatch:
+    """``sequences``: (prompt_len, output versions, output loss mask or None). Token ids are
+    the absolute token index mod 7 (any valid id works for the fake scorer); the old logprob
+    of absolute token t is −0.1·t − 0.05; π_prox_t is π_behav with tag v (not recomputed)."""
+    ids, cu, plens, vers, mask = [], [0], [], [], []
+    for prompt_len, versions, loss in sequences:
+        plens.append(prompt_len)
+        vers += [-1] * prompt_len + list(versions)
+        mask += [0] * prompt_len + list(loss if loss is not None else [1] * len(versions))
+        cu.append(cu[-1] + prompt_len + len(versions))
+    n = cu[-1]
+    ids = [t % 7 for t in range(n)]
+    versions = torch.tensor(vers, dtype=torch.int64)
+    is_out = versions >= 0
+    old = torch.where(is_out, -0.1 * torch.arange(n, dtype=torch.float32) - 0.05, torch.zeros(n))
+    batch = SavedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        cu_seqlens=torch.tensor(cu, dtype=torch.int64),
+        prompt_lens=torch.tensor(plens, dtype=torch.int64),
+        old_logprobs=old,
+        versions=versions,
+        proximal_logprobs_t=old.clone(),
+        proximal_t_versions=versions.clone(),
+        trainer_version=c,
+        temperature=temperature,
+        model="synthetic",
+        mode=mode,
+        loss_mask=torch.tensor(mask, dtype=torch.uint8),
+    )
+    return batch
+
+
+def version_dirs(root: Path, versions) -> Path:
+    for v in versions:
+        (root / f"v{v:06d}").mkdir(parents=True)
+    return root
+
+
+# The hand-made batch of most tests, trainer version c = 3. Absolute token indices:
+#   A: prompt 0–1, outputs 2,3,4,5,6 with versions 0,0,1,2,3
+#   B: prompt 7,   outputs 8,9       with versions 3,3
+#   C: prompt 10–12, outputs 13,14   with versions 1,2
+SEQS = [(2, [0, 0, 1, 2, 3], None), (1, [3, 3], None), (3, [1, 2], None)]
+
+
+@pytest.fixture
+def hand(tmp_path):
+    path = tmp_path / "batches" / "b.safetensors"
+    path.parent.mkdir()
+    write_batch(path, make_batch(3, SEQS))
+    return path, version_dirs(tmp_path / "run" / "versions", range(0, 4)).parent
+
+
+# ------------------------------------------------------------------------ version logic
+def test_token_requests_default_rescoring_under_the_next_version():
+    requests = rc.token_requests(make_batch(3, SEQS), None, exact=False)
+    got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
+    # version-v tokens (v < 3) go to v + 1; version-3 tokens (6, 8, 9) and prompts to none
+    assert got == {1: [2, 3], 2: [4, 13], 3: [5, 14]}
+
+
+def test_token_requests_exact_chain_and_proximal():
+    requests = rc.token_requests(make_batch(3, SEQS), 3, exact=True)
+    got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
+    # chain: every lagged token under each of v+1 … 3; π_prox: every output token under 3
+    assert got == {1: [2, 3], 2: [2, 3, 4, 13], 3: [2, 3, 4, 5, 6, 8, 9, 13, 14]}
+
+
+def test_plan_jobs_cover_each_sequence_once_per_version():
+    batch = make_batch(3, SEQS)
+    plan = rc.make_plan([(Path("b"), batch)], rc.RecomputeOptions(), range(0, 4))
+    jobs = {
+        k: [(j.sequence, j.start, j.targets.tolist()) for j in js] for (k, t), js in plan.jobs.items()
+    }
+    ids = batch.input_ids.tolist()
+    # a prefill runs up to the last target and starts at the first target of its sequence
+    assert jobs == {
+        1: [(ids[0:4], 2, [2, 3])],
+        2: [(ids[0:5], 4, [4]), (ids[10:14], 3, [13])],
+        3: [(ids[0:6], 5, [5]), (ids[10:15], 4, [14])],
+    }
+    assert plan.versions == [1, 2, 3] and plan.tokens() == 6 and plan.tokens(2) == 2
+
+
+def test_recompute_writes_the_next_version_logprob_and_tag(hand):
+    path, run = hand
+    scorer = FakeScorer()
+    result = rc.recompute([path], run, lambda batches: scorer)
+    new = result.outcomes[0].batch
+    old = read_batch(path)
+    pt = new.proximal_logprobs_t.tolist()
+    # token t at position p of its sequence, version v < 3: fake_logprob(v + 1, p)
+    expected = {2: (1, 2), 3: (1, 3), 4: (2, 4), 5: (3, 5), 13: (2, 3), 14: (3, 4)}
+    for t, (k, p) in expected.items():
+        assert pt[t] == pytest.approx(fake_logprob(k, p), abs=1e-6), t
+        assert int(new.proximal_t_versions[t]) == int(new.versions[t]) + 1 == k
+    for t in (6, 8, 9):  # version c: π_prox_t = π_behav, tag = v
+        assert pt[t] == old.old_logprobs[t].item() and int(new.proximal_t_versions[t]) == 3
+    assert new.proximal_logprobs is None  # π_prox only on request
+    assert scorer.loaded == [1, 2, 3] and scorer.closed
+    # every lagged token was retagged (they had tag v); 6 lagged tokens rescored
+    assert result.outcomes[0].retagged == 6 and result.outcomes[0].proximal_t.tokens == 6
+    # |Δ| vs the old π_prox_t (= old logprob −0.1t − 0.05): token 5 (position 5, k = 3) moves
+    # most, |−3.005 − (−0.55)| = 2.455; the six |Δ| are .752 .653 1.554 2.455 .653 1.554
+    assert result.outcomes[0].proximal_t.max_abs == pytest.approx(2.455, abs=1e-5)
+    assert result.outcomes[0].proximal_t.mean_abs == pytest.approx(7.621 / 6, abs=1e-5)
+    assert result.work[1].version == 2 and result.work[1].proximal_t_tokens == 2
+
+
+def test_on_policy_tokens_are_reset_to_the_behaviour_logprob(tmp_path):
+    batch = make_batch(3, SEQS)
+    batch.proximal_logprobs_t[6] = 0.5 + batch.old_logprobs[6]  # a corrupt version-c value
+    path = tmp_path / "b.safetensors"
+    write_batch(path, batch)
+    version_dirs(tmp_path / "versions", range(0, 4))
+    result = rc.recompute([path], tmp_path, lambda b: FakeScorer())
+    out = result.outcomes[0]
+    assert out.batch.proximal_logprobs_t[6] == batch.old_logprobs[6]
+    assert out.proximal_t_on_policy.max_abs == pytest.approx(0.5, abs=1e-6)
+
+
+def test_each_version_loaded_once_across_batches_and_temperatures_grouped(tmp_path):
+    # two batches at T=0.7 and one at T=1.3 sharing versions 1 and 2
+    specs = [(2, [(1, [0, 1], None)], 0.7), (2, [(2, [1, 1, 2], None)], 1.3), (3, [(1, [1, 2, 3], None)], 0.7)]
+    paths = []
+    for i, (c, seqs, temp) in enumerate(specs):
+        paths.append(tmp_path / f"b{i}.safetensors")
+        write_batch(paths[-1], make_batch(c, seqs, temperature=temp))
+    version_dirs(tmp_path / "versions", range(0, 4))
+    scorer = FakeScorer()
+    rc.recompute(paths, tmp_path, lambda b: scorer)
+    assert scorer.loaded == [1, 2, 3]
+    # version 2 scores the v1 tokens of b0 and b2 at 0.7 and those of b1 at 1.3: one call per
+    # temperature (everything fits in one pack), temperatures in increasing order
+    assert [(v, t) for v, t, _ in scorer.calls] == [(1, 0.7), (2, 0.7), (2, 1.3), (3, 0.7)]
+
+
+def test_packs_respect_the_token_budget(hand):
+    path, run = hand
+    scorer = FakeScorer()
+    rc.recompute([path], run, lambda b: scorer, rc.RecomputeOptions(max_tokens_per_call=5))
+    # version 2 prefills A[0:5] (5 tokens) and C[10:14] (4 tokens): 9 > 5, so two calls, the
+    # shorter first; version 1 has one 4-token prefill
+    assert [(v, [n for n, _ in seqs]) for v, _, seqs in scorer.calls] == [
+        (1, [4]),
+        (2, [4]),
+        (2, [5]),
+        (3, [5]),
+        (3, [6]),
+    ]
+
+
+def test_nothing_to_score_needs_no_scorer(tmp_path):
+    path = tmp_path / "b.safetensors"
+    write_batch(path, make_batch(0, [(1, [0, 0], None)]))
+    (tmp_path / "empty").mkdir()
+
+    def no_scorer(batches):
+        raise AssertionError("no checkpoint is needed for a batch of version-c tokens only")
+
+    result = rc.recompute([path], tmp_path / "empty", no_scorer)
+    assert result.work == [] and result.outcomes[0].proximal_t.tokens == 0
+
+
+# --------------------------------------------------------------------------- π_prox
+def test_proximal_trainer_latest_and_fixed(hand):
+    path, run = hand
+    for text, version in (("trainer", 3), ("latest", 3), ("1", 1)):
+        result = rc.recompute(
+            [path], run, lambda b: FakeScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice.parse(text))
+        )
+        prox = result.outcomes[0].batch.proximal_logprobs
+        assert result.outcomes[0].proximal_version == version
+        # output token 8 is position 1 of sequence B; 13 is position 3 of C; prompts stay 0
+        assert prox[8].item() == pytest.approx(fake_logprob(version, 1), abs=1e-6)
+        assert prox[13].item() == pytest.approx(fake_logprob(version, 3), abs=1e-6)
+        assert prox[0].item() == 0.0 and prox[7].item() == 0.0
+        # no previous π_prox: no Δ statistics, but the token count
+        assert result.outcomes[0].proximal.tokens == 9 and result.outcomes[0].proximal.max_abs is None
+
+
+def test_latest_is_the_newest_checkpoint(hand):
+    path, run = hand
+    (run / "versions" / "v000007").mkdir()
+    result = rc.recompute(
+        [path], run, lambda b: FakeScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice(latest=True))
+    )
+    assert result.outcomes[0].proximal_version == 7
+
+
+@pytest.mark.parametrize("text", ["", "v3", "-1", "newest", "1.5"])
+def test_proximal_choice_rejects_garbage(text):
+    with pytest.raises(UserError, match="--proximal"):
+        rc.ProximalChoice.parse(text)
+
+
+def test_exact_with_another_proximal_version_is_refused():
+    with pytest.raises(UserError, match="--exact"):
+        rc.RecomputeOptions(proximal=rc.ProximalChoice(version=2), exact=True)
+    assert rc.RecomputeOptions(proximal=rc.ProximalChoice(), exact=True).proximal_choice == rc.ProximalChoice()
+
+
+# ------------------------------------------------------------------- exact decomposition
+def test_exact_decomposition_by_hand(tmp_path):
+    # token 3 leaves the loss (mask 0): the decomposition covers loss-mask tokens only
+    batch = make_batch(3, [(2, [0, 0, 1, 2, 3], [1, 0, 1, 1, 1]), (1, [3, 3], None), (3, [1, 2], None)])
+    path = tmp_path / "b.safetensors"
+    write_batch(path, batch)
+    version_dirs(tmp_path / "versions", range(0, 4))
+    result = rc.recompute([path], tmp_path, lambda b: FakeScorer(), rc.RecomputeOptions(exact=True))
+    lags = {d.lag: d for d in result.lags}
+    assert sorted(lags) == [1, 2, 3]
+    # lag 3: token 2 only (v0, position 2): chain old = −0.25, π1 = −1.002, π2 = −2.002, π3 = −3.002
+    d = lags[3]
+    assert d.tokens == 1
+    assert d.step_means == pytest.approx([-1.002 + 0.25, -1.0, -1.0], abs=1e-6)
+    assert d.segment_wise.mean == pytest.approx(-0.752, abs=1e-6)
+    assert d.decoupled.mean == pytest.approx(-3.002 + 0.25, abs=1e-6)
+    assert d.dropped.mean == pytest.approx(-2.0, abs=1e-6) and d.dropped.std == 0.0
+    assert d.dropped_ratio_mean == pytest.approx(math.exp(-2.0), rel=1e-6)
+    # lag 2: tokens 4 (v1, position 4) and 13 (v1, position 3): π2 − π1 = −1 for both, so
+    # dropped = π3 − π2 = −1; seg-wise: π2 − old = (−2.004 + 0.45, −2.003 + 1.35)
+    d = lags[2]
+    assert d.tokens == 2 and d.dropped.mean == pytest.approx(-1.0, abs=1e-6)
+    assert d.segment_wise.mean == pytest.approx(((-2.004 + 0.45) + (-2.003 + 1.35)) / 2, abs=1e-6)
+    assert d.segment_wise.max_abs == pytest.approx(2.004 - 0.45, abs=1e-6)
+    # lag 1: π_c = π_{v+1}, nothing dropped
+    assert lags[1].tokens == 2 and lags[1].dropped.max_abs == 0.0
+    for d in lags.values():  # the one-step factors telescope to the full log weight
+        assert sum(d.step_means) == pytest.approx(d.decoupled.mean, abs=1e-9)
+        assert sum(d.step_means[1:]) == pytest.approx(d.dropped.mean, abs=1e-9)
+    # π_prox = π_3 on every output token; the file then gives the dropped factor directly
+    new = result.outcomes[0].batch
+    assert (new.proximal_logprobs[2] - new.proximal_logprobs_t[2]).item() == pytest.approx(-2.0, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_find_checkpoints_in_a_run_or_a_versions_directory(tmp_path):
+    version_dirs(tmp_path / "run" / "versions", [0, 2, 12])
+    (tmp_path / "run" / "versions" / "notes").mkdir()
+    (tmp_path / "run" / "versions" / "v000003").write_text("a file, not a checkpoint")
+    for root in (tmp_path / "run", tmp_path / "run" / "versions"):
+        found = rc.find_checkpoints(root)
+        assert sorted(found) == [0, 2, 12] and found[12].name == "v000012"
+
+
+def test_two_directories_for_one_version_are_refused(tmp_path):
+    version_dirs(tmp_path, [12])
+    (tmp_path / "v12").mkdir()
+    with pytest.raises(UserError, match="two directories for version 12"):
+        rc.find_checkpoints(tmp_path)
+
+
+def test_missing_checkpoints_name_the_versions_and_the_fix(hand):
+    path, run = hand
+    for v in (1, 2):
+        (run / "versions" / f"v{v:06d}").rmdir()
+    with pytest.raises(rc.MissingCheckpoints) as err:
+        rc.recompute([path], run, lambda b: pytest.fail("no scorer before the check"))
+    message = str(err.value)
+    assert "version(s) 1–2 are missing" in message and "it has 0, 3" in message
+    assert "train.keep_version_checkpoints=true" in message and "\n" not in message
+
+
+def test_missing_checkpoint_directory(tmp_path, hand):
+    path, _ = hand
+    with pytest.raises(UserError, match="does not exist"):
+        rc.recompute([path], tmp_path / "nope", lambda b: FakeScorer())
+
+
+def test_format_versions():
+    assert rc.format_versions([5, 1, 2, 3, 9, 10]) == "1–3, 5, 9–10"
+    assert rc.format_versions([]) == ""
+
+
+# ------------------------------------------------------------------------------ targets
+def test_targets_in_place_directory_and_single_file(tmp_path):
+    a, b = tmp_path / "x" / "a.safetensors", tmp_path / "y" / "b.safetensors"
+    assert rc.resolve_targets([a, b], None) == [a, b]
+    assert rc.resolve_targets([a, b], tmp_path / "out") == [tmp_path / "out" / a.name, tmp_path / "out" / b.name]
+    assert rc.resolve_targets([a], tmp_path / "one.safetensors") == [tmp_path / "one.safetensors"]
+    assert rc.resolve_targets([a], f"{tmp_path}/dir/") == [tmp_path / "dir" / a.name]
+    with pytest.raises(UserError, match="both be written"):
+        rc.resolve_targets([a, tmp_path / "z" / "a.safetensors"], tmp_path / "out")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        rc.resolve_targets([a, b], tmp_path / "file")
+
+
+def test_a_directory_argument_expands_and_duplicates_are_refused(tmp_path):
+    for name in ("step-2.safetensors", "step-1.safetensors"):
+        write_batch(tmp_path / name, make_batch(0, [(1, [0], None)]))
+    (tmp_path / "notes.txt").write_text("")
+    files = rc.expand_batch_paths([tmp_path])
+    assert [f.name for f in files] == ["step-1.safetensors", "step-2.safetensors"]
+    with pytest.raises(UserError, match="given twice"):
+        rc.expand_batch_paths([tmp_path, tmp_path / "step-1.safetensors"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no \\*.safetensors"):
+        rc.expand_batch_paths([tmp_path / "empty"])
+
+
+# ------------------------------------------------------------------------------- commit
+def _two_batches(tmp_path):
+    paths = []
+    for i in range(2):
+        paths.append(tmp_path / f"b{i}.safetensors")
+        write_batch(paths[-1], make_batch(3, SEQS))
+    version_dirs(tmp_path / "versions", range(0, 4))
+    before = {p: p.read_bytes() for p in paths}
+    return paths, before
+
+
+def test_commit_replaces_files_and_keeps_their_permissions(tmp_path):
+    paths, before = _two_batches(tmp_path)
+    os.chmod(paths[0], 0o644)
+    result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
+    assert all(p.read_bytes() == before[p] for p in paths)  # nothing written before commit
+    assert rc.commit(result) == paths
+    assert all(p.read_bytes() != before[p] for p in paths)
+    assert read_batch(paths[1]).proximal_t_versions[2] == 1
+    assert (paths[0].stat().st_mode & 0o777) == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
+
+
+def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
+    paths, before = _two_batches(tmp_path)
+    result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
+    calls = []
+    real_write = rc.write_batch
+
+    def failing_write(path, batch):
+        calls.append(path)
+        if len(calls) == 2:
+            raise UserError(f"{path}: cannot write the batch (No space left on device); free some space")
+        return real_write(path, batch)
+
+    monkeypatch.setattr(rc, "write_batch", failing_write)
+    with pytest.raises(UserError, match="No space left"):
+        rc.commit(result)
+    assert all(p.read_bytes() == before[p] for p in paths)
+    assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
+
+
+def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch):
+    paths, before = _two_batches(tmp_path)
+    result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
+    real_replace = os.replace
+
+    def failing_replace(src, dst):
+        if str(src).endswith(".recompute") and Path(dst) == paths[1]:
+            raise OSError(30, "Read-only file system")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(rc.os, "replace", failing_replace)
+    with pytest.raises(UserError) as err:
+        rc.commit(result)
+    assert "1 of 2 batches were written" in str(err.value) and "\n" not in str(err.value)
+    assert paths[0].read_bytes() != before[paths[0]] and paths[1].read_bytes() == before[paths[1]]
+    assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
+
+
+def test_output_directory_is_created_and_sources_are_untouched(tmp_path):
+    paths, before = _two_batches(tmp_path)
+    result = rc.recompute(paths, tmp_path, lambda b: FakeScorer(), output=tmp_path / "out")
+    rc.commit(result)
+    assert all(p.read_bytes() == before[p] for p in paths)
+    assert sorted(os.listdir(tmp_path / "out")) == ["b0.safetensors", "b1.safetensors"]
+    assert read_batch(tmp_path / "out" / "b0.safetensors").proximal_t_versions[2] == 1
+
+
+def test_report_dict_is_json_ready(hand):
+    import json
+
+    path, run = hand
+    result = rc.recompute([path], run, lambda b: FakeScorer(), rc.RecomputeOptions(exact=True))
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["batches"][0]["proximal_t"]["tokens"] == 6
+    assert [v["version"] for v in data["versions"]] == [1, 2, 3]
+    assert [lag["lag"] for lag in data["lags"]] == [1, 2, 3] and data["proximal"] == "trainer"
