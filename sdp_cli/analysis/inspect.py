@@ -1,0 +1,375 @@
+"""Importance weights of saved batches, mode by mode (``sdp inspect-weights``; DESIGN.md §1, §4).
+
+For every correction mode — ``bypass`` (the reference, w ≡ 1), ``decoupled`` (log w = π_prox −
+π_behav) and ``segment_wise`` (log w = π_prox_t − π_behav) — and every aggregation (token,
+sequence, geometric) this module builds the weights with ``core.weights.importance_weights``
+and the divergences with ``core.metrics.offpolicy_metrics`` (rollout = π_behav, training = the
+mode's target policy), then breaks the raw token weights down by staleness, lag = c − v. The
+per-lag table includes the factor segment-wise drops, π_c/π_{v+1} = exp(π_prox − π_prox_t)
+(docs/math.md §1). No weight or metric is computed here: this module only selects tokens and
+arranges the kernels' results. Pure analysis: batches in, a report out; nothing is printed or
+written.
+
+Several batches are analysed as one: their response tensors are stacked (each keeps its own
+trainer version for the lag), so ``batch_normalize`` normalises over all of them at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.weights import LEVELS, MODES, importance_weights
+from sdp_cli.rollout.batch_file import SavedBatch
+
+#: the divergences reported per mode (names as in docs/math.md §4)
+DIVERGENCES = ("kl", "k3_kl", "chi2_token", "chi2_seq")
+#: our short statistic names → the kernel's metric names (docs/math.md §2.2)
+_WEIGHT_STATS = {
+    "mean": "rollout_is_mean",
+    "std": "rollout_is_std",
+    "min": "rollout_is_min",
+    "max": "rollout_is_max",
+    "ess": "rollout_is_eff_sample_size",
+    "frac_high": "rollout_is_ratio_fraction_high",
+    "frac_low": "rollout_is_ratio_fraction_low",
+    "masked": "rollout_is_masked_fraction",
+    "batch_norm_factor": "rollout_is_batch_norm_factor",
+}
+#: the policy each mode's weight corrects towards (π_behav in bypass: no correction)
+TARGETS = {"bypass": "π_behav", "decoupled": "π_prox", "segment_wise": "π_prox_t"}
+MISSING_PROXIMAL_FIX = (
+    "add π_prox with `sdp recompute`, or save batches from a decoupled or segment-wise run "
+    "(sdp train train.save_batches=true)"
+)
+
+
+@dataclass(frozen=True)
+class WeightOptions:
+    """Bounds and normalisation of the behavioural weights, as ``loss.*`` in the training config.
+
+    None/None means raw weights. Validation is the caller's job (the CLI reports bad values).
+    """
+
+    cap: float | None = None
+    floor: float | None = None
+    action: str = "truncate"
+    batch_normalize: bool = False
+
+
+@dataclass
+class ModeReport:
+    """One mode's weights and divergences over the tokens it covers.
+
+    ``weights[level]``: mean/std/min/max/ess of the returned (bounded, normalised) weights over
+    tokens, and frac_high/frac_low of raw weights above cap/below floor (of tokens at token level,
+    of sequences at the sequence levels); ``masked`` (action mask) is a share of tokens.
+    ``per_token[level]`` is the [S, T] weight tensor itself (0 outside the covered tokens).
+    """
+
+    mode: str
+    available: bool
+    reason: str | None = None
+    tokens: int = 0
+    weights: dict[str, dict[str, float]] = field(default_factory=dict)
+    divergence: dict[str, float] = field(default_factory=dict)
+    per_token: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    covered: Tensor | None = field(default=None, repr=False)
+
+
+@dataclass
+class LagRow:
+    """Raw token weights of the tokens with one lag (c − v). ``w_dec`` and ``dropped`` are None
+    without π_prox; ``w_sdp`` and ``dropped`` cover the tokens that have π_{v+1} (all but
+    ``uncorrectable``) and are None when none has. ``dropped`` = π_c/π_{v+1} = w_dec / w_sdp."""
+
+    lag: int
+    tokens: int
+    uncorrectable: int
+    w_dec: dict[str, float] | None
+    w_sdp: dict[str, float] | None
+    dropped: dict[str, float] | None
+
+
+@dataclass
+class _Layout:
+    """Where each response token of the stacked [S, T] tensors sits in the packed inputs."""
+
+    rows: Tensor
+    cols: Tensor
+    packed_index: Tensor
+    num_tokens: int
+    cu_seqlens: Tensor
+    prompt_lens: Tensor
+    file_index: Tensor
+
+
+@dataclass
+class WeightReport:
+    """Everything ``sdp inspect-weights`` shows for one set of batches."""
+
+    sources: list[str]
+    trainer_versions: list[int]
+    sequences: int
+    tokens: int
+    uncorrectable: int
+    options: WeightOptions
+    modes: dict[str, ModeReport]
+    lags: list[LagRow]
+    mask: Tensor = field(repr=False)
+    lag: Tensor = field(repr=False)
+    layout: _Layout = field(repr=False)
+    dropped: Tensor | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (no tensors)."""
+        return {
+            "files": list(self.sources),
+            "trainer_versions": list(self.trainer_versions),
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "uncorrectable_tokens": self.uncorrectable,
+            "options": asdict(self.options),
+            "modes": {
+                name: {
+                    "available": m.available,
+                    "reason": m.reason,
+                    "target": TARGETS[name],
+                    "tokens": m.tokens,
+                    "weights": m.weights if m.available else None,
+                    "divergence": m.divergence if m.available else None,
+                }
+                for name, m in self.modes.items()
+            },
+            "lags": [asdict(row) for row in self.lags],
+        }
+
+
+@dataclass
+class _Stacked:
+    """Response tokens of every batch, right-padded to one [S, T] (DESIGN.md §5 layout)."""
+
+    old: Tensor
+    prox: Tensor | None
+    prox_t: Tensor
+    mask: Tensor
+    lag: Tensor
+    uncorrectable: Tensor
+    layout: _Layout
+
+
+def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
+    padded = [b.to_padded() for b in batches]
+    rows_total = sum(p.mask.shape[0] for p in padded)
+    width = max(p.mask.shape[1] for p in padded)
+
+    def cat(values: list[Tensor], fill: float | int | bool) -> Tensor:
+        out = torch.full((rows_total, width), fill, dtype=values[0].dtype)
+        start = 0
+        for v in values:
+            out[start : start + v.shape[0], : v.shape[1]] = v
+            start += v.shape[0]
+        return out
+
+    has_prox = all(p.proximal_logprobs is not None for p in padded)
+    mask = cat([p.mask for p in padded], False)
+    versions = cat([p.versions for p in padded], -1)
+    t_versions = cat([p.proximal_t_versions for p in padded], -1)
+    trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
+    # An output token older than the trainer whose π_{v+1} was never computed has no
+    # segment-wise weight (DESIGN.md §2): the trainer drops it from a segment-wise loss.
+    uncorrectable = mask & (versions < trainer) & (t_versions != versions + 1)
+    return _Stacked(
+        old=cat([p.old_logprobs for p in padded], 0.0),
+        prox=cat([p.proximal_logprobs for p in padded], 0.0) if has_prox else None,  # type: ignore[misc]
+        prox_t=cat([p.proximal_logprobs_t for p in padded], 0.0),
+        mask=mask,
+        lag=torch.where(mask, trainer - versions, -1),
+        uncorrectable=uncorrectable,
+        layout=_layout(batches),
+    )
+
+
+def _layout(batches: Sequence[SavedBatch]) -> _Layout:
+    rows, cols, index, cu, prompt_lens, file_index = [], [], [], [torch.zeros(1, dtype=torch.int64)], [], []
+    row_offset = token_offset = 0
+    for i, b in enumerate(batches):
+        seq_idx, pos = b.token_layout()
+        is_out = pos >= b.prompt_lens[seq_idx]
+        rows.append(seq_idx[is_out] + row_offset)
+        cols.append(pos[is_out] - b.prompt_lens[seq_idx[is_out]])
+        index.append(torch.arange(b.num_tokens)[is_out] + token_offset)
+        cu.append(b.cu_seqlens[1:] + token_offset)
+        prompt_lens.append(b.prompt_lens)
+        file_index.append(torch.full((b.num_sequences,), i, dtype=torch.int64))
+        row_offset += b.num_sequences
+        token_offset += b.num_tokens
+    return _Layout(
+        rows=torch.cat(rows),
+        cols=torch.cat(cols),
+        packed_index=torch.cat(index),
+        num_tokens=token_offset,
+        cu_seqlens=torch.cat(cu),
+        prompt_lens=torch.cat(prompt_lens),
+        file_index=torch.cat(file_index),
+    )
+
+
+def _weight_stats(metrics: dict[str, float]) -> dict[str, float]:
+    return {short: metrics[name] for short, name in _WEIGHT_STATS.items() if name in metrics}
+
+
+def _mode_report(
+    mode: str, log_ratio: Tensor, covered: Tensor, old: Tensor, target: Tensor, options: WeightOptions
+) -> ModeReport:
+    report = ModeReport(mode=mode, available=True, tokens=int(covered.sum()), covered=covered)
+    # bypass has no behavioural weight: w ≡ 1, never bounded (the reference row).
+    opts = WeightOptions() if mode == "bypass" else options
+    for level in LEVELS:
+        weights, metrics = importance_weights(
+            log_ratio,
+            covered,
+            level=level,
+            cap=opts.cap,
+            floor=opts.floor,
+            action=opts.action,
+            batch_normalize=opts.batch_normalize,
+        )
+        report.weights[level] = _weight_stats(metrics)
+        report.per_token[level] = weights
+    divergence = offpolicy_metrics(old, target, covered)
+    # + 0.0 turns the −0.0 of an all-zero log ratio (bypass) into 0.0 for display.
+    report.divergence = {name: divergence[name] + 0.0 for name in DIVERGENCES}
+    return report
+
+
+def _raw_token_stats(log_ratio: Tensor, selected: Tensor) -> dict[str, float]:
+    metrics = importance_weights(log_ratio, selected, level="token")[1]
+    return {"mean": metrics["rollout_is_mean"], "std": metrics["rollout_is_std"], "ess": metrics["rollout_is_eff_sample_size"]}
+
+
+def _lag_rows(s: _Stacked) -> list[LagRow]:
+    lr_sdp = s.prox_t - s.old
+    lr_dec = None if s.prox is None else s.prox - s.old
+    dropped_lr = None if s.prox is None else s.prox - s.prox_t
+    rows = []
+    for lag in torch.unique(s.lag[s.mask]).tolist():
+        selected = s.mask & (s.lag == lag)
+        with_next = selected & ~s.uncorrectable
+        has_next = bool(with_next.any())
+        dropped = None
+        if dropped_lr is not None and has_next:
+            stats = _raw_token_stats(dropped_lr, with_next)
+            dropped = {"mean": stats["mean"], "std": stats["std"]}
+        rows.append(
+            LagRow(
+                lag=int(lag),
+                tokens=int(selected.sum()),
+                uncorrectable=int((selected & s.uncorrectable).sum()),
+                w_dec=None if lr_dec is None else _raw_token_stats(lr_dec, selected),
+                w_sdp=_raw_token_stats(lr_sdp, with_next) if has_next else None,
+                dropped=dropped,
+            )
+        )
+    return rows
+
+
+def analyse_batches(
+    batches: Sequence[SavedBatch], sources: Sequence[str], options: WeightOptions = WeightOptions()
+) -> WeightReport:
+    """Weights, divergences and the staleness breakdown of ``batches`` analysed together.
+
+    ``sources`` names each batch (its path) in the report. decoupled needs π_prox in every batch;
+    without it the mode is reported unavailable with the way to get it, not as an error.
+    """
+    assert batches, "analyse_batches needs at least one batch"
+    assert len(sources) == len(batches), f"{len(sources)} sources for {len(batches)} batches"
+    s = _stack(batches)
+    modes = {"bypass": _mode_report("bypass", torch.zeros_like(s.old), s.mask, s.old, s.old, options)}
+    if s.prox is None:
+        lacking = [src for src, b in zip(sources, batches) if b.proximal_logprobs is None]
+        modes["decoupled"] = ModeReport(
+            mode="decoupled",
+            available=False,
+            reason=f"{lacking[0]}{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''} "
+            f"has no proximal_logprobs (π_prox); {MISSING_PROXIMAL_FIX}",
+        )
+    else:
+        modes["decoupled"] = _mode_report("decoupled", s.prox - s.old, s.mask, s.old, s.prox, options)
+    modes["segment_wise"] = _mode_report(
+        "segment_wise", s.prox_t - s.old, s.mask & ~s.uncorrectable, s.old, s.prox_t, options
+    )
+    assert tuple(modes) == MODES, f"modes out of order: {tuple(modes)}"
+    return WeightReport(
+        sources=list(sources),
+        trainer_versions=[b.trainer_version for b in batches],
+        sequences=int(s.mask.shape[0]),
+        tokens=int(s.mask.sum()),
+        uncorrectable=int(s.uncorrectable.sum()),
+        options=options,
+        modes=modes,
+        lags=_lag_rows(s),
+        mask=s.mask,
+        dropped=None
+        if s.prox is None
+        else importance_weights(s.prox - s.prox_t, modes["segment_wise"].covered, level="token")[0],
+        lag=s.lag,
+        layout=s.layout,
+    )
+
+
+def weight_samples(report: WeightReport, mode: str, level: str) -> Tensor:
+    """The weights of ``mode`` at ``level`` on its covered tokens, one value per token (a sequence
+    weight counts once per token, as in a token-mean loss), for histograms."""
+    m = report.modes[mode]
+    assert m.available and m.covered is not None, f"mode {mode} is unavailable"
+    return m.per_token[level][m.covered]
+
+
+def dropped_samples(report: WeightReport) -> tuple[Tensor, Tensor] | None:
+    """(π_c/π_{v+1} per token, its lag) over the tokens that have π_{v+1}; None without π_prox."""
+    if report.dropped is None:
+        return None
+    covered = report.modes["segment_wise"].covered
+    assert covered is not None
+    return report.dropped[covered], report.lag[covered]
+
+
+def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Per-token weights packed like the input batches (concatenated in order), for a
+    safetensors file: ``<mode>.<level>`` float32 [N] for decoupled and segment_wise (0 on prompt
+    tokens and on tokens the mode does not cover; bypass is 1 on ``mask`` and is left out), plus
+    ``cu_seqlens``, ``prompt_lens``, ``file_index`` (batch of each sequence), ``mask`` and ``lag``
+    (−1 on prompt tokens). Returns (tensors, string metadata)."""
+    lay = report.layout
+
+    def packed(values: Tensor, fill: float | int) -> Tensor:
+        out = torch.full((lay.num_tokens,), fill, dtype=values.dtype)
+        out[lay.packed_index] = values[lay.rows, lay.cols]
+        return out
+
+    tensors: dict[str, Tensor] = {
+        "cu_seqlens": lay.cu_seqlens,
+        "prompt_lens": lay.prompt_lens,
+        "file_index": lay.file_index,
+        "mask": packed(report.mask.to(torch.uint8), 0),
+        "lag": packed(report.lag, -1),
+    }
+    for name, m in report.modes.items():
+        if name == "bypass" or not m.available:
+            continue
+        for level in LEVELS:
+            tensors[f"{name}.{level}"] = packed(m.per_token[level].to(torch.float32), 0.0)
+    metadata = {
+        "format": "sdp-weights",
+        "files": json.dumps(report.sources),
+        "trainer_versions": json.dumps(report.trainer_versions),
+        "options": json.dumps(asdict(report.options)),
+    }
+    return tensors, metadata
