@@ -1,0 +1,320 @@
+"""`sdp inspect-weights`: the behavioural importance weights of saved batches, mode by mode.
+
+Parse → read the batches → ``sdp_cli.analysis.inspect.analyse_batches`` → render (rich tables or
+JSON) and write the optional figure and weight dump. The math lives in ``sdp_cli.core``; the
+analysis in ``sdp_cli.analysis``; docs/inspect-weights.md explains every column.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from sdp_cli.cli.main import app
+from sdp_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from sdp_cli.analysis.inspect import WeightReport
+
+EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.safetensors"
+ACTIONS = ("truncate", "mask")
+
+HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
+
+For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav) and segment_wise (w = π_prox_t/π_behav), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
+
+[bold]Examples[/bold]
+
+  sdp inspect-weights --example
+
+  sdp inspect-weights runs/my-run/batches --cap 5 --floor 0.2
+
+  sdp inspect-weights runs/my-run/batches/step-000012.safetensors --json
+
+  sdp inspect-weights runs/my-run/batches --per-file --plot weights.png --dump-weights weights.safetensors
+"""
+
+
+@app.command("inspect-weights", help=HELP)
+def inspect_weights_command(
+    files: list[Path] = typer.Argument(
+        None,
+        help="Batch files or directories of them (written by train.save_batches=true).",
+        show_default=False,
+    ),
+    example: bool = typer.Option(
+        False, "--example", help="Analyse the small example batch shipped with sdp."
+    ),
+    cap: float = typer.Option(
+        None, "--cap", help="Upper bound of the weights (loss.weight_cap); default none."
+    ),
+    floor: float = typer.Option(
+        None, "--floor", help="Lower bound of the weights (loss.weight_floor); default none."
+    ),
+    action: str = typer.Option(
+        "truncate", "--action", help="truncate (clamp into \\[floor, cap]) or mask (weight 0 outside)."
+    ),
+    batch_normalize: bool = typer.Option(
+        False, "--batch-normalize", help="Divide the bounded weights by their mean (loss.batch_normalize)."
+    ),
+    per_file: bool = typer.Option(False, "--per-file", help="Also analyse every file on its own."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+    plot: Path = typer.Option(
+        None, "--plot", help="Write weight histograms per mode to this PNG file."
+    ),
+    dump_weights: Path = typer.Option(
+        None,
+        "--dump-weights",
+        help="Write the per-token weights of every mode and aggregation (safetensors).",
+    ),
+) -> None:
+    _check_options(cap, floor, action)
+    paths = _batch_paths(files or [], example)
+    for out in (plot, dump_weights):
+        if out is not None:
+            _check_output(out, paths)
+
+    from sdp_cli.analysis.inspect import WeightOptions, analyse_batches
+    from sdp_cli.rollout.batch_file import read_batch
+
+    batches = [read_batch(p) for p in paths]
+    sources = [str(p) for p in paths]
+    options = WeightOptions(cap=cap, floor=floor, action=action, batch_normalize=batch_normalize)
+    report = analyse_batches(batches, sources, options)
+    per_file_reports = (
+        [analyse_batches([b], [src], options) for b, src in zip(batches, sources)] if per_file else []
+    )
+
+    outputs: list[tuple[Path, bytes, str]] = []
+    if plot is not None:
+        from sdp_cli.analysis.plots import weight_histograms
+
+        outputs.append((plot, weight_histograms(report, _title(report)), "weight histograms"))
+    if dump_weights is not None:
+        from safetensors.torch import save
+
+        from sdp_cli.analysis.inspect import dump_tensors
+
+        tensors, metadata = dump_tensors(report)
+        outputs.append((dump_weights, save(tensors, metadata=metadata), "per-token weights"))
+    for path, data, _ in outputs:
+        _write_atomic(path, data)
+
+    if as_json:
+        doc = report.to_dict()
+        if per_file:
+            doc["per_file"] = [r.to_dict() for r in per_file_reports]
+        typer.echo(json.dumps(doc, indent=2))
+        for path, _, what in outputs:
+            typer.echo(f"wrote {what} to {path}", err=True)
+        return
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        # Piped or captured output has no width to fit; 80 columns would truncate the tables.
+        console.width = max(console.width, 120)
+    _render(console, report)
+    for r in per_file_reports:
+        console.rule(f"[bold]{escape(r.sources[0])}")
+        _render(console, r)
+    for path, _, what in outputs:
+        console.print(f"wrote {what} to {escape(str(path))}")
+
+
+# ------------------------------------------------------------------ parsing
+def _check_options(cap: float | None, floor: float | None, action: str) -> None:
+    if action not in ACTIONS:
+        raise UserError(f"--action {action!r} is not one of {', '.join(ACTIONS)}; pick one of them")
+    if cap is not None and not (math.isfinite(cap) and cap > 0):
+        raise UserError(f"--cap {cap} must be a finite number > 0; pass e.g. --cap 5")
+    if floor is not None and not (math.isfinite(floor) and floor >= 0):
+        raise UserError(f"--floor {floor} must be a finite number >= 0; pass e.g. --floor 0.2")
+    if cap is not None and floor is not None and floor > cap:
+        raise UserError(f"--floor {floor} is above --cap {cap}; pass a floor <= cap")
+
+
+def _batch_paths(files: list[Path], example: bool) -> list[Path]:
+    """Files as given, directories expanded to their *.safetensors (sorted), plus the example."""
+    paths: list[Path] = []
+    for f in files:
+        if f.is_dir():
+            found = sorted(f.glob("*.safetensors"))
+            if not found:
+                raise UserError(
+                    f"{f}: directory holds no *.safetensors batch files; pass batch files or a run's batches/"
+                )
+            paths += found
+        else:
+            paths.append(f)
+    if example:
+        if not EXAMPLE_BATCH.is_file():
+            raise UserError(f"{EXAMPLE_BATCH}: the example batch is missing from this installation; reinstall sdp")
+        paths.append(EXAMPLE_BATCH)
+    if not paths:
+        raise UserError("no batch file given; pass batch files (or a directory of them), or --example")
+    return paths
+
+
+def _check_output(out: Path, inputs: list[Path]) -> None:
+    if not out.parent.is_dir():
+        raise UserError(f"{out}: directory {out.parent} does not exist; create it first")
+    if out.is_dir():
+        raise UserError(f"{out}: is a directory; pass a file name")
+    if any(out.resolve() == p.resolve() for p in inputs):
+        raise UserError(f"{out}: is one of the input batches; write the output to another file")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file next to ``path``, fsync, then rename it over ``path``."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise UserError(
+            f"{path}: cannot create a file in {path.parent} ({err.strerror}); check its permissions"
+        ) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise UserError(
+                f"{path}: cannot be written ({err.strerror or err}); check disk space and permissions"
+            ) from None
+        raise
+
+
+# ---------------------------------------------------------------- rendering
+def _fmt(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4g}"
+
+
+def _title(report: WeightReport) -> str:
+    versions = ", ".join(str(v) for v in sorted(set(report.trainer_versions)))
+    lags = [row.lag for row in report.lags]
+    n = len(report.sources)
+    text = (
+        f"{n} batch{'es' if n > 1 else ''}: {report.sequences} sequences, {report.tokens} response tokens, "
+        f"trainer version{'s' if ',' in versions else ''} {versions}"
+    )
+    return text + (f", lag {min(lags)}–{max(lags)}" if lags else "")
+
+
+def _bounds(report: WeightReport) -> str:
+    o = report.options
+    if o.cap is None and o.floor is None:
+        text = "bounds: none (raw weights)"
+    else:
+        low = "0" if o.floor is None else _fmt(o.floor)
+        high = "∞" if o.cap is None else _fmt(o.cap)
+        text = f"bounds: [{low}, {high}], {o.action}"
+    return text + ("; batch-normalised to mean 1" if o.batch_normalize else "")
+
+
+def _table(title: str, columns: list[str], left: int) -> Any:
+    """A compact table; the first ``left`` columns are labels, the rest numbers."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i < left else "right")
+    return table
+
+
+def _render(console: Any, report: WeightReport) -> None:
+    """The three tables: weights per mode × aggregation, divergences per mode, lags."""
+    from rich.markup import escape
+
+    from sdp_cli.analysis.inspect import DIVERGENCES, TARGETS
+
+    o = report.options
+    bounded = o.cap is not None or o.floor is not None
+    console.print(f"[bold]{escape(_title(report))}[/bold] — {escape(_bounds(report))}")
+
+    stats = ("mean", "std", "min", "max", "ess")
+    share_col = ["masked" if o.action == "mask" else "truncated"] if bounded else []
+    weights = _table(
+        "Behavioural importance weights w",
+        ["mode", "agg", "tokens", "mean", "std", "min", "max", "ESS", *share_col],
+        left=2,
+    )
+    notes = []
+    for name, m in report.modes.items():
+        if not m.available:
+            weights.add_row(name, "–", "unavailable", *[""] * (len(stats) + len(share_col)))
+            notes.append(f"[yellow]{name}: {escape(m.reason or '')}[/yellow]")
+            continue
+        # bypass is w ≡ 1 at every aggregation: one row says it.
+        levels = ["token"] if name == "bypass" else list(m.weights)
+        for i, level in enumerate(levels):
+            s = m.weights[level]
+            share = s.get("masked", 0.0) if o.action == "mask" else s["frac_high"] + s["frac_low"]
+            weights.add_row(
+                name if i == 0 else "",
+                "any (w ≡ 1)" if name == "bypass" else level,
+                str(m.tokens) if i == 0 else "",
+                *(_fmt(s[k]) for k in stats),
+                *([f"{share:.1%}"] if bounded else []),
+                end_section=i == len(levels) - 1,
+            )
+    console.print(weights)
+    if report.uncorrectable:
+        notes.append(
+            f"segment_wise: {report.uncorrectable} stale tokens have no π_{{v+1}} (their window closed); "
+            "they are left out of segment_wise"
+        )
+    for note in notes:
+        console.print(note)
+
+    div = _table(
+        "Divergence from π_behav (training policy = the mode's target)", ["mode", "target", *DIVERGENCES], left=2
+    )
+    for name, m in report.modes.items():
+        values = [_fmt(m.divergence[k]) for k in DIVERGENCES] if m.available else ["unavailable", "", "", ""]
+        div.add_row(name, TARGETS[name], *values)
+    console.print(div)
+
+    show_unc = any(row.uncorrectable for row in report.lags)
+    lags = _table(
+        "By staleness, lag = trainer version − token version (raw token weights)",
+        [
+            "lag",
+            "tokens",
+            *("w_dec mean", "std", "ESS"),
+            *("w_sdp mean", "std", "ESS"),
+            *("π_c/π_{v+1} mean", "std"),
+            *(["no π_{v+1}"] if show_unc else []),
+        ],
+        left=0,
+    )
+    for row in report.lags:
+        dec, sdp, dropped = row.w_dec or {}, row.w_sdp or {}, row.dropped or {}
+        lags.add_row(
+            str(row.lag),
+            str(row.tokens),
+            *(_fmt(dec.get(k)) for k in ("mean", "std", "ess")),
+            *(_fmt(sdp.get(k)) for k in ("mean", "std", "ess")),
+            *(_fmt(dropped.get(k)) for k in ("mean", "std")),
+            *([str(row.uncorrectable)] if show_unc else []),
+        )
+    console.print(lags)
+    console.print(
+        "π_c/π_{v+1} = w_dec / w_sdp is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
+        "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance.",
+        style="dim",
+    )
