@@ -1,0 +1,214 @@
+"""`sdp recompute` through the command line, on the batches of a real `sdp train` run:
+reports, dry runs, outputs, and one-line errors (exit 2) that leave every file untouched."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sdp_cli.cli.main import main
+from sdp_cli.config.compose import compose_config
+from sdp_cli.rollout.batch_file import read_batch, write_batch
+from sdp_cli.train.run import run_training
+
+# The fast settings of tests/train/conftest.py (FAST) with batches and version checkpoints
+# kept; temperature 1 (the default) so that the server path gets past its temperature check.
+OVERRIDES = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "model.warm_start_steps=10",
+    "rollout.batch_groups=4",
+    "rollout.group_size=4",
+    "rollout.groups_per_request=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "train.eval_samples=0",
+    "train.checkpoint_every=0",
+    "train.steps=4",
+    "train.save_batches=true",
+    "train.keep_version_checkpoints=true",
+    "+preset=segment_wise",
+    "rollout.max_head_offpolicyness=3",
+    "optim.weight_decay=1.0",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-recompute")
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDP_CACHE_DIR", str(root / "cache"))
+        overrides = [*OVERRIDES, f"run.dir={root / 'run'}"]
+        cfg, raw = compose_config(overrides)
+        run_training(cfg, raw, overrides=overrides)
+    torch.set_num_threads(threads)
+    return root / "run"
+
+
+@pytest.fixture
+def batches(run_dir, tmp_path):
+    """A private copy of the run's batches and their bytes."""
+    target = tmp_path / "batches"
+    shutil.copytree(run_dir / "batches", target)
+    files = sorted(target.iterdir())
+    return files, {p: p.read_bytes() for p in files}
+
+
+def sdp(argv, capsys):
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(code, err, *fragments):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def unchanged(files, before) -> bool:
+    return all(p.read_bytes() == before[p] for p in files) and sorted(files[0].parent.iterdir()) == sorted(files)
+
+
+def test_help_lists_the_command_with_an_example(capsys):
+    code, out, _ = sdp(["--help"], capsys)
+    assert code == 0 and "recompute" in out
+    code, out, _ = sdp(["recompute", "--help"], capsys)
+    assert code == 0 and "sdp recompute runs/my-run/batches --checkpoints runs/my-run" in out
+
+
+def test_the_command_module_does_not_import_torch():
+    code = (
+        "import sys; from sdp_cli.cli import recompute; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dry_run_reports_and_writes_nothing(run_dir, batches, capsys):
+    files, before = batches
+    code, out, err = sdp(["recompute", files[0].parent, "-c", run_dir, "--dry-run", "--json", "--exact"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["dry_run"] and report["written"] == [] and report["tokens_scored"] > 0
+    assert [b["trainer_version"] for b in report["batches"]] == [0, 1, 2, 3]
+    # nothing was wrong, so nothing moves (within fp32 noise) and nothing is retagged
+    for b in report["batches"]:
+        assert b["retagged"] == 0 and (b["proximal_t"]["max_abs"] or 0.0) <= 1e-5
+        assert b["proximal"]["max_abs"] <= 1e-5
+    assert report["lags"] and report["lags"][0]["lag"] == 1
+    assert unchanged(files, before)
+
+
+def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
+    files, _ = batches
+    originals = {p: read_batch(p) for p in files}
+    for p in files:  # tags of every lagged token set back to "not recomputed", values off
+        b = originals[p]
+        lagged = (b.versions >= 0) & (b.versions < b.trainer_version)
+        write_batch(
+            p,
+            dataclasses.replace(
+                b,
+                proximal_t_versions=torch.where(lagged, b.versions, b.proximal_t_versions),
+                proximal_logprobs_t=torch.where(lagged, b.old_logprobs, b.proximal_logprobs_t),
+            ),
+        )
+    code, out, err = sdp(["recompute", *files, "--checkpoints", run_dir / "versions"], capsys)
+    assert code == 0, err
+    assert "wrote 4 batch file(s) in place" in out and "v000001" in out
+    for p in files:
+        fixed, original = read_batch(p), originals[p]
+        assert torch.equal(fixed.proximal_t_versions, original.proximal_t_versions)
+        assert float((fixed.proximal_logprobs_t - original.proximal_logprobs_t).abs().max()) <= 1e-5
+
+
+def test_output_file_and_directory(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    code, _, err = sdp(["recompute", files[2], "-c", run_dir, "-o", tmp_path / "one.safetensors"], capsys)
+    assert code == 0, err
+    assert read_batch(tmp_path / "one.safetensors").trainer_version == 2
+    code, out, err = sdp(["recompute", *files, "-c", run_dir, "--output", tmp_path / "out", "--proximal", "1"], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [p.name for p in files]
+    assert f"to {tmp_path / 'out'}" in out
+    assert unchanged(files, before)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\x80\x04\x95 a pickle", b"not a safetensors file at all", "truncated"],
+    ids=["pickle", "garbage", "truncated"],
+)
+def test_a_bad_file_is_one_line_and_nothing_is_written(run_dir, batches, content, capsys):
+    files, before = batches
+    bad = files[0].parent / "step-000099.safetensors"
+    bad.write_bytes(files[1].read_bytes()[:-40] if content == "truncated" else content)
+    before[bad] = bad.read_bytes()
+    code, _, err = sdp(["recompute", files[0].parent, "-c", run_dir], capsys)
+    assert_one_line_error(code, err, "step-000099.safetensors")
+    assert unchanged([*files, bad], before)
+
+
+def test_missing_checkpoints_are_one_line_and_nothing_is_written(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    # π_prox_t of the lagged tokens needs v000001 (batches c = 1…3 hold version-0 tokens);
+    # --exact needs v000001…v000003 as well
+    shutil.copytree(run_dir / "versions", tmp_path / "v", ignore=shutil.ignore_patterns("v000001", "v000003"))
+    code, _, err = sdp(["recompute", *files, "-c", tmp_path / "v"], capsys)
+    assert_one_line_error(code, err, "version(s) 1 are missing", "train.keep_version_checkpoints=true")
+    code, _, err = sdp(["recompute", *files, "-c", tmp_path / "v", "--exact"], capsys)
+    assert_one_line_error(code, err, "version(s) 1, 3 are missing", "(it has 0, 2, 4)")
+    assert unchanged(files, before)
+
+
+def test_unreachable_server_is_one_line_and_nothing_is_written(run_dir, batches, capsys):
+    files, before = batches
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    code, _, err = sdp(["recompute", *files, "-c", run_dir, "--engine", "sglang", "--server", url], capsys)
+    assert_one_line_error(code, err, f"127.0.0.1:{port}", "--server")
+    assert unchanged(files, before)
+
+
+def test_server_engines_refuse_other_temperatures(run_dir, batches, tmp_path, capsys):
+    files, _ = batches
+    warm = tmp_path / "warm.safetensors"
+    write_batch(warm, dataclasses.replace(read_batch(files[1]), temperature=0.7))
+    code, _, err = sdp(["recompute", warm, "-c", run_dir, "--engine", "vllm", "--server", "http://127.0.0.1:1"], capsys)
+    assert_one_line_error(code, err, "temperature 0.7", "--engine local")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--engine", "vllm"], "needs the URL of a running server"),
+        (["--server", "http://127.0.0.1:1"], "--server needs --engine vllm or --engine sglang"),
+        (["--engine", "tgi"], "--engine 'tgi' is unknown"),
+        (["--proximal", "soon"], "--proximal 'soon' is not a version"),
+        (["--exact", "--proximal", "1"], "--exact computes π_prox under each batch's trainer version"),
+    ],
+)
+def test_bad_options_are_one_line(run_dir, batches, args, fragment, capsys):
+    files, before = batches
+    code, _, err = sdp(["recompute", files[1], "-c", run_dir, *args], capsys)
+    assert_one_line_error(code, err, fragment)
+    assert unchanged(files, before)
