@@ -33,12 +33,16 @@ Every output token of version v < c (c: the batch's trainer version) is scored u
 @app.command("recompute", help=RECOMPUTE_HELP)
 def recompute_command(
     batches: list[Path] = typer.Argument(
-        ..., help="Batch files, or directories of them (e.g. <run>/batches).", show_default=False
+        ...,
+        metavar="BATCH",
+        help="Batch files, or directories of them (e.g. <run>/batches).",
+        show_default=False,
     ),
     checkpoints: Path = typer.Option(
         ...,
         "--checkpoints",
         "-c",
+        metavar="DIR",
         help="A run directory (its versions/ is used) or a directory of v000012/ checkpoints.",
         show_default=False,
     ),
@@ -59,21 +63,23 @@ def recompute_command(
         None,
         "--output",
         "-o",
+        metavar="PATH",
         help="Write here instead of in place: a directory, or a file when one batch is given.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and report; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     engine: str = typer.Option(
-        "local", "--engine", help="Scorer: local (in-process), or vllm / sglang with --server."
+        "local", "--engine", metavar="local|vllm|sglang", help="Scorer: local (in-process), or vllm / sglang with --server."
     ),
     server: list[str] | None = typer.Option(
         None,
         "--server",
+        metavar="URL",
         help="URL of a running vLLM/SGLang server (repeatable). Its weights are replaced by each "
         "checkpoint in turn: use a server dedicated to this.",
     ),
     device: str = typer.Option(
-        "auto", "--device", help="Device of the local engine: auto (cuda if available), cpu, cuda, cuda:1 …"
+        "auto", "--device", metavar="DEVICE", help="Device of the local engine: auto (cuda if available), cpu, cuda, cuda:1 …"
     ),
 ) -> None:
     from sdp_cli.analysis.recompute import ProximalChoice, RecomputeOptions
