@@ -1,0 +1,369 @@
+"""`sdp ablate`: plan a sweep, run it through Hydra's multirun machinery, resume it.
+
+A sweep is a Hydra multirun over the ordinary sdp run config. ``sdp_cli/conf/ablate/<name>.yaml``
+is a ``@package _global_`` config that sets the regime (steps, batch, optimiser, the shadow
+recompute pass) and, under ``hydra.sweeper.params``, the axes (``+preset`` = the correction mode,
+``rollout.max_head_offpolicyness`` = η, ``seed``). A job is one ``sdp train`` run whose overrides
+are the job's Hydra overrides plus ``run.dir=<sweep>/runs/<name>``, so ``overrides.json`` in a run
+directory is a complete recipe for ``sdp train``.
+
+``plan_sweep`` expands the axes exactly as Hydra's ``BasicSweeper`` does (command-line values
+replace an axis of the same key), composes and validates every job's config and classifies each
+run directory before anything starts. ``run_sweep`` then starts
+``python -m sdp_cli.analysis.ablate_app --multirun ...`` in a subprocess; the configured launcher
+(``hydra/launcher=basic|joblib|submitit_slurm|ray``) executes the jobs and each job calls
+``run_job``, which skips a finished run (``summary.json`` present), resumes an interrupted one
+from its latest checkpoint, or trains a new one. Re-running the same command therefore never
+redoes finished work. One sweep process per sweep directory at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from sdp_cli.errors import UserError
+
+SWEEP_GROUP = "ablate"
+APP_MODULE = "sdp_cli.analysis.ablate_app"
+RUNS_SUBDIR = "runs"
+#: the sdp config keys a sweep owns: one run directory per job, never resumed by hand
+MANAGED_KEYS = ("run.dir", "run.root", "run.name", "resume")
+MODE_KEY = "+preset"
+ETA_KEY = "rollout.max_head_offpolicyness"
+SEED_KEY = "seed"
+_MAX_NAME = 120
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+
+# Run states, in the order a sweep moves a run through them.
+NEW, PARTIAL, RESUMABLE, FINISHED = "new", "partial", "resumable", "finished"
+
+
+# ------------------------------------------------------------------ naming
+def split_override(override: str) -> tuple[str, str]:
+    """``key=value`` → ``(key, value)``; the key keeps its ``+``/``~`` prefix."""
+    key, sep, value = override.partition("=")
+    assert sep, f"override without '=': {override!r}"
+    return key, value
+
+
+def run_name(overrides: Sequence[str]) -> str:
+    """The run directory name of a job: mode, η, the other overrides (sorted), seed.
+
+    ``+ablate=...`` and ``run.dir=...`` are left out (the sweep directory names the sweep).
+    ``[+preset=decoupled, rollout.max_head_offpolicyness=4, seed=2]`` → ``decoupled-eta4-seed2``;
+    a name longer than 120 characters is cut and suffixed with a hash of the whole.
+    """
+    mode = eta = seed = None
+    others = []
+    for override in overrides:
+        key, value = split_override(override)
+        bare = key.lstrip("+~")
+        if bare in (SWEEP_GROUP, "run.dir"):
+            continue
+        if key == MODE_KEY:
+            mode = value
+        elif key == ETA_KEY:
+            eta = f"eta{value}"
+        elif key == SEED_KEY:
+            seed = f"seed{value}"
+        else:
+            others.append(f"{bare}={value}")
+    parts = [p for p in (mode, eta, *sorted(others), seed) if p is not None]
+    name = _UNSAFE.sub("_", "-".join(parts)) or "run"
+    if len(name) > _MAX_NAME:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        name = f"{name[: _MAX_NAME - 13]}-{digest}"
+    return name
+
+
+# -------------------------------------------------------------- run states
+def run_state(run_dir: Path) -> str:
+    """``finished`` (summary.json), ``resumable`` (a complete checkpoint), ``partial`` (started,
+    nothing to resume from) or ``new``."""
+    if (run_dir / "summary.json").is_file():
+        return FINISHED
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return NEW
+    from sdp_cli.train import checkpoint as ckpt
+
+    return RESUMABLE if ckpt.find_latest(run_dir / "checkpoints") is not None else PARTIAL
+
+
+# ------------------------------------------------------------------ sweeps
+def available_sweeps() -> list[str]:
+    """Names of the sweep definitions shipped in ``sdp_cli/conf/ablate``."""
+    folder = resources.files("sdp_cli.conf").joinpath(SWEEP_GROUP)
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def default_sweep_dir(sweep: str) -> Path:
+    """Where a sweep writes when no directory is given: ``runs/ablate/<sweep>``."""
+    return Path("runs") / "ablate" / sweep
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the sweep: its overrides (as Hydra passes them to the job) and its directory."""
+
+    overrides: tuple[str, ...]
+    name: str
+    run_dir: Path
+    state: str
+
+    def train_overrides(self) -> list[str]:
+        """What the job hands to ``sdp train``."""
+        return [*self.overrides, f"run.dir={quote(self.run_dir)}"]
+
+
+def quote(path: Path) -> str:
+    """A path as a quoted Hydra override value (run names contain '=', paths may hold spaces)."""
+    text = str(path)
+    if "'" in text:
+        raise UserError(f"{text}: a sweep directory must not contain a single quote; choose another --dir")
+    return f"'{text}'"
+
+
+@dataclass
+class SweepPlan:
+    """A validated sweep: every job, its run state, and how to launch the multirun."""
+
+    sweep: str
+    sweep_dir: Path
+    jobs: list[Job]
+    job_overrides: list[str]
+    hydra_overrides: list[str]
+    axes: dict[str, list[str]] = field(default_factory=dict)
+
+    def count(self, state: str) -> int:
+        return sum(1 for job in self.jobs if job.state == state)
+
+    def command(self) -> list[str]:
+        """The multirun command line (run from any working directory)."""
+        return [
+            sys.executable,
+            "-m",
+            APP_MODULE,
+            "--multirun",
+            f"+{SWEEP_GROUP}={self.sweep}",
+            f"hydra.sweep.dir={self.sweep_dir}",
+            *self.hydra_overrides,
+            *self.job_overrides,
+        ]
+
+
+def _is_hydra_override(override: str) -> bool:
+    key = override.partition("=")[0].lstrip("+~")
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except Exception as exc:  # a malformed override: one line naming it
+        first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
+        raise UserError(f"cannot parse override: {first.strip()} (use key=value or key=a,b,c)") from None
+
+
+def _sweeper_params(sweep: str, plain: list[str], hydra_overrides: list[str]) -> dict[str, str]:
+    """``hydra.sweeper.params`` of the composed sweep (hydra overrides applied)."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from sdp_cli.config.compose import CONFIG_MODULE
+    from sdp_cli.config.schema import SdpConfig
+
+    ConfigStore.instance().store(name="sdp_schema", node=SdpConfig)
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            cfg = compose(
+                config_name="config",
+                overrides=[f"+{SWEEP_GROUP}={sweep}", *plain, *hydra_overrides],
+                return_hydra_config=True,
+            )
+    except Exception as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
+        raise UserError(f"cannot apply {' '.join(hydra_overrides) or 'the sweep'}: {first.strip()}") from None
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) or {}
+    return {str(k): str(v) for k, v in params.items()}
+
+
+def _expand(params: dict[str, str], job_overrides: list[str]) -> list[list[str]]:
+    """Every job's overrides, in the order and form Hydra's BasicSweeper produces them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parsed = _parse_overrides([*(f"{k}={v}" for k, v in params.items()), *job_overrides])
+    try:
+        (batch,) = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    except Exception as exc:
+        raise UserError(f"cannot expand the sweep: {str(exc).splitlines()[0]}") from None
+    return batch
+
+
+def _comparable(yaml_text: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load(yaml_text) or {}
+    data.pop("resume", None)
+    return data
+
+
+def _first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new), key=str):
+            found = _first_difference(old.get(key), new.get(key), f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    return None if old == new else f"{prefix.rstrip('.')}: {old!r} → {new!r}"
+
+
+def _check_same_config(run_dir: Path, planned_yaml: str) -> None:
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    diff = _first_difference(_comparable(saved.read_text()), _comparable(planned_yaml))
+    if diff:
+        raise UserError(
+            f"{run_dir} was trained with a different config ({diff}); "
+            "pass a new sweep directory with --dir, or delete that run"
+        )
+
+
+def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = None) -> SweepPlan:
+    """Validate the sweep and every job's config; classify each run directory.
+
+    ``overrides``: sdp config overrides (a comma list or ``range(...)`` makes or replaces an axis)
+    and Hydra overrides (``hydra/launcher=joblib``, ``hydra.launcher.n_jobs=2``).
+    """
+    from sdp_cli.config.compose import compose_config, to_yaml
+
+    sweeps = available_sweeps()
+    if sweep not in sweeps:
+        raise UserError(f"unknown sweep '{sweep}'; choose one of {', '.join(sweeps)} (files in sdp_cli/conf/ablate)")
+    hydra_overrides = [o for o in overrides if _is_hydra_override(o)]
+    job_overrides = [o for o in overrides if not _is_hydra_override(o)]
+    for parsed in _parse_overrides(job_overrides):
+        key = parsed.get_key_element().lstrip("+~")
+        if key in MANAGED_KEYS:
+            raise UserError(f"{key} is set by the sweep (one run directory per job); use --dir DIR to choose where the sweep writes")
+        if key == SWEEP_GROUP:
+            raise UserError(f"choose the sweep as the first argument (sdp ablate NAME), not with {key}=")
+    plain = [str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()]
+    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain])  # a bad key or value: sdp train's own message
+    params = _sweeper_params(sweep, plain, hydra_overrides)
+    expanded = _expand(params, [f"+{SWEEP_GROUP}={sweep}", *job_overrides])
+
+    root = (sweep_dir or default_sweep_dir(sweep)).expanduser().resolve()
+    jobs: list[Job] = []
+    seen: dict[str, tuple[str, ...]] = {}
+    for job_list in expanded:
+        name = run_name(job_list)
+        assert name not in seen, f"two jobs map to run directory {name}: {seen[name]} and {job_list}"
+        seen[name] = tuple(job_list)
+        run_dir = root / RUNS_SUBDIR / name
+        job = Job(tuple(job_list), name, run_dir, run_state(run_dir))
+        try:
+            _, raw = compose_config(job.train_overrides())
+        except UserError as err:
+            raise UserError(f"run {name}: {err}") from None
+        _check_same_config(run_dir, to_yaml(raw))
+        jobs.append(job)
+
+    axes: dict[str, list[str]] = {}
+    for parsed in _parse_overrides([*(f"{k}={v}" for k, v in params.items()), *job_overrides]):
+        if parsed.is_sweep_override():
+            axes[parsed.get_key_element()] = [str(v) for v in parsed.sweep_string_iterator()]
+    return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes)
+
+
+def run_sweep(plan: SweepPlan) -> int:
+    """Run the multirun in a subprocess (its output goes to this process's stdout/stderr) and
+    return its exit code. Jobs whose run is finished return at once."""
+    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    # joblib's worker processes would otherwise start as many BLAS threads as cores each
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run(plan.command(), env=env, check=False).returncode
+
+
+# --------------------------------------------------------------- job side
+@contextmanager
+def _outside_hydra() -> Iterator[None]:
+    """Hydra's compose API refuses to start inside a running Hydra app. A job composes its run
+    config exactly as ``sdp train`` does, so the app's global state steps aside meanwhile."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    instance = GlobalHydra.instance()
+    saved = instance.hydra
+    instance.clear()
+    try:
+        yield
+    finally:
+        # initialize_config_module restores a copy of the cleared instance on exit: put ours back
+        GlobalHydra.set_instance(instance)
+        instance.hydra = saved
+
+
+def run_job(sweep_dir: Path, overrides: Sequence[str]) -> str:
+    """Train (or resume, or skip) the run of one sweep job; returns what happened.
+
+    Called inside the Hydra app with the job's task overrides. A run without a complete
+    checkpoint has nothing to resume and starts again; a failure a user can fix is reported and
+    returned, so that the other jobs of the sweep go on.
+    """
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.train.run import run_training
+
+    name = run_name(overrides)
+    run_dir = Path(sweep_dir) / RUNS_SUBDIR / name
+    job = Job(tuple(overrides), name, run_dir, run_state(run_dir))
+    if job.state == FINISHED:
+        print(f"ablate: {name}: finished earlier, skipped", flush=True)
+        return "skipped"
+    if job.state == PARTIAL:
+        shutil.rmtree(run_dir)
+    train = [f"resume={quote(run_dir)}"] if job.state == RESUMABLE else job.train_overrides()
+    print(f"ablate: {name}: {'resuming' if job.state == RESUMABLE else 'training'}", flush=True)
+    try:
+        with _outside_hydra():
+            cfg, raw = compose_config(train)
+            run_training(cfg, raw, overrides=train)
+    except UserError as err:
+        print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)
+        return f"failed: {err}"
+    return "resumed" if job.state == RESUMABLE else "trained"
+
+
+def unfinished(plan: SweepPlan) -> list[Job]:
+    """The planned jobs whose run directory has no summary.json (now)."""
+    return [job for job in plan.jobs if run_state(job.run_dir) != FINISHED]
+
+
+def write_plan(plan: SweepPlan) -> Path:
+    """Record the sweep's command and jobs in ``<sweep>/ablate.json`` (for the report)."""
+    path = plan.sweep_dir / "ablate.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "sweep": plan.sweep,
+        "overrides": [*plan.hydra_overrides, *plan.job_overrides],
+        "axes": plan.axes,
+        "runs": [job.name for job in plan.jobs],
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,33 @@
+"""The Hydra app behind ``sdp ablate``: one job = one ``sdp train`` run of the sweep.
+
+``python -m sdp_cli.analysis.ablate_app --multirun +ablate=default hydra.sweep.dir=DIR`` runs a
+sweep with Hydra's launcher of choice; ``sdp ablate`` plans, validates and starts exactly this
+command (see ``sdp_cli.analysis.ablate``). The composed config is the ordinary sdp run config;
+the job itself re-composes it from its overrides, as ``sdp train`` would, so that every run
+directory records a complete ``sdp train`` recipe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from sdp_cli.analysis.ablate import run_job
+from sdp_cli.config.schema import SdpConfig
+
+ConfigStore.instance().store(name="sdp_schema", node=SdpConfig)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://sdp_cli.conf", config_name="config")
+def main(cfg: DictConfig) -> str:
+    """Run the job Hydra composed; the sweep directory is ``hydra.sweep.dir``."""
+    hydra_cfg = HydraConfig.get()
+    return run_job(Path(hydra_cfg.sweep.dir), list(hydra_cfg.overrides.task))
+
+
+if __name__ == "__main__":
+    main()

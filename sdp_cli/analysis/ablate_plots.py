@@ -1,0 +1,173 @@
+"""PNG plots of an aggregated sweep (matplotlib with the Agg backend, imported on first use).
+
+- ``weights_vs_eta.png``: std and ESS of both shadow weights vs η, one colour per training mode;
+  solid = decoupled weight π_prox/π_behav, dashed = segment-wise weight π_{v+1}/π_behav.
+- ``reward_vs_eta.png``: final reward and greedy accuracy vs η per mode.
+- ``reward_curves.png``: reward per step (mean over seeds, band = ± std, moving average) per η.
+- ``throughput_vs_eta.png``: generated tokens/s and training steps/s vs η per mode.
+
+Error bars are ± one sample std over seeds (none for a single seed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from sdp_cli.analysis.ablate_report import GroupRow
+
+Curves = dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(groups: Sequence[GroupRow]) -> dict[str, list[GroupRow]]:
+    """Groups by series label (mode plus any other swept value), each sorted by η."""
+    out: dict[str, list[GroupRow]] = {}
+    for g in groups:
+        out.setdefault(g.label, []).append(g)
+    return {label: sorted(rows, key=lambda g: g.eta) for label, rows in sorted(out.items())}
+
+
+def _line(ax: Any, rows: list[GroupRow], key: str, **style: Any) -> None:
+    points = [(g.eta, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None]
+    if not points:
+        return
+    xs, ys, es = zip(*points)
+    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, **style)
+
+
+def _eta_axis(ax: Any, groups: Sequence[GroupRow]) -> None:
+    etas = sorted({g.eta for g in groups})
+    ax.set_xticks(etas)
+    ax.set_xlabel("η (max_head_offpolicyness)")
+    ax.grid(alpha=0.3)
+
+
+def _colours(labels: Sequence[str]) -> dict[str, Any]:
+    plt = _pyplot()
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {label: cycle[i % len(cycle)] for i, label in enumerate(labels)}
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
+    """Both shadow weights' std (log scale) and ESS fraction vs η, per training mode."""
+    plt = _pyplot()
+    series = _series(groups)
+    colours = _colours(list(series))
+    fig, (ax_std, ax_ess) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rows in series.items():
+        for short, dash, name in (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav")):
+            style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {name}"}
+            _line(ax_std, rows, f"w_{short}_std", **style)
+            _line(ax_ess, rows, f"w_{short}_ess", **style)
+    ax_std.set_yscale("symlog", linthresh=0.1)
+    ax_std.set_ylabel("std of the behavioural weight (all tokens)")
+    ax_ess.set_ylabel("ESS fraction (mean over steps)")
+    ax_ess.set_ylim(top=1.01)
+    for ax in (ax_std, ax_ess):
+        _eta_axis(ax, groups)
+    ax_ess.legend(fontsize=7, loc="lower left")
+    fig.suptitle("Behavioural weights measured on the same tokens (colour: training mode)")
+    return _save(fig, path)
+
+
+def plot_rewards(groups: Sequence[GroupRow], path: Path) -> Path:
+    """Final reward and final greedy accuracy vs η per mode."""
+    plt = _pyplot()
+    series = _series(groups)
+    colours = _colours(list(series))
+    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rows in series.items():
+        _line(ax_r, rows, "reward_last", color=colours[label], label=label)
+        _line(ax_a, rows, "acc_end", color=colours[label], label=label)
+    ax_r.set_ylabel("reward, mean of the last steps")
+    ax_a.set_ylabel("greedy accuracy after training")
+    for ax in (ax_r, ax_a):
+        _eta_axis(ax, groups)
+    ax_r.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_reward_curves(curves: Curves, path: Path) -> Path:
+    """One panel per η: reward per step of every mode (moving average, ± std band)."""
+    plt = _pyplot()
+    etas = sorted({eta for _, eta, _ in curves})
+    labels = sorted({" ".join([mode, *extra]) for mode, _, extra in curves})
+    colours = _colours(labels)
+    cols = min(len(etas), 3)
+    rows = -(-len(etas) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    for ax, eta in zip(axes.flat, etas):
+        for (mode, g_eta, extra), (steps, means, stds) in sorted(curves.items()):
+            if g_eta != eta or not steps:
+                continue
+            window = max(1, len(steps) // 10)
+            mean = _smooth(means, window)
+            std = _smooth(stds, window)
+            label = " ".join([mode, *extra])
+            ax.plot(steps, mean, color=colours[label], label=label)
+            ax.fill_between(
+                steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color=colours[label], alpha=0.15
+            )
+        ax.set_title(f"η = {eta}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(etas) :]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel("reward (moving average)")
+    axes.flat[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
+    """Generated tokens/s and training steps/s vs η per mode."""
+    plt = _pyplot()
+    series = _series(groups)
+    colours = _colours(list(series))
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rows in series.items():
+        _line(ax_t, rows, "tokens_per_s", color=colours[label], label=label)
+        _line(ax_s, rows, "steps_per_s", color=colours[label], label=label)
+    ax_t.set_ylabel("generated tokens / s")
+    ax_s.set_ylabel("training steps / s")
+    for ax in (ax_t, ax_s):
+        _eta_axis(ax, groups)
+    ax_t.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def write_plots(groups: Sequence[GroupRow], curves: Curves, directory: Path) -> list[Path]:
+    """Write every plot into ``directory``; returns the paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_weights(groups, directory / "weights_vs_eta.png"),
+        plot_rewards(groups, directory / "reward_vs_eta.png"),
+        plot_reward_curves(curves, directory / "reward_curves.png"),
+        plot_throughput(groups, directory / "throughput_vs_eta.png"),
+    ]

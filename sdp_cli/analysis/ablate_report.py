@@ -1,0 +1,389 @@
+"""Aggregate a sweep's run directories into per-run numbers, per-group mean ± std, CSV and Markdown.
+
+Reads only ``<sweep>/runs/*/`` (``overrides.json``, ``config.yaml``, ``summary.json``,
+``metrics.jsonl``), so it works the same for a sweep that ran on a cluster. A run belongs to the
+group of its overrides minus the seed; groups are shown by mode, η and any other swept key.
+
+Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``:
+- ``w_{dec,sdp}_std``: the population std of the raw shadow weight over every response token of
+  the run, pooled exactly from the per-step token count n_i, mean μ_i and std σ_i:
+  σ² = Σ n_i (σ_i² + μ_i²) / N − μ², μ = Σ n_i μ_i / N.
+- ``w_{dec,sdp}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
+  (the probe's measure; std is dominated by a few huge ratios, ESS is not).
+- ``w_{dec,sdp}_max``: the largest raw weight of the run.
+- ``lag``: mean over steps of the mean token lag c − v; ``kl``: mean of ``offpolicy/kl``
+  (π_behav vs π_prox); ``ppo_kl``: mean of ``loss/ppo_kl`` (how far each update moves).
+- ``filtered``: groups dropped by the staleness strategy / groups generated.
+- from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end,
+  tokens/s, steps/s, wall seconds, share of wall time in the recompute pass.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from sdp_cli.analysis.ablate import ETA_KEY, MODE_KEY, RUNS_SUBDIR, SEED_KEY, SWEEP_GROUP, split_override
+from sdp_cli.errors import UserError
+
+SHADOWS = {"dec": "decoupled", "sdp": "segment_wise"}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One aggregated column: key, short label, meaning, number format, and its table
+    (``weights``: both behavioural weights on the same tokens; ``outcome``: training and cost)."""
+
+    key: str
+    label: str
+    doc: str
+    fmt: str
+    table: str
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("lag", "lag", "mean token lag c − v (realised staleness)", ".2f", "weights"),
+    Metric("reward_last", "reward", "mean reward over the last window of steps (summary.json)", ".3f", "outcome"),
+    Metric("acc_end", "acc", "greedy accuracy after training", ".3f", "outcome"),
+    Metric("w_dec_std", "std dec", "pooled std of the decoupled weight π_prox/π_behav", ".3f", "weights"),
+    Metric("w_sdp_std", "std sdp", "pooled std of the segment-wise weight π_{v+1}/π_behav", ".3f", "weights"),
+    Metric("w_dec_ess", "ESS dec", "mean per-step ESS fraction of the decoupled weight", ".3f", "weights"),
+    Metric("w_sdp_ess", "ESS sdp", "mean per-step ESS fraction of the segment-wise weight", ".3f", "weights"),
+    Metric("w_dec_max", "max dec", "largest decoupled weight", ".1f", "weights"),
+    Metric("w_sdp_max", "max sdp", "largest segment-wise weight", ".1f", "weights"),
+    Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
+    Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
+    Metric("filtered", "filtered", "fraction of generated groups dropped for staleness", ".3f", "outcome"),
+    Metric("tokens_per_s", "tok/s", "generated tokens per second of training", ".0f", "outcome"),
+    Metric("steps_per_s", "steps/s", "training steps per second", ".2f", "outcome"),
+    Metric("wall_s", "wall s", "wall seconds of the training loop", ".0f", "outcome"),
+    Metric("recompute_share", "recompute", "share of wall time spent in the recompute pass", ".3f", "outcome"),
+)
+
+
+@dataclass
+class RunRecord:
+    """One run directory of a sweep, as read from disk."""
+
+    name: str
+    run_dir: Path
+    mode: str
+    eta: int
+    seed: int
+    extra: tuple[str, ...]
+    summary: dict[str, Any] | None
+    rows: list[dict[str, Any]]
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def group(self) -> tuple[str, int, tuple[str, ...]]:
+        return (self.mode, self.eta, self.extra)
+
+
+@dataclass
+class GroupRow:
+    """Mean, sample std (None for n = 1) and count of every metric over the seeds of a group."""
+
+    mode: str
+    eta: int
+    extra: tuple[str, ...]
+    seeds: list[int]
+    mean: dict[str, float | None] = field(default_factory=dict)
+    std: dict[str, float | None] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.mode, *self.extra])
+
+
+# ------------------------------------------------------------------ reading
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: cannot read ({err}); re-run the sweep to rewrite this run") from None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The per-step rows of ``metrics.jsonl`` (rows with a reward; eval-only rows skipped)."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise UserError(f"{path}:{number}: not JSON; the run was cut mid-write, re-run the sweep to resume it") from None
+        if row.get("reward/mean") is not None:
+            rows.append(row)
+    return rows
+
+
+def read_run(run_dir: Path) -> RunRecord:
+    """A run directory of a sweep (finished or not)."""
+    overrides = _read_json(run_dir / "overrides.json")
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate")
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else None
+    if not isinstance(config, dict):
+        raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
+    extra = []
+    for override in overrides:
+        key, value = split_override(override)
+        if key in (MODE_KEY, ETA_KEY, SEED_KEY) or key.lstrip("+~") in (SWEEP_GROUP, "run.dir", "resume"):
+            continue
+        extra.append(f"{key.lstrip('+~')}={value}")
+    summary_path = run_dir / "summary.json"
+    return RunRecord(
+        name=run_dir.name,
+        run_dir=run_dir,
+        mode=str(config["loss"]["mode"]),
+        eta=int(config["rollout"]["max_head_offpolicyness"]),
+        seed=int(config["seed"]),
+        extra=tuple(sorted(extra)),
+        summary=_read_json(summary_path) if summary_path.is_file() else None,
+        rows=read_metrics(run_dir / "metrics.jsonl"),
+    )
+
+
+@dataclass
+class Sweep:
+    """The runs of a sweep directory; ``common`` holds the overrides every run shares, which
+    are removed from each run's ``extra`` (so ``extra`` is what tells groups apart)."""
+
+    records: list[RunRecord]
+    common: tuple[str, ...]
+
+
+def load_sweep(sweep_dir: Path) -> Sweep:
+    """Every run directory under ``<sweep_dir>/runs`` (sorted by mode, η, extra, seed)."""
+    runs_dir = Path(sweep_dir) / RUNS_SUBDIR
+    if not runs_dir.is_dir():
+        raise UserError(f"{sweep_dir}: no {RUNS_SUBDIR}/ directory; pass the directory of an sdp ablate sweep")
+    records = [read_run(d) for d in sorted(runs_dir.iterdir()) if d.is_dir() and (d / "overrides.json").is_file()]
+    if not records:
+        raise UserError(f"{runs_dir}: no runs yet; start the sweep with sdp ablate")
+    common = set.intersection(*(set(r.extra) for r in records))
+    for record in records:
+        record.extra = tuple(e for e in record.extra if e not in common)
+    return Sweep(sorted(records, key=lambda r: (r.mode, r.eta, r.extra, r.seed)), tuple(sorted(common)))
+
+
+# ------------------------------------------------------------------- maths
+def _values(rows: Iterable[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if r.get(key) is not None]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def pooled_std(counts: Sequence[float], means: Sequence[float], stds: Sequence[float]) -> float | None:
+    """Population std of the union of groups of sizes n_i, means μ_i, population stds σ_i."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    mean = sum(n * m for n, m in zip(counts, means, strict=True)) / total
+    second = sum(n * (s * s + m * m) for n, m, s in zip(counts, means, stds, strict=True)) / total
+    return math.sqrt(max(second - mean * mean, 0.0))
+
+
+def run_metrics(record: RunRecord) -> dict[str, float | None]:
+    """Per-run scalars (see the module docstring); None where a run has no such data."""
+    rows = record.rows
+    out: dict[str, float | None] = {
+        "lag": _mean(_values(rows, "staleness/lag_mean")),
+        "kl": _mean(_values(rows, "offpolicy/kl")),
+        "ppo_kl": _mean(_values(rows, "loss/ppo_kl")),
+    }
+    for short, shadow in SHADOWS.items():
+        prefix = f"shadow/{shadow}/rollout_is_"
+        usable = [
+            r
+            for r in rows
+            if all(r.get(k) is not None for k in (f"{prefix}mean", f"{prefix}std", "batch/response_tokens"))
+        ]
+        out[f"w_{short}_std"] = pooled_std(
+            _values(usable, "batch/response_tokens"), _values(usable, f"{prefix}mean"), _values(usable, f"{prefix}std")
+        )
+        out[f"w_{short}_ess"] = _mean(_values(rows, f"{prefix}eff_sample_size"))
+        maxima = _values(rows, f"{prefix}max")
+        out[f"w_{short}_max"] = max(maxima) if maxima else None
+    summary = record.summary or {}
+    generated = (summary.get("counters") or {}).get("groups_generated")
+    filtered = summary.get("filtered_groups")
+    out["filtered"] = filtered / generated if generated and filtered is not None else None
+    out["reward_last"] = summary.get("reward_last")
+    out["acc_end"] = summary.get("greedy_accuracy_end")
+    out["tokens_per_s"] = summary.get("tokens_per_second")
+    out["steps_per_s"] = summary.get("steps_per_second")
+    out["wall_s"] = summary.get("wall_seconds")
+    out["recompute_share"] = summary.get("recompute_share")
+    return out
+
+
+def _std(values: Sequence[float]) -> float | None:
+    """Sample standard deviation (n − 1); None below two values."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
+    """One row per (mode, η, other swept values) over the finished runs: mean, std, n per metric."""
+    groups: dict[tuple[str, int, tuple[str, ...]], list[RunRecord]] = {}
+    for record in records:
+        if record.finished:
+            groups.setdefault(record.group, []).append(record)
+    out = []
+    for (mode, eta, extra), members in sorted(groups.items()):
+        row = GroupRow(mode, eta, extra, sorted(r.seed for r in members))
+        per_run = [run_metrics(r) for r in members]
+        for metric in METRICS:
+            values = [float(m[metric.key]) for m in per_run if m[metric.key] is not None]
+            row.mean[metric.key] = _mean(values)
+            row.std[metric.key] = _std(values)
+            row.count[metric.key] = len(values)
+        out.append(row)
+    return out
+
+
+def reward_curves(records: Sequence[RunRecord]) -> dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]:
+    """Per group: steps, mean reward over the seeds at each step, and its sample std (0 for one seed).
+
+    Only steps every finished run of the group reached are kept."""
+    by_group: dict[tuple[str, int, tuple[str, ...]], list[dict[int, float]]] = {}
+    for record in records:
+        if record.finished:
+            curve = {int(r["step"]): float(r["reward/mean"]) for r in record.rows}
+            by_group.setdefault(record.group, []).append(curve)
+    out = {}
+    for group, curves in sorted(by_group.items()):
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        means, stds = [], []
+        for step in steps:
+            values = [c[step] for c in curves]
+            means.append(sum(values) / len(values))
+            stds.append(_std(values) or 0.0)
+        out[group] = (steps, means, stds)
+    return out
+
+
+# ----------------------------------------------------------------- writing
+TABLES = {
+    "weights": "Behavioural weights, both measured on the same tokens in every run",
+    "outcome": "Training outcome and cost",
+}
+
+
+def _cell(mean: float | None, std: float | None, fmt: str) -> str:
+    if mean is None:
+        return "n/a"
+    return format(mean, fmt) if std is None else f"{mean:{fmt}} ± {std:{fmt}}"
+
+
+def _metrics_of(table: str) -> list[Metric]:
+    assert table in TABLES, f"unknown table {table!r}"
+    return [m for m in METRICS if m.table == table]
+
+
+def table_columns(groups: Sequence[GroupRow], table: str) -> list[str]:
+    """Header of a human table: group keys, n, then the table's metric labels."""
+    extra = ["other"] if any(g.extra for g in groups) else []
+    return ["mode", "η", *extra, "n", *(m.label for m in _metrics_of(table))]
+
+
+def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
+    """Cells of a human table (``mean ± std``; a single seed shows the value alone)."""
+    with_extra = any(g.extra for g in groups)
+    rows = []
+    for g in groups:
+        cells = [g.mode, str(g.eta), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
+        cells += [_cell(g.mean[m.key], g.std[m.key], m.fmt) for m in _metrics_of(table)]
+        rows.append(cells)
+    return rows
+
+
+def to_markdown(groups: Sequence[GroupRow]) -> str:
+    """Both tables in GitHub Markdown, each followed by the meaning of its columns."""
+    parts = []
+    for table, title in TABLES.items():
+        header = table_columns(groups, table)
+        lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(groups, table)]
+        lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table)]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def to_csv(groups: Sequence[GroupRow]) -> str:
+    """Machine-readable table: group keys, seeds, n, then ``<metric>_mean``, ``_std``, ``_n``."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(
+        ["mode", "eta", "other", "seeds", "n", *(f"{m.key}_{s}" for m in METRICS for s in ("mean", "std", "n"))]
+    )
+    for g in groups:
+        cells: list[Any] = [g.mode, g.eta, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
+        for m in METRICS:
+            cells += [_num(g.mean[m.key]), _num(g.std[m.key]), g.count[m.key]]
+        writer.writerow(cells)
+    return buf.getvalue()
+
+
+def _num(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+@dataclass
+class Report:
+    """What ``write_report`` produced."""
+
+    groups: list[GroupRow]
+    sweep: Sweep
+    csv_path: Path
+    markdown_path: Path
+    plots: list[Path]
+
+    @property
+    def unfinished(self) -> list[RunRecord]:
+        return [r for r in self.sweep.records if not r.finished]
+
+
+def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
+    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``."""
+    sweep_dir = Path(sweep_dir)
+    sweep = load_sweep(sweep_dir)
+    groups = aggregate(sweep.records)
+    csv_path = sweep_dir / "summary.csv"
+    md_path = sweep_dir / "summary.md"
+    csv_path.write_text(to_csv(groups))
+    common = f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
+    md_path.write_text(
+        f"# sdp ablate: {sweep_dir.name}\n\n{common}mean ± sample std over seeds (n runs per row).\n\n"
+        f"{to_markdown(groups)}"
+    )
+    written: list[Path] = []
+    if plots and groups:
+        from sdp_cli.analysis.ablate_plots import write_plots
+
+        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots")
+    return Report(groups, sweep, csv_path, md_path, written)

@@ -1,0 +1,118 @@
+"""`sdp ablate`: run a staleness × mode sweep (or re-aggregate one) and print its evidence table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from sdp_cli.cli.main import app
+from sdp_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from sdp_cli.analysis.ablate import SweepPlan
+    from sdp_cli.analysis.ablate_report import Report
+
+ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what each correction buys.
+
+Every job is one `sdp train` run with the shadow recompute pass on, so both behavioural weights (decoupled π_prox/π_behav and segment-wise π_{v+1}/π_behav) are measured on the same tokens whatever the mode trains. Sweeps live in sdp_cli/conf/ablate/ (default, harsh, smoke); any axis or config key can be overridden (a comma list or range(...) makes an axis), and the launcher is a Hydra override (hydra/launcher=basic|joblib|submitit_slurm|ray). Re-running the same command resumes: finished runs are skipped, interrupted ones continue from their checkpoint. Writes DIR/summary.csv, DIR/summary.md and DIR/plots/*.png; see docs/ablate.md.
+
+[bold]Examples[/bold]
+
+  sdp ablate                                   # the default sweep (~30 min on 2 CPU cores)
+
+  sdp ablate smoke                             # a tiny grid, about a minute
+
+  sdp ablate default seed=0,1 rollout.max_head_offpolicyness=0,8 --dir runs/ablate/quick
+
+  sdp ablate harsh hydra/launcher=basic        # one job at a time
+
+  sdp ablate --report runs/ablate/default      # re-aggregate without running anything
+"""
+
+
+@app.command(
+    "ablate",
+    help=ABLATE_HELP,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def ablate_command(
+    ctx: typer.Context,
+    sweep: str = typer.Argument("default", help="Sweep name (a file in sdp_cli/conf/ablate)."),
+    directory: Path | None = typer.Option(
+        None, "--dir", "-d", help="Sweep directory \\[default: runs/ablate/SWEEP].", show_default=False
+    ),
+    jobs: int | None = typer.Option(
+        None, "--jobs", "-j", min=1, help="Parallel jobs of the joblib launcher \\[default: one per core].", show_default=False
+    ),
+    report: Path | None = typer.Option(
+        None, "--report", help="Only aggregate this existing sweep directory (no training).", show_default=False
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate the sweep, print its plan and exit."),
+    no_plots: bool = typer.Option(False, "--no-plots", help="Write the table files but no PNG plots."),
+) -> None:
+    overrides = list(ctx.args)
+    if "=" in sweep:  # `sdp ablate seed=0,1`: an override in the sweep's place
+        overrides.insert(0, sweep)
+        sweep = "default"
+    if report is not None:
+        if overrides or directory is not None or jobs is not None or dry_run:
+            raise UserError("--report only aggregates an existing sweep; drop the sweep name, overrides and other options")
+        _print_report(report, plots=not no_plots)
+        return
+
+    from sdp_cli.analysis.ablate import plan_sweep, run_sweep, unfinished, write_plan
+
+    if jobs is not None:
+        overrides.append(f"hydra.launcher.n_jobs={jobs}")
+    plan = plan_sweep(sweep, overrides, directory)
+    _print_plan(plan)
+    if dry_run:
+        return
+    write_plan(plan)
+    code = run_sweep(plan)
+    left = unfinished(plan)
+    if any(job.state != "new" for job in plan.jobs) or not left:
+        _print_report(plan.sweep_dir, plots=not no_plots)
+    if left:
+        names = ", ".join(job.name for job in left[:3]) + (", ..." if len(left) > 3 else "")
+        raise UserError(
+            f"{len(left)} of {len(plan.jobs)} runs did not finish ({names}; sweep exit code {code}); "
+            f"see the log above and {plan.sweep_dir}/hydra/, then re-run the same command to resume"
+        )
+
+
+def _print_plan(plan: SweepPlan) -> None:
+    from rich.console import Console
+
+    axes = "; ".join(f"{key} ∈ {{{', '.join(values)}}}" for key, values in plan.axes.items())
+    counts = ", ".join(f"{plan.count(s)} {s}" for s in ("finished", "resumable", "partial", "new") if plan.count(s))
+    console = Console()
+    console.print(f"[bold]sweep[/bold] {plan.sweep} → {plan.sweep_dir}")
+    console.print(f"  {len(plan.jobs)} runs ({counts}); axes: {axes or 'none'}")
+
+
+def _print_report(directory: Path, *, plots: bool) -> Report:
+    from rich.console import Console
+    from rich.table import Table
+
+    from sdp_cli.analysis.ablate_report import TABLES, table_columns, table_rows, write_report
+
+    result = write_report(directory, plots=plots)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # logs keep whole table lines
+    console.print(f"[bold]sdp ablate[/bold] {directory}: mean ± std over seeds", highlight=False)
+    if result.sweep.common:
+        console.print(f"overrides shared by every run: {' '.join(result.sweep.common)}", highlight=False, markup=False)
+    for name, title in TABLES.items():
+        table = Table(*table_columns(result.groups, name), title=title, title_justify="left")
+        for cells in table_rows(result.groups, name):
+            table.add_row(*cells)
+        console.print(table)
+    if result.unfinished:
+        console.print(f"{len(result.unfinished)} unfinished runs left out: {', '.join(r.name for r in result.unfinished)}")
+    for path in [result.csv_path, result.markdown_path, *result.plots]:
+        console.print(f"wrote {path}")
+    return result
