@@ -60,7 +60,9 @@ def _score(batch: SavedBatch) -> tuple[int, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the example batch")
     args = parser.parse_args()
 
@@ -83,8 +85,8 @@ def main() -> None:
         shutil.copyfile(best, args.out)
     batch = read_batch(args.out)
     print(
-        f"wrote {args.out} ({args.out.stat().st_size} bytes) from {best.name}: {batch.num_sequences} sequences, "
-        f"trainer version {batch.trainer_version}, score {_score(batch)}"
+        f"wrote {args.out} ({args.out.stat().st_size} bytes) from {best.name}: "
+        f"{batch.num_sequences} sequences, trainer version {batch.trainer_version}, score {_score(batch)}"
     )
 
 

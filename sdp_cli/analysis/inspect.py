@@ -251,7 +251,11 @@ def _mode_report(
 
 def _raw_token_stats(log_ratio: Tensor, selected: Tensor) -> dict[str, float]:
     metrics = importance_weights(log_ratio, selected, level="token")[1]
-    return {"mean": metrics["rollout_is_mean"], "std": metrics["rollout_is_std"], "ess": metrics["rollout_is_eff_sample_size"]}
+    return {
+        "mean": metrics["rollout_is_mean"],
+        "std": metrics["rollout_is_std"],
+        "ess": metrics["rollout_is_eff_sample_size"],
+    }
 
 
 def _lag_rows(s: _Stacked) -> list[LagRow]:

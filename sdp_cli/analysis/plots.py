@@ -53,7 +53,8 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         bins = _log_bins(list(samples.values()))
         for mode, values in samples.items():
             stats = report.modes[mode].weights[level]
-            _histogram(ax, values, bins, f"{mode} (std {stats['std']:.3g}, ESS {stats['ess']:.3f})", _COLORS[mode])
+            label = f"{mode} (std {stats['std']:.3g}, ESS {stats['ess']:.3f})"
+            _histogram(ax, values, bins, label, _COLORS[mode])
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="bypass (w = 1)")
         ax.set_xscale("log")
         ax.set_title(f"{level} weights")
