@@ -96,7 +96,8 @@ def inspect_weights_command(
     if plot is not None:
         from sdp_cli.analysis.plots import weight_histograms
 
-        outputs.append((plot, weight_histograms(report, _title(report)), "weight histograms"))
+        title = f"{_title(report)}\n{_bounds(report)}"
+        outputs.append((plot, weight_histograms(report, title), "weight histograms"))
     if dump_weights is not None:
         from safetensors.torch import save
 
