@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from sdp_cli.core.metrics import offpolicy_metrics
-from sdp_cli.core.weights import LEVELS, MODES, importance_weights
+from sdp_cli.core.weights import LEVELS, MODES, behavior_log_ratio, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -163,6 +163,14 @@ class _Stacked:
     uncorrectable: Tensor
     layout: _Layout
 
+    def log_ratio(self, mode: str) -> Tensor | None:
+        """The mode's behavioural log ratio (``core.weights.behavior_log_ratio``); None for
+        decoupled without π_prox."""
+        if mode == "decoupled" and self.prox is None:
+            return None
+        ratio = behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode)
+        return torch.zeros_like(self.old) if ratio is None else ratio  # bypass: w ≡ 1
+
 
 def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     padded = [b.to_padded() for b in batches]
@@ -259,8 +267,9 @@ def _raw_token_stats(log_ratio: Tensor, selected: Tensor) -> dict[str, float]:
 
 
 def _lag_rows(s: _Stacked) -> list[LagRow]:
-    lr_sdp = s.prox_t - s.old
-    lr_dec = None if s.prox is None else s.prox - s.old
+    lr_sdp = s.log_ratio("segment_wise")
+    lr_dec = s.log_ratio("decoupled")
+    assert lr_sdp is not None, "segment_wise always has π_prox_t"
     dropped_lr = None if s.prox is None else s.prox - s.prox_t
     rows = []
     for lag in torch.unique(s.lag[s.mask]).tolist():
@@ -295,8 +304,11 @@ def analyse_batches(
     assert batches, "analyse_batches needs at least one batch"
     assert len(sources) == len(batches), f"{len(sources)} sources for {len(batches)} batches"
     s = _stack(batches)
-    modes = {"bypass": _mode_report("bypass", torch.zeros_like(s.old), s.mask, s.old, s.old, options)}
-    if s.prox is None:
+    lr_bypass = s.log_ratio("bypass")
+    assert lr_bypass is not None
+    modes = {"bypass": _mode_report("bypass", lr_bypass, s.mask, s.old, s.old, options)}
+    lr_dec = s.log_ratio("decoupled")
+    if lr_dec is None or s.prox is None:
         lacking = [src for src, b in zip(sources, batches) if b.proximal_logprobs is None]
         modes["decoupled"] = ModeReport(
             mode="decoupled",
@@ -305,10 +317,11 @@ def analyse_batches(
             f"has no proximal_logprobs (π_prox); {MISSING_PROXIMAL_FIX}",
         )
     else:
-        modes["decoupled"] = _mode_report("decoupled", s.prox - s.old, s.mask, s.old, s.prox, options)
-    modes["segment_wise"] = _mode_report(
-        "segment_wise", s.prox_t - s.old, s.mask & ~s.uncorrectable, s.old, s.prox_t, options
-    )
+        modes["decoupled"] = _mode_report("decoupled", lr_dec, s.mask, s.old, s.prox, options)
+    lr_sdp = s.log_ratio("segment_wise")
+    assert lr_sdp is not None, "segment_wise always has π_prox_t"
+    covered = s.mask & ~s.uncorrectable
+    modes["segment_wise"] = _mode_report("segment_wise", lr_sdp, covered, s.old, s.prox_t, options)
     assert tuple(modes) == MODES, f"modes out of order: {tuple(modes)}"
     return WeightReport(
         sources=list(sources),
