@@ -43,7 +43,8 @@ MODE_KEY = "+preset"
 ETA_KEY = "rollout.max_head_offpolicyness"
 SEED_KEY = "seed"
 _MAX_NAME = 120
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=,+-]")
+# what stays in a run name: characters Hydra accepts unquoted in `resume=<dir>` (no '=' or ',')
+_UNSAFE = re.compile(r"[^A-Za-z0-9._@+-]")
 
 # Run states, in the order a sweep moves a run through them.
 NEW, PARTIAL, RESUMABLE, FINISHED = "new", "partial", "resumable", "finished"
@@ -61,8 +62,9 @@ def run_name(overrides: Sequence[str]) -> str:
     """The run directory name of a job: mode, η, the other overrides (sorted), seed.
 
     ``+ablate=...`` and ``run.dir=...`` are left out (the sweep directory names the sweep).
-    ``[+preset=decoupled, rollout.max_head_offpolicyness=4, seed=2]`` → ``decoupled-eta4-seed2``;
-    a name longer than 120 characters is cut and suffixed with a hash of the whole.
+    ``[+preset=decoupled, rollout.max_head_offpolicyness=4, seed=2]`` → ``decoupled-eta4-seed2``,
+    ``optim.lr=3e-4`` adds ``optim.lr@3e-4``; a name longer than 120 characters is cut and
+    suffixed with a hash of the whole.
     """
     mode = eta = seed = None
     others = []
@@ -78,7 +80,7 @@ def run_name(overrides: Sequence[str]) -> str:
         elif key == SEED_KEY:
             seed = f"seed{value}"
         else:
-            others.append(f"{bare}={value}")
+            others.append(f"{bare}@{value}")
     parts = [p for p in (mode, eta, *sorted(others), seed) if p is not None]
     name = _UNSAFE.sub("_", "-".join(parts)) or "run"
     if len(name) > _MAX_NAME:
@@ -276,17 +278,20 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
         seen[name] = tuple(job_list)
         run_dir = root / RUNS_SUBDIR / name
         job = Job(tuple(job_list), name, run_dir, run_state(run_dir))
-        try:
-            _, raw = compose_config(job.train_overrides())
-        except UserError as err:
-            raise UserError(f"run {name}: {err}") from None
-        _check_same_config(run_dir, to_yaml(raw))
+        # Jobs that differ from the first in at most one axis hold every value of every axis, so
+        # composing them finds any bad value; a run that exists must match its planned config.
+        if sum(a != b for a, b in zip(job_list, expanded[0], strict=True)) <= 1 or job.state != NEW:
+            try:
+                _, raw = compose_config(job.train_overrides())
+            except UserError as err:
+                raise UserError(f"run {name}: {err}") from None
+            _check_same_config(run_dir, to_yaml(raw))
         jobs.append(job)
 
-    axes: dict[str, list[str]] = {}
+    final: dict[str, Any] = {}
     for parsed in _parse_overrides([*(f"{k}={v}" for k, v in params.items()), *job_overrides]):
-        if parsed.is_sweep_override():
-            axes[parsed.get_key_element()] = [str(v) for v in parsed.sweep_string_iterator()]
+        final[parsed.get_key_element()] = parsed  # a later value of a key replaces the earlier one
+    axes = {key: [str(v) for v in o.sweep_string_iterator()] for key, o in final.items() if o.is_sweep_override()}
     return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes)
 
 

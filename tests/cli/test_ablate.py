@@ -1,0 +1,225 @@
+"""`sdp ablate` end to end on the smoke grid (2 η × 3 modes × 1 seed, real training runs).
+
+This is the acceptance test of issue #6, so it runs in CI although it takes about a minute: the
+sweep runs on the joblib launcher with 2 workers, its table / CSV / Markdown / PNGs are checked
+against numbers recomputed here from the runs' own files (token-level weights from the saved
+batches, rewards and lags from metrics.jsonl and the batches, the rest from summary.json), and
+re-running the command skips finished runs and resumes interrupted ones. The tests share one
+sweep directory and run in file order; the resume test, which changes it, comes last.
+"""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from sdp_cli.cli.main import main
+from sdp_cli.rollout.batch_file import read_batch
+
+MODES = ("bypass", "decoupled", "segment_wise")
+ETAS = (0, 2)
+EXTRA = "train.save_batches=true"  # the test recomputes the weights from the saved batches
+AS_JOB = "train.save_batches=True"  # how Hydra's sweeper hands that override to the job
+
+
+def _sdp(args, env, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "sdp_cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def _cli(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ablate")
+    env = {**os.environ, "SDP_CACHE_DIR": str(root / "cache"), "COLUMNS": "200"}
+    command = ["ablate", "smoke", "--dir", str(root / "sweep"), "--jobs", "2", EXTRA]
+    started = time.monotonic()
+    proc = _sdp(command, env)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return SimpleNamespace(dir=root / "sweep", proc=proc, env=env, command=command, elapsed=elapsed)
+
+
+def _run_dir(smoke, mode, eta):
+    return smoke.dir / "runs" / f"{mode}-eta{eta}-train.save_batches@True-seed0"
+
+
+def _csv_rows(smoke):
+    with open(smoke.dir / "summary.csv") as fh:
+        return {(r["mode"], int(r["eta"])): r for r in csv.DictReader(fh)}
+
+
+def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
+    assert smoke.elapsed < 180
+    out = smoke.proc.stdout
+    assert "6 runs (6 new)" in out
+    assert "Behavioural weights, both measured on the same tokens" in out and "Training outcome and cost" in out
+    for mode in MODES:
+        for eta in ETAS:
+            assert (_run_dir(smoke, mode, eta) / "summary.json").is_file()
+    assert sorted(_csv_rows(smoke)) == sorted((m, e) for m in MODES for e in ETAS)
+    md = (smoke.dir / "summary.md").read_text()
+    assert md.count("| segment_wise | 2 | 1 |") == 2  # one row in each of the two tables
+    pngs = sorted((smoke.dir / "plots").glob("*.png"))
+    assert [p.name for p in pngs] == ["reward_curves.png", "reward_vs_eta.png", "throughput_vs_eta.png", "weights_vs_eta.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_every_run_records_a_complete_sdp_train_recipe(smoke):
+    run_dir = _run_dir(smoke, "segment_wise", 2)
+    overrides = json.loads((run_dir / "overrides.json").read_text())
+    assert overrides == [
+        "+preset=segment_wise", "rollout.max_head_offpolicyness=2", "seed=0", "+ablate=smoke", AS_JOB, f"run.dir='{run_dir}'",
+    ]
+
+
+def _batch_weights(run_dir):
+    """Per step: raw decoupled and segment-wise weights and lags of every response token."""
+    steps = []
+    for path in sorted((run_dir / "batches").glob("step-*.safetensors")):
+        batch = read_batch(path)
+        out = batch.versions >= 0  # response tokens (prompt tokens have version −1)
+        old = batch.old_logprobs[out].double()
+        w_dec = np.exp(np.clip((batch.proximal_logprobs[out].double() - old).numpy(), -20, 20))
+        w_sdp = np.exp(np.clip((batch.proximal_logprobs_t[out].double() - old).numpy(), -20, 20))
+        lags = (batch.trainer_version - batch.versions[out]).numpy()
+        steps.append((w_dec, w_sdp, lags))
+    return steps
+
+
+def test_table_matches_numbers_recomputed_from_the_runs(smoke):
+    rows = _csv_rows(smoke)
+    for mode in MODES:
+        for eta in ETAS:
+            run_dir = _run_dir(smoke, mode, eta)
+            row = rows[(mode, eta)]
+            summary = json.loads((run_dir / "summary.json").read_text())
+            steps = _batch_weights(run_dir)
+            assert len(steps) == summary["steps"] == 6
+            assert (row["n"], row["seeds"]) == ("1", "0")
+            for short, index in (("dec", 0), ("sdp", 1)):
+                tokens = np.concatenate([s[index] for s in steps])
+                # population std over every response token of the run
+                assert float(row[f"w_{short}_std_mean"]) == pytest.approx(float(np.std(tokens)), rel=1e-4, abs=1e-5)
+                assert float(row[f"w_{short}_max_mean"]) == pytest.approx(float(tokens.max()), rel=1e-5)
+                # ESS fraction mean(w)² / mean(w²) per step, averaged over the steps
+                ess = np.mean([np.mean(s[index]) ** 2 / np.mean(s[index] ** 2) for s in steps])
+                assert float(row[f"w_{short}_ess_mean"]) == pytest.approx(float(ess), rel=1e-5)
+            lag = np.mean([s[2].mean() for s in steps])
+            assert float(row["lag_mean"]) == pytest.approx(float(lag))
+            metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
+            window = summary["reward_window"]
+            assert float(row["reward_last_mean"]) == pytest.approx(sum(rewards[-window:]) / window)
+            assert float(row["acc_end_mean"]) == pytest.approx(summary["greedy_accuracy_end"])
+            assert float(row["tokens_per_s_mean"]) == pytest.approx(summary["tokens_per_second"])
+            filtered = summary["filtered_groups"] / summary["counters"]["groups_generated"]
+            assert float(row["filtered_mean"]) == pytest.approx(filtered)
+
+
+def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
+    """On the same tokens: lag 0 → both weights 1; lag 1 → identical (π_{v+1} = π_c); lag 2 →
+    they differ by the factor π_c/π_{v+1} the segment-wise weight drops."""
+    rows = _csv_rows(smoke)
+    for mode in MODES:
+        assert float(rows[(mode, 0)]["w_dec_std_mean"]) < 1e-5
+        assert float(rows[(mode, 0)]["w_dec_ess_mean"]) == pytest.approx(1.0, abs=1e-9)
+        steps = _batch_weights(_run_dir(smoke, mode, 2))
+        w_dec, w_sdp, lags = (np.concatenate(parts) for parts in zip(*steps))
+        assert np.allclose(w_dec[lags == 0], 1.0, atol=1e-4) and np.all(w_sdp[lags == 0] == 1.0)
+        assert np.array_equal(w_dec[lags == 1], w_sdp[lags == 1])
+        assert (lags == 2).any() and not np.allclose(w_dec[lags == 2], w_sdp[lags == 2])
+
+
+def test_joblib_ran_two_runs_at_once(smoke):
+    assert "n_jobs=2" in smoke.proc.stdout + smoke.proc.stderr
+    spans = []
+    for run_dir in sorted((smoke.dir / "runs").iterdir()):
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        times = {e["event"]: e["time"] for e in events}
+        spans.append((times["started"], times["finished"]))
+    # a sequential launcher never has two runs between their start and end at the same time
+    assert any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1 :])
+
+
+def test_report_reaggregates_without_running(smoke, capsys):
+    before = (smoke.dir / "summary.csv").read_text()
+    (smoke.dir / "summary.csv").unlink()
+    code, out, _ = _cli(["ablate", "--report", str(smoke.dir), "--no-plots"], capsys)
+    assert code == 0
+    assert "Training outcome and cost" in out
+    assert (smoke.dir / "summary.csv").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["ablate", "nope"], "error: unknown sweep 'nope'; choose one of default, harsh, smoke"),
+        (["ablate", "smoke", "rollout.max_head_offpolicyness=0,-1"], "error: run bypass-eta-1-seed0: rollout.max_head_offpolicyness=-1 must be >= 0"),
+        (["ablate", "smoke", "+preset=bypass,typo"], "error: run typo-eta0-seed0: preset=typo: no such option"),
+        (["ablate", "smoke", "--jobs", "2", "hydra/launcher=basic"], "error: cannot apply hydra/launcher=basic hydra.launcher.n_jobs=2"),
+        (["ablate", "--report", "/nonexistent/sweep"], "error: /nonexistent/sweep: no runs/ directory"),
+        (["ablate", "--report", "x", "seed=1"], "error: --report only aggregates an existing sweep"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    code, _, err = _cli([*argv, "--dir", str(tmp_path)] if "--report" not in argv else argv, capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(message), err
+    assert not (tmp_path / "runs").exists()
+
+
+def _finished_state(smoke):
+    return {p.parent.name: (p.stat().st_mtime_ns, p.read_text()) for p in (smoke.dir / "runs").glob("*/summary.json")}
+
+
+def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
+    # Interrupt one run after its step-3 checkpoint, and leave another without any checkpoint.
+    resumed, restarted = _run_dir(smoke, "decoupled", 2), _run_dir(smoke, "bypass", 0)
+    (resumed / "summary.json").unlink()
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    (restarted / "summary.json").unlink()
+    shutil.rmtree(restarted / "checkpoints")
+    untouched = _finished_state(smoke)
+    assert len(untouched) == 4
+
+    proc = _sdp(smoke.command, smoke.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "6 runs (4 finished, 1 resumable, 1 partial)" in proc.stdout
+    assert proc.stdout.count("finished earlier, skipped") == 4
+    after = _finished_state(smoke)
+    assert {name: after[name] for name in untouched} == untouched  # finished work never redone
+    events = [json.loads(x) for x in (resumed / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [3]
+    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    # the rows after the checkpoint were replaced, not duplicated
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 5, 6]
+    events = [json.loads(x)["event"] for x in (restarted / "events.jsonl").read_text().splitlines()]
+    assert events.count("started") == 1 and "resumed" not in events
+
+    # Only the launcher changes: the basic launcher finds every run finished.
+    settled = _finished_state(smoke)
+    proc = _sdp([*smoke.command[:4], "hydra/launcher=basic", EXTRA], smoke.env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "6 runs (6 finished)" in proc.stdout
+    assert proc.stdout.count("finished earlier, skipped") == 6
+    assert _finished_state(smoke) == settled
