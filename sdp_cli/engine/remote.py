@@ -352,12 +352,14 @@ class RemoteEngine(InferenceEngine):
                 if server is None:
                     server = min(self.servers, key=lambda s: s.load)
                 server.load += 1
+                # Registered while admitted: a pause() from now on waits for this request.
+                segment_ids = [new_request_id()]
+                server.request_ids.add(segment_ids[0])
                 if sample.output_len:
                     self._stats["resubmissions"] += 1
-            segment_ids: list[str] = []
             fresh_id = functools.partial(self._register_request_id, server, segment_ids)
             request = SegmentRequest(
-                request_id=fresh_id(),
+                request_id=segment_ids[0],
                 input_ids=sample.input_ids,
                 max_new_tokens=budget,
                 stop_token_ids=tuple(params.stop_token_ids),
@@ -404,7 +406,7 @@ class RemoteEngine(InferenceEngine):
         self._cond.notify_all()
 
     def _register_request_id(self, server: RemoteServer, segment_ids: list[str]) -> str:
-        """A new request id, remembered so that ``close()`` can abort it."""
+        """A new request id for a retry, remembered so that pause() and close() can abort it."""
         request_id = new_request_id()
         with self._cond:
             segment_ids.append(request_id)

@@ -710,3 +710,39 @@ def test_stub_blocks_generate_while_paused(stub):
     thread.join(30)
     meta = answers[0].json()["meta_info"]
     assert len(meta["output_token_logprobs"]) == 2 and meta["finish_reason"]["type"] == "length"
+
+
+def test_a_request_admitted_just_before_pause_is_waited_for(stub, weight_dirs, monkeypatch):
+    """The request id is registered in the same step that admits the request, so a pause()
+    that starts right after admission cannot miss it (it would run through the update)."""
+    import sdp_cli.engine.remote as remote
+
+    entered, release = threading.Event(), threading.Event()
+    original = remote.new_request_id
+    calls = []
+
+    def slow_first_id() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            entered.set()
+            release.wait()  # the producer thread is descheduled right at admission
+        return original()
+
+    monkeypatch.setattr(remote, "new_request_id", slow_first_id)
+    stub.set_hold(2)
+    with _engine(stub) as engine:
+        samples = _samples(PROMPTS[:1])
+        _, join = _in_thread(engine.generate, samples, SamplingParams(max_new_tokens=4))
+        entered.wait()
+        pause_thread, pause_join = _in_thread(engine.pause)
+        pause_thread.join(0.2)
+        assert pause_thread.is_alive(), "pause() returned while a request was being admitted"
+        release.set()
+        pause_join()
+        engine.update_weights(WeightUpdate(version=1, path=weight_dirs[1]))
+        engine.resume()
+        stub.release()
+        join()
+    (sample,) = samples
+    k = sample.versions.count(0)
+    assert sample.versions == [0] * k + [1] * (4 - k)
