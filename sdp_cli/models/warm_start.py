@@ -239,6 +239,9 @@ def warm_start(
     model = build_tiny_model(len(tokenizer), seed=seed, **arch)
     policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name=key)
 
+    if task.num_problems is not None:
+        eval_n = min(eval_n, task.num_problems)  # every problem once; repeats add no information
+
     def accuracy() -> float:
         return greedy_accuracy(policy, task, eval_n, seed=seed + _EVAL_SEED_OFFSET)
 

@@ -51,6 +51,11 @@ class Task(abc.ABC):
         """JSON-serialisable description of everything that changes the task's data or scoring
         (part of the warm-start cache key: a change here must retrain)."""
 
+    @property
+    def num_problems(self) -> int | None:
+        """How many distinct problems a finite data set holds; None for a generated task."""
+        return None
+
     def sft_example(self, item: TaskItem) -> tuple[str, str]:
         """``(prompt, target)`` for supervised warm start; the loss covers the target and EOS."""
         return item.prompt, item.answer

@@ -133,6 +133,10 @@ class Gsm8kTask(Task):
     def __len__(self) -> int:
         return len(self.items)
 
+    @property
+    def num_problems(self) -> int:
+        return len(self.items)
+
     def sample(self, rng: random.Random, n: int) -> list[TaskItem]:
         """Distinct problems when ``n`` fits in the file, else draws with replacement."""
         if n <= len(self.items):

@@ -68,6 +68,7 @@ def test_template_without_placeholder_is_a_user_error():
 
 def test_sample_draws_distinct_items_when_possible():
     task = build_task("gsm8k")
+    assert task.num_problems == len(task) == 21 and build_task("arith1").num_problems is None
     items = task.sample(random.Random(0), len(task))
     assert sorted(i.meta["index"] for i in items) == list(range(len(task)))
     assert len(task.sample(random.Random(0), 3 * len(task))) == 3 * len(task)
