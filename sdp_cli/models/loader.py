@@ -85,7 +85,8 @@ def load_policy(
         target = defaults.target if warm_start_target is None else warm_start_target
         if steps < 0 or batch_size < 1 or not lr > 0:
             raise UserError(
-                f"warm start needs steps >= 0, batch_size >= 1 and lr > 0, got {steps}, {batch_size}, {lr}; fix the model settings"
+                f"warm start needs steps >= 0, batch_size >= 1 and lr > 0, got {steps}, {batch_size}, {lr}; "
+                "fix the model settings"
             )
         if target is not None and not 0.0 < target <= 1.0:
             raise UserError(f"warm start target accuracy must be in (0, 1], got {target}; 1.0 runs every step")
@@ -129,7 +130,15 @@ def _tiny_policy(
         name = f"tiny-qwen2:{task.name}:init:seed{seed}"
         return Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name)
     entry, info = warm_start(
-        task, arch=arch, charset=charset, steps=steps, lr=lr, batch_size=batch_size, target=target, seed=seed, cache_dir=cache_dir
+        task,
+        arch=arch,
+        charset=charset,
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        target=target,
+        seed=seed,
+        cache_dir=cache_dir,
     )
     policy = load_hf_policy(entry)
     policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"
@@ -155,7 +164,8 @@ def load_hf_policy(path: str | Path) -> Policy:
         raise UserError(f"model directory {directory} has no *.safetensors weights; {fix}")
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
         raise UserError(
-            f"model directory {directory} has no tokenizer files; save the tokenizer into it with tokenizer.save_pretrained"
+            f"model directory {directory} has no tokenizer files; "
+            "save the tokenizer into it with tokenizer.save_pretrained"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)

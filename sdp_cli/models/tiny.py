@@ -55,7 +55,9 @@ def tiny_arch(
     return arch
 
 
-def tiny_config(tokenizer_size: int, arch: dict[str, Any], *, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2) -> Qwen2Config:
+def tiny_config(
+    tokenizer_size: int, arch: dict[str, Any], *, pad_id: int = 0, bos_id: int = 1, eos_id: int = 2
+) -> Qwen2Config:
     """The ``Qwen2Config`` for ``arch`` (from ``tiny_arch``) and a tokenizer of ``tokenizer_size``."""
     return Qwen2Config(
         vocab_size=padded_vocab_size(tokenizer_size),

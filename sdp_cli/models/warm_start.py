@@ -139,7 +139,9 @@ def sft_batch(tokenizer: Any, task: Task, items: list) -> tuple[torch.Tensor, to
     return input_ids, attention_mask, target_mask
 
 
-def sft_loss(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+def sft_loss(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+) -> torch.Tensor:
     """Mean next-token cross-entropy over the target positions (logits at t predict token t+1)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     labels = input_ids[:, 1:]
@@ -194,7 +196,9 @@ def read_info(entry: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"warm-start cache entry {entry} is unreadable ({err}); delete the directory to retrain") from None
+        raise UserError(
+            f"warm-start cache entry {entry} is unreadable ({err}); delete the directory to retrain"
+        ) from None
 
 
 def warm_start(
@@ -227,11 +231,15 @@ def warm_start(
         log.info("warm start: using cached %s", entry)
         return entry, read_info(entry)
     if entry.exists():
-        raise UserError(f"warm-start cache entry {entry} is incomplete (no {INFO_FILE}); delete the directory to retrain")
+        raise UserError(
+            f"warm-start cache entry {entry} is incomplete (no {INFO_FILE}); delete the directory to retrain"
+        )
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"cannot create the cache directory {root} ({err.strerror}); set SDP_CACHE_DIR to a writable directory") from None
+        raise UserError(
+            f"cannot create the cache directory {root} ({err.strerror}); set SDP_CACHE_DIR to a writable directory"
+        ) from None
 
     log.info("warm start: training %s for up to %d steps (cache %s)", task.name, steps, entry)
     started = time.perf_counter()
@@ -268,7 +276,11 @@ def warm_start(
         "train_seconds": round(train_seconds, 3),
     }
     log.info(
-        "warm start: %s greedy accuracy %.3f after %d steps, %.1f s", task.name, final_accuracy, len(losses), train_seconds
+        "warm start: %s greedy accuracy %.3f after %d steps, %.1f s",
+        task.name,
+        final_accuracy,
+        len(losses),
+        train_seconds,
     )
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
