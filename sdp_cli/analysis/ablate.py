@@ -297,12 +297,18 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
 
 def run_sweep(plan: SweepPlan) -> int:
     """Run the multirun in a subprocess (its output goes to this process's stdout/stderr) and
-    return its exit code. Jobs whose run is finished return at once."""
+    return its exit code. Jobs whose run is finished return at once. On Ctrl-C the sweep gets
+    the same SIGINT; it is waited for, so that interrupted runs finish writing a checkpoint."""
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # joblib's worker processes would otherwise start as many BLAS threads as cores each
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(plan.command(), env=env, check=False).returncode
+    with subprocess.Popen(plan.command(), env=env) as process:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            process.wait()
+            raise
 
 
 # --------------------------------------------------------------- job side
@@ -356,6 +362,18 @@ def run_job(sweep_dir: Path, overrides: Sequence[str]) -> str:
 def unfinished(plan: SweepPlan) -> list[Job]:
     """The planned jobs whose run directory has no summary.json (now)."""
     return [job for job in plan.jobs if run_state(job.run_dir) != FINISHED]
+
+
+def prune_checkpoints(plan: SweepPlan) -> int:
+    """Delete ``checkpoints/`` of the plan's finished runs (a finished run is never resumed; its
+    results stay). Returns the number of run directories pruned."""
+    pruned = 0
+    for job in plan.jobs:
+        folder = job.run_dir / "checkpoints"
+        if run_state(job.run_dir) == FINISHED and folder.is_dir():
+            shutil.rmtree(folder)
+            pruned += 1
+    return pruned
 
 
 def write_plan(plan: SweepPlan) -> Path:

@@ -9,6 +9,7 @@ directory records a complete ``sdp train`` recipe.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -30,4 +31,7 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # `sdp ablate` reports the interruption in one line
+        sys.exit(130)

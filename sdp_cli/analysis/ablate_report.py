@@ -14,8 +14,11 @@ Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean`
 - ``lag``: mean over steps of the mean token lag c − v; ``kl``: mean of ``offpolicy/kl``
   (π_behav vs π_prox); ``ppo_kl``: mean of ``loss/ppo_kl`` (how far each update moves).
 - ``filtered``: groups dropped by the staleness strategy / groups generated.
-- from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end,
-  tokens/s, steps/s, wall seconds, share of wall time in the recompute pass.
+- ``wall_s``: the training loop's time, Σ over steps of ``time/{wait,train,push}_s``;
+  ``tokens_per_s`` = the last ``throughput/tokens_generated_total`` / ``wall_s``; ``steps_per_s``
+  and ``recompute_share`` (Σ ``time/recompute_s`` / ``wall_s``) likewise. Summed per step rather
+  than taken from summary.json, so a resumed run counts the time of both sessions.
+- from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
     Metric("filtered", "filtered", "fraction of generated groups dropped for staleness", ".3f", "outcome"),
-    Metric("tokens_per_s", "tok/s", "generated tokens per second of training", ".0f", "outcome"),
+    Metric("tokens_per_s", "tok/s", "generated tokens per second of the training loop", ".0f", "outcome"),
     Metric("steps_per_s", "steps/s", "training steps per second", ".2f", "outcome"),
-    Metric("wall_s", "wall s", "wall seconds of the training loop", ".0f", "outcome"),
+    Metric("wall_s", "wall s", "seconds in the training loop (evaluation and setup excluded)", ".0f", "outcome"),
     Metric("recompute_share", "recompute", "share of wall time spent in the recompute pass", ".3f", "outcome"),
 )
 
@@ -226,16 +229,18 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         out[f"w_{short}_ess"] = _mean(_values(rows, f"{prefix}eff_sample_size"))
         maxima = _values(rows, f"{prefix}max")
         out[f"w_{short}_max"] = max(maxima) if maxima else None
+    wall = sum(_values(rows, "time/wait_s") + _values(rows, "time/train_s") + _values(rows, "time/push_s"))
+    tokens = _values(rows, "throughput/tokens_generated_total")
+    out["wall_s"] = wall if wall > 0 else None
+    out["tokens_per_s"] = tokens[-1] / wall if wall > 0 and tokens else None
+    out["steps_per_s"] = len(rows) / wall if wall > 0 else None
+    out["recompute_share"] = sum(_values(rows, "time/recompute_s")) / wall if wall > 0 else None
     summary = record.summary or {}
     generated = (summary.get("counters") or {}).get("groups_generated")
     filtered = summary.get("filtered_groups")
     out["filtered"] = filtered / generated if generated and filtered is not None else None
     out["reward_last"] = summary.get("reward_last")
     out["acc_end"] = summary.get("greedy_accuracy_end")
-    out["tokens_per_s"] = summary.get("tokens_per_second")
-    out["steps_per_s"] = summary.get("steps_per_second")
-    out["wall_s"] = summary.get("wall_seconds")
-    out["recompute_share"] = summary.get("recompute_share")
     return out
 
 

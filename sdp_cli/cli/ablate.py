@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what each correction buys.
 
-Every job is one `sdp train` run with the shadow recompute pass on, so both behavioural weights (decoupled π_prox/π_behav and segment-wise π_{v+1}/π_behav) are measured on the same tokens whatever the mode trains. Sweeps live in sdp_cli/conf/ablate/ (default, harsh, smoke); any axis or config key can be overridden (a comma list or range(...) makes an axis), and the launcher is a Hydra override (hydra/launcher=basic|joblib|submitit_slurm|ray). Re-running the same command resumes: finished runs are skipped, interrupted ones continue from their checkpoint. Writes DIR/summary.csv, DIR/summary.md and DIR/plots/*.png; see docs/ablate.md.
+Every job is one `sdp train` run with the shadow recompute pass on, so both behavioural weights (decoupled π_prox/π_behav and segment-wise π_{v+1}/π_behav) are measured on the same tokens whatever the mode trains. Sweeps live in sdp_cli/conf/ablate/ (default, harsh, smoke); any axis or config key can be overridden (a comma list or range(...) makes an axis), and the launcher is a Hydra override (hydra/launcher=basic|joblib|submitit_slurm|ray). Re-running the same command resumes: finished runs are skipped, interrupted ones continue from their checkpoint (finished runs keep their results but not their checkpoints, unless --keep-checkpoints). Writes DIR/summary.csv, DIR/summary.md and DIR/plots/*.png; see docs/ablate.md.
 
 [bold]Examples[/bold]
 
@@ -51,18 +51,21 @@ def ablate_command(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate the sweep, print its plan and exit."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Write the table files but no PNG plots."),
+    keep_checkpoints: bool = typer.Option(
+        False, "--keep-checkpoints", help="Keep the checkpoints of finished runs (deleted by default: only resuming needs them)."
+    ),
 ) -> None:
     overrides = list(ctx.args)
     if "=" in sweep:  # `sdp ablate seed=0,1`: an override in the sweep's place
         overrides.insert(0, sweep)
         sweep = "default"
     if report is not None:
-        if overrides or directory is not None or jobs is not None or dry_run:
+        if overrides or directory is not None or jobs is not None or dry_run or keep_checkpoints:
             raise UserError("--report only aggregates an existing sweep; drop the sweep name, overrides and other options")
         _print_report(report, plots=not no_plots)
         return
 
-    from sdp_cli.analysis.ablate import plan_sweep, run_sweep, unfinished, write_plan
+    from sdp_cli.analysis.ablate import plan_sweep, prune_checkpoints, run_sweep, unfinished, write_plan
 
     if jobs is not None:
         overrides.append(f"hydra.launcher.n_jobs={jobs}")
@@ -71,7 +74,13 @@ def ablate_command(
     if dry_run:
         return
     write_plan(plan)
-    code = run_sweep(plan)
+    try:
+        code = run_sweep(plan)
+    except KeyboardInterrupt:
+        typer.secho("interrupted; run the same command again to resume the sweep", err=True, fg=typer.colors.RED)
+        raise typer.Exit(130) from None
+    if not keep_checkpoints:
+        prune_checkpoints(plan)
     left = unfinished(plan)
     if any(job.state != "new" for job in plan.jobs) or not left:
         _print_report(plan.sweep_dir, plots=not no_plots)

@@ -174,24 +174,24 @@ def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=()):
     return run_dir
 
 
-def _row(reward, lag, n, mean, std, ess, wmax):
+def _row(reward, lag, n, mean, std, ess, wmax, tokens=100.0):
     shadow = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess, "rollout_is_max": wmax}
     out = {"reward/mean": reward, "staleness/lag_mean": lag, "batch/response_tokens": n, "offpolicy/kl": 0.01 * lag}
+    # every step: 0.5 s waiting, 1 s training, 0.5 s pushing (0.25 s of it recomputing)
+    out.update({"time/wait_s": 0.5, "time/train_s": 1.0, "time/push_s": 0.5, "time/recompute_s": 0.25})
+    out["throughput/tokens_generated_total"] = tokens
     for name in ("decoupled", "segment_wise"):
         out.update({f"shadow/{name}/{k}": v for k, v in shadow.items()})
     return out
 
 
-def _summary(reward_last, filtered, generated, tps):
+def _summary(reward_last, filtered, generated):
+    # throughput fields of summary.json are left out on purpose: the report reads metrics.jsonl
     return {
         "reward_last": reward_last,
         "greedy_accuracy_end": reward_last,
         "filtered_groups": filtered,
         "counters": {"groups_generated": generated},
-        "tokens_per_second": tps,
-        "steps_per_second": 1.0,
-        "wall_seconds": 10.0,
-        "recompute_share": 0.1,
     }
 
 
@@ -200,14 +200,14 @@ def fake_sweep(tmp_path):
     # seed 0: step weights {1,1} and {3,3} → all tokens {1,1,3,3}: mean 2, population std 1
     _fake_run(
         tmp_path, "decoupled-eta2-seed0", mode="decoupled", eta=2, seed=0,
-        rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0), _row(0.7, 2.0, 2, 3.0, 0.0, 0.7, 3.0)],
-        summary=_summary(0.25, 3, 30, 100.0),
+        rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0), _row(0.7, 2.0, 2, 3.0, 0.0, 0.7, 3.0, tokens=200.0)],
+        summary=_summary(0.25, 3, 30),
     )
     # seed 1: {4} and {0,2} (mean 1, std 1) → {4,0,2}: mean 2, variance (4+4+0)/3 → std √(8/3)
     _fake_run(
         tmp_path, "decoupled-eta2-seed1", mode="decoupled", eta=2, seed=1,
-        rows=[_row(0.1, 1.0, 1, 4.0, 0.0, 0.6, 4.0), _row(0.3, 2.0, 2, 1.0, 1.0, 0.8, 2.0)],
-        summary=_summary(0.75, 0, 20, 300.0),
+        rows=[_row(0.1, 1.0, 1, 4.0, 0.0, 0.6, 4.0), _row(0.3, 2.0, 2, 1.0, 1.0, 0.8, 2.0, tokens=600.0)],
+        summary=_summary(0.75, 0, 20),
     )
     # unfinished (no summary.json): listed, never aggregated
     _fake_run(
@@ -216,7 +216,7 @@ def fake_sweep(tmp_path):
     )
     _fake_run(
         tmp_path, "bypass-eta0-seed0", mode="bypass", eta=0, seed=0,
-        rows=[_row(0.2, 0.0, 4, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.2, 0, 10, 50.0),
+        rows=[_row(0.2, 0.0, 4, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.2, 0, 10),
     )
     return tmp_path
 
@@ -257,10 +257,15 @@ def test_aggregate_by_hand(fake_sweep):
     # lag: both runs (1+2)/2 = 1.5, no spread; kl = 0.01·lag
     assert (dec.mean["lag"], dec.std["lag"]) == (pytest.approx(1.5), pytest.approx(0.0))
     assert dec.mean["kl"] == pytest.approx(0.015)
-    # from summary.json: reward_last 0.25 and 0.75; filtered 3/30 and 0/20; tokens/s 100 and 300
+    # from summary.json: reward_last 0.25 and 0.75; filtered 3/30 and 0/20
     assert (dec.mean["reward_last"], dec.std["reward_last"]) == (pytest.approx(0.5), pytest.approx(0.5 / math.sqrt(2)))
     assert dec.mean["filtered"] == pytest.approx(0.05)
-    assert dec.mean["tokens_per_s"] == pytest.approx(200.0)
+    # two steps of 0.5 + 1 + 0.5 s → 4 s in the loop; 200 and 600 tokens → 50 and 150 tokens/s;
+    # 2 steps / 4 s; recompute 2 × 0.25 s of 4 s
+    assert dec.mean["wall_s"] == pytest.approx(4.0)
+    assert dec.mean["tokens_per_s"] == pytest.approx(100.0)
+    assert dec.mean["steps_per_s"] == pytest.approx(0.5)
+    assert dec.mean["recompute_share"] == pytest.approx(0.125)
     # one seed: a mean, no std; a metric nobody logged: no value at all
     assert bypass.std["reward_last"] is None and bypass.count["reward_last"] == 1
     assert bypass.mean["ppo_kl"] is None and bypass.count["ppo_kl"] == 0
@@ -283,7 +288,7 @@ def test_groups_differ_only_in_what_varies(tmp_path):
     for seed, lr in ((0, "1e-4"), (1, "3e-4")):
         _fake_run(
             tmp_path, f"r{seed}", mode="decoupled", eta=1, seed=seed, extra=("optim.lr=" + lr, "train.steps=5"),
-            rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.5, 0, 10, 10.0),
+            rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.5, 0, 10),
         )
     sweep = load_sweep(tmp_path)
     assert sweep.common == ("train.steps=5",)
@@ -292,9 +297,9 @@ def test_groups_differ_only_in_what_varies(tmp_path):
 
 def test_reward_curves_keep_the_steps_every_seed_reached(tmp_path):
     _fake_run(tmp_path, "a", mode="bypass", eta=1, seed=0, rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.1, 0.2, 0.3)],
-              summary=_summary(0.3, 0, 1, 1))
+              summary=_summary(0.3, 0, 1))
     _fake_run(tmp_path, "b", mode="bypass", eta=1, seed=1, rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.3, 0.6)],
-              summary=_summary(0.6, 0, 1, 1))
+              summary=_summary(0.6, 0, 1))
     ((key, (steps, means, stds)),) = reward_curves(load_sweep(tmp_path).records).items()
     assert key == ("bypass", 1, ())
     assert steps == [1, 2]

@@ -50,7 +50,8 @@ def _cli(argv, capsys):
 def smoke(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
     env = {**os.environ, "SDP_CACHE_DIR": str(root / "cache"), "COLUMNS": "200"}
-    command = ["ablate", "smoke", "--dir", str(root / "sweep"), "--jobs", "2", EXTRA]
+    # checkpoints kept: the resume test interrupts a run by removing its last one
+    command = ["ablate", "smoke", "--dir", str(root / "sweep"), "--jobs", "2", "--keep-checkpoints", EXTRA]
     started = time.monotonic()
     proc = _sdp(command, env)
     elapsed = time.monotonic() - started
@@ -130,7 +131,11 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             window = summary["reward_window"]
             assert float(row["reward_last_mean"]) == pytest.approx(sum(rewards[-window:]) / window)
             assert float(row["acc_end_mean"]) == pytest.approx(summary["greedy_accuracy_end"])
-            assert float(row["tokens_per_s_mean"]) == pytest.approx(summary["tokens_per_second"])
+            steps_s = sum(m["time/wait_s"] + m["time/train_s"] + m["time/push_s"] for m in metrics if "reward/mean" in m)
+            tokens = [m["throughput/tokens_generated_total"] for m in metrics if "reward/mean" in m][-1]
+            assert float(row["tokens_per_s_mean"]) == pytest.approx(tokens / steps_s)
+            # the loop's time is the run's wall time less thread start and stop
+            assert steps_s <= summary["wall_seconds"] and float(row["wall_s_mean"]) == pytest.approx(steps_s)
             filtered = summary["filtered_groups"] / summary["counters"]["groups_generated"]
             assert float(row["filtered_mean"]) == pytest.approx(filtered)
 
@@ -216,10 +221,13 @@ def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
     events = [json.loads(x)["event"] for x in (restarted / "events.jsonl").read_text().splitlines()]
     assert events.count("started") == 1 and "resumed" not in events
 
-    # Only the launcher changes: the basic launcher finds every run finished.
+    # Only the launcher changes: the basic launcher finds every run finished. Without
+    # --keep-checkpoints the finished runs lose their checkpoints, nothing else.
     settled = _finished_state(smoke)
     proc = _sdp([*smoke.command[:4], "hydra/launcher=basic", EXTRA], smoke.env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "6 runs (6 finished)" in proc.stdout
     assert proc.stdout.count("finished earlier, skipped") == 6
     assert _finished_state(smoke) == settled
+    assert list((smoke.dir / "runs").glob("*/checkpoints")) == []
+    assert len(list((smoke.dir / "runs").glob("*/metrics.jsonl"))) == 6
