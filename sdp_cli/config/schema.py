@@ -73,7 +73,7 @@ class LossConfig:
 class RolloutConfig:
     """Rollout production, admission and the recompute pass (DESIGN.md §2–3)."""
 
-    max_head_offpolicyness: int = 4
+    max_head_offpolicyness: int = 2
     """η: how many versions a rollout may lag; 0 = synchronous on-policy training."""
     batch_groups: int = 16
     """B: prompt groups per training batch."""
@@ -193,14 +193,16 @@ class ModelConfig:
     """tiny: key/value heads (grouped-query attention); null = num_heads."""
     intermediate_size: int = 512
     """tiny: MLP width."""
-    charset: str = "arith"
-    """tiny: character set of the built-in tokenizer (arith | ascii)."""
+    charset: str | None = None
+    """tiny: character set of the built-in tokenizer (arith | ascii); null = the task's."""
     warm_start_steps: int | None = None
-    """tiny: supervised warm-start steps; null = the task's default."""
-    warm_start_lr: float = 1e-3
-    """tiny: warm-start learning rate."""
-    warm_start_batch: int = 64
-    """tiny: warm-start batch size."""
+    """tiny: supervised warm-start steps (0 = none); null = the task's default."""
+    warm_start_lr: float | None = None
+    """tiny: warm-start learning rate; null = the task's default."""
+    warm_start_batch: int | None = None
+    """tiny: warm-start batch size; null = the task's default."""
+    warm_start_target: float | None = None
+    """tiny: stop the warm start early at this greedy accuracy; null = the task's default."""
 
 
 @dataclass
@@ -358,9 +360,11 @@ def validate(cfg: SdpConfig) -> None:
     _choice("model.kind", mdl.kind, MODEL_KINDS)
     if mdl.kind == "hf" and not mdl.path:
         raise ConfigValueError("model=hf needs model.path=/path/to/hf_model_dir")
-    _choice("model.charset", mdl.charset, CHARSETS)
-    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "warm_start_batch"):
+    if mdl.charset is not None:
+        _choice("model.charset", mdl.charset, CHARSETS)
+    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
         _positive(f"model.{key}", getattr(mdl, key))
+    _positive("model.warm_start_batch", mdl.warm_start_batch, allow_none=True)
     _positive("model.num_kv_heads", mdl.num_kv_heads, allow_none=True)
     if mdl.num_kv_heads is not None and mdl.num_heads % mdl.num_kv_heads:
         raise ConfigValueError(
@@ -371,7 +375,9 @@ def validate(cfg: SdpConfig) -> None:
             f"model.hidden_size={mdl.hidden_size} must be divisible by model.num_heads={mdl.num_heads}"
         )
     _positive("model.warm_start_steps", mdl.warm_start_steps, allow_none=True, strict=False)
-    _positive("model.warm_start_lr", mdl.warm_start_lr)
+    _positive("model.warm_start_lr", mdl.warm_start_lr, allow_none=True)
+    if mdl.warm_start_target is not None and not 0 < mdl.warm_start_target <= 1:
+        raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
 
     _choice("task.name", cfg.task.name, TASKS)
     if cfg.task.name == "gsm8k" and not cfg.task.path:

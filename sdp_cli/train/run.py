@@ -105,6 +105,7 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
         warm_start_steps=m.warm_start_steps,
         warm_start_lr=m.warm_start_lr,
         warm_start_batch=m.warm_start_batch,
+        warm_start_target=m.warm_start_target,
         seed=cfg.seed,
     )
 
@@ -284,8 +285,8 @@ class TrainingRun:
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        t0 = time.perf_counter()
         acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        t0 = time.perf_counter()
         try:
             self.loop.run()
         except (LoopStopped, EngineError) as exc:

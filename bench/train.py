@@ -1,0 +1,97 @@
+"""Benchmark of `sdp train` on the tiny model (embedded engine): steps/s and tokens/s for
+η = 0 (synchronous) vs η = 4 (asynchronous), and the share of wall time spent in the
+segment-wise recompute pass.
+
+Each configuration runs as a separate `sdp train` process (so thread settings do not leak)
+with the warm start already cached; the numbers come from the run's summary.json, whose clock
+starts after setup and the initial evaluation. Prints a table and writes bench/results/train.json.
+
+    python bench/train.py            # 60 steps per configuration, 3 repeats
+    python bench/train.py --steps 20 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = [
+    ("decoupled", 0, ["+preset=decoupled", "rollout.max_head_offpolicyness=0"]),
+    ("decoupled", 4, ["+preset=decoupled", "rollout.max_head_offpolicyness=4"]),
+    ("segment_wise", 0, ["+preset=segment_wise", "rollout.max_head_offpolicyness=0"]),
+    ("segment_wise", 4, ["+preset=segment_wise", "rollout.max_head_offpolicyness=4"]),
+]
+COMMON = ["run.progress=false", "run.tensorboard=false", "train.eval_samples=0", "train.checkpoint_every=0"]
+
+
+def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=root))
+    env = dict(os.environ, SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"train.steps={steps}", f"run.dir={run_dir}"]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train.json")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="sdp-bench-train-"))
+    cache = root / "cache"
+    # warm the warm-start cache once so that no configuration pays for it
+    run_once(CONFIGS[0][2], 1, root, cache)
+
+    rows = []
+    for mode, eta, overrides in CONFIGS:
+        runs = [run_once(overrides, args.steps, root, cache) for _ in range(args.repeats)]
+        sps = [r["steps_per_second"] for r in runs]
+        tps = [r["tokens_per_second"] for r in runs]
+        share = [r["recompute_share"] for r in runs]
+        rows.append(
+            {
+                "mode": mode,
+                "max_head_offpolicyness": eta,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "steps_per_second_median": statistics.median(sps),
+                "steps_per_second_all": sps,
+                "tokens_per_second_median": statistics.median(tps),
+                "recompute_share_median": statistics.median(share),
+                "lag_note": "all tokens lag 0" if eta == 0 else "tokens lag up to η",
+            }
+        )
+        print(f"measured {mode} η={eta}: {statistics.median(sps):.2f} steps/s", file=sys.stderr)
+
+    header = f"{'mode':<14}{'η':>3}{'steps/s':>10}{'tokens/s':>11}{'recompute share':>17}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['mode']:<14}{r['max_head_offpolicyness']:>3}{r['steps_per_second_median']:>10.2f}"
+            f"{r['tokens_per_second_median']:>11.0f}{100 * r['recompute_share_median']:>16.1f}%"
+        )
+    result = {
+        "benchmark": "train",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "config": "defaults (tiny model h128-L4, arith1, B=16 groups × 8 samples, local engine)",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
