@@ -41,7 +41,7 @@ def _build_versions(root: Path) -> list[Path]:
         num_attention_heads=4,  # head size 32: accepted by vLLM's CPU attention
         num_key_value_heads=2,
         intermediate_size=256,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
@@ -117,7 +117,7 @@ def vllm_engine(vllm_python, model_dirs, tmp_path_factory):
         model=str(model_dirs[0]),
         python=vllm_python,
         dtype="float32",
-        max_model_len=512,
+        max_model_len=2048,
         enforce_eager=True,
         cpu_kv_cache_gib=1,
         env={"HF_HUB_OFFLINE": "1"},

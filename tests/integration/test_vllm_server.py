@@ -18,6 +18,9 @@ from sdp_cli.rollout.records import RolloutSample
 pytestmark = pytest.mark.integration
 
 PROMPT_IDS = [1, 21, 22, 15, 23, 24, 33]  # "<s>12+34=" in the character tokenizer
+# Long enough that generation outlasts several pauses: the server may take a pause into account
+# only after hundreds of tokens of this tiny model.
+BUDGET = 1500
 
 
 def _load(engine: VLLMEngine, model_dirs, version: int) -> None:
@@ -66,12 +69,12 @@ def test_generation_records_logprobs_and_versions(vllm_engine, model_dirs, hf_re
 def test_pause_reload_resume_spans_three_versions(vllm_engine, model_dirs, hf_reference):
     engine = vllm_engine
     _load(engine, model_dirs, 0)
-    samples = [RolloutSample(prompt_ids=list(PROMPT_IDS)) for _ in range(4)]
+    samples = [RolloutSample(prompt_ids=list(PROMPT_IDS)) for _ in range(8)]
     errors: list[BaseException] = []
 
     def run() -> None:
         try:
-            engine.generate(samples, SamplingParams(max_new_tokens=480, seed=5))
+            engine.generate(samples, SamplingParams(max_new_tokens=BUDGET, seed=5))
         except BaseException as exc:
             errors.append(exc)
 
@@ -98,7 +101,7 @@ def test_pause_reload_resume_spans_three_versions(vllm_engine, model_dirs, hf_re
     final = version
     for s in samples:
         s.check_consistent()
-        assert s.finish_reason == "length" and s.output_len == 480
+        assert s.finish_reason == "length" and s.output_len == BUDGET
         assert s.versions == sorted(s.versions), "versions never go back"
         assert len(set(s.versions)) >= 3, f"sample spans versions {sorted(set(s.versions))}"
     # Every token of version v < final has π_prox_t from version v+1; check it against a fresh
