@@ -37,13 +37,14 @@ def train_command(
     overrides = list(ctx.args)
     if help_config:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         from sdp_cli.config.schema import field_docs
 
         table = Table("key", "default", "meaning", box=None, show_header=True)
         for key, default, doc in field_docs():
-            table.add_row(key, default, doc)
+            table.add_row(key, escape(default), escape(doc))
         Console().print(table)
         raise typer.Exit()
 

@@ -69,3 +69,10 @@ def test_help_path_imports_no_heavy_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_help_config_keeps_square_brackets(capsys):
+    # "[floor, cap]" must not be swallowed as rich markup
+    code, out, _ = _run(["train", "--help-config"], capsys)
+    assert code == 0
+    assert "(clamp into [floor," in out  # the table may wrap after the comma
