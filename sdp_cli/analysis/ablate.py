@@ -26,11 +26,12 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from sdp_cli.errors import UserError
 
@@ -132,7 +133,9 @@ def quote(path: Path) -> str:
     """A path as a quoted Hydra override value (run names contain '=', paths may hold spaces)."""
     text = str(path)
     if "'" in text:
-        raise UserError(f"{text}: a sweep directory must not contain a single quote; choose another --dir")
+        raise UserError(
+            f"{text}: a sweep directory must not contain a single quote; choose another --dir"
+        )
     return f"'{text}'"
 
 
@@ -176,7 +179,9 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
         return OverridesParser.create().parse_overrides(list(overrides))
     except Exception as exc:  # a malformed override: one line naming it
         first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
-        raise UserError(f"cannot parse override: {first.strip()} (use key=value or key=a,b,c)") from None
+        raise UserError(
+            f"cannot parse override: {first.strip()} (use key=value or key=a,b,c)"
+        ) from None
 
 
 def _sweeper_params(sweep: str, plain: list[str], hydra_overrides: list[str]) -> dict[str, str]:
@@ -198,7 +203,9 @@ def _sweeper_params(sweep: str, plain: list[str], hydra_overrides: list[str]) ->
             )
     except Exception as exc:
         first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
-        raise UserError(f"cannot apply {' '.join(hydra_overrides) or 'the sweep'}: {first.strip()}") from None
+        raise UserError(
+            f"cannot apply {' '.join(hydra_overrides) or 'the sweep'}: {first.strip()}"
+        ) from None
     params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) or {}
     return {str(k): str(v) for k, v in params.items()}
 
@@ -255,17 +262,29 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
 
     sweeps = available_sweeps()
     if sweep not in sweeps:
-        raise UserError(f"unknown sweep '{sweep}'; choose one of {', '.join(sweeps)} (files in sdp_cli/conf/ablate)")
+        raise UserError(
+            f"unknown sweep '{sweep}'; choose one of {', '.join(sweeps)} "
+            "(files in sdp_cli/conf/ablate)"
+        )
     hydra_overrides = [o for o in overrides if _is_hydra_override(o)]
     job_overrides = [o for o in overrides if not _is_hydra_override(o)]
     for parsed in _parse_overrides(job_overrides):
         key = parsed.get_key_element().lstrip("+~")
         if key in MANAGED_KEYS:
-            raise UserError(f"{key} is set by the sweep (one run directory per job); use --dir DIR to choose where the sweep writes")
+            raise UserError(
+                f"{key} is set by the sweep (one run directory per job); "
+                "use --dir DIR to choose where the sweep writes"
+            )
         if key == SWEEP_GROUP:
-            raise UserError(f"choose the sweep as the first argument (sdp ablate NAME), not with {key}=")
-    plain = [str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()]
-    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain])  # a bad key or value: sdp train's own message
+            raise UserError(
+                f"choose the sweep as the first argument (sdp ablate NAME), not with {key}="
+            )
+    plain = [
+        str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()
+    ]
+    compose_config(
+        [f"+{SWEEP_GROUP}={sweep}", *plain]
+    )  # a bad key or value: sdp train's own message
     params = _sweeper_params(sweep, plain, hydra_overrides)
     expanded = _expand(params, [f"+{SWEEP_GROUP}={sweep}", *job_overrides])
 
@@ -274,7 +293,9 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
     seen: dict[str, tuple[str, ...]] = {}
     for job_list in expanded:
         name = run_name(job_list)
-        assert name not in seen, f"two jobs map to run directory {name}: {seen[name]} and {job_list}"
+        assert name not in seen, (
+            f"two jobs map to run directory {name}: {seen[name]} and {job_list}"
+        )
         seen[name] = tuple(job_list)
         run_dir = root / RUNS_SUBDIR / name
         job = Job(tuple(job_list), name, run_dir, run_state(run_dir))
@@ -291,7 +312,11 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
     final: dict[str, Any] = {}
     for parsed in _parse_overrides([*(f"{k}={v}" for k, v in params.items()), *job_overrides]):
         final[parsed.get_key_element()] = parsed  # a later value of a key replaces the earlier one
-    axes = {key: [str(v) for v in o.sweep_string_iterator()] for key, o in final.items() if o.is_sweep_override()}
+    axes = {
+        key: [str(v) for v in o.sweep_string_iterator()]
+        for key, o in final.items()
+        if o.is_sweep_override()
+    }
     return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes)
 
 

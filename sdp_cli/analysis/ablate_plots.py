@@ -11,11 +11,14 @@ Error bars are ± one sample std over seeds (none for a single seed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from sdp_cli.analysis.ablate_report import GroupRow
 
+#: (metric prefix, line style, legend name) of the decoupled and the segment-wise weight
+WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav"))
 Curves = dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]
 
 
@@ -71,7 +74,7 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
     colours = _colours(list(series))
     fig, (ax_std, ax_ess) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in series.items():
-        for short, dash, name in (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav")):
+        for short, dash, name in WEIGHT_STYLES:
             style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {name}"}
             _line(ax_std, rows, f"w_{short}_std", **style)
             _line(ax_ess, rows, f"w_{short}_ess", **style)
@@ -122,7 +125,9 @@ def plot_reward_curves(curves: Curves, path: Path) -> Path:
     colours = _colours(labels)
     cols = min(len(etas), 3)
     rows = -(-len(etas) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True
+    )
     for ax, eta in zip(axes.flat, etas):
         for (mode, g_eta, extra), (steps, means, stds) in sorted(curves.items()):
             if g_eta != eta or not steps:
@@ -133,7 +138,11 @@ def plot_reward_curves(curves: Curves, path: Path) -> Path:
             label = " ".join([mode, *extra])
             ax.plot(steps, mean, color=colours[label], label=label)
             ax.fill_between(
-                steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color=colours[label], alpha=0.15
+                steps,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=colours[label],
+                alpha=0.15,
             )
         ax.set_title(f"η = {eta}")
         ax.set_xlabel("step")

@@ -1,4 +1,4 @@
-"""Aggregate a sweep's run directories into per-run numbers, per-group mean ± std, CSV and Markdown.
+"""Aggregate a sweep's run directories: per-run numbers, per-group mean ± std, CSV, Markdown.
 
 Reads only ``<sweep>/runs/*/`` (``overrides.json``, ``config.yaml``, ``summary.json``,
 ``metrics.jsonl``), so it works the same for a sweep that ran on a cluster. A run belongs to the
@@ -27,11 +27,19 @@ import csv
 import io
 import json
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from sdp_cli.analysis.ablate import ETA_KEY, MODE_KEY, RUNS_SUBDIR, SEED_KEY, SWEEP_GROUP, split_override
+from sdp_cli.analysis.ablate import (
+    ETA_KEY,
+    MODE_KEY,
+    RUNS_SUBDIR,
+    SEED_KEY,
+    SWEEP_GROUP,
+    split_override,
+)
 from sdp_cli.errors import UserError
 
 SHADOWS = {"dec": "decoupled", "sdp": "segment_wise"}
@@ -51,21 +59,75 @@ class Metric:
 
 METRICS: tuple[Metric, ...] = (
     Metric("lag", "lag", "mean token lag c − v (realised staleness)", ".2f", "weights"),
-    Metric("reward_last", "reward", "mean reward over the last window of steps (summary.json)", ".3f", "outcome"),
+    Metric(
+        "reward_last",
+        "reward",
+        "mean reward over the last window of steps (summary.json)",
+        ".3f",
+        "outcome",
+    ),
     Metric("acc_end", "acc", "greedy accuracy after training", ".3f", "outcome"),
-    Metric("w_dec_std", "std dec", "pooled std of the decoupled weight π_prox/π_behav", ".3f", "weights"),
-    Metric("w_sdp_std", "std sdp", "pooled std of the segment-wise weight π_{v+1}/π_behav", ".3f", "weights"),
-    Metric("w_dec_ess", "ESS dec", "mean per-step ESS fraction of the decoupled weight", ".3f", "weights"),
-    Metric("w_sdp_ess", "ESS sdp", "mean per-step ESS fraction of the segment-wise weight", ".3f", "weights"),
+    Metric(
+        "w_dec_std",
+        "std dec",
+        "pooled std of the decoupled weight π_prox/π_behav",
+        ".3f",
+        "weights",
+    ),
+    Metric(
+        "w_sdp_std",
+        "std sdp",
+        "pooled std of the segment-wise weight π_{v+1}/π_behav",
+        ".3f",
+        "weights",
+    ),
+    Metric(
+        "w_dec_ess",
+        "ESS dec",
+        "mean per-step ESS fraction of the decoupled weight",
+        ".3f",
+        "weights",
+    ),
+    Metric(
+        "w_sdp_ess",
+        "ESS sdp",
+        "mean per-step ESS fraction of the segment-wise weight",
+        ".3f",
+        "weights",
+    ),
     Metric("w_dec_max", "max dec", "largest decoupled weight", ".1f", "weights"),
     Metric("w_sdp_max", "max sdp", "largest segment-wise weight", ".1f", "weights"),
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
-    Metric("filtered", "filtered", "fraction of generated groups dropped for staleness", ".3f", "outcome"),
-    Metric("tokens_per_s", "tok/s", "generated tokens per second of the training loop", ".0f", "outcome"),
+    Metric(
+        "filtered",
+        "filtered",
+        "fraction of generated groups dropped for staleness",
+        ".3f",
+        "outcome",
+    ),
+    Metric(
+        "tokens_per_s",
+        "tok/s",
+        "generated tokens per second of the training loop",
+        ".0f",
+        "outcome",
+    ),
     Metric("steps_per_s", "steps/s", "training steps per second", ".2f", "outcome"),
-    Metric("wall_s", "wall s", "seconds in the training loop (evaluation and setup excluded)", ".0f", "outcome"),
-    Metric("recompute_share", "recompute", "share of wall time spent in the recompute pass", ".3f", "outcome"),
+    Metric(
+        "wall_s",
+        "wall s",
+        "seconds in the training loop (evaluation and setup excluded)",
+        ".0f",
+        "outcome",
+    ),
+    Metric(
+        "recompute_share",
+        "recompute",
+        "share of wall time spent in the recompute pass",
+        ".3f",
+        "outcome",
+    ),
 )
 
 
@@ -117,7 +179,9 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"{path}: cannot read ({err}); re-run the sweep to rewrite this run") from None
+        raise UserError(
+            f"{path}: cannot read ({err}); re-run the sweep to rewrite this run"
+        ) from None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -131,7 +195,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except ValueError:
-            raise UserError(f"{path}:{number}: not JSON; the run was cut mid-write, re-run the sweep to resume it") from None
+            raise UserError(
+                f"{path}:{number}: not JSON; the run was cut mid-write, "
+                "re-run the sweep to resume it"
+            ) from None
         if row.get("reward/mean") is not None:
             rows.append(row)
     return rows
@@ -141,16 +208,26 @@ def read_run(run_dir: Path) -> RunRecord:
     """A run directory of a sweep (finished or not)."""
     overrides = _read_json(run_dir / "overrides.json")
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise UserError(f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate")
+        raise UserError(
+            f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate"
+        )
     import yaml
 
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else None
+    config = (
+        yaml.safe_load((run_dir / "config.yaml").read_text())
+        if (run_dir / "config.yaml").is_file()
+        else None
+    )
     if not isinstance(config, dict):
         raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
     extra = []
     for override in overrides:
         key, value = split_override(override)
-        if key in (MODE_KEY, ETA_KEY, SEED_KEY) or key.lstrip("+~") in (SWEEP_GROUP, "run.dir", "resume"):
+        if key in (MODE_KEY, ETA_KEY, SEED_KEY) or key.lstrip("+~") in (
+            SWEEP_GROUP,
+            "run.dir",
+            "resume",
+        ):
             continue
         extra.append(f"{key.lstrip('+~')}={value}")
     summary_path = run_dir / "summary.json"
@@ -179,14 +256,22 @@ def load_sweep(sweep_dir: Path) -> Sweep:
     """Every run directory under ``<sweep_dir>/runs`` (sorted by mode, η, extra, seed)."""
     runs_dir = Path(sweep_dir) / RUNS_SUBDIR
     if not runs_dir.is_dir():
-        raise UserError(f"{sweep_dir}: no {RUNS_SUBDIR}/ directory; pass the directory of an sdp ablate sweep")
-    records = [read_run(d) for d in sorted(runs_dir.iterdir()) if d.is_dir() and (d / "overrides.json").is_file()]
+        raise UserError(
+            f"{sweep_dir}: no {RUNS_SUBDIR}/ directory; pass the directory of an sdp ablate sweep"
+        )
+    records = [
+        read_run(d)
+        for d in sorted(runs_dir.iterdir())
+        if d.is_dir() and (d / "overrides.json").is_file()
+    ]
     if not records:
         raise UserError(f"{runs_dir}: no runs yet; start the sweep with sdp ablate")
     common = set.intersection(*(set(r.extra) for r in records))
     for record in records:
         record.extra = tuple(e for e in record.extra if e not in common)
-    return Sweep(sorted(records, key=lambda r: (r.mode, r.eta, r.extra, r.seed)), tuple(sorted(common)))
+    return Sweep(
+        sorted(records, key=lambda r: (r.mode, r.eta, r.extra, r.seed)), tuple(sorted(common))
+    )
 
 
 # ------------------------------------------------------------------- maths
@@ -198,7 +283,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def pooled_std(counts: Sequence[float], means: Sequence[float], stds: Sequence[float]) -> float | None:
+def pooled_std(
+    counts: Sequence[float], means: Sequence[float], stds: Sequence[float]
+) -> float | None:
     """Population std of the union of groups of sizes n_i, means μ_i, population stds σ_i."""
     total = sum(counts)
     if total <= 0:
@@ -221,15 +308,22 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         usable = [
             r
             for r in rows
-            if all(r.get(k) is not None for k in (f"{prefix}mean", f"{prefix}std", "batch/response_tokens"))
+            if all(
+                r.get(k) is not None
+                for k in (f"{prefix}mean", f"{prefix}std", "batch/response_tokens")
+            )
         ]
         out[f"w_{short}_std"] = pooled_std(
-            _values(usable, "batch/response_tokens"), _values(usable, f"{prefix}mean"), _values(usable, f"{prefix}std")
+            _values(usable, "batch/response_tokens"),
+            _values(usable, f"{prefix}mean"),
+            _values(usable, f"{prefix}std"),
         )
         out[f"w_{short}_ess"] = _mean(_values(rows, f"{prefix}eff_sample_size"))
         maxima = _values(rows, f"{prefix}max")
         out[f"w_{short}_max"] = max(maxima) if maxima else None
-    wall = sum(_values(rows, "time/wait_s") + _values(rows, "time/train_s") + _values(rows, "time/push_s"))
+    wall = sum(
+        _values(rows, "time/wait_s") + _values(rows, "time/train_s") + _values(rows, "time/push_s")
+    )
     tokens = _values(rows, "throughput/tokens_generated_total")
     out["wall_s"] = wall if wall > 0 else None
     out["tokens_per_s"] = tokens[-1] / wall if wall > 0 and tokens else None
@@ -253,7 +347,7 @@ def _std(values: Sequence[float]) -> float | None:
 
 
 def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
-    """One row per (mode, η, other swept values) over the finished runs: mean, std, n per metric."""
+    """One row per (mode, η, other swept values) over the finished runs: mean, std, n."""
     groups: dict[tuple[str, int, tuple[str, ...]], list[RunRecord]] = {}
     for record in records:
         if record.finished:
@@ -271,8 +365,10 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
     return out
 
 
-def reward_curves(records: Sequence[RunRecord]) -> dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]:
-    """Per group: steps, mean reward over the seeds at each step, and its sample std (0 for one seed).
+def reward_curves(
+    records: Sequence[RunRecord],
+) -> dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]:
+    """Per group: steps, mean reward over the seeds per step, its sample std (0 for one seed).
 
     Only steps every finished run of the group reached are kept."""
     by_group: dict[tuple[str, int, tuple[str, ...]], list[dict[int, float]]] = {}
@@ -344,7 +440,14 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(
-        ["mode", "eta", "other", "seeds", "n", *(f"{m.key}_{s}" for m in METRICS for s in ("mean", "std", "n"))]
+        [
+            "mode",
+            "eta",
+            "other",
+            "seeds",
+            "n",
+            *(f"{m.key}_{s}" for m in METRICS for s in ("mean", "std", "n")),
+        ]
     )
     for g in groups:
         cells: list[Any] = [g.mode, g.eta, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
@@ -381,9 +484,12 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
     csv_path.write_text(to_csv(groups))
-    common = f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
+    common = (
+        f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
+    )
     md_path.write_text(
-        f"# sdp ablate: {sweep_dir.name}\n\n{common}mean ± sample std over seeds (n runs per row).\n\n"
+        f"# sdp ablate: {sweep_dir.name}\n\n{common}"
+        "mean ± sample std over seeds (n runs per row).\n\n"
         f"{to_markdown(groups)}"
     )
     written: list[Path] = []

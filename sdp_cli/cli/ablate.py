@@ -1,4 +1,4 @@
-"""`sdp ablate`: run a staleness × mode sweep (or re-aggregate one) and print its evidence table."""
+"""`sdp ablate`: run a staleness × mode sweep (or re-aggregate one) and print its tables."""
 
 from __future__ import annotations
 
@@ -41,18 +41,36 @@ def ablate_command(
     ctx: typer.Context,
     sweep: str = typer.Argument("default", help="Sweep name (a file in sdp_cli/conf/ablate)."),
     directory: Path | None = typer.Option(
-        None, "--dir", "-d", help="Sweep directory \\[default: runs/ablate/SWEEP].", show_default=False
+        None,
+        "--dir",
+        "-d",
+        help="Sweep directory \\[default: runs/ablate/SWEEP].",
+        show_default=False,
     ),
     jobs: int | None = typer.Option(
-        None, "--jobs", "-j", min=1, help="Parallel jobs of the joblib launcher \\[default: one per core].", show_default=False
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help="Parallel jobs of the joblib launcher \\[default: one per core].",
+        show_default=False,
     ),
     report: Path | None = typer.Option(
-        None, "--report", help="Only aggregate this existing sweep directory (no training).", show_default=False
+        None,
+        "--report",
+        help="Only aggregate this existing sweep directory (no training).",
+        show_default=False,
     ),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate the sweep, print its plan and exit."),
-    no_plots: bool = typer.Option(False, "--no-plots", help="Write the table files but no PNG plots."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate the sweep, print its plan and exit."
+    ),
+    no_plots: bool = typer.Option(
+        False, "--no-plots", help="Write the table files but no PNG plots."
+    ),
     keep_checkpoints: bool = typer.Option(
-        False, "--keep-checkpoints", help="Keep the checkpoints of finished runs (deleted by default: only resuming needs them)."
+        False,
+        "--keep-checkpoints",
+        help="Keep the checkpoints of finished runs (by default deleted: only resuming uses them).",
     ),
 ) -> None:
     overrides = list(ctx.args)
@@ -61,11 +79,20 @@ def ablate_command(
         sweep = "default"
     if report is not None:
         if overrides or directory is not None or jobs is not None or dry_run or keep_checkpoints:
-            raise UserError("--report only aggregates an existing sweep; drop the sweep name, overrides and other options")
+            raise UserError(
+                "--report only aggregates an existing sweep; "
+                "drop the sweep name, overrides and other options"
+            )
         _print_report(report, plots=not no_plots)
         return
 
-    from sdp_cli.analysis.ablate import plan_sweep, prune_checkpoints, run_sweep, unfinished, write_plan
+    from sdp_cli.analysis.ablate import (
+        plan_sweep,
+        prune_checkpoints,
+        run_sweep,
+        unfinished,
+        write_plan,
+    )
 
     if jobs is not None:
         overrides.append(f"hydra.launcher.n_jobs={jobs}")
@@ -77,7 +104,11 @@ def ablate_command(
     try:
         code = run_sweep(plan)
     except KeyboardInterrupt:
-        typer.secho("interrupted; run the same command again to resume the sweep", err=True, fg=typer.colors.RED)
+        typer.secho(
+            "interrupted; run the same command again to resume the sweep",
+            err=True,
+            fg=typer.colors.RED,
+        )
         raise typer.Exit(130) from None
     if not keep_checkpoints:
         prune_checkpoints(plan)
@@ -87,7 +118,8 @@ def ablate_command(
     if left:
         names = ", ".join(job.name for job in left[:3]) + (", ..." if len(left) > 3 else "")
         raise UserError(
-            f"{len(left)} of {len(plan.jobs)} runs did not finish ({names}; sweep exit code {code}); "
+            f"{len(left)} of {len(plan.jobs)} runs did not finish "
+            f"({names}; sweep exit code {code}); "
             f"see the log above and {plan.sweep_dir}/hydra/, then re-run the same command to resume"
         )
 
@@ -96,7 +128,9 @@ def _print_plan(plan: SweepPlan) -> None:
     from rich.console import Console
 
     axes = "; ".join(f"{key} ∈ {{{', '.join(values)}}}" for key, values in plan.axes.items())
-    counts = ", ".join(f"{plan.count(s)} {s}" for s in ("finished", "resumable", "partial", "new") if plan.count(s))
+    counts = ", ".join(
+        f"{plan.count(s)} {s}" for s in ("finished", "resumable", "partial", "new") if plan.count(s)
+    )
     console = Console()
     console.print(f"[bold]sweep[/bold] {plan.sweep} → {plan.sweep_dir}")
     console.print(f"  {len(plan.jobs)} runs ({counts}); axes: {axes or 'none'}")
@@ -114,14 +148,21 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
         console = Console(width=200)  # logs keep whole table lines
     console.print(f"[bold]sdp ablate[/bold] {directory}: mean ± std over seeds", highlight=False)
     if result.sweep.common:
-        console.print(f"overrides shared by every run: {' '.join(result.sweep.common)}", highlight=False, markup=False)
+        console.print(
+            f"overrides shared by every run: {' '.join(result.sweep.common)}",
+            highlight=False,
+            markup=False,
+        )
     for name, title in TABLES.items():
         table = Table(*table_columns(result.groups, name), title=title, title_justify="left")
         for cells in table_rows(result.groups, name):
             table.add_row(*cells)
         console.print(table)
     if result.unfinished:
-        console.print(f"{len(result.unfinished)} unfinished runs left out: {', '.join(r.name for r in result.unfinished)}")
+        console.print(
+            f"{len(result.unfinished)} unfinished runs left out: "
+            + ", ".join(r.name for r in result.unfinished)
+        )
     for path in [result.csv_path, result.markdown_path, *result.plots]:
         console.print(f"wrote {path}")
     return result

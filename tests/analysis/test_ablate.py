@@ -42,10 +42,20 @@ from sdp_cli.errors import UserError
 @pytest.mark.parametrize(
     "overrides,name",
     [
-        (["+preset=decoupled", "rollout.max_head_offpolicyness=4", "seed=2", "+ablate=default"], "decoupled-eta4-seed2"),
+        (
+            ["+preset=decoupled", "rollout.max_head_offpolicyness=4", "seed=2", "+ablate=default"],
+            "decoupled-eta4-seed2",
+        ),
         # other keys are sorted between η and the seed; run.dir never counts
         (
-            ["seed=0", "optim.lr=3e-4", "+preset=bypass", "rollout.max_head_offpolicyness=0", "run.dir=/x", "+ablate=smoke"],
+            [
+                "seed=0",
+                "optim.lr=3e-4",
+                "+preset=bypass",
+                "rollout.max_head_offpolicyness=0",
+                "run.dir=/x",
+                "+ablate=smoke",
+            ],
             "bypass-eta0-optim.lr@3e-4-seed0",
         ),
         # characters a directory name (or an unquoted Hydra value) should not hold become '_'
@@ -75,7 +85,9 @@ def test_every_sweep_composes_into_a_valid_run_config():
 
 
 def _axes(sweep):
-    text = (Path(__file__).resolve().parents[2] / "sdp_cli" / "conf" / "ablate" / f"{sweep}.yaml").read_text()
+    text = (
+        Path(__file__).resolve().parents[2] / "sdp_cli" / "conf" / "ablate" / f"{sweep}.yaml"
+    ).read_text()
     return yaml.safe_load(text)["hydra"]["sweeper"]["params"]
 
 
@@ -92,17 +104,29 @@ def test_harsh_regime_moves_the_policy_more_than_the_default():
     default, _ = compose_config(["+ablate=default"])
     harsh, _ = compose_config(["+ablate=harsh"])
     assert harsh.optim.lr > default.optim.lr
-    assert harsh.optim.ppo_epochs * harsh.optim.minibatches > default.optim.ppo_epochs * default.optim.minibatches
-    assert max(int(x) for x in str(_axes("harsh")["rollout.max_head_offpolicyness"]).split(",")) >= 8
+    assert (
+        harsh.optim.ppo_epochs * harsh.optim.minibatches
+        > default.optim.ppo_epochs * default.optim.minibatches
+    )
+    assert (
+        max(int(x) for x in str(_axes("harsh")["rollout.max_head_offpolicyness"]).split(",")) >= 8
+    )
 
 
 def test_plan_expands_like_hydra_and_the_command_line_replaces_an_axis(tmp_path):
     plan = plan_sweep("smoke", [], tmp_path / "a")
     assert sorted(job.name for job in plan.jobs) == sorted(
-        f"{mode}-eta{eta}-seed0" for mode in ("bypass", "decoupled", "segment_wise") for eta in (0, 2)
+        f"{mode}-eta{eta}-seed0"
+        for mode in ("bypass", "decoupled", "segment_wise")
+        for eta in (0, 2)
     )
     # Hydra's order: the sweep's axes first, then the command line (+ablate=smoke included)
-    assert plan.jobs[0].overrides == ("+preset=bypass", "rollout.max_head_offpolicyness=0", "seed=0", "+ablate=smoke")
+    assert plan.jobs[0].overrides == (
+        "+preset=bypass",
+        "rollout.max_head_offpolicyness=0",
+        "seed=0",
+        "+ablate=smoke",
+    )
     assert all(job.run_dir == tmp_path.resolve() / "a" / "runs" / job.name for job in plan.jobs)
 
     more = plan_sweep("smoke", ["seed=0,1", "rollout.max_head_offpolicyness=8"], tmp_path / "b")
@@ -118,7 +142,11 @@ def test_plan_classifies_run_directories(tmp_path):
         run_dir.mkdir(parents=True)
         (run_dir / "overrides.json").write_text("[]")
     (finished / "summary.json").write_text("{}")
-    assert (run_state(finished), run_state(partial), run_state(plan.jobs[2].run_dir)) == (FINISHED, PARTIAL, NEW)
+    assert (run_state(finished), run_state(partial), run_state(plan.jobs[2].run_dir)) == (
+        FINISHED,
+        PARTIAL,
+        NEW,
+    )
     again = plan_sweep("smoke", [], tmp_path)
     assert (again.count(FINISHED), again.count(PARTIAL), again.count(NEW)) == (1, 1, 4)
 
@@ -140,7 +168,11 @@ def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
     "sweep,overrides,fragment",
     [
         ("nope", [], "unknown sweep 'nope'; choose one of default, harsh, smoke"),
-        ("smoke", ["rollout.max_head_offpolicyness=0,-1"], "rollout.max_head_offpolicyness=-1 must be >= 0"),
+        (
+            "smoke",
+            ["rollout.max_head_offpolicyness=0,-1"],
+            "rollout.max_head_offpolicyness=-1 must be >= 0",
+        ),
         ("smoke", ["+preset=bypass,nope"], "preset=nope: no such option"),
         ("smoke", ["nope.key=1"], "unknown config key 'nope'"),
         ("smoke", ["run.dir=/tmp/x"], "run.dir is set by the sweep"),
@@ -162,12 +194,20 @@ def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=()):
     """A run directory as sdp train writes it (only what the report reads)."""
     run_dir = root / "runs" / name
     run_dir.mkdir(parents=True)
-    overrides = [f"+preset={mode}", f"rollout.max_head_offpolicyness={eta}", f"seed={seed}", "+ablate=smoke", *extra]
+    overrides = [
+        f"+preset={mode}",
+        f"rollout.max_head_offpolicyness={eta}",
+        f"seed={seed}",
+        "+ablate=smoke",
+        *extra,
+    ]
     (run_dir / "overrides.json").write_text(json.dumps([*overrides, f"run.dir={run_dir}"]))
     config = {"seed": seed, "loss": {"mode": mode}, "rollout": {"max_head_offpolicyness": eta}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     lines = [json.dumps({"step": i + 1, **row}) for i, row in enumerate(rows)]
-    lines.insert(1, json.dumps({"step": 0, "eval/greedy_accuracy": 0.5}))  # eval rows carry no reward
+    lines.insert(
+        1, json.dumps({"step": 0, "eval/greedy_accuracy": 0.5})
+    )  # eval rows carry no reward
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     if summary is not None:
         (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -175,10 +215,22 @@ def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=()):
 
 
 def _row(reward, lag, n, mean, std, ess, wmax, tokens=100.0):
-    shadow = {"rollout_is_mean": mean, "rollout_is_std": std, "rollout_is_eff_sample_size": ess, "rollout_is_max": wmax}
-    out = {"reward/mean": reward, "staleness/lag_mean": lag, "batch/response_tokens": n, "offpolicy/kl": 0.01 * lag}
+    shadow = {
+        "rollout_is_mean": mean,
+        "rollout_is_std": std,
+        "rollout_is_eff_sample_size": ess,
+        "rollout_is_max": wmax,
+    }
+    out = {
+        "reward/mean": reward,
+        "staleness/lag_mean": lag,
+        "batch/response_tokens": n,
+        "offpolicy/kl": 0.01 * lag,
+    }
     # every step: 0.5 s waiting, 1 s training, 0.5 s pushing (0.25 s of it recomputing)
-    out.update({"time/wait_s": 0.5, "time/train_s": 1.0, "time/push_s": 0.5, "time/recompute_s": 0.25})
+    out.update(
+        {"time/wait_s": 0.5, "time/train_s": 1.0, "time/push_s": 0.5, "time/recompute_s": 0.25}
+    )
     out["throughput/tokens_generated_total"] = tokens
     for name in ("decoupled", "segment_wise"):
         out.update({f"shadow/{name}/{k}": v for k, v in shadow.items()})
@@ -199,24 +251,48 @@ def _summary(reward_last, filtered, generated):
 def fake_sweep(tmp_path):
     # seed 0: step weights {1,1} and {3,3} → all tokens {1,1,3,3}: mean 2, population std 1
     _fake_run(
-        tmp_path, "decoupled-eta2-seed0", mode="decoupled", eta=2, seed=0,
-        rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0), _row(0.7, 2.0, 2, 3.0, 0.0, 0.7, 3.0, tokens=200.0)],
+        tmp_path,
+        "decoupled-eta2-seed0",
+        mode="decoupled",
+        eta=2,
+        seed=0,
+        rows=[
+            _row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0),
+            _row(0.7, 2.0, 2, 3.0, 0.0, 0.7, 3.0, tokens=200.0),
+        ],
         summary=_summary(0.25, 3, 30),
     )
     # seed 1: {4} and {0,2} (mean 1, std 1) → {4,0,2}: mean 2, variance (4+4+0)/3 → std √(8/3)
     _fake_run(
-        tmp_path, "decoupled-eta2-seed1", mode="decoupled", eta=2, seed=1,
-        rows=[_row(0.1, 1.0, 1, 4.0, 0.0, 0.6, 4.0), _row(0.3, 2.0, 2, 1.0, 1.0, 0.8, 2.0, tokens=600.0)],
+        tmp_path,
+        "decoupled-eta2-seed1",
+        mode="decoupled",
+        eta=2,
+        seed=1,
+        rows=[
+            _row(0.1, 1.0, 1, 4.0, 0.0, 0.6, 4.0),
+            _row(0.3, 2.0, 2, 1.0, 1.0, 0.8, 2.0, tokens=600.0),
+        ],
         summary=_summary(0.75, 0, 20),
     )
     # unfinished (no summary.json): listed, never aggregated
     _fake_run(
-        tmp_path, "decoupled-eta2-seed2", mode="decoupled", eta=2, seed=2,
-        rows=[_row(9.0, 9.0, 9, 9.0, 9.0, 9.0, 9.0)], summary=None,
+        tmp_path,
+        "decoupled-eta2-seed2",
+        mode="decoupled",
+        eta=2,
+        seed=2,
+        rows=[_row(9.0, 9.0, 9, 9.0, 9.0, 9.0, 9.0)],
+        summary=None,
     )
     _fake_run(
-        tmp_path, "bypass-eta0-seed0", mode="bypass", eta=0, seed=0,
-        rows=[_row(0.2, 0.0, 4, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.2, 0, 10),
+        tmp_path,
+        "bypass-eta0-seed0",
+        mode="bypass",
+        eta=0,
+        seed=0,
+        rows=[_row(0.2, 0.0, 4, 1.0, 0.0, 1.0, 1.0)],
+        summary=_summary(0.2, 0, 10),
     )
     return tmp_path
 
@@ -235,7 +311,9 @@ def test_pooled_std_equals_the_std_of_the_union(chunks):
     means = [float(np.mean(c)) for c in chunks]
     stds = [float(np.std(c)) for c in chunks]
     union = np.concatenate([np.asarray(c) for c in chunks])
-    assert pooled_std(counts, means, stds) == pytest.approx(float(np.std(union)), rel=1e-6, abs=1e-6)
+    assert pooled_std(counts, means, stds) == pytest.approx(
+        float(np.std(union)), rel=1e-6, abs=1e-6
+    )
 
 
 def test_aggregate_by_hand(fake_sweep):
@@ -243,7 +321,14 @@ def test_aggregate_by_hand(fake_sweep):
     assert [r.name for r in sweep.records if not r.finished] == ["decoupled-eta2-seed2"]
     assert sweep.common == ()  # +ablate=smoke is not an override the report keeps
     bypass, dec = aggregate(sweep.records)
-    assert (bypass.mode, bypass.eta, bypass.n, dec.mode, dec.eta, dec.seeds) == ("bypass", 0, 1, "decoupled", 2, [0, 1])
+    assert (bypass.mode, bypass.eta, bypass.n, dec.mode, dec.eta, dec.seeds) == (
+        "bypass",
+        0,
+        1,
+        "decoupled",
+        2,
+        [0, 1],
+    )
     # weight std per run 1 and √(8/3) (see the fixture); mean and sample std over the two seeds
     s1, s2 = 1.0, math.sqrt(8 / 3)
     assert dec.mean["w_dec_std"] == pytest.approx((s1 + s2) / 2)
@@ -258,7 +343,10 @@ def test_aggregate_by_hand(fake_sweep):
     assert (dec.mean["lag"], dec.std["lag"]) == (pytest.approx(1.5), pytest.approx(0.0))
     assert dec.mean["kl"] == pytest.approx(0.015)
     # from summary.json: reward_last 0.25 and 0.75; filtered 3/30 and 0/20
-    assert (dec.mean["reward_last"], dec.std["reward_last"]) == (pytest.approx(0.5), pytest.approx(0.5 / math.sqrt(2)))
+    assert (dec.mean["reward_last"], dec.std["reward_last"]) == (
+        pytest.approx(0.5),
+        pytest.approx(0.5 / math.sqrt(2)),
+    )
     assert dec.mean["filtered"] == pytest.approx(0.05)
     # two steps of 0.5 + 1 + 0.5 s → 4 s in the loop; 200 and 600 tokens → 50 and 150 tokens/s;
     # 2 steps / 4 s; recompute 2 × 0.25 s of 4 s
@@ -274,9 +362,14 @@ def test_aggregate_by_hand(fake_sweep):
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
     groups = aggregate(load_sweep(fake_sweep).records)
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
-    assert [(r["mode"], r["eta"], r["n"], r["seeds"]) for r in rows] == [("bypass", "0", "1", "0"), ("decoupled", "2", "2", "0 1")]
+    assert [(r["mode"], r["eta"], r["n"], r["seeds"]) for r in rows] == [
+        ("bypass", "0", "1", "0"),
+        ("decoupled", "2", "2", "0 1"),
+    ]
     assert float(rows[1]["reward_last_mean"]) == pytest.approx(0.5)
-    assert float(rows[1]["w_dec_std_std"]) == pytest.approx(abs(1 - math.sqrt(8 / 3)) / math.sqrt(2))
+    assert float(rows[1]["w_dec_std_std"]) == pytest.approx(
+        abs(1 - math.sqrt(8 / 3)) / math.sqrt(2)
+    )
     assert rows[0]["reward_last_std"] == "" and rows[0]["ppo_kl_mean"] == ""
     md = to_markdown(groups)
     assert "| decoupled | 2 | 2 | 1.50 ± 0.00 |" in md
@@ -287,8 +380,14 @@ def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
 def test_groups_differ_only_in_what_varies(tmp_path):
     for seed, lr in ((0, "1e-4"), (1, "3e-4")):
         _fake_run(
-            tmp_path, f"r{seed}", mode="decoupled", eta=1, seed=seed, extra=("optim.lr=" + lr, "train.steps=5"),
-            rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 1.0, 1.0)], summary=_summary(0.5, 0, 10),
+            tmp_path,
+            f"r{seed}",
+            mode="decoupled",
+            eta=1,
+            seed=seed,
+            extra=("optim.lr=" + lr, "train.steps=5"),
+            rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 1.0, 1.0)],
+            summary=_summary(0.5, 0, 10),
         )
     sweep = load_sweep(tmp_path)
     assert sweep.common == ("train.steps=5",)
@@ -296,10 +395,24 @@ def test_groups_differ_only_in_what_varies(tmp_path):
 
 
 def test_reward_curves_keep_the_steps_every_seed_reached(tmp_path):
-    _fake_run(tmp_path, "a", mode="bypass", eta=1, seed=0, rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.1, 0.2, 0.3)],
-              summary=_summary(0.3, 0, 1))
-    _fake_run(tmp_path, "b", mode="bypass", eta=1, seed=1, rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.3, 0.6)],
-              summary=_summary(0.6, 0, 1))
+    _fake_run(
+        tmp_path,
+        "a",
+        mode="bypass",
+        eta=1,
+        seed=0,
+        rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.1, 0.2, 0.3)],
+        summary=_summary(0.3, 0, 1),
+    )
+    _fake_run(
+        tmp_path,
+        "b",
+        mode="bypass",
+        eta=1,
+        seed=1,
+        rows=[_row(r, 1, 1, 1, 0, 1, 1) for r in (0.3, 0.6)],
+        summary=_summary(0.6, 0, 1),
+    )
     ((key, (steps, means, stds)),) = reward_curves(load_sweep(tmp_path).records).items()
     assert key == ("bypass", 1, ())
     assert steps == [1, 2]
@@ -312,7 +425,10 @@ def test_report_writes_tables_and_pngs(fake_sweep):
     assert report.csv_path.read_text() == to_csv(report.groups)
     assert "# sdp ablate" in report.markdown_path.read_text()
     assert sorted(p.name for p in report.plots) == [
-        "reward_curves.png", "reward_vs_eta.png", "throughput_vs_eta.png", "weights_vs_eta.png",
+        "reward_curves.png",
+        "reward_vs_eta.png",
+        "throughput_vs_eta.png",
+        "weights_vs_eta.png",
     ]
     for path in report.plots:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,7 +31,11 @@ AS_JOB = "train.save_batches=True"  # how Hydra's sweeper hands that override to
 
 def _sdp(args, env, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "sdp_cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "sdp_cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
@@ -51,7 +54,16 @@ def smoke(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablate")
     env = {**os.environ, "SDP_CACHE_DIR": str(root / "cache"), "COLUMNS": "200"}
     # checkpoints kept: the resume test interrupts a run by removing its last one
-    command = ["ablate", "smoke", "--dir", str(root / "sweep"), "--jobs", "2", "--keep-checkpoints", EXTRA]
+    command = [
+        "ablate",
+        "smoke",
+        "--dir",
+        str(root / "sweep"),
+        "--jobs",
+        "2",
+        "--keep-checkpoints",
+        EXTRA,
+    ]
     started = time.monotonic()
     proc = _sdp(command, env)
     elapsed = time.monotonic() - started
@@ -72,7 +84,10 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     assert smoke.elapsed < 180
     out = smoke.proc.stdout
     assert "6 runs (6 new)" in out
-    assert "Behavioural weights, both measured on the same tokens" in out and "Training outcome and cost" in out
+    assert (
+        "Behavioural weights, both measured on the same tokens" in out
+        and "Training outcome and cost" in out
+    )
     for mode in MODES:
         for eta in ETAS:
             assert (_run_dir(smoke, mode, eta) / "summary.json").is_file()
@@ -80,7 +95,12 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     md = (smoke.dir / "summary.md").read_text()
     assert md.count("| segment_wise | 2 | 1 |") == 2  # one row in each of the two tables
     pngs = sorted((smoke.dir / "plots").glob("*.png"))
-    assert [p.name for p in pngs] == ["reward_curves.png", "reward_vs_eta.png", "throughput_vs_eta.png", "weights_vs_eta.png"]
+    assert [p.name for p in pngs] == [
+        "reward_curves.png",
+        "reward_vs_eta.png",
+        "throughput_vs_eta.png",
+        "weights_vs_eta.png",
+    ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
@@ -88,7 +108,12 @@ def test_every_run_records_a_complete_sdp_train_recipe(smoke):
     run_dir = _run_dir(smoke, "segment_wise", 2)
     overrides = json.loads((run_dir / "overrides.json").read_text())
     assert overrides == [
-        "+preset=segment_wise", "rollout.max_head_offpolicyness=2", "seed=0", "+ablate=smoke", AS_JOB, f"run.dir='{run_dir}'",
+        "+preset=segment_wise",
+        "rollout.max_head_offpolicyness=2",
+        "seed=0",
+        "+ablate=smoke",
+        AS_JOB,
+        f"run.dir='{run_dir}'",
     ]
 
 
@@ -119,8 +144,12 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             for short, index in (("dec", 0), ("sdp", 1)):
                 tokens = np.concatenate([s[index] for s in steps])
                 # population std over every response token of the run
-                assert float(row[f"w_{short}_std_mean"]) == pytest.approx(float(np.std(tokens)), rel=1e-4, abs=1e-5)
-                assert float(row[f"w_{short}_max_mean"]) == pytest.approx(float(tokens.max()), rel=1e-5)
+                assert float(row[f"w_{short}_std_mean"]) == pytest.approx(
+                    float(np.std(tokens)), rel=1e-4, abs=1e-5
+                )
+                assert float(row[f"w_{short}_max_mean"]) == pytest.approx(
+                    float(tokens.max()), rel=1e-5
+                )
                 # ESS fraction mean(w)² / mean(w²) per step, averaged over the steps
                 ess = np.mean([np.mean(s[index]) ** 2 / np.mean(s[index] ** 2) for s in steps])
                 assert float(row[f"w_{short}_ess_mean"]) == pytest.approx(float(ess), rel=1e-5)
@@ -131,17 +160,25 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             window = summary["reward_window"]
             assert float(row["reward_last_mean"]) == pytest.approx(sum(rewards[-window:]) / window)
             assert float(row["acc_end_mean"]) == pytest.approx(summary["greedy_accuracy_end"])
-            steps_s = sum(m["time/wait_s"] + m["time/train_s"] + m["time/push_s"] for m in metrics if "reward/mean" in m)
-            tokens = [m["throughput/tokens_generated_total"] for m in metrics if "reward/mean" in m][-1]
+            steps_s = sum(
+                m["time/wait_s"] + m["time/train_s"] + m["time/push_s"]
+                for m in metrics
+                if "reward/mean" in m
+            )
+            tokens = [
+                m["throughput/tokens_generated_total"] for m in metrics if "reward/mean" in m
+            ][-1]
             assert float(row["tokens_per_s_mean"]) == pytest.approx(tokens / steps_s)
             # the loop's time is the run's wall time less thread start and stop
-            assert steps_s <= summary["wall_seconds"] and float(row["wall_s_mean"]) == pytest.approx(steps_s)
+            assert steps_s <= summary["wall_seconds"] and float(
+                row["wall_s_mean"]
+            ) == pytest.approx(steps_s)
             filtered = summary["filtered_groups"] / summary["counters"]["groups_generated"]
             assert float(row["filtered_mean"]) == pytest.approx(filtered)
 
 
 def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
-    """On the same tokens: lag 0 → both weights 1; lag 1 → identical (π_{v+1} = π_c); lag 2 →
+    """On the same tokens: lag 0 → both weights 1; lag 1 → equal (π_{v+1} = π_c); lag 2 →
     they differ by the factor π_c/π_{v+1} the segment-wise weight drops."""
     rows = _csv_rows(smoke)
     for mode in MODES:
@@ -178,11 +215,26 @@ def test_report_reaggregates_without_running(smoke, capsys):
     "argv,message",
     [
         (["ablate", "nope"], "error: unknown sweep 'nope'; choose one of default, harsh, smoke"),
-        (["ablate", "smoke", "rollout.max_head_offpolicyness=0,-1"], "error: run bypass-eta-1-seed0: rollout.max_head_offpolicyness=-1 must be >= 0"),
-        (["ablate", "smoke", "+preset=bypass,typo"], "error: run typo-eta0-seed0: preset=typo: no such option"),
-        (["ablate", "smoke", "--jobs", "2", "hydra/launcher=basic"], "error: cannot apply hydra/launcher=basic hydra.launcher.n_jobs=2"),
-        (["ablate", "--report", "/nonexistent/sweep"], "error: /nonexistent/sweep: no runs/ directory"),
-        (["ablate", "--report", "x", "seed=1"], "error: --report only aggregates an existing sweep"),
+        (
+            ["ablate", "smoke", "rollout.max_head_offpolicyness=0,-1"],
+            "error: run bypass-eta-1-seed0: rollout.max_head_offpolicyness=-1 must be >= 0",
+        ),
+        (
+            ["ablate", "smoke", "+preset=bypass,typo"],
+            "error: run typo-eta0-seed0: preset=typo: no such option",
+        ),
+        (
+            ["ablate", "smoke", "--jobs", "2", "hydra/launcher=basic"],
+            "error: cannot apply hydra/launcher=basic hydra.launcher.n_jobs=2",
+        ),
+        (
+            ["ablate", "--report", "/nonexistent/sweep"],
+            "error: /nonexistent/sweep: no runs/ directory",
+        ),
+        (
+            ["ablate", "--report", "x", "seed=1"],
+            "error: --report only aggregates an existing sweep",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
@@ -194,7 +246,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
 
 
 def _finished_state(smoke):
-    return {p.parent.name: (p.stat().st_mtime_ns, p.read_text()) for p in (smoke.dir / "runs").glob("*/summary.json")}
+    return {
+        p.parent.name: (p.stat().st_mtime_ns, p.read_text())
+        for p in (smoke.dir / "runs").glob("*/summary.json")
+    }
 
 
 def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
