@@ -27,8 +27,6 @@ import dataclasses
 import math
 import os
 import re
-import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +37,8 @@ import torch
 
 from sdp_cli import __version__
 from sdp_cli.errors import UserError
-from sdp_cli.rollout.batch_file import SavedBatch, read_batch, write_batch
+from sdp_cli.fileio import fsync_directory, stage_bytes
+from sdp_cli.rollout.batch_file import SavedBatch, read_batch, serialize_batch
 
 if TYPE_CHECKING:
     from sdp_cli.engine.base import InferenceEngine
@@ -842,18 +841,7 @@ def commit(result: RecomputeResult) -> list[Path]:
                     raise UserError(
                         f"cannot create {target.parent} ({err.strerror}); choose a writable --output"
                     ) from None
-            try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".recompute", dir=target.parent)
-            except OSError as err:
-                raise UserError(
-                    f"{target}: cannot create a file in {target.parent} ({err.strerror}); check its permissions"
-                ) from None
-            os.close(fd)
-            staged.append((Path(tmp), target))
-            write_batch(tmp, outcome.batch)
-            with contextlib.suppress(FileNotFoundError):
-                # a file replaced in place keeps its permissions
-                os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+            staged.append((stage_bytes(target, serialize_batch(outcome.batch, str(target))), target))
     except BaseException:
         for tmp, _ in staged:
             with contextlib.suppress(OSError):
@@ -873,20 +861,6 @@ def commit(result: RecomputeResult) -> list[Path]:
             ) from None
         written.append(target)
     for directory in {t.parent for t in written}:
-        _fsync_directory(directory)
+        fsync_directory(directory)
     result.written = written
     return written
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Persist the renames; a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

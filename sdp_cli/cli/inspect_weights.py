@@ -7,11 +7,8 @@ analysis in ``sdp_cli.analysis``; docs/inspect-weights.md explains every column.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,8 +102,10 @@ def inspect_weights_command(
 
         tensors, metadata = dump_tensors(report)
         outputs.append((dump_weights, save(tensors, metadata=metadata), "per-token weights"))
+    from sdp_cli.fileio import atomic_write_bytes
+
     for path, data, _ in outputs:
-        _write_atomic(path, data)
+        atomic_write_bytes(path, data)
 
     if as_json:
         doc = report.to_dict()
@@ -173,30 +172,6 @@ def _check_output(out: Path, inputs: list[Path]) -> None:
         raise UserError(f"{out}: is a directory; pass a file name")
     if any(out.resolve() == p.resolve() for p in inputs):
         raise UserError(f"{out}: is one of the input batches; write the output to another file")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file next to ``path``, fsync, then rename it over ``path``."""
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as err:
-        raise UserError(
-            f"{path}: cannot create a file in {path.parent} ({err.strerror}); check its permissions"
-        ) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(err, OSError):
-            raise UserError(
-                f"{path}: cannot be written ({err.strerror or err}); check disk space and permissions"
-            ) from None
-        raise
 
 
 # ---------------------------------------------------------------- rendering

@@ -10,11 +10,9 @@ parsing, and validates dtypes, shapes, offsets, finiteness and version ranges. E
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ import torch
 
 from sdp_cli import __version__
 from sdp_cli.errors import UserError
+from sdp_cli.fileio import atomic_write_bytes
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 
 FORMAT_TAG = "sdp-batch"
@@ -376,53 +375,22 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
 
 
 # ------------------------------------------------------------------------- writing
-def write_batch(path: str | os.PathLike[str], batch: SavedBatch) -> Path:
-    """Validate and write ``batch`` atomically: a temporary file in the same directory, fsync,
-    rename over ``path``. On failure nothing is left behind and an existing file is intact."""
+def serialize_batch(batch: SavedBatch, where: str = "<memory>") -> bytes:
+    """Validate ``batch`` and return its safetensors bytes (nothing is written)."""
     from safetensors.torch import save
 
+    validate_batch(batch, where, fix="the batch was not written; fix the code that built it")
+    return save(batch.tensors(), metadata=batch.metadata())
+
+
+def write_batch(path: str | os.PathLike[str], batch: SavedBatch) -> Path:
+    """Validate and write ``batch`` atomically (``sdp_cli.fileio``): on failure nothing is left
+    behind and an existing file is intact."""
     target = Path(path)
-    validate_batch(batch, str(target), fix="the batch was not written; fix the code that built it")
-    data = save(batch.tensors(), metadata=batch.metadata())
-    directory = target.parent
-    if not directory.is_dir():
-        raise UserError(f"{target}: directory {directory} does not exist; create it first")
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-    except OSError as err:
-        raise UserError(
-            f"{target}: cannot create a file in {directory} ({err.strerror}); check its permissions"
-        ) from err
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, target)
-    except BaseException as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        if isinstance(err, OSError):
-            raise UserError(
-                f"{target}: cannot write the batch ({err.strerror or err}); check disk space and permissions"
-            ) from err
-        raise
-    _fsync_directory(directory)
-    return target
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Persist the rename; a no-op where directories cannot be opened (e.g. Windows)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    data = serialize_batch(batch, str(target))
+    if not target.parent.is_dir():
+        raise UserError(f"{target}: directory {target.parent} does not exist; create it first")
+    return atomic_write_bytes(target, data)
 
 
 # ------------------------------------------------------------------------- reading

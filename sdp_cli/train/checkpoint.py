@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.errors import UserError
+from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -53,36 +54,12 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically (temp file in the same directory + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -147,11 +124,12 @@ def write_checkpoint(
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_file(tmp / MANIFEST)
         for directory in sorted({p.parent for p in files} | {tmp}, key=lambda p: -len(p.parts)):
-            _fsync_dir(directory)
+            fsync_directory(directory)
+        tmp.chmod(default_dir_mode())  # mkdtemp makes it owner-only
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_directory(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

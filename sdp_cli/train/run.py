@@ -30,6 +30,7 @@ from sdp_cli.config.compose import compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.errors import UserError
+from sdp_cli.fileio import atomic_write_text
 from sdp_cli.tasks import Task, build_task
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
@@ -307,7 +308,7 @@ class TrainingRun:
         wall = time.perf_counter() - t0
         acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end)
-        ckpt.atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
         self.tensorboard.close()
@@ -351,13 +352,13 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         extra = [o for o in overrides if not o.startswith("resume=")]
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
         if extra:
-            ckpt.atomic_write_text(saved, json.dumps([*original, *extra]))
+            atomic_write_text(saved, json.dumps([*original, *extra]))
         resuming = True
     else:
         run_dir = make_run_dir(cfg)
-        ckpt.atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
+        atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
         resuming = False
-    ckpt.atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
+    atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
     run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming)
     run.setup()
     summary = run.run()

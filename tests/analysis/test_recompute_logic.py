@@ -380,15 +380,15 @@ def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
     paths, before = _two_batches(tmp_path)
     result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
     calls = []
-    real_write = rc.write_batch
+    real_stage = rc.stage_bytes
 
-    def failing_write(path, batch):
+    def failing_stage(path, data):
         calls.append(path)
         if len(calls) == 2:
-            raise UserError(f"{path}: cannot write the batch (No space left on device); free some space")
-        return real_write(path, batch)
+            raise UserError(f"{path}: cannot be written (No space left on device); free some space")
+        return real_stage(path, data)
 
-    monkeypatch.setattr(rc, "write_batch", failing_write)
+    monkeypatch.setattr(rc, "stage_bytes", failing_stage)
     with pytest.raises(UserError, match="No space left"):
         rc.commit(result)
     assert all(p.read_bytes() == before[p] for p in paths)
@@ -401,7 +401,7 @@ def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch
     real_replace = os.replace
 
     def failing_replace(src, dst):
-        if str(src).endswith(".recompute") and Path(dst) == paths[1]:
+        if str(src).endswith(".tmp") and Path(dst) == paths[1]:
             raise OSError(30, "Read-only file system")
         return real_replace(src, dst)
 
