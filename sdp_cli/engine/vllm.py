@@ -3,7 +3,8 @@
 Routes used (vLLM 0.32, research note vllm_cpu.md §4): token-in/token-out generation
 ``POST /inference/v1/generate`` (needs ``--enable-scale-out``; it reports per-token
 ``weight_versions`` spans and ``prompt_logprobs``), and the development routes
-(``VLLM_SERVER_DEV_MODE=1``) ``/pause``, ``/resume``, ``/is_paused``, ``/collective_rpc``,
+(``VLLM_SERVER_DEV_MODE=1``) ``/abort_requests``, ``/pause``, ``/resume``, ``/is_paused``,
+``/collective_rpc``,
 ``/reset_prefix_cache`` and ``/update_weight_version``.
 
 Alignment of ``prompt_logprobs``: entry 0 is null and entry i is {token id: log p(x_i | x_<i)}.
@@ -281,13 +282,10 @@ class VLLMEngine(RemoteEngine):
         return _prompt_logprobs(server, answer["prompt_logprobs"], sequence, start), label
 
     def _server_abort_all(self, server: RemoteServer) -> None:
-        # Pause with abort returns every in-flight request with its partial output; the server
-        # then runs again at once, so that scoring works while sdp is paused.
-        timeout = self.options.http.admin_timeout_s
-        server.http.post(
-            "/pause", params={"mode": "abort", "clear_cache": "false"}, timeout=timeout
-        )
-        server.http.post("/resume", timeout=timeout)
+        # An empty id list aborts every request the server tracks; each answers with its partial
+        # output. Unlike /pause this acts in the API process at once (a scheduler pause waits
+        # for the engine core) and leaves the server running, so scoring works while paused.
+        server.http.post("/abort_requests", {}, timeout=self.options.http.admin_timeout_s)
 
     def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
         # The route takes external ids, which the token-in/token-out route prefixes.
