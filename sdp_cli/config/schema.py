@@ -173,6 +173,17 @@ class EngineConfig:
     """remote engines: run at temperature != 1 although prefill logprobs are not temperature-scaled."""
     extra_args: list[str] = field(default_factory=list)
     """remote engines: extra command-line arguments for a launched server."""
+    env: dict[str, str] = field(default_factory=dict)
+    """remote engines: extra environment variables for a launched server."""
+    max_model_len: int | None = None
+    """vllm: context length of a launched server; null = the model's."""
+    enforce_eager: bool = True
+    """vllm: skip torch.compile in a launched server (much faster start on CPU)."""
+    cpu_kv_cache_gib: float | None = 1.0
+    """vllm: KV-cache size in GiB of a launched CPU server (VLLM_CPU_KVCACHE_SPACE)."""
+    reload_method: str | None = None
+    """vllm: reload_weights | reload_weights_cpu (sdp's worker extension, needed for tied
+    embeddings on CPU); null = reload_weights_cpu for a launched server, reload_weights otherwise."""
 
 
 @dataclass
@@ -355,6 +366,10 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.request_timeout_s", eng.request_timeout_s)
     _positive("engine.retries", eng.retries, strict=False)
     _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+    _positive("engine.max_model_len", eng.max_model_len, allow_none=True)
+    _positive("engine.cpu_kv_cache_gib", eng.cpu_kv_cache_gib, allow_none=True)
+    if eng.reload_method is not None:
+        _choice("engine.reload_method", eng.reload_method, ("reload_weights", "reload_weights_cpu"))
 
     mdl = cfg.model
     _choice("model.kind", mdl.kind, MODEL_KINDS)

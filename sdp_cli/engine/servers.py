@@ -215,7 +215,9 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
         if kind == "vllm":
             from sdp_cli.engine.vllm import VLLMEngine
 
-            return VLLMEngine(list(engine_cfg.urls), options)
+            return VLLMEngine(
+                list(engine_cfg.urls), options, reload_method=engine_cfg.reload_method or "reload_weights"
+            )
         from sdp_cli.engine.sglang import SGLangEngine
 
         return SGLangEngine(list(engine_cfg.urls), options)
@@ -234,12 +236,19 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
         port=int(engine_cfg.port),
         dtype=engine_cfg.dtype,
         extra_args=tuple(engine_cfg.extra_args),
+        env=dict(engine_cfg.env),
         startup_timeout_s=float(engine_cfg.startup_timeout_s),
     )
     if kind == "vllm":
         from sdp_cli.engine.vllm import VLLMEngine, VLLMLaunchConfig
 
-        return VLLMEngine.launch(VLLMLaunchConfig(**common), log_dir, options)
+        launch = VLLMLaunchConfig(
+            **common,
+            max_model_len=engine_cfg.max_model_len,
+            enforce_eager=bool(engine_cfg.enforce_eager),
+            cpu_kv_cache_gib=engine_cfg.cpu_kv_cache_gib,
+        )
+        return VLLMEngine.launch(launch, log_dir, options)
     from sdp_cli.engine.sglang import SGLangEngine, SGLangLaunchConfig
 
     return SGLangEngine.launch(SGLangLaunchConfig(**common), log_dir, options)
