@@ -65,5 +65,5 @@ echo "vllm.sh: environment ready after $(( $(date +%s) - started )) s"
 export SDP_VLLM_PYTHON="$PWD/$VENV/bin/python"
 export HF_HUB_OFFLINE=1
 export SDP_VLLM_LOG_DIR="${SDP_VLLM_LOG_DIR:-$PWD/runs/ci-vllm}"
-"$PYTEST" tests/integration -m integration -q -p no:cacheprovider --durations=10 "$@"
+"$PYTEST" tests -m integration -q -p no:cacheprovider --durations=10 "$@"
 echo "vllm.sh: total $(( $(date +%s) - started )) s"
