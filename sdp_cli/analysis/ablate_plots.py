@@ -6,7 +6,8 @@
 - ``reward_curves.png``: reward per step (mean over seeds, band = ± std, moving average) per η.
 - ``throughput_vs_eta.png``: generated tokens/s and training steps/s vs η per mode.
 
-Error bars are ± one sample std over seeds (none for a single seed).
+Error bars are ± one sample std over seeds (none for a single seed); series are shifted
+slightly along η so that their bars do not overlap.
 """
 
 from __future__ import annotations
@@ -39,12 +40,19 @@ def _series(groups: Sequence[GroupRow]) -> dict[str, list[GroupRow]]:
     return {label: sorted(rows, key=lambda g: g.eta) for label, rows in sorted(out.items())}
 
 
-def _line(ax: Any, rows: list[GroupRow], key: str, **style: Any) -> None:
-    points = [(g.eta, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None]
+def _dodge(index: int, count: int) -> float:
+    """Horizontal offset of series ``index`` of ``count`` so that error bars at one η stay apart."""
+    return (index - (count - 1) / 2) * 0.08
+
+
+def _line(ax: Any, rows: list[GroupRow], key: str, offset: float = 0.0, **style: Any) -> None:
+    points = [
+        (g.eta + offset, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None
+    ]
     if not points:
         return
-    xs, ys, es = zip(*points)
-    ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, **style)
+    xs, ys, es = zip(*points, strict=True)
+    ax.errorbar(xs, ys, yerr=es, marker="o", markersize=4, capsize=3, **style)
 
 
 def _eta_axis(ax: Any, groups: Sequence[GroupRow]) -> None:
@@ -73,11 +81,13 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
     series = _series(groups)
     colours = _colours(list(series))
     fig, (ax_std, ax_ess) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rows in series.items():
-        for short, dash, name in WEIGHT_STYLES:
+    count = len(series) * len(WEIGHT_STYLES)
+    for i, (label, rows) in enumerate(series.items()):
+        for j, (short, dash, name) in enumerate(WEIGHT_STYLES):
+            offset = _dodge(i * len(WEIGHT_STYLES) + j, count)
             style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {name}"}
-            _line(ax_std, rows, f"w_{short}_std", **style)
-            _line(ax_ess, rows, f"w_{short}_ess", **style)
+            _line(ax_std, rows, f"w_{short}_std", offset, **style)
+            _line(ax_ess, rows, f"w_{short}_ess", offset, **style)
     ax_std.set_yscale("symlog", linthresh=0.1)
     ax_std.set_ylabel("std of the behavioural weight (all tokens)")
     ax_ess.set_ylabel("ESS fraction (mean over steps)")
@@ -95,9 +105,10 @@ def plot_rewards(groups: Sequence[GroupRow], path: Path) -> Path:
     series = _series(groups)
     colours = _colours(list(series))
     fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rows in series.items():
-        _line(ax_r, rows, "reward_last", color=colours[label], label=label)
-        _line(ax_a, rows, "acc_end", color=colours[label], label=label)
+    for i, (label, rows) in enumerate(series.items()):
+        offset = _dodge(i, len(series))
+        _line(ax_r, rows, "reward_last", offset, color=colours[label], label=label)
+        _line(ax_a, rows, "acc_end", offset, color=colours[label], label=label)
     ax_r.set_ylabel("reward, mean of the last steps")
     ax_a.set_ylabel("greedy accuracy after training")
     for ax in (ax_r, ax_a):
@@ -160,9 +171,10 @@ def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     series = _series(groups)
     colours = _colours(list(series))
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rows in series.items():
-        _line(ax_t, rows, "tokens_per_s", color=colours[label], label=label)
-        _line(ax_s, rows, "steps_per_s", color=colours[label], label=label)
+    for i, (label, rows) in enumerate(series.items()):
+        offset = _dodge(i, len(series))
+        _line(ax_t, rows, "tokens_per_s", offset, color=colours[label], label=label)
+        _line(ax_s, rows, "steps_per_s", offset, color=colours[label], label=label)
     ax_t.set_ylabel("generated tokens / s")
     ax_s.set_ylabel("training steps / s")
     for ax in (ax_t, ax_s):
