@@ -113,14 +113,15 @@ def ablate_command(
     if not keep_checkpoints:
         prune_checkpoints(plan)
     left = unfinished(plan)
-    if any(job.state != "new" for job in plan.jobs) or not left:
+    if len(left) < len(plan.jobs):  # something to report
         _print_report(plan.sweep_dir, plots=not no_plots)
     if left:
         names = ", ".join(job.name for job in left[:3]) + (", ..." if len(left) > 3 else "")
         raise UserError(
             f"{len(left)} of {len(plan.jobs)} runs did not finish "
             f"({names}; sweep exit code {code}); "
-            f"see the log above and {plan.sweep_dir}/hydra/, then re-run the same command to resume"
+            f"see the log above and {plan.sweep_dir}/hydra/, fix the cause and re-run the same "
+            "command (finished runs are kept)"
         )
 
 
@@ -133,7 +134,8 @@ def _print_plan(plan: SweepPlan) -> None:
     )
     console = Console()
     console.print(f"[bold]sweep[/bold] {plan.sweep} → {plan.sweep_dir}")
-    console.print(f"  {len(plan.jobs)} runs ({counts}); axes: {axes or 'none'}")
+    runs = f"{len(plan.jobs)} run{'s' if len(plan.jobs) != 1 else ''}"
+    console.print(f"  {runs} ({counts}); axes: {axes or 'none'}")
 
 
 def _print_report(directory: Path, *, plots: bool) -> Report:

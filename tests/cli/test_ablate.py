@@ -245,6 +245,23 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_failing_run_does_not_stop_the_sweep_and_ends_in_exit_2(tmp_path):
+    env = {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache")}
+    # two jobs whose data file is missing: valid config, a UserError inside each run
+    argv = ["ablate", "smoke", "--dir", str(tmp_path / "sweep"), "hydra/launcher=basic"]
+    argv += ["+preset=bypass", "seed=0,1", "task=gsm8k", f"task.path={tmp_path}/none.jsonl"]
+    argv += ["rollout.max_head_offpolicyness=0"]
+    proc = _sdp(argv, env)
+    assert proc.returncode == 2
+    failed = [line for line in proc.stderr.splitlines() if line.startswith("ablate: bypass-eta0-")]
+    assert len(failed) == 2 and all(
+        ": failed: " in line and "none.jsonl" in line for line in failed
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 2 of 2 runs did not finish (bypass-eta0-")
+    assert last.endswith("fix the cause and re-run the same command (finished runs are kept)")
+
+
 def _finished_state(smoke):
     return {
         p.parent.name: (p.stat().st_mtime_ns, p.read_text())
