@@ -8,8 +8,8 @@ are the job's Hydra overrides plus ``run.dir=<sweep>/runs/<name>``, so ``overrid
 directory is a complete recipe for ``sdp train``.
 
 ``plan_sweep`` expands the axes exactly as Hydra's ``BasicSweeper`` does (command-line values
-replace an axis of the same key), composes and validates every job's config and classifies each
-run directory before anything starts. ``run_sweep`` then starts
+replace an axis of the same key), composes every value of every axis and every run that already
+exists, and classifies each run directory, all before anything starts. ``run_sweep`` then starts
 ``python -m sdp_cli.analysis.ablate_app --multirun ...`` in a subprocess; the configured launcher
 (``hydra/launcher=basic|joblib|submitit_slurm|ray``) executes the jobs and each job calls
 ``run_job``, which skips a finished run (``summary.json`` present), resumes an interrupted one
@@ -46,6 +46,9 @@ SEED_KEY = "seed"
 _MAX_NAME = 120
 # what stays in a run name: characters Hydra accepts unquoted in `resume=<dir>` (no '=' or ',')
 _UNSAFE = re.compile(r"[^A-Za-z0-9._@+-]")
+
+#: `sdp train resume=<run dir>` re-composes with the path unquoted: these would break it
+_FORBIDDEN_IN_DIR = "'=,"
 
 # Run states, in the order a sweep moves a run through them.
 NEW, PARTIAL, RESUMABLE, FINISHED = "new", "partial", "resumable", "finished"
@@ -130,12 +133,9 @@ class Job:
 
 
 def quote(path: Path) -> str:
-    """A path as a quoted Hydra override value (run names contain '=', paths may hold spaces)."""
+    """A path as a quoted Hydra override value (paths may hold spaces)."""
     text = str(path)
-    if "'" in text:
-        raise UserError(
-            f"{text}: a sweep directory must not contain a single quote; choose another --dir"
-        )
+    assert not set(text) & set(_FORBIDDEN_IN_DIR), f"unchecked sweep directory {text!r}"
     return f"'{text}'"
 
 
@@ -161,7 +161,7 @@ class SweepPlan:
             APP_MODULE,
             "--multirun",
             f"+{SWEEP_GROUP}={self.sweep}",
-            f"hydra.sweep.dir={self.sweep_dir}",
+            f"hydra.sweep.dir={quote(self.sweep_dir)}",
             *self.hydra_overrides,
             *self.job_overrides,
         ]
@@ -282,13 +282,17 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
     plain = [
         str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()
     ]
-    compose_config(
-        [f"+{SWEEP_GROUP}={sweep}", *plain]
-    )  # a bad key or value: sdp train's own message
+    # a bad key or value gets sdp train's own message
+    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain])
     params = _sweeper_params(sweep, plain, hydra_overrides)
     expanded = _expand(params, [f"+{SWEEP_GROUP}={sweep}", *job_overrides])
 
     root = (sweep_dir or default_sweep_dir(sweep)).expanduser().resolve()
+    if set(str(root)) & set(_FORBIDDEN_IN_DIR):
+        raise UserError(
+            f"{root}: a sweep directory must not contain any of {' '.join(_FORBIDDEN_IN_DIR)}; "
+            "choose another --dir"
+        )
     jobs: list[Job] = []
     seen: dict[str, tuple[str, ...]] = {}
     for job_list in expanded:
@@ -402,7 +406,7 @@ def prune_checkpoints(plan: SweepPlan) -> int:
 
 
 def write_plan(plan: SweepPlan) -> Path:
-    """Record the sweep's command and jobs in ``<sweep>/ablate.json`` (for the report)."""
+    """Record how the sweep was run in ``<sweep>/ablate.json`` (name, overrides, axes, runs)."""
     path = plan.sweep_dir / "ablate.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {

@@ -110,8 +110,10 @@ def ablate_command(
             fg=typer.colors.RED,
         )
         raise typer.Exit(130) from None
-    if not keep_checkpoints:
-        prune_checkpoints(plan)
+    if not keep_checkpoints and (pruned := prune_checkpoints(plan)):
+        typer.echo(
+            f"deleted the checkpoints of {pruned} finished runs (--keep-checkpoints keeps them)"
+        )
     left = unfinished(plan)
     if len(left) < len(plan.jobs):  # something to report
         _print_report(plan.sweep_dir, plots=not no_plots)

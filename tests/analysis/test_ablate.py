@@ -180,9 +180,12 @@ def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
         ("smoke", ["+ablate=default"], "choose the sweep as the first argument"),
         ("smoke", ["seed=[1"], "cannot parse override"),
         ("smoke", ["hydra/launcher=nope"], "cannot apply hydra/launcher=nope"),
+        ("smoke", ["--dir", "a=b"], "must not contain any of ' = ,"),
     ],
 )
 def test_bad_sweep_input_is_one_line(tmp_path, sweep, overrides, fragment):
+    if overrides[:1] == ["--dir"]:
+        tmp_path, overrides = tmp_path / overrides[1], []
     with pytest.raises(UserError) as info:
         plan_sweep(sweep, overrides, tmp_path)
     assert fragment in str(info.value)
