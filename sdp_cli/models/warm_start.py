@@ -288,6 +288,11 @@ def warm_start(
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # transformers writes the weights only on rank 0 once torch.distributed is initialised;
+        # never publish an entry without them
+        assert (tmp / "config.json").is_file() and any(tmp.glob("*.safetensors")), (
+            f"warm start saved no model files into {tmp}: build the policy on rank 0 first"
+        )
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         try:
             os.rename(tmp, entry)
