@@ -10,7 +10,9 @@ Layout of ``<run>/checkpoints/step-000050/``:
 A checkpoint is built in a temporary sibling directory, every file and directory is fsynced,
 and only then is it renamed into place; ``latest`` is replaced atomically afterwards. A reader
 accepts a directory only if its manifest matches the files, so a half-written checkpoint (the
-process was killed mid-write) is never loaded: the previous valid one is used instead.
+process was killed mid-write) is never loaded: the previous valid one is used instead. A
+checkpoint renamed into place is complete even if the process died before ``latest`` was
+updated, so the newest valid checkpoint wins over the one ``latest`` names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.errors import UserError
+from sdp_cli.faults import fault_point
 from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
 
 MANIFEST = "manifest.json"
@@ -109,10 +112,13 @@ def write_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
         save_policy(tmp / "policy")
+        fault_point("checkpoint.policy")
         tensors, opt_rest = flatten_optimizer_state(optimizer_state)
         save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
+        fault_point("checkpoint.optimizer")
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "optimizer": opt_rest, **state}
         (tmp / "state.json").write_text(json.dumps(payload))
+        fault_point("checkpoint.state")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for path in files:
             _fsync_file(path)
@@ -126,6 +132,7 @@ def write_checkpoint(
         for directory in sorted({p.parent for p in files} | {tmp}, key=lambda p: -len(p.parts)):
             fsync_directory(directory)
         tmp.chmod(default_dir_mode())  # mkdtemp makes it owner-only
+        fault_point("checkpoint.manifest")
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -133,7 +140,9 @@ def write_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fault_point("checkpoint.renamed")
     atomic_write_text(root / LATEST, name + "\n")
+    fault_point("checkpoint.latest")
     for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -155,15 +164,14 @@ def _is_valid(path: Path) -> bool:
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest valid checkpoint under ``root`` (``latest`` first, then by step), or None."""
+    """The valid checkpoint of the highest step under ``root``, or None.
+
+    ``latest`` is not trusted: a process killed between renaming a checkpoint into place and
+    updating ``latest`` leaves it naming the previous one.
+    """
     if not root.is_dir():
         return None
-    candidates: list[Path] = []
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidates.append(root / pointer.read_text().strip())
-    candidates.extend(sorted(root.glob("step-*"), reverse=True))
-    for path in candidates:
+    for path in sorted(root.glob("step-*"), reverse=True):
         if path.is_dir() and _is_valid(path):
             return path
     return None
@@ -175,9 +183,18 @@ def read_checkpoint(path: Path) -> Checkpoint:
 
     if not _is_valid(path):
         raise UserError(f"{path}: checkpoint is incomplete or corrupted; resume from an earlier one")
-    state = json.loads((path / "state.json").read_text())
-    tensors = load_file(str(path / "optimizer.safetensors"))
-    return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        if state.get("format") != FORMAT or not {"trainer", "loop", "optimizer"} <= set(state):
+            raise ValueError("state.json is not an sdp checkpoint state")
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
+    except Exception as err:  # files that match their manifest but were written by something else
+        problem = " ".join(str(err).split())[:200]
+        raise UserError(
+            f"{path}: checkpoint cannot be read ({type(err).__name__}: {problem}); "
+            "move it away to resume from an earlier one"
+        ) from None
 
 
 def remove_stale_temporaries(root: Path) -> int:
