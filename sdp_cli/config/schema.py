@@ -167,6 +167,10 @@ class EngineConfig:
     """remote engines: timeout of one HTTP request."""
     retries: int = 5
     """remote engines: retries (exponential backoff) on connection errors and 5xx."""
+    reconnect_timeout_s: float = 300.0
+    """remote engines: how long a server that stopped answering may take to come back."""
+    max_consecutive_faults: int = 5
+    """engine faults in a row (their groups are rejected and retried) before the run stops."""
     api_key_env: str | None = None
     """remote engines: name of the environment variable holding the API key (never logged)."""
     allow_temperature_mismatch: bool = False
@@ -365,6 +369,8 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.startup_timeout_s", eng.startup_timeout_s)
     _positive("engine.request_timeout_s", eng.request_timeout_s)
     _positive("engine.retries", eng.retries, strict=False)
+    _positive("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
+    _positive("engine.max_consecutive_faults", eng.max_consecutive_faults)
     _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
     _positive("engine.max_model_len", eng.max_model_len, allow_none=True)
     _positive("engine.cpu_kv_cache_gib", eng.cpu_kv_cache_gib, allow_none=True)

@@ -12,11 +12,19 @@ Every group is in exactly one place at a time: in the producer's hands (submitte
 partial), in the queue, in the cache, or consumed/dropped. The producer moves groups from its
 hands to the queue under ``_handoff_lock``, which the weight push also holds, so the recompute
 pass sees every sample the system holds exactly once.
+
+Faults (docs/reliability.md): a generate call that raises ``EngineError`` rejects its groups
+(their capacity returns) and the producer tries again; ``engine.max_consecutive_faults`` faults
+in a row stop the run. Every terminal fate of a group (consumed, dropped, rejected, abandoned
+at a resume) is written to the group ledger (``sdp_cli.train.ledger``) in the same critical
+section that changes the state, so a checkpoint's snapshot and the ledger length it records
+agree.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -26,6 +34,7 @@ from typing import Any, Callable, Protocol
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController
 from sdp_cli.rollout.recompute import ProximalRecomputer
@@ -34,7 +43,10 @@ from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, Staleness
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.train.batch import TrainBatch, assemble_batch
+from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.trainer import StepOutput, Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class TextCodec(Protocol):
@@ -104,8 +116,10 @@ class AsyncLoop:
         stop_token_ids: tuple[int, ...],
         max_new_tokens: int,
         push_weights: Callable[[int], WeightUpdate],
+        on_batch: Callable[[list[RolloutGroup]], None] | None = None,
         on_step: Callable[[StepRecord], None] | None = None,
         max_consecutive_engine_faults: int = 5,
+        ledger: LedgerLog | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -115,8 +129,10 @@ class AsyncLoop:
         self.pad_token_id = pad_token_id
         self.params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
         self.push_weights = push_weights
+        self.on_batch = on_batch
         self.on_step = on_step
         self.max_consecutive_engine_faults = max_consecutive_engine_faults
+        self.ledger = ledger
 
         ro = cfg.rollout
         self.batch_groups = ro.batch_groups
@@ -164,15 +180,22 @@ class AsyncLoop:
                 groups = self._new_groups(rng, n_groups)
                 try:
                     self.engine.generate([s for g in groups for s in g.samples], self.params)
-                except EngineError:
+                except EngineError as exc:
                     consecutive_faults += 1
-                    self._give_back(groups)
+                    self._give_back(groups, str(exc))
                     self.state.counters.engine_faults += 1
+                    logger.warning(
+                        "engine fault %d in a row (%d groups rejected, their capacity returned): %s",
+                        consecutive_faults,
+                        len(groups),
+                        exc,
+                    )
                     if consecutive_faults >= self.max_consecutive_engine_faults:
                         raise
                     time.sleep(min(2.0**consecutive_faults * 0.1, 5.0))
                     continue
                 consecutive_faults = 0
+                fault_point("producer.generated")
                 self._hand_over(groups)
         except BaseException as exc:  # surfaced to the trainer thread, which stops the run
             self._producer_error = exc
@@ -212,13 +235,14 @@ class AsyncLoop:
                 groups.append(group)
         return groups
 
-    def _give_back(self, groups: list[RolloutGroup]) -> None:
+    def _give_back(self, groups: list[RolloutGroup], reason: str) -> None:
         """Generation failed: the groups are rejected and their capacity returns."""
         with self._handoff_lock:
             for group in groups:
                 self._in_hand.pop(group.group_id, None)
                 self.manager.on_rollout_rejected()
                 self.state.counters.groups_failed += 1
+            self._record("rejected", [g.group_id for g in groups], reason=reason)
         with self._capacity_changed:
             self._capacity_changed.notify_all()
 
@@ -239,8 +263,16 @@ class AsyncLoop:
                 if self.strategy.should_filter_before_enqueue() and not self.strategy.filter_before_enqueue(
                     group, version
                 ):
+                    self._record("dropped", [group.group_id], version=version, where="enqueue")
                     continue
                 self.queue.put(group)
+                fault_point("producer.handover")
+
+    def _record(self, event: str, group_ids: list[int], **fields: Any) -> None:
+        """Write a fate to the ledger. Callers hold ``_handoff_lock`` or are the trainer thread,
+        which also takes the snapshots, so every fate falls on one side of a snapshot."""
+        if self.ledger is not None and group_ids:
+            self.ledger.write(event, group_ids, **fields)
 
     # ============================================================= trainer side
     def start(self) -> None:
@@ -275,6 +307,8 @@ class AsyncLoop:
         """Take one batch, train on it and push the new weights."""
         t0 = time.perf_counter()
         groups = self._next_batch()
+        if self.on_batch is not None:
+            self.on_batch(groups)  # other training processes train on the same batch
         t1 = time.perf_counter()
         batch = assemble_batch(
             groups,
@@ -284,7 +318,14 @@ class AsyncLoop:
         )
         output = self.trainer.step(batch)
         t2 = time.perf_counter()
-        push_metrics = self._push()
+        push_error: EngineError | None = None
+        try:
+            push_metrics = self._push()
+        except EngineError as exc:
+            # The step is trained, so it is counted: its metrics and checkpoint stay consistent
+            # (trainer version = step), and a resume hands these weights to the engine.
+            push_error = exc
+            push_metrics = {"engine/push_failed": 1.0}
         t3 = time.perf_counter()
 
         counters = self.state.counters
@@ -301,6 +342,8 @@ class AsyncLoop:
         record = StepRecord(step=self.state.step, version=self._version, metrics=metrics, batch=batch, output=output)
         if self.on_step is not None:
             self.on_step(record)
+        if push_error is not None:
+            raise push_error
         return record
 
     def _next_batch(self) -> list[RolloutGroup]:
@@ -313,9 +356,20 @@ class AsyncLoop:
                     self.cache.add(self.queue.get_nowait())
                 except Empty:
                     break
-            self.strategy.filter_stale_from_cache(self.cache, version)
+            before = [g.group_id for g in self.cache.get_all()]
+            if self.strategy.filter_stale_from_cache(self.cache, version):
+                kept = {g.group_id for g in self.cache.get_all()}
+                self._record("dropped", [g for g in before if g not in kept], version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
-                return self.cache.take_first_n(self.batch_groups)
+                groups = self.cache.take_first_n(self.batch_groups)
+                self._record(
+                    "consumed",
+                    [g.group_id for g in groups],
+                    step=self.state.step + 1,
+                    samples=[len(g.samples) for g in groups],
+                )
+                fault_point("loop.batch_taken")
+                return groups
             try:
                 self.cache.add(self.queue.get(timeout=0.2))
             except Empty:
@@ -349,11 +403,16 @@ class AsyncLoop:
                     metrics["recompute/samples"] = float(stats.samples_recomputed)
                     metrics["recompute/mean_abs_delta"] = float(stats.mean_abs_delta)
                     metrics["time/recompute_s"] = elapsed
+                fault_point("loop.recomputed")
                 self.engine.update_weights(update)
                 self._version = new_version
-                metrics["staleness/purged_groups"] = float(
-                    self.strategy.purge_stale_samples_from_queue(self.queue, new_version)
-                )
+                fault_point("loop.weights_loaded")
+                before = [g.group_id for g in self.queue.snapshot()]
+                purged = self.strategy.purge_stale_samples_from_queue(self.queue, new_version)
+                if purged:
+                    kept = {g.group_id for g in self.queue.snapshot()}
+                    self._record("dropped", [g for g in before if g not in kept], version=new_version, where="queue")
+                metrics["staleness/purged_groups"] = float(purged)
         with self._capacity_changed:
             self._capacity_changed.notify_all()
         return metrics
@@ -369,6 +428,8 @@ class AsyncLoop:
             "buffer/queue": float(self.queue.qsize()),
             "buffer/cache": float(self.cache.size()),
             "throughput/tokens_generated_total": float(self.state.counters.tokens_generated),
+            "engine/faults_total": float(self.state.counters.engine_faults),
+            "engine/groups_rejected_total": float(self.state.counters.groups_failed),
         }
 
     # ============================================================== checkpoint
@@ -386,14 +447,18 @@ class AsyncLoop:
                 "queue": [g.to_dict() for g in self.queue.snapshot()],
                 "cache": [g.to_dict() for g in self.cache.get_all()],
                 "in_flight_groups": len(self._in_hand),
+                "in_flight_group_ids": sorted(self._in_hand),
+                "ledger_offset": None if self.ledger is None else self.ledger.offset(),
             }
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Restore a snapshot before ``start()``. Groups that were in flight when it was taken are
-        gone: their capacity returns (running → 0); queued and cached groups come back."""
+        gone: their capacity returns (running → 0) and the ledger says they were abandoned;
+        queued and cached groups come back. The engine must already run the checkpoint's
+        weights: its version becomes the loop's."""
         assert self._producer is None, "restore() must be called before start()"
         self.state.step = int(snap["step"])
-        self._version = int(snap["version"])
+        self._version = self.engine.get_version()
         self.state.next_group_id = int(snap["next_group_id"])
         self._group_ids = itertools.count(self.state.next_group_id)
         self.state.producer_rng = _rng_state_from_json(snap["producer_rng"])
@@ -404,6 +469,7 @@ class AsyncLoop:
             self.queue.put(RolloutGroup.from_dict(data))
         for data in snap["cache"]:
             self.cache.add(RolloutGroup.from_dict(data))
+        self._record("abandoned", list(snap.get("in_flight_group_ids", [])), checkpoint_step=self.state.step)
 
 
 def _rng_state_to_json(state: Any) -> list[Any]:

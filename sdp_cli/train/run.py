@@ -4,7 +4,8 @@ Run directory (``runs/<timestamp>-<mode>-<task>/``):
     config.yaml        the resolved config
     overrides.json     the command-line overrides (``resume`` re-composes from them)
     metrics.jsonl      one line per step
-    events.jsonl       start / resume / checkpoints / faults / end
+    events.jsonl       start / resume / crashes / checkpoints / stops / end
+    ledger.jsonl       the fate of every rollout group (sdp_cli/train/ledger.py)
     tensorboard/       TensorBoard event files
     checkpoints/       atomic, validated checkpoints (see checkpoint.py)
     batches/           training batches in the sdp batch format (train.save_batches=true)
@@ -20,6 +21,7 @@ import os
 import random
 import shutil
 import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,10 +32,15 @@ from sdp_cli.config.compose import compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.errors import UserError
+from sdp_cli.faults import fault_point
+from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.tasks import Task, build_task
 from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.ledger import LEDGER, LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
+from sdp_cli.train.batch import assemble_batch
+from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
 from sdp_cli.train.trainer import Trainer
 
@@ -62,6 +69,25 @@ def _resolve_threads(cfg: SdpConfig) -> int:
     # Rollouts and training overlap when η > 0: give each worker its own core(s) so the two
     # threads run in parallel instead of fighting over one intra-op pool.
     return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
+
+
+#: events that end a session; a resume after any other last event follows a crash
+END_EVENTS = ("stopped", "interrupted", "finished")
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line that a crash left without its newline (append-only JSON-lines logs)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
+def _last_event(path: Path) -> dict[str, Any] | None:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]) if lines else None
 
 
 def make_run_dir(cfg: SdpConfig) -> Path:
@@ -111,7 +137,7 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
     )
 
 
-def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path) -> InferenceEngine:
+def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path, *, device: Any = "cpu") -> InferenceEngine:
     if cfg.engine.kind == "local":
         from sdp_cli.engine.local import LocalEngine
 
@@ -122,6 +148,7 @@ def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path) -> InferenceEngine:
             pad_token_id=policy.pad_token_id,
             max_batch_size=cfg.engine.max_batch_size,
             seed=cfg.seed,
+            device=device,
         )
     from sdp_cli.engine.servers import build_remote_engine
 
@@ -132,14 +159,25 @@ def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path) -> InferenceEngine:
 class TrainingRun:
     """One ``sdp train`` invocation (fresh or resumed)."""
 
-    def __init__(self, cfg: SdpConfig, raw: Any, overrides: list[str], run_dir: Path, *, resuming: bool):
+    def __init__(
+        self,
+        cfg: SdpConfig,
+        raw: Any,
+        overrides: list[str],
+        run_dir: Path,
+        *,
+        resuming: bool,
+        coordinator: Coordinator,
+    ):
         self.cfg = cfg
         self.raw = raw
         self.overrides = overrides
         self.run_dir = run_dir
         self.resuming = resuming
+        self.coordinator = coordinator
         self.ckpt_root = run_dir / "checkpoints"
-        self.events = EventLog(run_dir / "events.jsonl")
+        # only rank 0 writes to the run directory
+        self.events = EventLog(run_dir / "events.jsonl") if coordinator.is_main else None
 
     # -- setup --------------------------------------------------------------
     def setup(self) -> None:
@@ -153,14 +191,19 @@ class TrainingRun:
 
         checkpoint = None
         if self.resuming:
-            ckpt.remove_stale_temporaries(self.ckpt_root)
+            if self.coordinator.is_main:
+                ckpt.remove_stale_temporaries(self.ckpt_root)
+                self._recover_files()
             found = ckpt.find_latest(self.ckpt_root)
             if found is None:
                 raise UserError(f"{self.run_dir}: no complete checkpoint to resume from; start a new run instead")
             checkpoint = ckpt.read_checkpoint(found)
 
         self.task = build_task_from(cfg)
-        self.policy = load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
+        # rank 0 first: it may train and cache the warm start, which the others then load
+        self.policy = self.coordinator.main_first(
+            lambda: load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
+        )
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         self.trainer = Trainer(
@@ -170,9 +213,32 @@ class TrainingRun:
             temperature=cfg.rollout.temperature,
             seed=cfg.seed,
             measure_proximal_t=cfg.rollout.recompute == "always",
+            accelerator=self.coordinator.accelerator,
         )
-        self.engine = build_engine(cfg, self.policy, self.run_dir)
+        if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
+            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+            optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
+        self.start_step = 0
+        if checkpoint is not None:
+            state = checkpoint.state
+            self.trainer.optimizer.load_state_dict(
+                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+            )
+            self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
+            torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
+            self.trainer.version = int(state["trainer"]["version"])
+            self.start_step = checkpoint.step
+        if not self.coordinator.is_main:
+            return
+
+        self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
+        # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
+        # session (sdp_cli/train/ledger.py).
+        self.ledger = LedgerLog(
+            self.run_dir / LEDGER,
+            truncate_to=checkpoint.state["loop"].get("ledger_offset") if checkpoint else 0,
+        )
         self.loop = AsyncLoop(
             cfg,
             engine=self.engine,
@@ -183,32 +249,59 @@ class TrainingRun:
             stop_token_ids=stop_ids,
             max_new_tokens=max_new,
             push_weights=self._weight_update,
+            on_batch=self.coordinator.send_batch,
             on_step=self._on_step,
+            max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
+            ledger=self.ledger,
         )
-        start_step = 0
+        self._last_checkpoint: tuple[int, Path] | None = None
+        if checkpoint is not None or cfg.engine.urls:
+            self._sync_engine(self.trainer.version)
         if checkpoint is not None:
-            state = checkpoint.state
-            self.trainer.optimizer.load_state_dict(
-                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+            self.loop.restore(checkpoint.state["loop"])
+            self.events.write(
+                "resumed", step=self.start_step, version=self.trainer.version, checkpoint=str(checkpoint.path)
             )
-            self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
-            torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
-            self.trainer.version = int(state["trainer"]["version"])
-            self.engine.set_version(self.trainer.version)
-            self.loop.restore(state["loop"])
-            start_step = checkpoint.step
-            self.events.write("resumed", step=start_step, version=self.trainer.version, checkpoint=str(checkpoint.path))
         else:
-            self.events.write("started", overrides=self.overrides)
+            self.events.write("started", overrides=self.overrides, processes=self.coordinator.num_processes)
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
 
+        start_step = self.start_step
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
         self.tensorboard = TensorBoardLog(
             self.run_dir / "tensorboard" if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
         )
         self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
-        self.start_step = start_step
+
+    def _recover_files(self) -> None:
+        """Before a resume: cut lines a crash tore, say in the events that the last session
+        crashed, and delete weight directories whose writing was killed."""
+        events, metrics = self.run_dir / "events.jsonl", self.run_dir / "metrics.jsonl"
+        _drop_torn_line(events)
+        _drop_torn_line(metrics)
+        last = _last_event(events)
+        if last is not None and last.get("event") not in END_EVENTS:
+            self.events.write("crashed", last_event=last.get("event"), last_event_time=last.get("time"))
+        for parent in (self.run_dir / "weights", self.run_dir / "versions"):
+            for tmp in parent.glob(".v*") if parent.is_dir() else []:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _sync_engine(self, version: int) -> None:
+        """Make the engine run the trainer's weights as ``version``. The local engine and a
+        launched server were built from them, so only the version is declared; servers sdp
+        attached to (engine.urls) run whatever they ran before (another run's weights, or a
+        crashed session's newer ones), so they load these weights."""
+        if self.cfg.engine.kind == "local" or not self.cfg.engine.urls:
+            self.engine.set_version(version)
+            return
+        target = self.run_dir / "weights" / f"v{version:06d}"
+        self._save_policy(target)
+        self.engine.pause()
+        try:
+            self.engine.update_weights(WeightUpdate(version=version, path=target))
+        finally:
+            self.engine.resume()
 
     # -- weights ------------------------------------------------------------
     def _weight_update(self, version: int) -> WeightUpdate:
@@ -238,6 +331,7 @@ class TrainingRun:
         if cfg.train.save_batches:
             self._save_batch(record)
         self.metrics.write(record.step, metrics)
+        fault_point("run.metrics_written")
         self.tensorboard.write(record.step, metrics)
         self.progress.update(record.step, metrics)
         every = cfg.train.checkpoint_every
@@ -259,6 +353,8 @@ class TrainingRun:
         )
 
     def checkpoint(self, step: int) -> Path:
+        if self._last_checkpoint is not None and self._last_checkpoint[0] == step:
+            return self._last_checkpoint[1]  # e.g. a stop right after a scheduled checkpoint
         trainer_state = {
             "version": self.trainer.version,
             "generator": self.trainer.generator.get_state().tolist(),
@@ -269,10 +365,17 @@ class TrainingRun:
             step,
             save_policy=self._save_policy,
             optimizer_state=self.trainer.optimizer.state_dict(),
-            state={"trainer": trainer_state, "loop": self.loop.snapshot()},
+            state={"trainer": trainer_state, "loop": self._snapshot()},
         )
+        self._last_checkpoint = (step, path)
         self.events.write("checkpoint", step=step, path=str(path))
         return path
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The loop snapshot, with the ledger durable up to the length it records."""
+        snapshot = self.loop.snapshot()
+        self.ledger.sync()
+        return snapshot
 
     def _evaluate(self, step: int) -> float:
         from sdp_cli.models import greedy_accuracy
@@ -293,7 +396,13 @@ class TrainingRun:
         except (LoopStopped, EngineError) as exc:
             step = self.loop.state.step
             path = self.checkpoint(step) if step > self.start_step else None
-            self.events.write("stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None)
+            cause = exc.__cause__
+            detail = {}
+            if cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
+                detail["traceback"] = "".join(traceback.format_exception(cause))
+            self.events.write(
+                "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
+            )
             where = f"; resume with: sdp train resume={self.run_dir}" if path or step else ""
             raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
         except KeyboardInterrupt:
@@ -305,15 +414,32 @@ class TrainingRun:
         finally:
             self.progress.close()
             self.engine.close()
+            self.coordinator.send_batch(None)
+            in_sync = self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+        if not in_sync:
+            raise UserError("the training processes ended with different weights; report this as a bug")
         wall = time.perf_counter() - t0
         acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
+        self.ledger.close()
         self.tensorboard.close()
         self.events.close()
         return summary
+
+    def follow(self) -> None:
+        """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
+        while (groups := self.coordinator.receive_batch()) is not None:
+            batch = assemble_batch(
+                groups,
+                pad_token_id=int(self.policy.pad_token_id),
+                trainer_version=self.trainer.version,
+                scale_adv_by_std=self.cfg.loss.scale_adv_by_std,
+            )
+            self.trainer.step(batch)
+        self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
 
     def _summary(self, wall: float, acc_start: float | None, acc_end: float | None) -> dict[str, Any]:
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
@@ -341,8 +467,13 @@ class TrainingRun:
         }
 
 
-def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any]:
-    """Start (or resume) a run and return its summary."""
+def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any] | None:
+    """Start (or resume) a run and return its summary (None on ranks other than 0)."""
+    from accelerate import Accelerator
+
+    from sdp_cli.train.distributed import Coordinator
+
+    coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
     if cfg.resume:
         run_dir = Path(cfg.resume)
         saved = run_dir / "overrides.json"
@@ -351,16 +482,22 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         original = json.loads(saved.read_text())
         extra = [o for o in overrides if not o.startswith("resume=")]
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
-        if extra:
+        if extra and coordinator.is_main:
             atomic_write_text(saved, json.dumps([*original, *extra]))
         resuming = True
     else:
-        run_dir = make_run_dir(cfg)
-        atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
+        run_dir = make_run_dir(cfg) if coordinator.is_main else None
+        run_dir = Path(coordinator.broadcast_json(str(run_dir) if run_dir else None))
+        if coordinator.is_main:
+            atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
         resuming = False
-    atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming)
+    if coordinator.is_main:
+        atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
+    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator)
     run.setup()
+    if not coordinator.is_main:
+        run.follow()
+        return None
     summary = run.run()
     print(_summary_line(summary))
     return summary

@@ -1,0 +1,160 @@
+"""The group ledger: what became of every rollout group of a run, kept consistent across crashes.
+
+``<run>/ledger.jsonl`` holds one JSON object per fate, written when it happens:
+
+    {"event": "consumed", "step": s, "groups": [ids], "samples": [n per group]}
+    {"event": "dropped", "version": c, "where": "enqueue" | "queue" | "cache", "groups": [ids]}
+    {"event": "rejected", "groups": [ids], "reason": "..."}
+    {"event": "abandoned", "groups": [ids], "checkpoint_step": s}
+
+``consumed``: trained on at step s. ``dropped``: removed by the staleness strategy at trainer
+version c. ``rejected``: generation failed (an engine fault); the capacity came back.
+``abandoned``: in flight when the checkpoint a resume started from was taken; that generation
+belonged to the crashed session, the resumed run never had it and the capacity came back.
+
+Crash consistency: a checkpoint records the ledger's length, taken in the same critical
+section as the loop snapshot, and a resume truncates the file to that length. The ledger then
+describes one lineage: the checkpointed past plus the resumed session. Events of a crashed
+session after its last checkpoint are removed, because the state they changed was lost with
+it (its group ids are handed out again by the resumed run).
+
+:func:`audit` checks the ledger against a checkpoint (docs/reliability.md): every group id below
+the checkpoint's ``next_group_id`` has exactly one fate, counting "held" (queued or cached) and
+"in flight" as fates; none is *lost* (no fate) and none is *duplicated* (two fates, e.g.
+consumed twice). It also checks the staleness manager's counters against the fates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.fileio import fsync_directory
+
+LEDGER = "ledger.jsonl"
+EVENTS = ("consumed", "dropped", "rejected", "abandoned")
+
+
+class LedgerLog:
+    """Appends ledger events; thread-safe; every event reaches the OS before ``write`` returns."""
+
+    def __init__(self, path: Path, *, truncate_to: int | None = None):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._fh = open(self.path, "ab")
+        if truncate_to is not None and self._fh.tell() > truncate_to:
+            self._fh.truncate(truncate_to)
+            self._fh.seek(truncate_to)
+
+    def write(self, event: str, groups: list[int], **fields: Any) -> None:
+        assert event in EVENTS, f"unknown ledger event {event!r}"
+        line = json.dumps({"event": event, "groups": [int(g) for g in groups], **fields})
+        with self._lock:
+            self._fh.write(line.encode() + b"\n")
+            self._fh.flush()
+
+    def offset(self) -> int:
+        """Bytes written so far (what a checkpoint records)."""
+        with self._lock:
+            return self._fh.tell()
+
+    def sync(self) -> None:
+        """Make the ledger durable (before a checkpoint that records its length)."""
+        with self._lock:
+            os.fsync(self._fh.fileno())
+        fsync_directory(self.path.parent)
+
+    def close(self) -> None:
+        with self._lock:
+            self._fh.close()
+
+
+def read_events(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The events in the first ``limit`` bytes of a ledger (all when None)."""
+    data = Path(path).read_bytes()
+    if limit is not None:
+        data = data[:limit]
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+@dataclass
+class Audit:
+    """The fates of a run's groups, and what is wrong with them (empty lists: nothing)."""
+
+    groups: int = 0
+    group_size: int = 0
+    fates: Counter[str] = field(default_factory=Counter)
+    lost: list[int] = field(default_factory=list)
+    duplicated: list[int] = field(default_factory=list)
+    #: consumed groups whose sample count differs from the group size
+    bad_sample_counts: list[int] = field(default_factory=list)
+    #: staleness-manager counters that disagree with the ledger, as "name: counter vs ledger"
+    counter_mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def samples_lost(self) -> int:
+        return self.group_size * len(self.lost)
+
+    @property
+    def samples_duplicated(self) -> int:
+        return self.group_size * len(self.duplicated)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost or self.duplicated or self.bad_sample_counts or self.counter_mismatches
+        )
+
+
+def audit(ledger_path: Path, loop_snapshot: dict[str, Any], group_size: int) -> Audit:
+    """Check the ledger prefix a checkpoint's loop snapshot points at (see the module docstring)."""
+    snap = loop_snapshot
+    events = read_events(ledger_path, int(snap["ledger_offset"]))
+    fates: dict[int, list[str]] = {}
+    result = Audit(groups=int(snap["next_group_id"]), group_size=group_size)
+    consumed_steps: Counter[int] = Counter()
+    for event in events:
+        name = event["event"]
+        for i, gid in enumerate(event["groups"]):
+            fates.setdefault(gid, []).append(name)
+            if name == "consumed" and event["samples"][i] != group_size:
+                result.bad_sample_counts.append(gid)
+        if name == "consumed":
+            consumed_steps[event["step"]] += 1
+    held = [g["group_id"] for g in [*snap["queue"], *snap["cache"]]]
+    for gid in held:
+        fates.setdefault(gid, []).append("held")
+    for gid in snap["in_flight_group_ids"]:
+        fates.setdefault(gid, []).append("in_flight")
+    for gid in range(result.groups):
+        found = fates.get(gid, [])
+        if not found:
+            result.lost.append(gid)
+        elif len(found) > 1:
+            result.duplicated.append(gid)
+        for fate in found:
+            result.fates[fate] += 1
+    result.duplicated.extend(g for g in fates if not 0 <= g < result.groups)
+
+    stats = snap["manager"]["stats"]
+    f = result.fates
+    expected = {
+        "submitted": result.groups,
+        "accepted": f["consumed"] + f["dropped"] + f["held"],
+        "rejected": f["rejected"] + f["abandoned"],
+        "running": f["in_flight"],
+        "filtered": f["dropped"],
+        "enqueued": 0,
+    }
+    for name, value in expected.items():
+        if stats[name] != value:
+            result.counter_mismatches.append(f"{name}: {stats[name]} vs {value}")
+    steps = sorted(consumed_steps)
+    if steps != list(range(1, int(snap["step"]) + 1)) or set(consumed_steps.values()) - {1}:
+        result.counter_mismatches.append(f"consumed steps {steps} vs 1..{snap['step']} once each")
+    return result
