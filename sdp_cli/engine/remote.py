@@ -20,6 +20,16 @@ Pause protocol (DESIGN.md §2), as seen from the servers:
   input, and those become π_prox_t of the tokens (DESIGN.md §2 step 4, patched by absolute
   index). Tokens whose resubmission was aborted before its prefill are left to the next
   recompute pass (step 2).
+
+Outages and restarts (docs/reliability.md). A server that stops answering (after the transport's
+retries) or answers under a weight-version label sdp never sets (a number is sdp's; a restarted
+vLLM reports ``default``) is *suspect*: before it is used again, sdp waits for it to answer
+(up to ``reconnect_timeout_s``), reads its label and, unless it is sdp's, reloads the current
+version's weights (or sets the label while the servers still run their start-up weights). The
+answer that revealed the restart is discarded, so no token is ever tagged with a version that
+did not produce it; the sample keeps the tokens it had and is resubmitted (prompt + partial
+output) like after a pause. A server that is down when ``pause()`` aborts is not waited for
+beyond its requests, which end on their own; scoring and weight updates wait for it too.
 """
 
 from __future__ import annotations
@@ -38,13 +48,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.engine.base import (
+    EngineError,
+    EngineUnavailable,
+    InferenceEngine,
+    SamplingParams,
+    WeightUpdate,
+)
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.rollout.records import RolloutSample
 
 logger = logging.getLogger(__name__)
 
 FINISHED = ("stop", "length")
+#: restores of one server in a row, with no good answer in between, before a request fails
+MAX_RESTORES_IN_A_ROW = 3
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,8 @@ class RemoteOptions:
     max_concurrent_requests: int = 64
     #: an abort that no pause explains is retried this many times before it is an error
     max_unexplained_aborts: int = 3
+    #: how long a server that stopped answering may take to come back before its work fails
+    reconnect_timeout_s: float = 300.0
     #: transport settings: timeouts, retries, keep-alive, API key
     http: HttpOptions = field(default_factory=HttpOptions)
 
@@ -69,6 +89,8 @@ class RemoteOptions:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if not self.reconnect_timeout_s > 0:
+            raise ValueError(f"reconnect_timeout_s must be > 0, got {self.reconnect_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -110,6 +132,15 @@ class RemoteServer:
     load: int = 0
     #: ids of this client's requests in flight on the server
     request_ids: set[str] = field(default_factory=set)
+    #: the server may have lost sdp's weights (it stopped answering or restarted): check its
+    #: label and restore the weights before it is used again
+    suspect: bool = False
+    #: generation threads restoring the server now; pause() waits for them
+    restoring: int = 0
+    #: incremented by every restore: an abort or error that spans one was caused by it
+    restore_epoch: int = 0
+    #: serialises restores and weight updates of this server
+    weights_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -119,6 +150,12 @@ class RemoteServer:
 def version_label(version: int) -> str:
     """The weight-version label sdp gives the servers: the version number as a string."""
     return str(int(version))
+
+
+def is_version_label(label: str) -> bool:
+    """Whether sdp could have set ``label``; a restarted server reports its start-up label
+    instead (vLLM: ``default``; SGLang: ``default`` or its ``--weight-version``)."""
+    return label.isdecimal()
 
 
 def new_request_id() -> str:
@@ -231,6 +268,9 @@ class RemoteEngine(InferenceEngine):
         ]
         self._cond = threading.Condition()
         self._version = int(version)
+        #: directory of the current version's weights; None while the servers run their
+        #: start-up weights, which sdp takes to be version ``version``
+        self._weights_path: Path | None = None
         self._paused = False
         self._closed = False
         #: incremented by every pause(): an abort with an unchanged epoch was not ours
@@ -241,6 +281,7 @@ class RemoteEngine(InferenceEngine):
             "resubmissions": 0,
             "aborted_segments": 0,
             "prefill_proximal_tokens": 0,
+            "restores": 0,
         }
         self._generate_pool = ThreadPoolExecutor(
             options.max_concurrent_requests, thread_name_prefix=f"sdp-{self.engine_name}-gen"
@@ -253,6 +294,14 @@ class RemoteEngine(InferenceEngine):
             for server in self.servers:
                 self._server_connect(server)
                 self._server_set_version(server, version_label(self._version))
+        except EngineUnavailable as exc:
+            self.close()
+            http = options.http
+            waited = sum(http.backoff(i) for i in range(http.max_retries))
+            raise EngineUnavailable(
+                f"{exc}; gave up after {1 + http.max_retries} attempt(s) over {waited:.1f} s "
+                f"(engine.retries={http.max_retries})"
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -293,6 +342,11 @@ class RemoteEngine(InferenceEngine):
     @abc.abstractmethod
     def _server_set_version(self, server: RemoteServer, label: str) -> None:
         """Relabel the loaded weights without loading anything."""
+
+    def _server_get_version(self, server: RemoteServer) -> str | None:
+        """The server's weight-version label, or None where the dialect cannot read it (then
+        a suspect server always gets the current weights again)."""
+        return None
 
     # ------------------------------------------------------------------ versions
     def get_version(self) -> int:
@@ -336,6 +390,7 @@ class RemoteEngine(InferenceEngine):
         out of budget."""
         server: RemoteServer | None = None  # sticky: every resubmission goes to the same server
         unexplained_aborts = 0
+        restores = 0  # restores of the server since this sample last got a good answer
         while True:
             with self._cond:
                 self._wait_running()
@@ -343,20 +398,41 @@ class RemoteEngine(InferenceEngine):
                 if budget <= 0:
                     sample.finish("length")
                     return
-                version, epoch = self._version, self._pause_epoch
-                proximal_indices = [
-                    t
-                    for t, (v, pv) in enumerate(zip(sample.versions, sample.proximal_t_versions))
-                    if v == version - 1 and pv != version
-                ]
                 if server is None:
                     server = min(self.servers, key=lambda s: s.load)
-                server.load += 1
-                # Registered while admitted: a pause() from now on waits for this request.
-                segment_ids = [new_request_id()]
-                server.request_ids.add(segment_ids[0])
-                if sample.output_len:
-                    self._stats["resubmissions"] += 1
+                restore = server.suspect
+                if restore:
+                    server.restoring += 1  # like a request: pause() waits for it
+                else:
+                    version, epoch = self._version, self._pause_epoch
+                    restore_epoch = server.restore_epoch
+                    proximal_indices = [
+                        t
+                        for t, (v, pv) in enumerate(
+                            zip(sample.versions, sample.proximal_t_versions)
+                        )
+                        if v == version - 1 and pv != version
+                    ]
+                    server.load += 1
+                    # Registered while admitted: a pause() from now on waits for this request.
+                    segment_ids = [new_request_id()]
+                    server.request_ids.add(segment_ids[0])
+                    if sample.output_len:
+                        self._stats["resubmissions"] += 1
+            if restore:
+                restores += 1
+                try:
+                    if restores > MAX_RESTORES_IN_A_ROW:
+                        raise EngineError(
+                            f"{server.url} lost sdp's weights or stopped answering {restores - 1} times "
+                            f"in a row while generating sample {sample.sample_id}; check the server's log"
+                        )
+                    self._restore(server)
+                finally:
+                    with self._cond:
+                        server.restoring -= 1
+                        self._cond.notify_all()
+                continue
             fresh_id = functools.partial(self._register_request_id, server, segment_ids)
             request = SegmentRequest(
                 request_id=segment_ids[0],
@@ -369,15 +445,25 @@ class RemoteEngine(InferenceEngine):
             try:
                 segment = self._server_generate(server, request, fresh_id)
                 self._check_segment(server, request, segment)
-            except BaseException:
+            except BaseException as exc:
                 with self._cond:
                     self._end_request(server, segment_ids)
+                    lost_server = isinstance(exc, EngineUnavailable) and not self._closed
+                    if lost_server:
+                        server.suspect = True
+                if lost_server:
+                    continue  # the sample is as it was: resubmit it once the server is back
                 raise
             with self._cond:
                 # Ending the request and recording its tokens in one critical section: once
                 # pause() has seen every request end, every partial output is in its sample.
                 self._end_request(server, segment_ids)
                 self._raise_if_closed()
+                if self._restarted(segment):
+                    # Generated by a server that lost sdp's weights: discard it, restore, resubmit.
+                    server.suspect = True
+                    continue
+                restores = 0
                 self._stats["segments"] += 1
                 self._check_versions(server, segment, version)
                 self._patch_proximal(sample, request, segment, proximal_indices, version)
@@ -389,7 +475,7 @@ class RemoteEngine(InferenceEngine):
                 if sample.output_len >= params.max_new_tokens:
                     sample.finish("length")
                     return
-                if epoch != self._pause_epoch:
+                if epoch != self._pause_epoch or restore_epoch != server.restore_epoch:
                     unexplained_aborts = 0
                     continue
                 unexplained_aborts += 1
@@ -398,6 +484,70 @@ class RemoteEngine(InferenceEngine):
                         f"{server.url} aborted sample {sample.sample_id} {unexplained_aborts} times without a "
                         f"pause ({segment.message or 'no reason given'}); check the server's log"
                     )
+
+    @staticmethod
+    def _restarted(segment: Segment) -> bool:
+        """Whether the answer carries a label sdp never sets: the server restarted with its
+        start-up weights, so the tokens were not produced by the version sdp tags them with."""
+        labels = [*(segment.token_versions or ()), *filter(None, [segment.prefill_version])]
+        return any(not is_version_label(label) for label in labels)
+
+    def _restore(self, server: RemoteServer) -> None:
+        """Make a suspect server run sdp's current weights under sdp's label again.
+
+        Waits up to ``reconnect_timeout_s`` for it to answer. A server that reports sdp's label
+        is trusted as it is; one that reports a label sdp never sets (it restarted) gets the
+        current version's weights reloaded, or only the label while the servers still run their
+        start-up weights; another version number means another client changed it: an error.
+        """
+        with server.weights_lock:
+            if not server.suspect:
+                return  # another thread restored it meanwhile
+            label = self._wait_until_answering(server)
+            with self._cond:
+                version, path = self._version, self._weights_path
+            expected = version_label(version)
+            if label != expected:
+                if label is not None and is_version_label(label):
+                    raise EngineError(
+                        f"{server.url} reports weight version {label!r} while sdp is at {expected!r}; "
+                        "another client may be changing this server's weights (give each run its own servers)"
+                    )
+                logger.warning(
+                    "%s reports weight version %r, sdp is at %r (the server restarted?): %s",
+                    server.url,
+                    label,
+                    expected,
+                    f"reloading {path}" if path else "relabelling its start-up weights",
+                )
+                try:
+                    if path is None:
+                        self._server_set_version(server, expected)
+                    else:
+                        self._server_load_weights(server, path, expected)
+                except EngineUnavailable:
+                    return  # it went away again: still suspect, the caller tries again
+            with self._cond:
+                server.suspect = False
+                server.restore_epoch += 1
+                self._stats["restores"] += 1
+
+    def _wait_until_answering(self, server: RemoteServer) -> str | None:
+        """The server's label once it answers again; EngineUnavailable after
+        ``reconnect_timeout_s`` (each try already retries with the transport's backoff)."""
+        deadline = time.monotonic() + self.options.reconnect_timeout_s
+        while True:
+            try:
+                return self._server_get_version(server)
+            except EngineUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise EngineUnavailable(
+                        f"{exc}; it did not come back within engine.reconnect_timeout_s="
+                        f"{self.options.reconnect_timeout_s:g}"
+                    ) from None
+            with self._cond:
+                if self._cond.wait_for(lambda: self._closed, timeout=1.0):
+                    self._raise_if_closed()
 
     def _end_request(self, server: RemoteServer, segment_ids: list[str]) -> None:
         """Forget a finished request (lock held); wakes a pause() waiting for it."""
@@ -486,26 +636,44 @@ class RemoteEngine(InferenceEngine):
                 return
             self._paused = True
             self._pause_epoch += 1
-        self._on_all_servers(self._server_abort_all)
+        self._on_all_servers(lambda server: self._abort(self._server_abort_all, server))
         # A request sent just before the pause may reach a server after the abort: abort the
         # stragglers by id until none is left (the first wait normally ends by notification).
+        # Restores in progress are waited for like requests (they may reload weights).
         deadline = time.monotonic() + self.options.http.admin_timeout_s
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: self._closed or not any(s.request_ids for s in self.servers), 0.1
+                    lambda: self._closed
+                    or not any(s.request_ids or s.restoring for s in self.servers),
+                    0.1,
                 )
                 self._raise_if_closed()
-                stragglers = [(s, sorted(s.request_ids)) for s in self.servers if s.request_ids]
-            if not stragglers:
+                busy = [s for s in self.servers if s.request_ids or s.restoring]
+                stragglers = [
+                    (s, sorted(s.request_ids)) for s in busy if s.request_ids and not s.suspect
+                ]
+            if not busy:
                 return
             if time.monotonic() > deadline:
                 raise EngineError(
-                    f"engine={self.engine_name}: {sum(len(ids) for _, ids in stragglers)} request(s) did not end "
-                    f"within {self.options.http.admin_timeout_s:.0f} s of an abort; check the servers' logs"
+                    f"engine={self.engine_name}: {sum(len(s.request_ids) + s.restoring for s in busy)} "
+                    f"request(s) did not end within {self.options.http.admin_timeout_s:.0f} s of an abort; "
+                    "check the servers' logs"
                 )
             for server, request_ids in stragglers:
-                self._server_abort_requests(server, request_ids)
+                self._abort(
+                    lambda srv, ids=request_ids: self._server_abort_requests(srv, ids), server
+                )
+
+    def _abort(self, action: Callable[[RemoteServer], None], server: RemoteServer) -> None:
+        """Run an abort on ``server``; one that cannot be reached is marked suspect instead
+        (its requests end on their own when their connections fail, and pause() waits)."""
+        try:
+            action(server)
+        except EngineUnavailable:
+            with self._cond:
+                server.suspect = True
 
     def resume(self) -> None:
         with self._cond:
@@ -533,9 +701,25 @@ class RemoteEngine(InferenceEngine):
                 f"weight directory {path} does not exist; save the policy there before the update"
             )
         label = version_label(update.version)
-        self._on_all_servers(lambda server: self._server_load_weights(server, path, label))
+        self._on_all_servers(lambda server: self._load_weights(server, path, label))
         with self._cond:
             self._version = int(update.version)
+            self._weights_path = path
+
+    def _load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
+        """Load ``path`` on ``server``, waiting up to ``reconnect_timeout_s`` if it is down."""
+        with server.weights_lock:
+            deadline = time.monotonic() + self.options.reconnect_timeout_s
+            while True:
+                try:
+                    self._server_load_weights(server, path, label)
+                    break
+                except EngineUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    self._wait_until_answering(server)
+            with self._cond:
+                server.suspect = False
 
     def inflight_samples(self) -> list[RolloutSample]:
         with self._cond:
@@ -564,7 +748,39 @@ class RemoteEngine(InferenceEngine):
     ) -> list[float]:
         if start == len(sequence):
             return []
-        logprobs, label = self._server_score(server, sequence, start)
+        for _ in range(MAX_RESTORES_IN_A_ROW):
+            if server.suspect:
+                self._restore(server)
+            restore_epoch = server.restore_epoch
+            try:
+                logprobs, label = self._server_score(server, sequence, start)
+            except EngineError as exc:
+                # Lost server, or an answer cut short by a restore another thread ran meanwhile.
+                if isinstance(exc, EngineUnavailable) or server.restore_epoch != restore_epoch:
+                    with self._cond:
+                        server.suspect = server.suspect or isinstance(exc, EngineUnavailable)
+                    continue
+                raise
+            if label is not None and not is_version_label(label):
+                with self._cond:
+                    server.suspect = True
+                continue
+            return self._checked_scores(server, sequence, start, expected, logprobs, label)
+        raise EngineError(
+            f"{server.url} lost sdp's weights or stopped answering {MAX_RESTORES_IN_A_ROW} times in a "
+            "row while scoring; check the server's log"
+        )
+
+    def _checked_scores(
+        self,
+        server: RemoteServer,
+        sequence: list[int],
+        start: int,
+        expected: str,
+        logprobs: list[float],
+        label: str | None,
+    ) -> list[float]:
+        """``logprobs`` once their count and weight-version label are checked."""
         if len(logprobs) != len(sequence) - start:
             raise malformed(
                 server,

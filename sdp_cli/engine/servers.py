@@ -202,6 +202,7 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
     options = RemoteOptions(
         temperature=float(cfg.rollout.temperature),
         allow_temperature_mismatch=bool(engine_cfg.allow_temperature_mismatch),
+        reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
         http=HttpOptions(
             request_timeout_s=float(engine_cfg.request_timeout_s),
             max_retries=int(engine_cfg.retries),

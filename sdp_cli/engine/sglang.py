@@ -286,6 +286,12 @@ class SGLangEngine(RemoteEngine):
             timeout=self.options.http.admin_timeout_s,
         )
 
+    def _server_get_version(self, server: RemoteServer) -> str | None:
+        info = server.http.get("/get_model_info")
+        if not isinstance(info, dict) or info.get("weight_version") is None:
+            raise malformed(server, "/get_model_info", "no weight_version")
+        return str(info["weight_version"])
+
 
 def _meta(server: RemoteServer, answer: Any) -> dict[str, Any]:
     if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):

@@ -5,7 +5,8 @@ Routes used (vLLM 0.32, research note vllm_cpu.md §4): token-in/token-out gener
 ``weight_versions`` spans and ``prompt_logprobs``), and the development routes
 (``VLLM_SERVER_DEV_MODE=1``) ``/abort_requests``, ``/pause``, ``/resume``, ``/is_paused``,
 ``/collective_rpc``,
-``/reset_prefix_cache`` and ``/update_weight_version``.
+``/reset_prefix_cache``, ``/update_weight_version`` and ``/weight_info`` (the label a
+restarted server reports, docs/reliability.md).
 
 Alignment of ``prompt_logprobs``: entry 0 is null and entry i is {token id: log p(x_i | x_<i)}.
 Weights are reloaded from a safetensors directory by the worker method ``reload_weights``, or
@@ -323,6 +324,12 @@ class VLLMEngine(RemoteEngine):
             {"new_version": label},
             timeout=self.options.http.admin_timeout_s,
         )
+
+    def _server_get_version(self, server: RemoteServer) -> str | None:
+        answer = server.http.get("/weight_info")
+        if not isinstance(answer, dict) or not isinstance(answer.get("weight_version"), str):
+            raise malformed(server, "/weight_info", "no weight_version string")
+        return answer["weight_version"]
 
 
 def _only_choice(server: RemoteServer, answer: Any) -> dict[str, Any]:

@@ -633,7 +633,7 @@ def _run_cfg(**engine):
     defaults = dict(
         kind="sglang", urls=[], launch=True, python="python", host="127.0.0.1", port=0, dtype="float32",
         startup_timeout_s=30.0, request_timeout_s=30.0, retries=0, api_key_env=None,
-        allow_temperature_mismatch=False, extra_args=[],
+        allow_temperature_mismatch=False, extra_args=[], reconnect_timeout_s=30.0,
     )  # fmt: skip
     return SimpleNamespace(
         engine=SimpleNamespace(**{**defaults, **engine}), rollout=SimpleNamespace(temperature=1.0)
