@@ -43,12 +43,26 @@ def _register_commands() -> None:
     from sdp_cli.cli import commands  # noqa: F401
 
 
+def _fail(message: str, code: int) -> None:
+    typer.secho(f"error: {' '.join(message.split())}", err=True, fg=typer.colors.RED)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: Typer handles usage errors (exit 2); a UserError raised by a
-    command becomes one line on stderr and exit code 2, never a traceback."""
+    """Console-script entry point. A usage error (unknown option, bad option value) and a
+    UserError raised by a command each become one line on stderr and exit code 2, never a
+    traceback or a boxed block."""
     _register_commands()
     try:
-        app(args=argv, prog_name="sdp")
+        code = app(args=argv, prog_name="sdp", standalone_mode=False)
+    except typer.TyperException as err:  # typer's click errors derive from it
+        if type(err).__name__ == "NoArgsIsHelpError":  # `sdp` alone prints the help
+            typer.echo(err.format_message())
+            sys.exit(0)
+        ctx = getattr(err, "ctx", None)
+        _fail(f"{err.format_message()} (see `{ctx.command_path if ctx else 'sdp'} --help`)", 2)
+    except typer.Abort:
+        _fail("aborted", 130)
     except UserError as err:
-        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
-        sys.exit(err.exit_code)
+        _fail(str(err), err.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
