@@ -27,8 +27,9 @@ from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 
 FORMAT_TAG = "sdp-batch"
 FORMAT_VERSION = 1
-#: a header longer than this is refused before it is read (a real one is a few kB)
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: a header longer than this is refused before it is read: a real one is a few kB, and parsing
+#: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
+MAX_HEADER_BYTES = 1024 * 1024
 MODES = ("bypass", "decoupled", "segment_wise")
 
 REQUIRED_TENSORS = (

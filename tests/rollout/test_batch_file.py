@@ -236,7 +236,7 @@ MALFORMED = {
     "shorter than 8 bytes": (tiny, "is truncated: 2 bytes"),
     "pickle": (pickled, "is a Python pickle"),
     "torch.save": (torch_saved, "is a zip archive (a torch.save file?)"),
-    "huge header length": (huge_header, "exceeds the 100 MB limit"),
+    "huge header length": (huge_header, "exceeds the 1 MB limit"),
     "header past the end": (header_past_end, "the header claims 5000 bytes"),
     "header not JSON": (not_json, "header is not valid JSON"),
     "directory": (not_a_file, "is not a regular file"),
