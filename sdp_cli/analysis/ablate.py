@@ -231,9 +231,11 @@ def _comparable(yaml_text: str) -> dict[str, Any]:
 
 
 def _first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
+    """The first key whose value differs. Keys only one side has are skipped: a newer sdp may add
+    config keys (or drop some) without changing what an existing run means."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new), key=str):
-            found = _first_difference(old.get(key), new.get(key), f"{prefix}{key}.")
+        for key in sorted(set(old) & set(new), key=str):
+            found = _first_difference(old[key], new[key], f"{prefix}{key}.")
             if found:
                 return found
         return None

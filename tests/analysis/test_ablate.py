@@ -163,6 +163,13 @@ def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
         plan_sweep("smoke", [], tmp_path)
     assert "\n" not in str(info.value)
 
+    # a key only one side has (a newer or older sdp) is not a difference
+    text = yaml.safe_load(to_yaml(compose_config(job.train_overrides())[1]))
+    del text["train"]["steps"]
+    text["train"]["a_key_from_another_version"] = 1
+    (job.run_dir / "config.yaml").write_text(yaml.safe_dump(text))
+    assert plan_sweep("smoke", [], tmp_path).jobs[0].state == PARTIAL
+
 
 @pytest.mark.parametrize(
     "sweep,overrides,fragment",
