@@ -185,19 +185,24 @@ def _read_json(path: Path) -> Any:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The per-step rows of ``metrics.jsonl`` (rows with a reward; eval-only rows skipped)."""
+    """The per-step rows of ``metrics.jsonl`` (rows with a reward; eval-only rows skipped).
+
+    A run killed mid-write leaves a torn last line, which is skipped (resuming rewrites it);
+    a bad line anywhere else means the file is not what sdp train wrote.
+    """
     rows = []
     if not path.is_file():
         return rows
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    for index, (number, line) in enumerate(lines):
         try:
             row = json.loads(line)
         except ValueError:
+            if index == len(lines) - 1:
+                break
             raise UserError(
-                f"{path}:{number}: not JSON; the run was cut mid-write, "
-                "re-run the sweep to resume it"
+                f"{path}:{number}: not JSON; not a metrics file of sdp train, "
+                "delete the run and re-run the sweep"
             ) from None
         if row.get("reward/mean") is not None:
             rows.append(row)

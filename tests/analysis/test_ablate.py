@@ -29,6 +29,7 @@ from sdp_cli.analysis.ablate_report import (
     aggregate,
     load_sweep,
     pooled_std,
+    read_metrics,
     reward_curves,
     to_csv,
     to_markdown,
@@ -443,6 +444,25 @@ def test_report_writes_tables_and_pngs(fake_sweep):
     for path in report.plots:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert [r.name for r in report.unfinished] == ["decoupled-eta2-seed2"]
+
+
+def test_a_torn_last_metrics_line_is_skipped_a_bad_middle_line_is_an_error(tmp_path):
+    run_dir = _fake_run(
+        tmp_path,
+        "a",
+        mode="bypass",
+        eta=1,
+        seed=0,
+        rows=[_row(0.1, 1, 1, 1, 0, 1, 1), _row(0.3, 1, 1, 1, 0, 1, 1)],
+        summary=None,
+    )
+    path = run_dir / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"step": 3, "reward/me')  # killed mid-write
+    assert [r["reward/mean"] for r in read_metrics(path)] == [0.1, 0.3]
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    with pytest.raises(UserError, match=r"metrics.jsonl:2: not JSON"):
+        read_metrics(path)
 
 
 def test_report_of_a_directory_that_is_no_sweep(tmp_path):
