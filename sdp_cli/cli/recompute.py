@@ -118,7 +118,8 @@ def _run(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from sdp_cli.analysis.recompute import LocalScorer, connect_remote, recompute
+    from sdp_cli.analysis.recompute import recompute
+    from sdp_cli.analysis.scorers import LocalScorer, connect_remote
 
     def make_scorer(saved: Any) -> Any:
         if engine == "local":

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+import sdp_cli.analysis.scorers as scorers
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch, write_batch
 
@@ -23,7 +24,7 @@ def fake_logprob(version: int, position: int) -> float:
     return -(version + position / 1000)
 
 
-class FakeScorer(rc.Scorer):
+class FakeScorer(scorers.Scorer):
     """Records loads and calls; scores with :func:`fake_logprob`."""
 
     description = "fake scorer"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+import sdp_cli.analysis.scorers as scorers
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.errors import UserError
 from sdp_cli.models.loader import load_policy, save_policy
@@ -113,7 +114,7 @@ def batches(tmp_path_factory):
 def exact_result(checkpoints, batches):
     root, _, _ = checkpoints
     paths, _ = batches
-    return rc.recompute(paths, root, lambda b: rc.LocalScorer(), rc.RecomputeOptions(exact=True))
+    return rc.recompute(paths, root, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(exact=True))
 
 
 def test_proximal_t_is_the_next_versions_logprob_at_the_batch_temperature(checkpoints, batches, exact_result):
@@ -169,7 +170,7 @@ def test_each_checkpoint_is_loaded_once(checkpoints, batches, monkeypatch):
     root, _, _ = checkpoints
     paths, _ = batches
     loads = []
-    scorer = rc.LocalScorer()
+    scorer = scorers.LocalScorer()
     real_load = scorer.load
     monkeypatch.setattr(scorer, "load", lambda v, p: (loads.append(v), real_load(v, p)))
     rc.recompute(paths, root, lambda b: scorer, rc.RecomputeOptions(exact=True))
@@ -188,7 +189,7 @@ def test_engine_scorer_loading_from_disk_agrees_with_the_local_scorer(checkpoint
     )
     at_07 = [p for p, b in zip(paths, made) if b.temperature == 0.7]
     result = rc.recompute(
-        at_07, root, lambda b: rc.EngineScorer(engine, "local engine from disk"), rc.RecomputeOptions(exact=True)
+        at_07, root, lambda b: scorers.EngineScorer(engine, "local engine from disk"), rc.RecomputeOptions(exact=True)
     )
     local = [o for o in exact_result.outcomes if o.batch.temperature == 0.7]
     for a, b in zip(result.outcomes, local, strict=True):
@@ -206,7 +207,7 @@ def test_engine_scorer_refuses_another_temperature(checkpoints, batches):
         pad_token_id=policy.pad_token_id,
     )
     with pytest.raises(UserError, match="scores at temperature 1.0 but a batch was sampled at 0.7"):
-        rc.recompute(paths[:1], root, lambda b: rc.EngineScorer(engine, "local engine"))
+        rc.recompute(paths[:1], root, lambda b: scorers.EngineScorer(engine, "local engine"))
 
 
 def test_token_outside_the_checkpoints_vocabulary(checkpoints, tmp_path):
@@ -216,7 +217,7 @@ def test_token_outside_the_checkpoints_vocabulary(checkpoints, tmp_path):
     path = tmp_path / "b.safetensors"
     write_batch(path, batch)
     with pytest.raises(UserError) as err:
-        rc.recompute([path], root, lambda b: rc.LocalScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice()))
+        rc.recompute([path], root, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice()))
     assert "token id 500, outside the vocabulary [0, 32)" in str(err.value) and "\n" not in str(err.value)
 
 
@@ -225,7 +226,7 @@ def test_a_directory_that_is_not_a_model_is_one_line(tmp_path):
     path = tmp_path / "b.safetensors"
     write_batch(path, random_batch(5, 1, 1.0))
     with pytest.raises(UserError, match="has no config.json"):
-        rc.recompute([path], tmp_path, lambda b: rc.LocalScorer())
+        rc.recompute([path], tmp_path, lambda b: scorers.LocalScorer())
 
 
 def test_reference_helper_agrees_with_a_hand_softmax(checkpoints):

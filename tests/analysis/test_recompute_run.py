@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+import sdp_cli.analysis.scorers as scorers
 from sdp_cli.config.compose import compose_config
 from sdp_cli.rollout.batch_file import read_batch, write_batch
 from sdp_cli.train.run import run_training
@@ -87,7 +88,7 @@ def test_correct_batches_change_nothing_and_proximal_matches_the_trainer(run_dir
     result = rc.recompute(
         [run_dir / "batches"],
         run_dir,
-        lambda b: rc.LocalScorer(),
+        lambda b: scorers.LocalScorer(),
         rc.RecomputeOptions(proximal=rc.ProximalChoice.parse("trainer")),
     )
     assert sum(o.proximal_t.tokens for o in result.outcomes) > 0
@@ -136,7 +137,7 @@ def test_corrupted_batches_are_restored_in_place(run_dir, originals, copy_of_bat
     for i, path in enumerate(sorted(copy_of_batches.iterdir())):
         values, tags = kinds[i % 3]
         write_batch(path, corrupt(originals[path.name], i, values=values, tags=tags))
-    result = rc.recompute([copy_of_batches], run_dir, lambda b: rc.LocalScorer())
+    result = rc.recompute([copy_of_batches], run_dir, lambda b: scorers.LocalScorer())
     assert sum(o.retagged for o in result.outcomes) > 0
     assert max(o.proximal_t.max_abs or 0.0 for o in result.outcomes) > 0.1
     rc.commit(result)
@@ -153,7 +154,7 @@ def test_corrupted_batches_are_restored_in_place(run_dir, originals, copy_of_bat
 
 
 def test_exact_chain_is_consistent_with_the_files(run_dir, originals):
-    result = rc.recompute([run_dir / "batches"], run_dir, lambda b: rc.LocalScorer(), rc.RecomputeOptions(exact=True))
+    result = rc.recompute([run_dir / "batches"], run_dir, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(exact=True))
     lags = {d.lag: d for d in result.lags}
     assert max(lags) >= 2
     # what inspect-weights reads from the files: dropped = π_prox − π_prox_t on loss-mask tokens

@@ -1,0 +1,171 @@
+"""Scoring backends of ``sdp recompute``: score token sequences under one version checkpoint at a
+time, with the embedded engine (``LocalScorer``) or any engine that loads weights from disk, such
+as a running vLLM or SGLang server (``EngineScorer``). The planning and bookkeeping live in
+``sdp_cli.analysis.recompute``."""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sdp_cli.errors import UserError
+
+if TYPE_CHECKING:
+    from sdp_cli.engine.base import InferenceEngine
+
+REMOTE_ENGINES = ("vllm", "sglang")
+
+
+class Scorer(abc.ABC):
+    """Scores token sequences under one version checkpoint at a time."""
+
+    #: what the scorer is, for reports ("local engine (cpu)")
+    description: str
+
+    @abc.abstractmethod
+    def load(self, version: int, path: Path) -> None:
+        """Make the checkpoint of ``version`` (a Hugging Face directory) the one scored under."""
+
+    @abc.abstractmethod
+    def score(
+        self, temperature: float, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        """``InferenceEngine.score`` at ``temperature`` under the loaded checkpoint."""
+
+    def unload(self) -> None:
+        """Release the loaded checkpoint."""
+
+    def close(self) -> None:
+        """Release everything."""
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LocalScorer(Scorer):
+    """The embedded engine (``LocalEngine.score``) over each checkpoint loaded in turn."""
+
+    def __init__(self, device: str = "cpu", max_batch_size: int = 64):
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.description = f"local engine ({device})"
+        self._policy: Any = None
+        self._engines: dict[float, Any] = {}
+        self._path: Path | None = None
+
+    def load(self, version: int, path: Path) -> None:
+        from sdp_cli.models.loader import load_policy
+
+        self.unload()
+        self._policy = load_policy("hf", path=path, device=self.device)
+        self._path = path
+
+    def _engine(self, temperature: float) -> Any:
+        from sdp_cli.engine.local import LocalEngine
+
+        assert self._policy is not None, "load() a checkpoint before scoring"
+        if temperature not in self._engines:
+            self._engines[temperature] = LocalEngine(
+                self._policy.model,
+                temperature=temperature,
+                eos_token_id=self._policy.eos_token_id,
+                pad_token_id=self._policy.pad_token_id,
+                max_batch_size=self.max_batch_size,
+                device=self.device,
+            )
+        return self._engines[temperature]
+
+    def score(
+        self, temperature: float, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        engine = self._engine(temperature)
+        vocab = engine.vocab_size
+        bad = next((t for s in sequences for t in s if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(
+                f"a batch holds token id {bad}, outside the vocabulary [0, {vocab}) of the checkpoint "
+                f"{self._path}; pass the checkpoints of the run that wrote the batch"
+            )
+        return engine.score(sequences, starts)
+
+    def unload(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+        self._policy = None
+        self._path = None
+
+    def close(self) -> None:
+        self.unload()
+
+
+class EngineScorer(Scorer):
+    """Any ``InferenceEngine`` that loads weights from disk (vLLM, SGLang, or the local
+    engine): paused once, then ``update_weights(path)`` per version and ``score``. The engine
+    scores at its own temperature only."""
+
+    def __init__(self, engine: InferenceEngine, description: str):
+        self.engine = engine
+        self.description = description
+        engine.pause()
+
+    def load(self, version: int, path: Path) -> None:
+        from sdp_cli.engine.base import WeightUpdate
+
+        self.engine.update_weights(WeightUpdate(version=version, path=Path(path).resolve()))
+
+    def score(
+        self, temperature: float, sequences: Sequence[Sequence[int]], starts: Sequence[int]
+    ) -> list[list[float]]:
+        if not math.isclose(temperature, self.engine.temperature, rel_tol=0, abs_tol=1e-12):
+            raise UserError(
+                f"{self.description} scores at temperature {self.engine.temperature} but a batch was "
+                f"sampled at {temperature}; recompute batches of other temperatures in a separate call"
+            )
+        return self.engine.score(sequences, starts)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def connect_remote(kind: str, urls: Sequence[str], temperatures: Iterable[float]) -> EngineScorer:
+    """An ``EngineScorer`` over running vLLM or SGLang servers. The servers' weights are
+    replaced by each checkpoint in turn: use servers dedicated to this recompute."""
+    from sdp_cli.engine.remote import RemoteOptions
+
+    if kind not in REMOTE_ENGINES:
+        raise UserError(f"--engine {kind!r} is not a server engine; use {' or '.join(REMOTE_ENGINES)}")
+    other = sorted({t for t in temperatures if t != 1.0})
+    if other:
+        # neither server temperature-scales prefill logprobs (docs/engines.md)
+        raise UserError(
+            f"a batch was sampled at temperature {other[0]}, but {kind} servers score at temperature 1 only; "
+            "recompute it with --engine local"
+        )
+    from sdp_cli.engine.base import EngineUnavailable
+
+    options = RemoteOptions(temperature=1.0)
+    try:
+        if kind == "vllm":
+            from sdp_cli.engine.vllm import VLLMEngine
+
+            engine: InferenceEngine = VLLMEngine(list(urls), options)
+        else:
+            from sdp_cli.engine.sglang import SGLangEngine
+
+            engine = SGLangEngine(list(urls), options)
+    except EngineUnavailable as err:
+        # the engine's own fix names config keys of `sdp train`; keep the problem, give ours
+        problem = str(err).split("; ")[0]
+        raise UserError(f"{problem}; start the server (see docs/engines.md) or fix --server") from None
+    try:
+        return EngineScorer(engine, f"{kind} at {', '.join(urls)}")
+    except BaseException:
+        engine.close()
+        raise
