@@ -172,7 +172,8 @@ class HttpServer:
                     path,
                     json=None if body is None else dict(body),
                     params=None if params is None else dict(params),
-                    timeout=None
+                    # None would disable every timeout: without one, use the client's
+                    timeout=httpx.USE_CLIENT_DEFAULT
                     if timeout is None
                     else httpx.Timeout(timeout, connect=self.options.connect_timeout_s),
                 )
