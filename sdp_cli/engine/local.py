@@ -33,6 +33,7 @@ from sdp_cli.core.logprobs import logprobs_from_logits
 from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
+from sdp_cli.faults import fault_point
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -177,6 +178,7 @@ class LocalEngine(InferenceEngine):
                     f"score: start {start} of sequence {i} must lie in [1, {len(seq)}]"
                 )
         self._check_ids([t for s in seqs for t in s], "token id")
+        fault_point("local.score")
         # similar lengths together keep the padding small
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
         results: list[list[float]] = [[] for _ in seqs]
@@ -261,6 +263,7 @@ class LocalEngine(InferenceEngine):
                 if batch.weights_epoch != self._weights_epoch:
                     self._prefill(batch)
                 self._sample_and_advance(batch)
+            fault_point("local.generate")
             if self._step_callback is not None:
                 self._step_callback()
 

@@ -281,6 +281,7 @@ class RemoteEngine(InferenceEngine):
             "resubmissions": 0,
             "aborted_segments": 0,
             "prefill_proximal_tokens": 0,
+            "restore_checks": 0,
             "restores": 0,
         }
         self._generate_pool = ThreadPoolExecutor(
@@ -383,6 +384,12 @@ class RemoteEngine(InferenceEngine):
                 for sample in pending:
                     self._inflight.pop(sample.sample_id, None)
         if errors:
+            distinct = list(dict.fromkeys(str(e) for e in errors))
+            if len(distinct) > 1 and all(isinstance(e, EngineError) for e in errors):
+                # every failure of the call is reported (the run's ledger records the reason)
+                raise EngineError(
+                    f"{len(errors)} of {len(pending)} samples failed: " + " | ".join(distinct)
+                )
             raise errors[0]
 
     def _run_sample(self, sample: RolloutSample, params: SamplingParams, position: int) -> None:
@@ -527,10 +534,12 @@ class RemoteEngine(InferenceEngine):
                         self._server_load_weights(server, path, expected)
                 except EngineUnavailable:
                     return  # it went away again: still suspect, the caller tries again
+                with self._cond:
+                    self._stats["restores"] += 1
             with self._cond:
                 server.suspect = False
                 server.restore_epoch += 1
-                self._stats["restores"] += 1
+                self._stats["restore_checks"] += 1
 
     def _wait_until_answering(self, server: RemoteServer) -> str | None:
         """The server's label once it answers again; EngineUnavailable after
@@ -667,13 +676,16 @@ class RemoteEngine(InferenceEngine):
                 )
 
     def _abort(self, action: Callable[[RemoteServer], None], server: RemoteServer) -> None:
-        """Run an abort on ``server``; one that cannot be reached is marked suspect instead
-        (its requests end on their own when their connections fail, and pause() waits)."""
+        """Run an abort on ``server``. A failed one is not an error: pause() keeps waiting for
+        the requests (and aborting stragglers) until its deadline; a server that cannot be
+        reached is marked suspect (its requests end on their own when their connections fail)."""
         try:
             action(server)
         except EngineUnavailable:
             with self._cond:
                 server.suspect = True
+        except EngineError as exc:
+            logger.warning("abort on %s failed, pause keeps waiting: %s", server.url, exc)
 
     def resume(self) -> None:
         with self._cond:
@@ -748,27 +760,30 @@ class RemoteEngine(InferenceEngine):
     ) -> list[float]:
         if start == len(sequence):
             return []
+        last: EngineError | str = "it kept restarting"
         for _ in range(MAX_RESTORES_IN_A_ROW):
             if server.suspect:
                 self._restore(server)
             restore_epoch = server.restore_epoch
             try:
                 logprobs, label = self._server_score(server, sequence, start)
-            except EngineError as exc:
-                # Lost server, or an answer cut short by a restore another thread ran meanwhile.
-                if isinstance(exc, EngineUnavailable) or server.restore_epoch != restore_epoch:
+                if label is not None and not is_version_label(label):
                     with self._cond:
-                        server.suspect = server.suspect or isinstance(exc, EngineUnavailable)
+                        server.suspect = True  # restarted: restore, then score again
                     continue
-                raise
-            if label is not None and not is_version_label(label):
-                with self._cond:
-                    server.suspect = True
-                continue
-            return self._checked_scores(server, sequence, start, expected, logprobs, label)
+                return self._checked_scores(server, sequence, start, expected, logprobs, label)
+            except EngineError as exc:
+                # Scoring has no side effects, so a lost server, an answer cut short by a restore
+                # on another thread or a malformed answer is simply scored again.
+                last = exc
+                if isinstance(exc, EngineUnavailable):
+                    with self._cond:
+                        server.suspect = True
+                elif server.restore_epoch == restore_epoch:
+                    logger.warning("scoring on %s failed, trying again: %s", server.url, exc)
         raise EngineError(
-            f"{server.url} lost sdp's weights or stopped answering {MAX_RESTORES_IN_A_ROW} times in a "
-            "row while scoring; check the server's log"
+            f"scoring on {server.url} failed {MAX_RESTORES_IN_A_ROW} times in a row; check the "
+            f"server's log (last failure: {last})"
         )
 
     def _checked_scores(
@@ -796,8 +811,9 @@ class RemoteEngine(InferenceEngine):
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict[str, int]:
-        """Counters since start: segments, resubmissions, aborted segments, and tokens whose
-        π_prox_t came from a resubmission's prefill."""
+        """Counters since start: segments, resubmissions, aborted segments, tokens whose
+        π_prox_t came from a resubmission's prefill, suspect servers checked and restores
+        (weights reloaded, or relabelled, into a server that had lost them)."""
         with self._cond:
             return dict(self._stats)
 

@@ -34,9 +34,10 @@ class LaunchSpec:
 
     #: what the server is, for messages ("vLLM server")
     label: str
-    command: list[str]
-    #: variables added to the parent's environment
-    env: Mapping[str, str]
+    #: may hold an API key (SGLang takes it only as a flag): never in the repr
+    command: list[str] = field(repr=False)
+    #: variables added to the parent's environment (may hold an API key: never in the repr)
+    env: Mapping[str, str] = field(repr=False)
     host: str
     port: int
     #: GET route that answers 200 once the server can generate

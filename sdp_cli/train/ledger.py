@@ -1,6 +1,7 @@
 """The group ledger: what became of every rollout group of a run, kept consistent across crashes.
 
-``<run>/ledger.jsonl`` holds one JSON object per fate, written when it happens:
+``<run>/ledger.jsonl`` holds one JSON object per fate, written when it happens (each also
+carries the wall-clock ``time``):
 
     {"event": "consumed", "step": s, "groups": [ids], "samples": [n per group]}
     {"event": "dropped", "version": c, "where": "enqueue" | "queue" | "cache", "groups": [ids]}
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +55,9 @@ class LedgerLog:
 
     def write(self, event: str, groups: list[int], **fields: Any) -> None:
         assert event in EVENTS, f"unknown ledger event {event!r}"
-        line = json.dumps({"event": event, "groups": [int(g) for g in groups], **fields})
+        line = json.dumps(
+            {"event": event, "time": time.time(), "groups": [int(g) for g in groups], **fields}
+        )
         with self._lock:
             self._fh.write(line.encode() + b"\n")
             self._fh.flush()

@@ -430,6 +430,8 @@ class AsyncLoop:
             "throughput/tokens_generated_total": float(self.state.counters.tokens_generated),
             "engine/faults_total": float(self.state.counters.engine_faults),
             "engine/groups_rejected_total": float(self.state.counters.groups_failed),
+            # remote engines: segments, resubmissions, aborted segments, restores, ... (this session)
+            **{f"engine/{k}": float(v) for k, v in getattr(self.engine, "stats", dict)().items()},
         }
 
     # ============================================================== checkpoint
