@@ -7,6 +7,7 @@ key, the value and what is allowed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -281,6 +282,8 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False, 
         if allow_none:
             return
         raise ConfigValueError(f"{key} must be set")
+    if not math.isfinite(value):  # nan passes every comparison below; no key means "unbounded" by inf
+        raise ConfigValueError(f"{key}={value} must be a finite number")
     if (value <= 0) if strict else (value < 0):
         raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
 
@@ -303,7 +306,7 @@ def validate(cfg: SdpConfig) -> None:
         raise ConfigValueError("loss.weight_action=mask needs loss.weight_cap or loss.weight_floor")
     _positive("loss.clip", loss.clip)
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
-    if loss.dual_clip is not None and loss.dual_clip <= 1:
+    if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
         raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
     rej = loss.rejection
     if rej.level is not None:

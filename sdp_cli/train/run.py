@@ -467,6 +467,31 @@ class TrainingRun:
         }
 
 
+def _read_overrides(path: Path) -> list[str]:
+    try:
+        overrides = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} cannot be read ({err}); it must hold the JSON list sdp wrote there") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{path} is not a JSON list of overrides; restore the one sdp wrote there")
+    return overrides
+
+
+def _preflight(cfg: SdpConfig) -> None:
+    """Refuse what is certain to fail before anything is written: input files that do not
+    exist and an API-key variable that is not set."""
+    if cfg.model.kind == "hf" and not Path(cfg.model.path or "").is_dir():
+        raise UserError(f"model.path={cfg.model.path} is not a directory; pass a local Hugging Face model directory")
+    if cfg.task.name == "gsm8k" and not Path(cfg.task.path or "").is_file():
+        raise UserError(f"task.path={cfg.task.path} is not a file; pass a local .jsonl or .parquet file")
+    key_env = cfg.engine.api_key_env
+    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
+        raise UserError(
+            f"engine.api_key_env={key_env}, but that environment variable is empty; "
+            "export the key in it or unset engine.api_key_env"
+        )
+
+
 def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0)."""
     from accelerate import Accelerator
@@ -479,13 +504,15 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         saved = run_dir / "overrides.json"
         if not saved.is_file():
             raise UserError(f"{run_dir}: not an sdp run directory (no overrides.json); pass the run directory to resume=")
-        original = json.loads(saved.read_text())
+        original = _read_overrides(saved)
         extra = [o for o in overrides if not o.startswith("resume=")]
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
+        _preflight(cfg)
         if extra and coordinator.is_main:
             atomic_write_text(saved, json.dumps([*original, *extra]))
         resuming = True
     else:
+        _preflight(cfg)
         run_dir = make_run_dir(cfg) if coordinator.is_main else None
         run_dir = Path(coordinator.broadcast_json(str(run_dir) if run_dir else None))
         if coordinator.is_main:
