@@ -1,0 +1,164 @@
+"""`sdp train` in real subprocesses and the checks every surviving run must pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.ledger import LEDGER, Audit, audit
+
+# The small, fast config of tests/train/conftest.py (a step takes tens of milliseconds).
+FAST = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "model.warm_start_steps=10",
+    "rollout.batch_groups=4",
+    "rollout.group_size=4",
+    "rollout.groups_per_request=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "train.eval_samples=0",
+]
+GROUP_SIZE = 4
+TERMINAL_EVENTS = ("finished", "stopped", "interrupted")
+
+
+def sdp_env(cache_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of an sdp subprocess: shared warm-start cache, no inherited faults."""
+    env = {k: v for k, v in os.environ.items() if k != "SDP_TEST_FAULTS"}
+    env.update(SDP_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **extra)
+    return env
+
+
+def train_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sdp_cli", "train", *args]
+
+
+def run_sdp(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sdp_cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_sdp(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "ab") as fh:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sdp_cli", *args],
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def complete_checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints renamed into place (complete by construction: the rename is the
+    last step of a write), read from the directory listing, not through checkpoint.py."""
+    root = run_dir / "checkpoints"
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir())
+
+
+def first_step_time_after(run_dir: Path, step: int, since: float) -> float | None:
+    """Wall-clock time of the first metrics row past ``step`` written after ``since``."""
+    rows = [r for r in metrics(run_dir) if r["step"] > step and r["time"] >= since]
+    return min(r["time"] for r in rows) if rows else None
+
+
+@dataclass
+class Verdict:
+    audit: Audit
+    optimizer_steps: set[float]
+
+
+def check_finished_run(run_dir: Path, steps: int, *, optimizer_steps_per_step: int = 1) -> Verdict:
+    """Everything a run that reached its target must satisfy, resumed or not (docs/reliability.md):
+    steps 1..steps logged exactly once with version == step, a summary, valid checkpoints and
+    no leftovers of interrupted writes, the optimizer stepped exactly
+    steps × optimizer_steps_per_step times, and a clean ledger audit (nothing lost or
+    duplicated, staleness counters consistent with the fates)."""
+    rows = metrics(run_dir)
+    step_rows = [r for r in rows if "version" in r]
+    assert [r["step"] for r in step_rows] == list(range(1, steps + 1)), "a step was lost or repeated"
+    # "version" is the engine's after the step's weight push; a step whose push failed (the run
+    # stopped there and its resume pushed the weights) leaves the engine one version behind
+    assert all(r["version"] == r["step"] - r.get("engine/push_failed", 0) for r in step_rows)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+    assert events(run_dir)[-1]["event"] == "finished"
+
+    root = run_dir / "checkpoints"
+    assert not list(root.glob(".tmp-*")), "a temporary checkpoint was left behind"
+    assert not list((run_dir / "weights").glob(".v*")), "a temporary weights directory was left"
+    final = ckpt.find_latest(root)
+    assert final is not None and final.name == f"step-{steps:06d}"
+    for path in root.glob("step-*"):
+        ckpt.read_checkpoint(path)  # every checkpoint left is complete
+    checkpoint = ckpt.read_checkpoint(final)
+    counts = {float(v) for k, v in checkpoint.optimizer_tensors.items() if k.endswith(".step")}
+    assert counts == {float(steps * optimizer_steps_per_step)}, f"optimizer steps {counts}"
+    assert checkpoint.state["trainer"]["version"] == steps
+
+    result = audit(run_dir / LEDGER, checkpoint.state["loop"], GROUP_SIZE)
+    assert result.ok, (
+        f"ledger: lost {result.lost}, duplicated {result.duplicated}, bad sample counts "
+        f"{result.bad_sample_counts}, counters {result.counter_mismatches}"
+    )
+    return Verdict(audit=result, optimizer_steps=counts)
+
+
+def assert_no_secret(secret: str, run_dir: Path, *texts: str) -> int:
+    """``secret`` appears in no file of ``run_dir`` (logs, config, checkpoints, batches, server
+    logs) and in none of ``texts`` (what the process printed). Returns the files scanned."""
+    needle = secret.encode()
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    leaks = [str(p) for p in files if needle in p.read_bytes()]
+    leaks += [f"output {i}" for i, text in enumerate(texts) if secret in text]
+    assert not leaks, f"the API key leaked into {leaks}"
+    return len(files)
+
+
+def error_line(stderr: str, *, alone: bool = True) -> str:
+    """The one ``error: ...`` line of a failed command. ``alone``: it is the only non-empty line
+    of stderr (bad input); otherwise warnings before it are allowed (a run that logged engine
+    faults, then stopped). Never a traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, f"not one error line: {stderr!r}"
+    assert not alone or len(lines) == 1, f"more than the error line: {stderr!r}"
+    return errors[0]

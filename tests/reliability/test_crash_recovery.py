@@ -1,0 +1,229 @@
+"""kill -9 of `sdp train` at named and at random points, then `resume`, on the embedded engine.
+
+Named points come from the test-only hook ``SDP_TEST_FAULTS=kill:POINT@N`` (sdp_cli/faults.py):
+the process SIGKILLs itself the N-th time it reaches POINT, so every kill lands exactly where
+it is meant to (between two files of a checkpoint, between two optimizer steps of one training
+step, ...). Random kills come from this test after a random delay. One run directory goes
+through a chain of killed sessions and a final resume; after each kill the next session must
+start from the newest complete checkpoint, and the finished run must pass
+``check_finished_run`` (steps and versions exactly once, optimizer steps, counters, ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from . import report
+from .harness import (
+    FAST,
+    check_finished_run,
+    complete_checkpoint_steps,
+    error_line,
+    events,
+    first_step_time_after,
+    metrics,
+    read_jsonl,
+    run_sdp,
+    sdp_env,
+    start_sdp,
+    wait_for,
+)
+
+pytestmark = pytest.mark.reliability
+
+# (kill point, what the process was doing). Each session of the chain dies at one of them.
+# With checkpoint_every=1 and minibatches=2, arrival @2 of a per-step point falls in the
+# session's second step (after its first checkpoint), and trainer.optimizer_step@3 is the first
+# of the two optimizer steps of the second step: a training step half applied.
+NAMED_KILLS = [
+    ("loop.weights_loaded@3", "after the engine loaded new weights, before the step counted"),
+    ("producer.generated@3", "during generation: groups generated, not handed over"),
+    ("local.generate@25", "mid-generation, inside the local engine's decode loop"),
+    ("local.score@2", "during the recompute pass (scoring)"),
+    ("loop.recomputed@2", "after the recompute pass, before the weight load"),
+    ("trainer.optimizer_step@3", "mid optimizer step: one of two minibatch updates applied"),
+    ("loop.batch_taken@2", "a batch taken from the cache, not trained on"),
+    ("producer.handover@6", "mid hand-over: one group queued, the rest not"),
+    ("run.metrics_written@2", "metrics of a step written, its checkpoint not"),
+    ("checkpoint.policy@2", "checkpoint write: policy written, optimizer not"),
+    ("checkpoint.optimizer@2", "checkpoint write: optimizer written, state not"),
+    ("checkpoint.state@2", "checkpoint write: state written, no manifest"),
+    ("checkpoint.manifest@2", "checkpoint write: complete but not renamed"),
+    ("checkpoint.renamed@2", "checkpoint renamed into place, `latest` not updated"),
+    ("checkpoint.latest@2", "`latest` updated, old checkpoints not pruned"),
+]
+CHECKPOINT_TMP_POINTS = {
+    "checkpoint.policy",
+    "checkpoint.optimizer",
+    "checkpoint.state",
+    "checkpoint.manifest",
+}
+
+
+def _resumed_from(run_dir, since: float) -> int:
+    """The step the session that started after ``since`` resumed from."""
+    resumed = [e for e in events(run_dir) if e["event"] == "resumed" and e["time"] >= since]
+    assert resumed, "the session did not resume"
+    return resumed[0]["step"]
+
+
+def test_kill_9_at_named_points_then_resume(tmp_path, sdp_cache):
+    run_dir = tmp_path / "run"
+    steps = 40
+    args = [
+        *FAST,
+        f"run.dir={run_dir}",
+        f"train.steps={steps}",
+        "train.checkpoint_every=1",
+        "+preset=segment_wise",
+        "optim.minibatches=2",
+    ]
+    run_id = "kill-9 chain (named points)"
+    kills: list[tuple[str, float]] = []
+    for i, (point, _) in enumerate(NAMED_KILLS):
+        session = args if i == 0 else [f"resume={run_dir}"]
+        newest_before = max(complete_checkpoint_steps(run_dir), default=None)
+        started = time.time()
+        done = run_sdp(["train", *session], sdp_env(sdp_cache, SDP_TEST_FAULTS=f"kill:{point}"), 240)
+        assert done.returncode == -signal.SIGKILL, f"{point} was not reached: {done.stderr[-3000:]}"
+        kills.append((point, time.time()))
+        if i > 0:
+            # the session started from the newest complete checkpoint left by the one before
+            assert _resumed_from(run_dir, started) == newest_before, point
+        name = point.split("@")[0]
+        checkpoints = run_dir / "checkpoints"
+        if name in CHECKPOINT_TMP_POINTS:
+            assert list(checkpoints.glob(".tmp-step-*")), f"{point}: no half-written checkpoint"
+        if name == "checkpoint.renamed":
+            newest = f"step-{max(complete_checkpoint_steps(run_dir)):06d}"
+            assert (checkpoints / "latest").read_text().strip() != newest, "latest was updated"
+
+    newest_before = max(complete_checkpoint_steps(run_dir))
+    final_start = time.time()
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache), 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _resumed_from(run_dir, final_start) == newest_before
+
+    verdict = check_finished_run(run_dir, steps, optimizer_steps_per_step=2)
+    crashes = [e for e in events(run_dir) if e["event"] == "crashed"]
+    assert len(crashes) == len(NAMED_KILLS), "every crash is recorded in events.jsonl"
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    for point, killed_at in kills:
+        back = first_step_time_after(run_dir, 0, killed_at)
+        report.fault("kill -9", point.split("@")[0], run_id, None if back is None else back - killed_at)
+    # Every kill was absorbed by the ledger: the crashed sessions' groups are gone from it,
+    # and groups in flight at a checkpoint were marked abandoned when a session resumed from it.
+    assert verdict.audit.fates["consumed"] == steps * 4
+
+
+def test_kill_9_at_random_times_and_a_corrupted_checkpoint(tmp_path, sdp_cache):
+    rng = random.Random(int(os.environ.get("SDP_RELIABILITY_SEED", "7")))
+    run_dir = tmp_path / "run"
+    steps = 30
+    args = [
+        *FAST,
+        f"run.dir={run_dir}",
+        f"train.steps={steps}",
+        "train.checkpoint_every=2",
+        "+preset=decoupled",
+        "rollout.max_head_offpolicyness=3",
+    ]
+    run_id = "kill-9 chain (random times)"
+    kills = []
+    log = tmp_path / "sdp.log"
+    for i in range(4):
+        session = args if i == 0 else [f"resume={run_dir}"]
+        started = time.time()
+        done_before = max((r["step"] for r in metrics(run_dir)), default=0)
+        proc = start_sdp(["train", *session], sdp_env(sdp_cache), log)
+        # wait for a new step (and, for the first session, a checkpoint), then kill at random
+        wait_for(
+            lambda: any(r["step"] > done_before and r["time"] >= started for r in metrics(run_dir))
+            and complete_checkpoint_steps(run_dir),
+            120,
+            "a step of the session",
+            proc,
+        )
+        time.sleep(rng.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.returncode != -signal.SIGKILL:  # it finished before the signal: start over later
+            continue
+        kills.append(time.time())
+
+    # A checkpoint whose bytes changed after it was written is never loaded: the resume falls
+    # back to the newest one whose manifest still matches.
+    newest, *older = sorted(complete_checkpoint_steps(run_dir), reverse=True)
+    damaged = run_dir / "checkpoints" / f"step-{newest:06d}" / "optimizer.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    final_start = time.time()
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache), 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _resumed_from(run_dir, final_start) == older[0]
+
+    verdict = check_finished_run(run_dir, steps)
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    assert len(kills) >= 3, "the run finished before most random kills"
+    for killed_at in kills:
+        back = first_step_time_after(run_dir, 0, killed_at)
+        report.fault("kill -9", "random time", run_id, None if back is None else back - killed_at)
+
+
+def test_an_exception_inside_local_generation(tmp_path, sdp_cache):
+    """EngineErrors inside the local engine's generation are engine faults: their groups are
+    rejected (capacity returned) and the run goes on. An unexpected exception stops the run
+    with one line and a resumable checkpoint; the traceback goes to events.jsonl."""
+    steps = 16
+    run_dir = tmp_path / "faults"
+    transient = ",".join(f"engine_error:local.generate@{n}" for n in (4, 16, 28, 40, 52))
+    done = run_sdp(
+        ["train", *FAST, f"run.dir={run_dir}", f"train.steps={steps}", "train.checkpoint_every=3"],
+        sdp_env(sdp_cache, SDP_TEST_FAULTS=transient),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = check_finished_run(run_dir, steps)
+    ledger = read_jsonl(run_dir / "ledger.jsonl")
+    rejected = [e for e in ledger if e["event"] == "rejected"]
+    assert len(rejected) == 5 and all("fault injected at local.generate" in e["reason"] for e in rejected)
+    assert metrics(run_dir)[-1]["engine/faults_total"] == 5
+    run_id = "local engine: EngineError in generation"
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    consumed_times = [e["time"] for e in ledger if e["event"] == "consumed"]
+    for event in rejected:
+        later = [t for t in consumed_times if t > event["time"]]
+        seconds = later[0] - event["time"] if later else None
+        report.fault("engine", "local: EngineError in generation", run_id, seconds)
+
+    run_dir = tmp_path / "bug"
+    done = run_sdp(
+        ["train", *FAST, f"run.dir={run_dir}", f"train.steps={steps}", "train.checkpoint_every=2"],
+        sdp_env(sdp_cache, SDP_TEST_FAULTS="raise:local.generate@30"),
+    )
+    failed_at = time.time()
+    assert done.returncode == 2
+    line = error_line(done.stderr, alone=False)
+    assert "rollout producer failed: fault injected at local.generate" in line
+    assert f"resume with: sdp train resume={run_dir}" in line
+    stopped = events(run_dir)[-1]
+    assert stopped["event"] == "stopped" and "InjectedFault" in stopped["traceback"]
+    assert stopped["checkpoint"] and complete_checkpoint_steps(run_dir)[-1] == stopped["step"]
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdict = check_finished_run(run_dir, steps)
+    run_id = "local engine: exception in generation (stop, resume)"
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    back = first_step_time_after(run_dir, stopped["step"], failed_at)
+    report.fault("engine", "local: unexpected exception (stop + resume)", run_id, back - failed_at)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
