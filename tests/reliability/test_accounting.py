@@ -1,0 +1,108 @@
+"""The definitions the suite's numbers rest on, checked by hand: the ledger audit (what "lost"
+and "duplicated" mean), the fault-hook parser, and the transport's request timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from sdp_cli.engine.base import EngineError
+from sdp_cli.engine.http import HttpOptions, HttpServer
+from sdp_cli.faults import _parse
+from sdp_cli.train.ledger import LedgerLog, audit
+
+pytestmark = pytest.mark.reliability
+
+
+def _snapshot(ledger: LedgerLog, **stats) -> dict:
+    """A loop snapshot after: groups 0-3 consumed at step 1, 4 dropped, 5 rejected, 6 held in
+    the queue, 7 in flight; 8 groups handed out (next_group_id = 8)."""
+    counters = dict(submitted=8, accepted=6, rejected=1, running=1, filtered=1, enqueued=0)
+    counters.update(stats)
+    return {
+        "step": 1,
+        "next_group_id": 8,
+        "queue": [{"group_id": 6, "samples": []}],
+        "cache": [],
+        "in_flight_group_ids": [7],
+        "manager": {"stats": counters},
+        "ledger_offset": ledger.offset(),
+    }
+
+
+def _ledger(tmp_path) -> LedgerLog:
+    log = LedgerLog(tmp_path / "ledger.jsonl")
+    log.write("consumed", [0, 1, 2, 3], step=1, samples=[4, 4, 4, 4])
+    log.write("dropped", [4], version=1, where="cache")
+    log.write("rejected", [5], reason="engine fault")
+    return log
+
+
+def test_a_consistent_ledger_has_one_fate_per_group(tmp_path):
+    log = _ledger(tmp_path)
+    result = audit(log.path, _snapshot(log), group_size=4)
+    # 4 consumed + 1 dropped + 1 rejected + 1 held + 1 in flight = the 8 groups handed out
+    assert dict(result.fates) == {"consumed": 4, "dropped": 1, "rejected": 1, "held": 1, "in_flight": 1}
+    assert result.ok and result.samples_lost == 0 and result.samples_duplicated == 0
+
+
+def test_a_group_with_no_fate_is_lost_and_one_with_two_is_duplicated(tmp_path):
+    log = _ledger(tmp_path)
+    log.write("consumed", [6], step=2, samples=[4])  # consumed, yet still in the queue
+    snap = _snapshot(log)
+    snap["step"] = 2
+    snap["in_flight_group_ids"] = []  # group 7 vanished
+    result = audit(log.path, snap, group_size=4)
+    assert result.lost == [7] and result.duplicated == [6]
+    assert result.samples_lost == 4 and result.samples_duplicated == 4  # one group of 4 each
+    # and the counters disagree: running says 1 group in flight, the ledger none
+    assert "running: 1 vs 0" in result.counter_mismatches
+
+
+def test_events_after_the_checkpoint_offset_are_not_part_of_its_lineage(tmp_path):
+    log = _ledger(tmp_path)
+    snap = _snapshot(log)
+    log.write("consumed", [6, 7], step=2, samples=[4, 4])  # a crashed session's later step
+    assert audit(log.path, snap, group_size=4).ok
+    resumed = LedgerLog(log.path, truncate_to=snap["ledger_offset"])  # what a resume does
+    assert resumed.offset() == snap["ledger_offset"]
+    assert audit(resumed.path, snap, group_size=4).ok
+
+
+def test_fault_specs_are_parsed_and_typos_refused():
+    assert _parse("kill:checkpoint.state@2, raise:local.generate") == {
+        "checkpoint.state": [("kill", 2)],
+        "local.generate": [("raise", 1)],
+    }
+    for bad in ("kill:checkpoint.stat", "explode:local.generate", "kill:local.generate@x"):
+        with pytest.raises(ValueError, match="SDP_TEST_FAULTS"):
+            _parse(bad)
+
+
+def test_the_request_timeout_applies_to_requests_without_their_own():
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(1.0)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        http = HttpServer(url, HttpOptions(request_timeout_s=0.2))
+        started = time.perf_counter()
+        with pytest.raises(EngineError, match="got no answer within 0.2 s"):
+            http.get("/")
+        assert time.perf_counter() - started < 0.9  # not the server's 1 s
+    finally:
+        server.shutdown()
+        server.server_close()
