@@ -722,6 +722,7 @@ class RemoteEngine(InferenceEngine):
         """Load ``path`` on ``server``, waiting up to ``reconnect_timeout_s`` if it is down."""
         with server.weights_lock:
             deadline = time.monotonic() + self.options.reconnect_timeout_s
+            waited = False
             while True:
                 try:
                     self._server_load_weights(server, path, label)
@@ -730,7 +731,10 @@ class RemoteEngine(InferenceEngine):
                     if time.monotonic() > deadline:
                         raise
                     self._wait_until_answering(server)
+                    waited = True
             with self._cond:
+                if server.suspect or waited:  # this load also restored a server that was lost
+                    self._stats["restores"] += 1
                 server.suspect = False
 
     def inflight_samples(self) -> list[RolloutSample]:

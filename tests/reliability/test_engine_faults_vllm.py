@@ -147,7 +147,10 @@ def test_wire_faults_through_a_proxy(vllm_server, tmp_path, sdp_cache):
     with FaultProxy(vllm_server.url) as proxy:
         for path, kind, match, after, times, params, name in WIRE_FAULTS:
             proxy.plan(path, kind, after=after, times=times, match=match, name=name, **params)
-        done = run_sdp(["train", *_args(proxy.url, run_dir, steps)], _env(sdp_cache, vllm_server), 420)
+        # Short answers keep the producer a version ahead of the trainer, so every weight push
+        # has queued tokens to score (at full length some runs score nothing at all).
+        args = _args(proxy.url, run_dir, steps, "rollout.max_new_tokens=3")
+        done = run_sdp(["train", *args], _env(sdp_cache, vllm_server), 420)
         assert done.returncode == 0, done.stderr[-4000:]
         assert proxy.pending() == [], f"faults never injected: {proxy.pending()}"
         recover = proxy.recovery_times()
