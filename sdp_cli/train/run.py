@@ -390,6 +390,8 @@ class TrainingRun:
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        # Counters are checkpointed: a resumed session's rates use only what it did itself.
+        session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
         try:
             self.loop.run()
@@ -420,7 +422,7 @@ class TrainingRun:
             raise UserError("the training processes ended with different weights; report this as a bug")
         wall = time.perf_counter() - t0
         acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
-        summary = self._summary(wall, acc_start, acc_end)
+        summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
@@ -441,11 +443,16 @@ class TrainingRun:
             self.trainer.step(batch)
         self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
 
-    def _summary(self, wall: float, acc_start: float | None, acc_end: float | None) -> dict[str, Any]:
+    def _summary(
+        self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Run totals plus this session's rates (``wall_seconds`` covers this session only)."""
         rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
         rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
         window = min(50, max(1, len(rewards) // 2))
         counters = self.loop.state.counters
+        session_tokens = counters.tokens_generated - session_start["tokens_generated"]
+        session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
         return {
             "run_dir": str(self.run_dir),
             "steps": self.loop.state.step,
@@ -459,9 +466,10 @@ class TrainingRun:
             "greedy_accuracy_start": acc_start,
             "greedy_accuracy_end": acc_end,
             "tokens_generated": counters.tokens_generated,
-            "tokens_per_second": counters.tokens_generated / wall if wall > 0 else None,
+            "session_start_step": self.start_step,
+            "tokens_per_second": session_tokens / wall if wall > 0 else None,
             "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
-            "recompute_share": counters.recompute_seconds / wall if wall > 0 else None,
+            "recompute_share": session_recompute / wall if wall > 0 else None,
             "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
             "counters": counters.to_dict(),
         }

@@ -126,6 +126,12 @@ def test_kill_after_checkpoint_then_resume_continues_exactly(tmp_path):
     assert summary["steps"] == 8
     # staleness counters continued: 8 batches of 4 groups consumed means at least 32 accepted
     assert rows[-1]["staleness/accepted"] >= 32
+    # rates cover the resumed session only: its tokens exclude what the checkpoint had counted
+    start = summary["session_start_step"]
+    assert 4 <= start <= killed_at
+    session_tokens = summary["tokens_per_second"] * summary["wall_seconds"]
+    at_checkpoint_at_least = rows[start - 1]["throughput/tokens_generated_total"]
+    assert 0 < session_tokens <= summary["tokens_generated"] - at_checkpoint_at_least + 1e-6
 
 
 def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
