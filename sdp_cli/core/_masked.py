@@ -177,13 +177,25 @@ class Masked:
         return _weighted_stats(values, self.row_weight, self.n_rows, with_std)
 
 
+def extremes(values: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) of ``values`` where ``selected``; (0, 0) for an empty selection or tensor.
+
+    Off the selection ±inf changes neither extreme. (Filling it with the mean instead is off
+    by an ulp: the rounded mean of equal values can fall just below them.)
+    """
+    if values.numel() == 0:
+        return values.new_zeros(()), values.new_zeros(())
+    empty = ~selected.any()
+    low = torch.where(empty, 0.0, torch.where(selected, values, math.inf).amin())
+    high = torch.where(empty, 0.0, torch.where(selected, values, -math.inf).amax())
+    return low, high
+
+
 def _weighted_stats(values: Tensor, weight: Tensor, n: Tensor, with_std: bool) -> dict[str, Tensor]:
     if values.dtype != weight.dtype:
         values = values.to(weight.dtype)
     mean = (values * weight).sum() / n
-    # Off the selection put the mean, which lies inside [min, max] of the selection and so
-    # changes neither (and makes both 0 when the selection is empty); lerp is exact at 0 and 1.
-    low, high = torch.aminmax(torch.lerp(mean, values, weight))
+    low, high = extremes(values, weight > 0)
     stats = {"mean": mean, "min": low, "max": high}
     if with_std:
         stats["std"] = ((values - mean) * weight).square().sum().div(n).sqrt()

@@ -15,6 +15,7 @@ from sdp_cli.core._masked import (
     check_2d,
     check_float_tensor,
     check_like,
+    extremes,
     masked,
     to_host,
 )
@@ -67,7 +68,7 @@ def offpolicy_metrics(
         )
         per_row = torch.cat([logs, diff.abs().unsqueeze(0), logs[:3].exp(), torch.expm1(logs[3:])])
         row_sums = (per_row * mk.row_weight).sum(-1)
-        diff_min, diff_max = torch.aminmax(torch.lerp(row_sums[2] / mk.n_rows, diff, mk.row_weight))
+        diff_min, diff_max = extremes(diff, mk.row_weight > 0)
         # e^x − 1 − x as expm1(x) − x and e^{2x} − 1 as expm1(x)·(expm1(x) + 2): no
         # cancellation at small x, and both are 0 at padding, where x = 0.
         em1 = torch.expm1(safe)

@@ -83,6 +83,8 @@ def _level_log_ratio(log_ratio: Tensor, mk: Masked, level: str) -> Tensor:
 
 def _any_row(flags: Tensor) -> Tensor:
     """bool [B]: rows holding a True flag (uint8 max: much faster than ``any`` on CPU)."""
+    if flags.shape[-1] == 0:  # rows without tokens hold no flag
+        return flags.new_zeros(flags.shape[:-1])
     return flags.view(torch.uint8).amax(-1).bool()
 
 

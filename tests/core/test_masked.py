@@ -1,5 +1,8 @@
 """The shared masked helpers (sdp_cli/core/_masked.py)."""
 
+import math
+
+import pytest
 import torch
 
 from sdp_cli.core._masked import _to_host_batched, keep, masked, to_host
@@ -46,3 +49,32 @@ def test_to_host_paths_agree():
         == _to_host_batched(values)
         == {"count": 7, "mean": 0.25, "rows": [1.0, 2.5, -3.0]}
     )
+
+
+def test_min_and_max_are_exact_where_the_rounded_mean_is_not():
+    # Found by hypothesis: three valid tokens truncated up to the floor 0.9 in float32. Their
+    # float32 mean rounds to one ulp below float32(0.9); min and max must be the value itself.
+    from sdp_cli.core import importance_weights
+
+    log_ratio = torch.tensor([[0.8590, 0.7056, -0.3406, -1.2720, -1.1948]])
+    mask = torch.tensor([[False, True, True, False, True]])
+    weights, metrics = importance_weights(log_ratio, mask, level="sequence", floor=0.9)
+    floor32 = torch.tensor(0.9).item()
+    assert weights[mask].eq(torch.tensor(0.9)).all()
+    assert metrics["rollout_is_min"] == floor32 and metrics["rollout_is_max"] == floor32
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_zero_size_batches_give_zero_statistics(shape):
+    from sdp_cli.core import importance_weights, offpolicy_metrics, policy_loss, rejection_mask
+
+    x = torch.zeros(shape)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for level in ("token", "sequence", "geometric"):
+        _, w_metrics = importance_weights(x, mask, level=level, cap=2.0)
+        _, r_metrics = rejection_mask(x, mask, level=level, upper=2.0)
+        assert all(v == 0.0 for k, v in w_metrics.items() if k.endswith(("_min", "_max")))
+        assert all(math.isfinite(v) for v in [*w_metrics.values(), *r_metrics.values()])
+    metrics = offpolicy_metrics(x, x, mask)
+    assert metrics["log_ppl_diff_min"] == 0.0 and metrics["log_ppl_diff_max"] == 0.0
+    assert policy_loss(x, x, x, mask)[0].item() == 0.0
