@@ -13,8 +13,10 @@
    inputs are allocated and written first, ``ru_maxrss`` (peak resident set) is read, the
    variant runs, and ``ru_maxrss`` is read again; the difference is the variant's peak extra
    memory. PyTorch's CPU allocator does not cache, and glibc serves blocks this large with
-   mmap/munmap, so the resident set follows live tensors. Forward+backward necessarily returns
-   an [N, V] logits gradient; "scratch" is the extra memory beyond that required output.
+   mmap/munmap, so the resident set follows live tensors. Forward+backward returns an [N, V]
+   logits gradient; "scratch" is the extra memory beyond that output. The row
+   ``fwd_bwd inplace`` uses ``inplace_backward=True``, which stores that gradient in the
+   logits' own storage (what the trainer does), so no [N, V] tensor is allocated at all.
 
 Run: ``.venv/bin/python bench/loss.py`` (about 20 s on 2 CPU cores).
 """
@@ -222,7 +224,9 @@ def memory_child(variant: str, phase: str) -> None:
             .squeeze(-1)
         )
     else:
-        out = logprobs_from_logits(logits, targets, temperature=TEMPERATURE)
+        out = logprobs_from_logits(
+            logits, targets, temperature=TEMPERATURE, inplace_backward=variant == "inplace"
+        )
     if phase == "fwd_bwd":
         out.sum().backward()
     elapsed = time.perf_counter() - start
@@ -318,14 +322,18 @@ def main() -> None:
         "chunked [s]",
     ):
         memory.add_column(col, justify="right")
-    for phase in ("fwd", "fwd_bwd"):
-        naive = measure_memory("naive", phase, args.threads)
-        chunked = measure_memory("chunked", phase, args.threads)
+    naive_by_phase: dict[str, dict[str, float]] = {}
+    for phase, variant in (("fwd", "chunked"), ("fwd_bwd", "chunked"), ("fwd_bwd", "inplace")):
+        if phase not in naive_by_phase:
+            naive_by_phase[phase] = measure_memory("naive", phase, args.threads)
+        naive = naive_by_phase[phase]
+        chunked = measure_memory(variant, phase, args.threads)
         assert abs(naive["check"] - chunked["check"]) < 1e-3 * abs(naive["check"]), (
             "variants disagree"
         )
-        # Forward+backward must return the [N, V] logits gradient; scratch excludes that output.
-        required = naive_bytes if phase == "fwd_bwd" else 0
+        # Forward+backward returns the [N, V] logits gradient (a new tensor unless in place);
+        # scratch excludes that output.
+        required = naive_bytes if phase == "fwd_bwd" and variant == "chunked" else 0
         row = {
             "naive_extra_mib": naive["extra_bytes"] / 2**20,
             "chunked_extra_mib": chunked["extra_bytes"] / 2**20,
@@ -336,9 +344,10 @@ def main() -> None:
             "naive_s": naive["seconds"],
             "chunked_s": chunked["seconds"],
         }
-        results["memory"][phase] = row
+        name = phase if variant == "chunked" else f"{phase} {variant}"
+        results["memory"][name.replace(" ", "_")] = row
         memory.add_row(
-            phase,
+            name,
             f"{row['naive_extra_mib']:.0f}",
             f"{row['chunked_extra_mib']:.0f}",
             f"{row['ratio']:.1%}",

@@ -5,6 +5,12 @@ in forward and backward. Here forward works in one reused [chunk, V] scratch and
 per-token log-normaliser; backward recomputes each chunk's softmax from the logits and writes
 the gradient straight into the [N, V] gradient it must return, so the extra memory stays
 O(chunk · V) instead of O(N · V). The logits are never copied, sliced ones included.
+
+That returned gradient is itself [N, V]. With ``inplace_backward=True`` backward writes it
+into the logits' own storage instead (chunk by chunk, each chunk read before it is
+overwritten), so forward + backward allocate no [N, V] tensor at all. The logits then hold
+the gradient after backward; any other autograd node that saved them fails loudly (torch's
+in-place version check), never silently.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        inplace_backward: bool,
     ) -> tuple[Tensor, Tensor]:
         groups, rows_per_group, vocab = logits.shape
         dtype = _compute_dtype(logits.dtype)
@@ -78,6 +85,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
+        ctx.inplace_backward = inplace_backward
         ctx.mark_non_differentiable(targets)
         return logprobs, entropy
 
@@ -92,7 +100,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
         )
         use_entropy = ctx.with_entropy and grad_entropy is not None
-        grad_logits = torch.empty_like(logits)
+        # In place: each chunk of the logits is read (copied or widened into ``work``) before
+        # the same rows receive their gradient.
+        grad_logits = logits.detach() if ctx.inplace_backward else torch.empty_like(logits)
         # Work in place inside the returned gradient when its dtype is the compute dtype;
         # otherwise in one reused float32 scratch chunk.
         size = (min(chunk_size, rows_per_group), vocab)
@@ -105,7 +115,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             work = out if scratch is None else scratch[: out.shape[0]]
             g_lp = grad_logprobs[group, rows].unsqueeze(-1)
             # work := log p = x − logsumexp(x)
-            work.copy_(logits[group, rows]).div_(temperature)
+            if work.data_ptr() != logits[group, rows].data_ptr():
+                work.copy_(logits[group, rows])
+            work.div_(temperature)
             work.sub_(log_norm[group, rows].unsqueeze(-1))
             if use_entropy:
                 # d/dx [g_lp·log p_y + g_H·H] = g_lp·(onehot_y − p) − g_H·p·(log p + H)
@@ -118,7 +130,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             work.div_(temperature)
             if scratch is not None:
                 out.copy_(work)
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def _grouped(logits: Tensor) -> Tensor:
@@ -145,12 +157,18 @@ def logprobs_from_logits(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     return_entropy: bool = False,
+    inplace_backward: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax(logits / T) at ``targets``, shape ``targets.shape`` (docs/math.md §6).
 
     ``logits`` is [..., V] and ``targets`` [...] with ids in [0, V). Returns float32 for
     half-precision logits, else the logits dtype; with ``return_entropy`` also the entropy of
     softmax(logits / T) per token.
+
+    ``inplace_backward=True`` stores the logits' gradient in the logits themselves (no
+    [N, V] allocation in backward); use it when nothing else reads the logits after this call,
+    e.g. a model's output that only feeds this function. Other autograd users of the same
+    logits then raise torch's in-place modification error.
     """
     check_float_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -179,7 +197,7 @@ def logprobs_from_logits(
     grouped = _grouped(logits)
     grouped_targets = targets.reshape(grouped.shape[:2]).long()
     logprobs, entropy = _ChunkedLogprobs.apply(
-        grouped, grouped_targets, float(temperature), chunk_size, return_entropy
+        grouped, grouped_targets, float(temperature), chunk_size, return_entropy, bool(inplace_backward)
     )
     logprobs = logprobs.reshape(targets.shape)
     if return_entropy:

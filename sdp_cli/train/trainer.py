@@ -87,8 +87,12 @@ class Trainer:
                 attention_mask=batch.attention_mask.to(device),
                 use_cache=False,
             )
+            # The logits feed nothing else: backward may store their gradient in place.
             logprobs = logprobs_from_logits(
-                out.logits[:, :-1], batch.input_ids[:, 1:].to(device), temperature=self.temperature
+                out.logits[:, :-1],
+                batch.input_ids[:, 1:].to(device),
+                temperature=self.temperature,
+                inplace_backward=grad,
             )
         return logprobs if grad else logprobs.detach().float().cpu()
 

@@ -148,3 +148,51 @@ def test_exotic_strides_fall_back_to_a_copy():
     torch.testing.assert_close(
         logprobs_from_logits(logits, targets, chunk_size=2), naive(logits, targets)[0]
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_inplace_backward_gives_the_same_gradient_through_a_model_output(dtype, with_entropy):
+    # The realistic use: logits are a layer's output ([B, T, V], shifted by one) whose only
+    # reader is this function; the gradient reaching the layer's weight must be unchanged.
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 7, 8, generator=gen, dtype=torch.float64).to(dtype)
+    targets = torch.randint(0, 13, (3, 6), generator=gen)
+    g_lp, g_ent = torch.randn(3, 6, generator=gen), torch.randn(3, 6, generator=gen)
+    grads = []
+    for inplace in (False, True):
+        weight = torch.randn(13, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        weight = weight.to(dtype).requires_grad_(True)
+        logits = hidden @ weight.T
+        out = logprobs_from_logits(
+            logits[:, :-1], targets, temperature=0.7, chunk_size=4,
+            return_entropy=with_entropy, inplace_backward=inplace,
+        )
+        lp, ent = out if with_entropy else (out, torch.zeros_like(out))
+        (lp * g_lp.to(lp.dtype) + ent * g_ent.to(lp.dtype)).sum().backward()
+        grads.append(weight.grad)
+    # identical arithmetic on both paths: only where the gradient is stored differs
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
+def test_inplace_backward_overwrites_the_logits_with_their_gradient():
+    logits = torch.randn(5, 9, dtype=torch.float64)
+    targets = torch.randint(0, 9, (5,))
+    reference = logits.clone().requires_grad_(True)
+    logprobs_from_logits(reference, targets).sum().backward()
+    source = logits.clone().requires_grad_(True)
+    view = source * 1.0  # a non-leaf, like a model output
+    logprobs_from_logits(view, targets, inplace_backward=True).sum().backward()
+    torch.testing.assert_close(view.detach(), reference.grad)
+    torch.testing.assert_close(source.grad, reference.grad)
+
+
+def test_inplace_backward_refuses_when_another_node_saved_the_logits():
+    # torch's version counter turns a second reader of the logits into a loud error
+    source = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    logits = source * 1.0
+    targets = torch.randint(0, 6, (4,))
+    other = (logits * logits).sum()  # MulBackward saves the logits
+    lp = logprobs_from_logits(logits, targets, inplace_backward=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (lp + other).backward()
