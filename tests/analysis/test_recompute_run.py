@@ -12,26 +12,16 @@ import torch
 
 import sdp_cli.analysis.recompute as rc
 import sdp_cli.analysis.scorers as scorers
-from sdp_cli.config.compose import compose_config
 from sdp_cli.rollout.batch_file import read_batch, write_batch
-from sdp_cli.train.run import run_training
 
-# The fast model and batch sizes of tests/train/conftest.py (FAST), plus: batches and version
+from ..fast_run import FAST, train_run
+
+# The fast model and batch sizes of tests/fast_run.py (FAST), plus: batches and version
 # checkpoints kept; weight decay and a larger learning rate so that consecutive versions
 # differ measurably even where a group's rewards are all equal (zero advantages) — otherwise
 # scoring under the wrong version would go unnoticed; T = 0.9 so the temperature is exercised.
 OVERRIDES = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
+    *FAST,
     "train.checkpoint_every=0",
     "train.steps=6",
     "train.save_batches=true",
@@ -47,15 +37,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("recompute-run")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP_CACHE_DIR", str(root / "cache"))
-        overrides = [*OVERRIDES, f"run.dir={root / 'run'}"]
-        cfg, raw = compose_config(overrides)
-        run_training(cfg, raw, overrides=overrides)
-    torch.set_num_threads(threads)
-    return root / "run"
+    return train_run(tmp_path_factory.mktemp("recompute-run"), OVERRIDES)
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sdp_cli.cli.main import main
 from sdp_cli.rollout.batch_file import read_batch
+
+from .run_main import run_main
 
 MODES = ("bypass", "decoupled", "segment_wise")
 ETAS = (0, 2)
@@ -37,16 +38,6 @@ def _sdp(args, env, timeout=300):
         env=env,
         timeout=timeout,
     )
-
-
-def _cli(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +196,7 @@ def test_joblib_ran_two_runs_at_once(smoke):
 def test_report_reaggregates_without_running(smoke, capsys):
     before = (smoke.dir / "summary.csv").read_text()
     (smoke.dir / "summary.csv").unlink()
-    code, out, _ = _cli(["ablate", "--report", str(smoke.dir), "--no-plots"], capsys)
+    code, out, _ = run_main(["ablate", "--report", str(smoke.dir), "--no-plots"], capsys)
     assert code == 0
     assert "Training outcome and cost" in out
     assert (smoke.dir / "summary.csv").read_text() == before
@@ -238,7 +229,7 @@ def test_report_reaggregates_without_running(smoke, capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
-    code, _, err = _cli([*argv, "--dir", str(tmp_path)] if "--report" not in argv else argv, capsys)
+    code, _, err = run_main([*argv, "--dir", str(tmp_path)] if "--report" not in argv else argv, capsys)
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), err

@@ -3,51 +3,41 @@
 import subprocess
 import sys
 
-from sdp_cli.cli.main import main
-
-
-def _run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from .run_main import run_main
 
 
 def test_root_help_lists_train(capsys):
-    code, out, _ = _run(["--help"], capsys)
+    code, out, _ = run_main(["--help"], capsys)
     assert code == 0
     assert "train" in out
 
 
 def test_version(capsys):
-    code, out, _ = _run(["--version"], capsys)
+    code, out, _ = run_main(["--version"], capsys)
     assert code == 0 and out.startswith("sdp ")
 
 
 def test_train_help_has_an_example(capsys):
-    code, out, _ = _run(["train", "--help"], capsys)
+    code, out, _ = run_main(["train", "--help"], capsys)
     assert code == 0
     assert "sdp train +preset=segment_wise" in out
 
 
 def test_print_config_shows_the_preset(capsys):
-    code, out, _ = _run(["train", "+preset=segment_wise", "rollout.max_head_offpolicyness=8", "--print-config"], capsys)
+    code, out, _ = run_main(["train", "+preset=segment_wise", "rollout.max_head_offpolicyness=8", "--print-config"], capsys)
     assert code == 0
     assert "mode: segment_wise" in out
     assert "max_head_offpolicyness: 8" in out
 
 
 def test_help_config_lists_keys(capsys):
-    code, out, _ = _run(["train", "--help-config"], capsys)
+    code, out, _ = run_main(["train", "--help-config"], capsys)
     assert code == 0
     assert "rollout.max_head_offpolicyness" in out
 
 
 def test_unknown_key_is_one_line_and_exit_2(capsys):
-    code, out, err = _run(["train", "nope.key=1"], capsys)
+    code, out, err = run_main(["train", "nope.key=1"], capsys)
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: unknown config key")
@@ -55,7 +45,7 @@ def test_unknown_key_is_one_line_and_exit_2(capsys):
 
 
 def test_unknown_command_is_a_usage_error(capsys):
-    code, _, err = _run(["no-such-command"], capsys)
+    code, _, err = run_main(["no-such-command"], capsys)
     assert code == 2
     assert "No such command" in err
 
@@ -73,6 +63,6 @@ def test_help_path_imports_no_heavy_libraries():
 
 def test_help_config_keeps_square_brackets(capsys):
     # "[floor, cap]" must not be swallowed as rich markup
-    code, out, _ = _run(["train", "--help-config"], capsys)
+    code, out, _ = run_main(["train", "--help-config"], capsys)
     assert code == 0
     assert "(clamp into [floor," in out  # the table may wrap after the comma

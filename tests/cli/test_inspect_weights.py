@@ -15,18 +15,9 @@ from safetensors.torch import load_file, safe_open
 
 from sdp_cli.analysis.inspect import WeightOptions, analyse_batches, dump_tensors
 from sdp_cli.cli.inspect_weights import EXAMPLE_BATCH
-from sdp_cli.cli.main import main
 from sdp_cli.rollout.batch_file import read_batch, write_batch
 
-
-def run(argv, capsys):
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from .run_main import run_main
 
 
 def one_error_line(err: str) -> str:
@@ -45,7 +36,7 @@ def without_prox(tmp_path):
 
 
 def test_example_prints_the_three_tables(capsys):
-    code, out, err = run(["inspect-weights", "--example"], capsys)
+    code, out, err = run_main(["inspect-weights", "--example"], capsys)
     assert code == 0, err
     assert "Behavioural importance weights" in out
     assert "Divergence from π_behav" in out
@@ -58,7 +49,7 @@ def test_example_prints_the_three_tables(capsys):
 
 
 def test_json_is_the_analysis(capsys):
-    code, out, _ = run(["inspect-weights", "--example", "--json", "--cap", "2", "--floor", "0.5"], capsys)
+    code, out, _ = run_main(["inspect-weights", "--example", "--json", "--cap", "2", "--floor", "0.5"], capsys)
     assert code == 0
     doc = json.loads(out)  # stdout holds nothing but the JSON document
     expected = analyse_batches(
@@ -75,20 +66,20 @@ def test_per_file_over_a_directory(tmp_path, capsys):
     write_batch(tmp_path / "step-000001.safetensors", batch)
     batch.trainer_version = 12  # one version later: every lag grows by 1
     write_batch(tmp_path / "step-000002.safetensors", batch)
-    code, out, _ = run(["inspect-weights", str(tmp_path), "--json", "--per-file"], capsys)
+    code, out, _ = run_main(["inspect-weights", str(tmp_path), "--json", "--per-file"], capsys)
     assert code == 0
     doc = json.loads(out)
     assert doc["trainer_versions"] == [11, 12]
     assert [d["trainer_versions"] for d in doc["per_file"]] == [[11], [12]]
     assert [row["lag"] for row in doc["lags"]] == [3, 4, 5]
     assert doc["sequences"] == 2 * doc["per_file"][0]["sequences"]
-    code, out, _ = run(["inspect-weights", str(tmp_path), "--per-file"], capsys)
+    code, out, _ = run_main(["inspect-weights", str(tmp_path), "--per-file"], capsys)
     assert code == 0 and out.count("Behavioural importance weights") == 3
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
     png = tmp_path / "w.png"
-    code, out, err = run(["inspect-weights", "--example", "--plot", str(png), "--json"], capsys)
+    code, out, err = run_main(["inspect-weights", "--example", "--plot", str(png), "--json"], capsys)
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 20_000  # four panels of histograms, not an empty canvas
@@ -99,7 +90,7 @@ def test_plot_writes_a_png(tmp_path, capsys):
 
 def test_dump_weights_round_trips(tmp_path, capsys):
     out_file = tmp_path / "w.safetensors"
-    code, out, _ = run(["inspect-weights", "--example", "--dump-weights", str(out_file)], capsys)
+    code, out, _ = run_main(["inspect-weights", "--example", "--dump-weights", str(out_file)], capsys)
     assert code == 0 and "wrote per-token weights" in out
     loaded = load_file(out_file)
     batch = read_batch(EXAMPLE_BATCH)
@@ -116,11 +107,11 @@ def test_dump_weights_round_trips(tmp_path, capsys):
 
 
 def test_missing_proximal_logprobs_is_reported_not_an_error(without_prox, capsys):
-    code, out, err = run(["inspect-weights", str(without_prox)], capsys)
+    code, out, err = run_main(["inspect-weights", str(without_prox)], capsys)
     assert code == 0, err
     assert "unavailable" in out
     assert "sdp recompute" in out and "train.save_batches=true" in out
-    code, out, _ = run(["inspect-weights", str(without_prox), "--json"], capsys)
+    code, out, _ = run_main(["inspect-weights", str(without_prox), "--json"], capsys)
     doc = json.loads(out)
     assert doc["modes"]["decoupled"]["available"] is False
     assert doc["modes"]["segment_wise"]["available"] is True
@@ -151,7 +142,7 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
             "inspect-weights", "--example", str(tmp_path / name),
             "--plot", str(out_dir / "w.png"), "--dump-weights", str(out_dir / "w.safetensors"),
         ]
-        code, out, err = run(argv, capsys)
+        code, out, err = run_main(argv, capsys)
         assert code == 2, name
         line = one_error_line(err)
         assert line.startswith(f"error: {tmp_path / name}: ") and problem in line, line
@@ -173,18 +164,18 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
     ],
 )
 def test_bad_options_are_one_line_exit_2(argv, message, capsys):
-    code, _, err = run(["inspect-weights", *argv], capsys)
+    code, _, err = run_main(["inspect-weights", *argv], capsys)
     assert code == 2
     assert message in one_error_line(err)
 
 
 def test_an_empty_directory_is_one_line(tmp_path, capsys):
-    code, _, err = run(["inspect-weights", str(tmp_path)], capsys)
+    code, _, err = run_main(["inspect-weights", str(tmp_path)], capsys)
     assert code == 2 and "holds no *.safetensors batch files" in one_error_line(err)
 
 
 def test_help_has_an_example(capsys):
-    code, out, _ = run(["inspect-weights", "--help"], capsys)
+    code, out, _ = run_main(["inspect-weights", "--help"], capsys)
     assert code == 0
     assert "sdp inspect-weights --example" in out
     assert "[floor, cap]" in out  # escaped from rich markup

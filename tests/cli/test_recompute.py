@@ -13,25 +13,15 @@ import sys
 import pytest
 import torch
 
-from sdp_cli.cli.main import main
-from sdp_cli.config.compose import compose_config
 from sdp_cli.rollout.batch_file import read_batch, write_batch
-from sdp_cli.train.run import run_training
 
-# The fast settings of tests/train/conftest.py (FAST) with batches and version checkpoints
+from ..fast_run import FAST, train_run
+from .run_main import run_main
+
+# The fast settings of tests/fast_run.py (FAST) with batches and version checkpoints
 # kept; temperature 1 (the default) so that the server path gets past its temperature check.
 OVERRIDES = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
+    *FAST,
     "train.checkpoint_every=0",
     "train.steps=4",
     "train.save_batches=true",
@@ -44,15 +34,7 @@ OVERRIDES = [
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli-recompute")
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP_CACHE_DIR", str(root / "cache"))
-        overrides = [*OVERRIDES, f"run.dir={root / 'run'}"]
-        cfg, raw = compose_config(overrides)
-        run_training(cfg, raw, overrides=overrides)
-    torch.set_num_threads(threads)
-    return root / "run"
+    return train_run(tmp_path_factory.mktemp("cli-recompute"), OVERRIDES)
 
 
 @pytest.fixture
@@ -62,16 +44,6 @@ def batches(run_dir, tmp_path):
     shutil.copytree(run_dir / "batches", target)
     files = sorted(target.iterdir())
     return files, {p: p.read_bytes() for p in files}
-
-
-def sdp(argv, capsys):
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def assert_one_line_error(code, err, *fragments):
@@ -87,9 +59,9 @@ def unchanged(files, before) -> bool:
 
 
 def test_help_lists_the_command_with_an_example(capsys):
-    code, out, _ = sdp(["--help"], capsys)
+    code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and "recompute" in out
-    code, out, _ = sdp(["recompute", "--help"], capsys)
+    code, out, _ = run_main(["recompute", "--help"], capsys)
     assert code == 0 and "sdp recompute runs/my-run/batches --checkpoints runs/my-run" in out
 
 
@@ -103,7 +75,7 @@ def test_the_command_module_does_not_import_torch():
 
 def test_dry_run_reports_and_writes_nothing(run_dir, batches, capsys):
     files, before = batches
-    code, out, err = sdp(["recompute", files[0].parent, "-c", run_dir, "--dry-run", "--json", "--exact"], capsys)
+    code, out, err = run_main(["recompute", files[0].parent, "-c", run_dir, "--dry-run", "--json", "--exact"], capsys)
     assert code == 0, err
     report = json.loads(out)
     assert report["dry_run"] and report["written"] == [] and report["tokens_scored"] > 0
@@ -130,7 +102,7 @@ def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
                 proximal_logprobs_t=torch.where(lagged, b.old_logprobs, b.proximal_logprobs_t),
             ),
         )
-    code, out, err = sdp(["recompute", *files, "--checkpoints", run_dir / "versions"], capsys)
+    code, out, err = run_main(["recompute", *files, "--checkpoints", run_dir / "versions"], capsys)
     assert code == 0, err
     assert "wrote 4 batch file(s) in place" in out and "v000001" in out
     for p in files:
@@ -141,10 +113,10 @@ def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
 
 def test_output_file_and_directory(run_dir, batches, tmp_path, capsys):
     files, before = batches
-    code, _, err = sdp(["recompute", files[2], "-c", run_dir, "-o", tmp_path / "one.safetensors"], capsys)
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", tmp_path / "one.safetensors"], capsys)
     assert code == 0, err
     assert read_batch(tmp_path / "one.safetensors").trainer_version == 2
-    code, out, err = sdp(["recompute", *files, "-c", run_dir, "--output", tmp_path / "out", "--proximal", "1"], capsys)
+    code, out, err = run_main(["recompute", *files, "-c", run_dir, "--output", tmp_path / "out", "--proximal", "1"], capsys)
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [p.name for p in files]
     assert f"to {tmp_path / 'out'}" in out
@@ -161,7 +133,7 @@ def test_a_bad_file_is_one_line_and_nothing_is_written(run_dir, batches, content
     bad = files[0].parent / "step-000099.safetensors"
     bad.write_bytes(files[1].read_bytes()[:-40] if content == "truncated" else content)
     before[bad] = bad.read_bytes()
-    code, _, err = sdp(["recompute", files[0].parent, "-c", run_dir], capsys)
+    code, _, err = run_main(["recompute", files[0].parent, "-c", run_dir], capsys)
     assert_one_line_error(code, err, "step-000099.safetensors")
     assert unchanged([*files, bad], before)
 
@@ -171,9 +143,9 @@ def test_missing_checkpoints_are_one_line_and_nothing_is_written(run_dir, batche
     # π_prox_t of the lagged tokens needs v000001 (batches c = 1…3 hold version-0 tokens);
     # --exact needs v000001…v000003 as well
     shutil.copytree(run_dir / "versions", tmp_path / "v", ignore=shutil.ignore_patterns("v000001", "v000003"))
-    code, _, err = sdp(["recompute", *files, "-c", tmp_path / "v"], capsys)
+    code, _, err = run_main(["recompute", *files, "-c", tmp_path / "v"], capsys)
     assert_one_line_error(code, err, "version(s) 1 are missing", "train.keep_version_checkpoints=true")
-    code, _, err = sdp(["recompute", *files, "-c", tmp_path / "v", "--exact"], capsys)
+    code, _, err = run_main(["recompute", *files, "-c", tmp_path / "v", "--exact"], capsys)
     assert_one_line_error(code, err, "version(s) 1, 3 are missing", "(it has 0, 2, 4)")
     assert unchanged(files, before)
 
@@ -184,7 +156,7 @@ def test_unreachable_server_is_one_line_and_nothing_is_written(run_dir, batches,
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    code, _, err = sdp(["recompute", *files, "-c", run_dir, "--engine", "sglang", "--server", url], capsys)
+    code, _, err = run_main(["recompute", *files, "-c", run_dir, "--engine", "sglang", "--server", url], capsys)
     assert_one_line_error(code, err, f"127.0.0.1:{port}", "--server")
     assert unchanged(files, before)
 
@@ -193,7 +165,7 @@ def test_server_engines_refuse_other_temperatures(run_dir, batches, tmp_path, ca
     files, _ = batches
     warm = tmp_path / "warm.safetensors"
     write_batch(warm, dataclasses.replace(read_batch(files[1]), temperature=0.7))
-    code, _, err = sdp(["recompute", warm, "-c", run_dir, "--engine", "vllm", "--server", "http://127.0.0.1:1"], capsys)
+    code, _, err = run_main(["recompute", warm, "-c", run_dir, "--engine", "vllm", "--server", "http://127.0.0.1:1"], capsys)
     assert_one_line_error(code, err, "temperature 0.7", "--engine local")
 
 
@@ -209,6 +181,6 @@ def test_server_engines_refuse_other_temperatures(run_dir, batches, tmp_path, ca
 )
 def test_bad_options_are_one_line(run_dir, batches, args, fragment, capsys):
     files, before = batches
-    code, _, err = sdp(["recompute", files[1], "-c", run_dir, *args], capsys)
+    code, _, err = run_main(["recompute", files[1], "-c", run_dir, *args], capsys)
     assert_one_line_error(code, err, fragment)
     assert unchanged(files, before)

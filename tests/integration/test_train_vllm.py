@@ -16,21 +16,9 @@ from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.run import run_training
 
-pytestmark = pytest.mark.integration
+from ..fast_run import FAST
 
-SMALL = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
-]
+pytestmark = pytest.mark.integration
 
 
 def _target_logprobs(model, ids):
@@ -43,7 +31,7 @@ def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypat
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     cfg, raw = compose_config(
         [
-            *SMALL,
+            *FAST,
             "engine=vllm",
             f"engine.python={vllm_python}",
             "engine.max_model_len=256",

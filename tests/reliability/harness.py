@@ -13,20 +13,7 @@ from pathlib import Path
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LEDGER, Audit, audit
 
-# The small, fast config of tests/train/conftest.py (a step takes tens of milliseconds).
-FAST = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
-]
+from ..fast_run import FAST
 GROUP_SIZE = 4
 TERMINAL_EVENTS = ("finished", "stopped", "interrupted")
 

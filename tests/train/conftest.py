@@ -4,21 +4,10 @@ import pytest
 
 from sdp_cli.config.compose import compose_config
 
-# A model small enough that a training step takes tens of milliseconds.
-FAST = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
-    "train.checkpoint_every=0",
-]
+from .. import fast_run
+
+# The shared fast config, without checkpoints unless a test asks for them.
+FAST = [*fast_run.FAST, "train.checkpoint_every=0"]
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,44 @@
+"""The small, fast training config that end-to-end tests compose (a step takes tens of
+milliseconds on the embedded engine), and a real `sdp train` run made from it.
+
+Test modules import it relatively (``from ..fast_run import FAST``): pytest runs with
+``--import-mode=importlib``, which imports ``tests/<area>/test_x.py`` as ``tests.<area>.test_x``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdp_cli.config.compose import compose_config
+from sdp_cli.train.run import run_training
+
+FAST = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.intermediate_size=128",
+    "model.warm_start_steps=10",
+    "rollout.batch_groups=4",
+    "rollout.group_size=4",
+    "rollout.groups_per_request=4",
+    "run.progress=false",
+    "run.tensorboard=false",
+    "train.eval_samples=0",
+]
+
+
+def train_run(root: Path, overrides: list[str]) -> Path:
+    """Trains `[*overrides, run.dir=root/run]` in this process with its own warm-start cache
+    under `root`, and returns the run directory. Training sets torch's thread count; the
+    caller's is restored afterwards."""
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDP_CACHE_DIR", str(root / "cache"))
+        overrides = [*overrides, f"run.dir={root / 'run'}"]
+        cfg, raw = compose_config(overrides)
+        run_training(cfg, raw, overrides=overrides)
+    torch.set_num_threads(threads)
+    return root / "run"
