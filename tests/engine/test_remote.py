@@ -3,12 +3,9 @@ version / π_prox_t bookkeeping, checked as a property over arbitrary abort sche
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,21 +19,7 @@ from sdp_cli.engine.remote import RemoteEngine, RemoteOptions, Segment, expand_s
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
 from sdp_cli.rollout.records import RolloutSample
 
-
-def _load_tiny_lm():
-    name = "sdp_engine_stubs"
-    if name not in sys.modules:
-        root = Path(__file__).parent / "stubs"
-        spec = importlib.util.spec_from_file_location(
-            name, root / "__init__.py", submodule_search_locations=[str(root)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.tiny_lm")
-
-
-tiny_lm = _load_tiny_lm()
+from .stubs import tiny_lm
 
 
 # ---------------------------------------------------------------------------- transport

@@ -6,8 +6,6 @@ from the weights of the version that must have produced it (``tiny_lm.score``).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 import threading
 from pathlib import Path
@@ -22,24 +20,7 @@ from sdp_cli.engine.servers import free_port
 from sdp_cli.engine.sglang import SGLangEngine, SGLangLaunchConfig
 from sdp_cli.rollout.records import RolloutSample
 
-
-def _load_stubs():
-    """Import tests/engine/stubs under a name no other test directory can take."""
-    name = "sdp_engine_stubs"
-    if name not in sys.modules:
-        root = Path(__file__).parent / "stubs"
-        spec = importlib.util.spec_from_file_location(
-            name, root / "__init__.py", submodule_search_locations=[str(root)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return importlib.import_module(f"{name}.tiny_lm"), importlib.import_module(
-        f"{name}.sglang_stub"
-    )
-
-
-tiny_lm, sglang_stub = _load_stubs()
+from .stubs import sglang_stub, tiny_lm
 
 FAST = HttpOptions(max_retries=0, request_timeout_s=30.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
