@@ -11,63 +11,14 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.rollout.records import RolloutSample
 
-VOCAB = 32
-EOS = 31
-PAD = 0
+from .tiny_qwen import EOS, PAD, VOCAB, model_with, prompts, reference_logprobs, tiny_model
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
-    many times slower (measured in tests/models/conftest.py); one thread avoids that."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_config() -> Qwen2Config:
-    # initializer_range 0.1 makes next-token distributions clearly non-uniform (max p ≈ 0.15,
-    # min p ≈ 0.003 on the probe prompt), so wrong positions or temperatures show in the logprobs
-    return Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-    )
-
-
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(tiny_config()).eval()
-
-
-def reference_logprobs(
-    model: torch.nn.Module, ids: list[int], start: int, temperature: float
-) -> list[float]:
-    """log p(ids[t] | ids[:t]) for t ≥ start from one unpadded full forward."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return [logprobs[t - 1, ids[t]].item() for t in range(start, len(ids))]
-
-
-def prompts(lengths: list[int], seed: int = 1) -> list[RolloutSample]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths
-    ]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -------------------------------------------------------------- logprobs
@@ -268,12 +219,6 @@ def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor
     g = torch.Generator().manual_seed(seed)
     new = {id(p): p.detach() + 0.05 * torch.randn(p.shape, generator=g) for p in model.parameters()}
     return {name: new[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def model_with(state: dict[str, torch.Tensor]) -> Qwen2ForCausalLM:
-    model = tiny_model()
-    model.load_state_dict(state)
-    return model
 
 
 def test_update_in_memory_sets_version_and_keeps_tied_weights_tied():

@@ -13,43 +13,16 @@ import time
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
 from sdp_cli.engine.local import LocalEngine
-from sdp_cli.rollout.records import RolloutSample
 
-VOCAB = 32
-EOS = 31
-PAD = 0
+from .tiny_qwen import EOS, PAD, model_with, prompts, reference_logprobs, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 WAIT_S = 60  # a generous bound on any wait: reaching it means the engine hung
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Two OpenMP threads competing with other processes on a 2-core machine make tiny forwards
-    many times slower (measured in tests/models/conftest.py); one thread avoids that."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        initializer_range=0.1,
-    )
-    return Qwen2ForCausalLM(config).eval()
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -64,24 +37,6 @@ def perturb_(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def reference_logprobs(
-    state: dict[str, torch.Tensor], ids: list[int], start: int, temperature: float
-) -> list[float]:
-    model = tiny_model()
-    model.load_state_dict(state)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return [logprobs[t - 1, ids[t]].item() for t in range(start, len(ids))]
-
-
-def prompts(lengths: list[int], seed: int = 1) -> list[RolloutSample]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        RolloutSample(prompt_ids=torch.randint(1, EOS, (n,), generator=g).tolist()) for n in lengths
-    ]
-
-
 def check_versions_and_proximal(samples, states, temperature):
     """Every token: old_logprobs from its version's weights. π_prox_t from version + 1's weights
     for every version the sample outlived (an update reached it in flight: DESIGN.md §2 steps 2
@@ -94,7 +49,8 @@ def check_versions_and_proximal(samples, states, temperature):
         last = s.max_version()
         needed = set(s.versions) | {v + 1 for v in s.versions if v < last}
         refs = {
-            v: reference_logprobs(states[v], s.input_ids, s.prompt_len, temperature) for v in needed
+            v: reference_logprobs(model_with(states[v]), s.input_ids, s.prompt_len, temperature)
+            for v in needed
         }
         for t, v in enumerate(s.versions):
             worst_old = max(worst_old, abs(s.old_logprobs[t] - refs[v][t]))
