@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from sdp_cli.engine.base import (
     EngineError,
@@ -56,6 +56,7 @@ from sdp_cli.engine.base import (
     WeightUpdate,
 )
 from sdp_cli.engine.http import HttpOptions, HttpServer
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer
 from sdp_cli.rollout.records import RolloutSample
 
 logger = logging.getLogger(__name__)
@@ -241,13 +242,23 @@ class RemoteEngine(InferenceEngine):
     """An ``InferenceEngine`` whose model runs in one or more HTTP servers.
 
     Subclasses speak one server's dialect (the ``_server_*`` methods); this class owns the
-    rollout records, versions, pause/resume, load spreading and resubmission.
+    rollout records, versions, pause/resume, load spreading and resubmission, and stops on
+    ``close()`` the ``managed`` servers it was started with (see ``_attach_launched``).
     """
 
     #: name used in messages and config keys ("vllm", "sglang")
     engine_name = "remote"
 
-    def __init__(self, base_urls: Sequence[str], options: RemoteOptions, *, version: int = 0):
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        options: RemoteOptions | None = None,
+        *,
+        version: int = 0,
+        managed: Sequence[ManagedServer] = (),
+    ):
+        self._managed = list(managed)
+        options = options or RemoteOptions()
         if not base_urls:
             raise EngineError(
                 f"engine={self.engine_name} needs at least one server address (engine.urls)"
@@ -305,6 +316,17 @@ class RemoteEngine(InferenceEngine):
             ) from None
         except BaseException:
             self.close()
+            raise
+
+    @classmethod
+    def _attach_launched(cls, spec: LaunchSpec, options: RemoteOptions, **kwargs: Any) -> Self:
+        """Start the server of ``spec`` and attach to it (``kwargs`` go to the constructor);
+        ``close()`` stops it, and so does a failed attach."""
+        server = ManagedServer(spec).start()
+        try:
+            return cls([server.base_url], options, managed=[server], **kwargs)
+        except BaseException:
+            server.stop()
             raise
 
     # -------------------------------------------------------------- dialect (subclasses)
@@ -844,6 +866,8 @@ class RemoteEngine(InferenceEngine):
         for pool in (getattr(self, "_generate_pool", None), getattr(self, "_score_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        for server in getattr(self, "_managed", []):
+            server.stop()
 
     def _wait_running(self) -> None:
         """Block while paused (lock held by the caller); raise once the engine is closed."""

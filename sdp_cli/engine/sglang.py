@@ -33,7 +33,7 @@ from sdp_cli.engine.remote import (
     malformed,
     version_label,
 )
-from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.servers import LaunchSpec, free_port
 
 GENERATE = "/generate"
 
@@ -97,17 +97,6 @@ class SGLangEngine(RemoteEngine):
 
     engine_name = "sglang"
 
-    def __init__(
-        self,
-        base_urls: Sequence[str],
-        options: RemoteOptions | None = None,
-        *,
-        version: int = 0,
-        managed: Sequence[ManagedServer] = (),
-    ):
-        self._managed = list(managed)
-        super().__init__(base_urls, options or RemoteOptions(), version=version)
-
     @classmethod
     def launch(
         cls,
@@ -120,17 +109,7 @@ class SGLangEngine(RemoteEngine):
         """Start an SGLang server and attach to it; ``close()`` stops it."""
         options = options or RemoteOptions()
         spec = launch_spec(config, log_dir, version=version, api_key=options.http.api_key)
-        server = ManagedServer(spec).start()
-        try:
-            return cls([server.base_url], options, version=version, managed=[server])
-        except BaseException:
-            server.stop()
-            raise
-
-    def close(self) -> None:
-        super().close()
-        for server in getattr(self, "_managed", []):
-            server.stop()
+        return cls._attach_launched(spec, options, version=version)
 
     # ------------------------------------------------------------------ dialect
     def _unavailable_hint(self) -> str:

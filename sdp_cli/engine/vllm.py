@@ -140,8 +140,7 @@ class VLLMEngine(RemoteEngine):
                 f"engine.reload_method={reload_method!r}; use one of {', '.join(RELOAD_METHODS)}"
             )
         self.reload_method = reload_method
-        self._managed = list(managed)
-        super().__init__(base_urls, options or RemoteOptions(), version=version)
+        super().__init__(base_urls, options, version=version, managed=managed)
 
     @classmethod
     def launch(
@@ -154,23 +153,10 @@ class VLLMEngine(RemoteEngine):
     ) -> VLLMEngine:
         """Start a vLLM server with sdp's worker extension and attach to it; ``close()`` stops it."""
         options = options or RemoteOptions()
-        server = ManagedServer(launch_spec(config, log_dir, api_key=options.http.api_key)).start()
-        try:
-            return cls(
-                [server.base_url],
-                options,
-                version=version,
-                reload_method="reload_weights_cpu",
-                managed=[server],
-            )
-        except BaseException:
-            server.stop()
-            raise
-
-    def close(self) -> None:
-        super().close()
-        for server in getattr(self, "_managed", []):
-            server.stop()
+        spec = launch_spec(config, log_dir, api_key=options.http.api_key)
+        return cls._attach_launched(
+            spec, options, version=version, reload_method="reload_weights_cpu"
+        )
 
     # ------------------------------------------------------------------ dialect
     def _unavailable_hint(self) -> str:
