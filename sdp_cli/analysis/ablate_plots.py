@@ -45,14 +45,24 @@ def _dodge(index: int, count: int) -> float:
     return (index - (count - 1) / 2) * 0.08
 
 
-def _line(ax: Any, rows: list[GroupRow], key: str, offset: float = 0.0, **style: Any) -> None:
+def _line(
+    ax: Any,
+    rows: list[GroupRow],
+    key: str,
+    offset: float = 0.0,
+    *,
+    nonnegative: bool = False,
+    **style: Any,
+) -> None:
+    """Mean ± seed std of ``key`` vs η; ``nonnegative`` stops the lower bar at 0 (a std)."""
     points = [
         (g.eta + offset, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None
     ]
     if not points:
         return
     xs, ys, es = zip(*points, strict=True)
-    ax.errorbar(xs, ys, yerr=es, marker="o", markersize=4, capsize=3, **style)
+    below = [min(e, max(y, 0.0)) for y, e in zip(ys, es, strict=True)] if nonnegative else es
+    ax.errorbar(xs, ys, yerr=[below, es], marker="o", markersize=4, capsize=3, **style)
 
 
 def _eta_axis(ax: Any, groups: Sequence[GroupRow]) -> None:
@@ -86,9 +96,10 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
         for j, (short, dash, name) in enumerate(WEIGHT_STYLES):
             offset = _dodge(i * len(WEIGHT_STYLES) + j, count)
             style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {name}"}
-            _line(ax_std, rows, f"w_{short}_std", offset, **style)
+            _line(ax_std, rows, f"w_{short}_std", offset, nonnegative=True, **style)
             _line(ax_ess, rows, f"w_{short}_ess", offset, **style)
     ax_std.set_yscale("symlog", linthresh=0.1)
+    ax_std.set_ylim(bottom=0)
     ax_std.set_ylabel("std of the behavioural weight (all tokens)")
     ax_ess.set_ylabel("ESS fraction (mean over steps)")
     ax_ess.set_ylim(top=1.01)

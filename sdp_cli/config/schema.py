@@ -127,7 +127,8 @@ class TrainConfig:
     steps: int = 300
     """training steps (= weight versions produced)."""
     threads: int | None = None
-    """torch threads; null = one per worker when rollouts overlap training, all cores when η = 0."""
+    """torch threads; null = one per worker when rollouts overlap training, all cores when η = 0
+    (the recompute pass, which runs while generation is paused, uses all cores unless this is set)."""
     checkpoint_every: int = 50
     """write a resumable checkpoint every N steps (0 = only at the end)."""
     keep_version_checkpoints: bool = False

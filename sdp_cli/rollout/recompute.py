@@ -59,6 +59,8 @@ class _Job:
 
 
 def _targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
+    if current - 1 not in versions:  # most held samples have no token of that version: C-speed scan
+        return []
     return [
         t
         for t, (v, pv) in enumerate(zip(versions, prox_versions, strict=True))

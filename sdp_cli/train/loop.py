@@ -28,9 +28,13 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from queue import Empty
 from typing import Any, Callable, Protocol
+
+import torch
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
@@ -101,6 +105,20 @@ class LoopState:
     counters: LoopCounters = field(default_factory=LoopCounters)
 
 
+@contextmanager
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads for the calling thread set to ``count`` inside the block."""
+    before = torch.get_num_threads()
+    if count is None or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class AsyncLoop:
     """Runs rollout production and training concurrently until ``train.steps`` steps are done."""
 
@@ -120,6 +138,7 @@ class AsyncLoop:
         on_step: Callable[[StepRecord], None] | None = None,
         max_consecutive_engine_faults: int = 5,
         ledger: LedgerLog | None = None,
+        recompute_threads: int | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -133,6 +152,8 @@ class AsyncLoop:
         self.on_step = on_step
         self.max_consecutive_engine_faults = max_consecutive_engine_faults
         self.ledger = ledger
+        # The producer is paused during the recompute pass, so its core is free for scoring.
+        self.recompute_threads = recompute_threads
 
         ro = cfg.rollout
         self.batch_groups = ro.batch_groups
@@ -395,7 +416,8 @@ class AsyncLoop:
                 if self.recompute_enabled:
                     t0 = time.perf_counter()
                     in_hand = [s for g in self._in_hand.values() for s in g.samples]
-                    stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=in_hand)
+                    with intra_op_threads(self.recompute_threads):
+                        stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=in_hand)
                     elapsed = time.perf_counter() - t0
                     self.state.counters.recompute_tokens += stats.tokens_recomputed
                     self.state.counters.recompute_seconds += elapsed

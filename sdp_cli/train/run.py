@@ -253,6 +253,7 @@ class TrainingRun:
             on_step=self._on_step,
             max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
             ledger=self.ledger,
+            recompute_threads=cfg.train.threads or os.cpu_count(),
         )
         self._last_checkpoint: tuple[int, Path] | None = None
         if checkpoint is not None or cfg.engine.urls:

@@ -139,3 +139,20 @@ def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
     done = subprocess.run(_cli(f"resume={tmp_path}"), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0 and "no complete checkpoint" in done.stderr
+
+
+def test_recompute_threads_apply_inside_the_block_only():
+    import torch
+
+    from sdp_cli.train.loop import intra_op_threads
+
+    before = torch.get_num_threads()
+    other = 1 if before != 1 else 2
+    with intra_op_threads(other):
+        assert torch.get_num_threads() == other
+    assert torch.get_num_threads() == before
+    with intra_op_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), intra_op_threads(other):
+        raise RuntimeError("restored even when the pass fails")
+    assert torch.get_num_threads() == before
