@@ -39,6 +39,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.fileio import fsync_directory, stage_bytes
 from sdp_cli.analysis.scorers import Scorer
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch, serialize_batch
+from sdp_cli.rollout.recompute import token_packs
 
 #: a version checkpoint directory as ``sdp train`` names it (``v000012``)
 VERSION_DIR = re.compile(r"^v(\d+)$")
@@ -280,20 +281,6 @@ def make_plan(
 ProgressCallback = Callable[[int, int], None]
 
 
-def _packs(jobs: list[_Job], max_tokens: int) -> Iterable[list[_Job]]:
-    """Length-sorted groups of at most ``max_tokens`` prefill tokens (a longer job goes alone)."""
-    pack: list[_Job] = []
-    tokens = 0
-    for job in sorted(jobs, key=lambda j: len(j.sequence)):
-        if pack and tokens + len(job.sequence) > max_tokens:
-            yield pack
-            pack, tokens = [], 0
-        pack.append(job)
-        tokens += len(job.sequence)
-    if pack:
-        yield pack
-
-
 @dataclass
 class VersionWork:
     """What one checkpoint did: tokens scored (all purposes), π_prox_t and π_prox tokens
@@ -331,7 +318,9 @@ def run_plan(
         started = time.perf_counter()
         for temperature in sorted(t for k, t in plan.jobs if k == version):
             jobs = plan.jobs[(version, temperature)]
-            for pack in _packs(jobs, options.max_tokens_per_call):
+            # length-sorted: a pack is padded to its longest sequence
+            by_length = sorted(jobs, key=lambda j: len(j.sequence))
+            for pack in token_packs(by_length, options.max_tokens_per_call):
                 results = scorer.score(temperature, [j.sequence for j in pack], [j.start for j in pack])
                 assert len(results) == len(pack), "the scorer returned one list per sequence"
                 n_tokens = 0

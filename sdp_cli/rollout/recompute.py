@@ -12,15 +12,38 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, MutableSequence, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from sdp_cli.engine.base import EngineError, InferenceEngine
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 
 Item = RolloutSample | RolloutGroup
+
+
+class _Prefill(Protocol):
+    sequence: list[int]
+
+
+PrefillT = TypeVar("PrefillT", bound=_Prefill)
+
+
+def token_packs(jobs: Iterable[PrefillT], max_tokens: int) -> Iterator[list[PrefillT]]:
+    """Consecutive groups of ``jobs`` (each a prefill of its ``sequence``) with at most
+    ``max_tokens`` tokens in all, one ``score`` call each; a longer sequence goes alone (a
+    prefill cannot be split)."""
+    pack: list[PrefillT] = []
+    tokens = 0
+    for job in jobs:
+        if pack and tokens + len(job.sequence) > max_tokens:
+            yield pack
+            pack, tokens = [], 0
+        pack.append(job)
+        tokens += len(job.sequence)
+    if pack:
+        yield pack
 
 
 @dataclass
@@ -189,23 +212,9 @@ class ProximalRecomputer:
         return stats
 
     # ---------------------------------------------------------------- scoring
-    def _packs(self, jobs: list[_Job]) -> Iterable[list[_Job]]:
-        """Consecutive groups of jobs with at most ``max_tokens_per_call`` prefill tokens; a
-        longer sequence goes alone (a prefill cannot be split)."""
-        pack: list[_Job] = []
-        tokens = 0
-        for job in jobs:
-            if pack and tokens + len(job.sequence) > self.max_tokens_per_call:
-                yield pack
-                pack, tokens = [], 0
-            pack.append(job)
-            tokens += len(job.sequence)
-        if pack:
-            yield pack
-
     def _run(self, jobs: list[_Job], stats: RecomputeStats) -> None:
         abs_delta = 0.0
-        for pack in self._packs(jobs):
+        for pack in token_packs(jobs, self.max_tokens_per_call):
             rows = self.engine.score([j.sequence for j in pack], [j.start for j in pack])
             stats.score_calls += 1
             if len(rows) != len(pack):
