@@ -1,6 +1,7 @@
 """Benchmark of `sdp train` on the tiny model (embedded engine): steps/s and tokens/s for
 η = 0 (synchronous) vs η = 4 (asynchronous), and the share of wall time spent in the
-segment-wise recompute pass.
+segment-wise recompute pass: in total (mostly in the producer thread, overlapping training) and
+the part the trainer waited for at weight pushes.
 
 Each configuration runs as a separate `sdp train` process (so thread settings do not leak)
 with the warm start already cached; the numbers come from the run's summary.json, whose clock
@@ -58,6 +59,7 @@ def main() -> None:
         sps = [r["steps_per_second"] for r in runs]
         tps = [r["tokens_per_second"] for r in runs]
         share = [r["recompute_share"] for r in runs]
+        blocking = [r["recompute_blocking_share"] for r in runs]
         rows.append(
             {
                 "mode": mode,
@@ -68,18 +70,20 @@ def main() -> None:
                 "steps_per_second_all": sps,
                 "tokens_per_second_median": statistics.median(tps),
                 "recompute_share_median": statistics.median(share),
+                "recompute_blocking_share_median": statistics.median(blocking),
                 "lag_note": "all tokens lag 0" if eta == 0 else "tokens lag up to η",
             }
         )
         print(f"measured {mode} η={eta}: {statistics.median(sps):.2f} steps/s", file=sys.stderr)
 
-    header = f"{'mode':<14}{'η':>3}{'steps/s':>10}{'tokens/s':>11}{'recompute share':>17}"
+    header = f"{'mode':<14}{'η':>3}{'steps/s':>10}{'tokens/s':>11}{'recompute share':>17}{'trainer blocked':>17}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
             f"{r['mode']:<14}{r['max_head_offpolicyness']:>3}{r['steps_per_second_median']:>10.2f}"
             f"{r['tokens_per_second_median']:>11.0f}{100 * r['recompute_share_median']:>16.1f}%"
+            f"{100 * r['recompute_blocking_share_median']:>16.1f}%"
         )
     result = {
         "benchmark": "train",

@@ -16,7 +16,7 @@ Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean`
 - ``filtered``: groups dropped by the staleness strategy / groups generated.
 - ``wall_s``: the training loop's time, Σ over steps of ``time/{wait,train,push}_s``;
   ``tokens_per_s`` = the last ``throughput/tokens_generated_total`` / ``wall_s``; ``steps_per_s``
-  and ``recompute_share`` (Σ ``time/recompute_s`` / ``wall_s``) likewise. Summed per step rather
+  and ``recompute_share`` (Σ ``time/recompute_s`` + ``time/recompute_ahead_s`` / ``wall_s``) likewise. Summed per step rather
   than taken from summary.json, so a resumed run counts the time of both sessions.
 - from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end.
 """
@@ -333,7 +333,8 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
     out["wall_s"] = wall if wall > 0 else None
     out["tokens_per_s"] = tokens[-1] / wall if wall > 0 and tokens else None
     out["steps_per_s"] = len(rows) / wall if wall > 0 else None
-    out["recompute_share"] = sum(_values(rows, "time/recompute_s")) / wall if wall > 0 else None
+    spent = sum(_values(rows, "time/recompute_s")) + sum(_values(rows, "time/recompute_ahead_s"))
+    out["recompute_share"] = spent / wall if wall > 0 else None
     summary = record.summary or {}
     generated = (summary.get("counters") or {}).get("groups_generated")
     filtered = summary.get("filtered_groups")

@@ -86,7 +86,10 @@ class LoopCounters:
     tokens_generated: int = 0
     engine_faults: int = 0
     recompute_tokens: int = 0
+    #: time the recompute pass took, wherever it ran (producer thread or weight push)
     recompute_seconds: float = 0.0
+    #: the part of it the trainer waited for (the pass at the weight push)
+    recompute_blocking_seconds: float = 0.0
     push_seconds: float = 0.0
     train_seconds: float = 0.0
     wait_seconds: float = 0.0
@@ -187,6 +190,10 @@ class AsyncLoop:
         self._producer_error: BaseException | None = None
         self._producer: threading.Thread | None = None
         self._group_ids = itertools.count(self.state.next_group_id)
+        # Recompute ahead: the engine version whose pass the producer has run, and what it did
+        # since the last push (reported with the push's own pass).
+        self._recomputed_for: int | None = None
+        self._ahead = {"tokens": 0, "samples": 0, "delta_sum": 0.0, "seconds": 0.0}
 
     # ============================================================ producer side
     def _produce(self) -> None:
@@ -195,6 +202,7 @@ class AsyncLoop:
         consecutive_faults = 0
         try:
             while not self._stop.is_set():
+                self._recompute_ahead()
                 n_groups = self._wait_for_capacity()
                 if n_groups == 0:
                     continue
@@ -231,8 +239,44 @@ class AsyncLoop:
                 capacity = self.manager.get_capacity()
                 if capacity > 0:
                     return min(capacity, self.cfg.rollout.groups_per_request)
+                if self._recompute_due():
+                    return 0  # the producer would only wait: it scores first
                 self._capacity_changed.wait(timeout=0.5)
         return 0
+
+    def _recompute_due(self) -> bool:
+        return self.recompute_enabled and self._recomputed_for != self._version
+
+    def _recompute_ahead(self) -> None:
+        """Run the recompute pass of the loaded version now, in the producer thread.
+
+        Once weights c are loaded, every token of version c − 1 already exists, so π_c can score
+        them at any time before weights c are replaced. Doing it here overlaps the pass with
+        training instead of blocking the weight push; the push then only scores what is left
+        (``_push``; the pass skips tokens already scored under c). Between two generate calls
+        the producer holds no sample, and ``_handoff_lock`` keeps the push and the trainer's
+        batch taking out while it writes.
+        """
+        if not self._recompute_due():
+            return
+        with self._handoff_lock:
+            version = self._version
+            if self._recomputed_for == version:
+                return
+            t0 = time.perf_counter()
+            try:
+                stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=[])
+            except EngineError as exc:  # the push's pass retries what is left, and fails loudly
+                logger.warning("recompute ahead of the weight push failed, the push will redo it: %s", exc)
+            else:
+                elapsed = time.perf_counter() - t0
+                self.state.counters.recompute_tokens += stats.tokens_recomputed
+                self.state.counters.recompute_seconds += elapsed
+                self._ahead["tokens"] += stats.tokens_recomputed
+                self._ahead["samples"] += stats.samples_recomputed
+                self._ahead["delta_sum"] += stats.mean_abs_delta * stats.tokens_recomputed
+                self._ahead["seconds"] += elapsed
+            self._recomputed_for = version
 
     def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
         items = self.task.sample(rng, n_groups)
@@ -382,13 +426,14 @@ class AsyncLoop:
                 kept = {g.group_id for g in self.cache.get_all()}
                 self._record("dropped", [g for g in before if g not in kept], version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
-                groups = self.cache.take_first_n(self.batch_groups)
-                self._record(
-                    "consumed",
-                    [g.group_id for g in groups],
-                    step=self.state.step + 1,
-                    samples=[len(g.samples) for g in groups],
-                )
+                with self._handoff_lock:  # not while the producer's recompute pass writes
+                    groups = self.cache.take_first_n(self.batch_groups)
+                    self._record(
+                        "consumed",
+                        [g.group_id for g in groups],
+                        step=self.state.step + 1,
+                        samples=[len(g.samples) for g in groups],
+                    )
                 fault_point("loop.batch_taken")
                 return groups
             try:
@@ -407,7 +452,11 @@ class AsyncLoop:
             raise LoopStopped("stopped")
 
     def _push(self) -> dict[str, float]:
-        """DESIGN.md §2: pause → recompute (old weights) → load new weights → purge → resume."""
+        """DESIGN.md §2: pause → recompute (old weights) → load new weights → purge → resume.
+
+        The producer usually ran the recompute pass already (``_recompute_ahead``); this one
+        scores whatever is left, including the producer's partial samples.
+        """
         new_version = self.trainer.version
         update = self.push_weights(new_version)
         metrics: dict[str, float] = {}
@@ -421,10 +470,17 @@ class AsyncLoop:
                     elapsed = time.perf_counter() - t0
                     self.state.counters.recompute_tokens += stats.tokens_recomputed
                     self.state.counters.recompute_seconds += elapsed
-                    metrics["recompute/tokens"] = float(stats.tokens_recomputed)
-                    metrics["recompute/samples"] = float(stats.samples_recomputed)
-                    metrics["recompute/mean_abs_delta"] = float(stats.mean_abs_delta)
+                    self.state.counters.recompute_blocking_seconds += elapsed
+                    ahead = self._ahead
+                    tokens = ahead["tokens"] + stats.tokens_recomputed
+                    delta_sum = ahead["delta_sum"] + stats.mean_abs_delta * stats.tokens_recomputed
+                    metrics["recompute/tokens"] = float(tokens)
+                    metrics["recompute/tokens_at_push"] = float(stats.tokens_recomputed)
+                    metrics["recompute/samples"] = float(ahead["samples"] + stats.samples_recomputed)
+                    metrics["recompute/mean_abs_delta"] = delta_sum / tokens if tokens else 0.0
                     metrics["time/recompute_s"] = elapsed
+                    metrics["time/recompute_ahead_s"] = ahead["seconds"]
+                    self._ahead = {"tokens": 0, "samples": 0, "delta_sum": 0.0, "seconds": 0.0}
                 fault_point("loop.recomputed")
                 self.engine.update_weights(update)
                 self._version = new_version

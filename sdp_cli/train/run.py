@@ -454,6 +454,7 @@ class TrainingRun:
         counters = self.loop.state.counters
         session_tokens = counters.tokens_generated - session_start["tokens_generated"]
         session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
+        session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
         return {
             "run_dir": str(self.run_dir),
             "steps": self.loop.state.step,
@@ -470,7 +471,10 @@ class TrainingRun:
             "session_start_step": self.start_step,
             "tokens_per_second": session_tokens / wall if wall > 0 else None,
             "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
+            # time the pass took (mostly in the producer thread, overlapping training) and the
+            # part the trainer waited for at weight pushes
             "recompute_share": session_recompute / wall if wall > 0 else None,
+            "recompute_blocking_share": session_blocking / wall if wall > 0 else None,
             "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
             "counters": counters.to_dict(),
         }
