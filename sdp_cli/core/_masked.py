@@ -177,25 +177,24 @@ class Masked:
         return _weighted_stats(values, self.row_weight, self.n_rows, with_std)
 
 
-def extremes(values: Tensor, selected: Tensor) -> tuple[Tensor, Tensor]:
-    """(min, max) of ``values`` where ``selected``; (0, 0) for an empty selection or tensor.
+def extremes(values: Tensor, weight: Tensor, fill: Tensor) -> tuple[Tensor, Tensor]:
+    """(min, max) of finite ``values`` where the 0/1 ``weight`` is 1, padding replaced by ``fill``.
 
-    Off the selection ±inf changes neither extreme. (Filling it with the mean instead is off
-    by an ulp: the rounded mean of equal values can fall just below them.)
+    With ``fill`` the selection's mean (0 when it is empty) padding changes neither extreme and
+    an empty selection gives (0, 0), in two kernels; lerp is exact at weights 0 and 1. The
+    rounded mean of values that are all equal can fall an ulp outside them, so either extreme
+    may be an ulp off (faster than an exact fill, which costs several more kernels per call).
     """
-    if values.numel() == 0:
+    if values.numel() == 0:  # aminmax has no identity on an empty tensor
         return values.new_zeros(()), values.new_zeros(())
-    empty = ~selected.any()
-    low = torch.where(empty, 0.0, torch.where(selected, values, math.inf).amin())
-    high = torch.where(empty, 0.0, torch.where(selected, values, -math.inf).amax())
-    return low, high
+    return torch.aminmax(torch.lerp(fill, values, weight))
 
 
 def _weighted_stats(values: Tensor, weight: Tensor, n: Tensor, with_std: bool) -> dict[str, Tensor]:
     if values.dtype != weight.dtype:
         values = values.to(weight.dtype)
     mean = (values * weight).sum() / n
-    low, high = extremes(values, weight > 0)
+    low, high = extremes(values, weight, mean)
     stats = {"mean": mean, "min": low, "max": high}
     if with_std:
         stats["std"] = ((values - mean) * weight).square().sum().div(n).sqrt()

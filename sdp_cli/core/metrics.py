@@ -68,7 +68,7 @@ def offpolicy_metrics(
         )
         per_row = torch.cat([logs, diff.abs().unsqueeze(0), logs[:3].exp(), torch.expm1(logs[3:])])
         row_sums = (per_row * mk.row_weight).sum(-1)
-        diff_min, diff_max = extremes(diff, mk.row_weight > 0)
+        diff_min, diff_max = extremes(diff, mk.row_weight, row_sums[2] / mk.n_rows)
         # e^x − 1 − x as expm1(x) − x and e^{2x} − 1 as expm1(x)·(expm1(x) + 2): no
         # cancellation at small x, and both are 0 at padding, where x = 0.
         em1 = torch.expm1(safe)
