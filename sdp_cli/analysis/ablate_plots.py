@@ -110,22 +110,31 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_rewards(groups: Sequence[GroupRow], path: Path) -> Path:
-    """Final reward and final greedy accuracy vs η per mode."""
+def _two_metrics_vs_eta(
+    groups: Sequence[GroupRow], path: Path, left: tuple[str, str], right: tuple[str, str]
+) -> Path:
+    """Two panels side by side, each one metric (key, axis label) vs η per mode."""
     plt = _pyplot()
     series = _series(groups)
     colours = _colours(list(series))
-    fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, (label, rows) in enumerate(series.items()):
-        offset = _dodge(i, len(series))
-        _line(ax_r, rows, "reward_last", offset, color=colours[label], label=label)
-        _line(ax_a, rows, "acc_end", offset, color=colours[label], label=label)
-    ax_r.set_ylabel("reward, mean of the last steps")
-    ax_a.set_ylabel("greedy accuracy after training")
-    for ax in (ax_r, ax_a):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (key, label) in zip(axes, (left, right), strict=True):
+        for i, (name, rows) in enumerate(series.items()):
+            _line(ax, rows, key, _dodge(i, len(series)), color=colours[name], label=name)
+        ax.set_ylabel(label)
         _eta_axis(ax, groups)
-    ax_r.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     return _save(fig, path)
+
+
+def plot_rewards(groups: Sequence[GroupRow], path: Path) -> Path:
+    """Final reward and final greedy accuracy vs η per mode."""
+    return _two_metrics_vs_eta(
+        groups,
+        path,
+        ("reward_last", "reward, mean of the last steps"),
+        ("acc_end", "greedy accuracy after training"),
+    )
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -178,20 +187,12 @@ def plot_reward_curves(curves: Curves, path: Path) -> Path:
 
 def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     """Generated tokens/s and training steps/s vs η per mode."""
-    plt = _pyplot()
-    series = _series(groups)
-    colours = _colours(list(series))
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for i, (label, rows) in enumerate(series.items()):
-        offset = _dodge(i, len(series))
-        _line(ax_t, rows, "tokens_per_s", offset, color=colours[label], label=label)
-        _line(ax_s, rows, "steps_per_s", offset, color=colours[label], label=label)
-    ax_t.set_ylabel("generated tokens / s")
-    ax_s.set_ylabel("training steps / s")
-    for ax in (ax_t, ax_s):
-        _eta_axis(ax, groups)
-    ax_t.legend(fontsize=8)
-    return _save(fig, path)
+    return _two_metrics_vs_eta(
+        groups,
+        path,
+        ("tokens_per_s", "generated tokens / s"),
+        ("steps_per_s", "training steps / s"),
+    )
 
 
 def write_plots(groups: Sequence[GroupRow], curves: Curves, directory: Path) -> list[Path]:
