@@ -9,14 +9,13 @@ the median and the worst run. Writes bench/results/cli.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _results import write_results
 
 COMMANDS = [[], ["train"], ["inspect-weights"], ["recompute"], ["ablate"]]
 
@@ -40,16 +39,7 @@ def main() -> None:
     print(f"{'command':<{width}}  {'median s':>9}  {'max s':>7}")
     for r in rows:
         print(f"{r['command']:<{width}}  {r['median_s']:>9.3f}  {r['max_s']:>7.3f}")
-    result = {
-        "benchmark": "cli",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "repeats": args.repeats,
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, "cli", repeats=args.repeats, rows=rows)
 
 
 if __name__ == "__main__":

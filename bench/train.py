@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from _results import write_results
 
 CONFIGS = [
     ("decoupled", 0, ["+preset=decoupled", "rollout.max_head_offpolicyness=0"]),
@@ -85,16 +85,12 @@ def main() -> None:
             f"{r['tokens_per_second_median']:>11.0f}{100 * r['recompute_share_median']:>16.1f}%"
             f"{100 * r['recompute_blocking_share_median']:>16.1f}%"
         )
-    result = {
-        "benchmark": "train",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-        "config": "defaults (tiny model h128-L4, arith1, B=16 groups × 8 samples, local engine)",
-        "rows": rows,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(
+        args.out,
+        "train",
+        config="defaults (tiny model h128-L4, arith1, B=16 groups × 8 samples, local engine)",
+        rows=rows,
+    )
 
 
 if __name__ == "__main__":
