@@ -41,7 +41,7 @@ from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, We
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController
-from sdp_cli.rollout.recompute import ProximalRecomputer
+from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
@@ -106,6 +106,22 @@ class LoopState:
     next_group_id: int = 0
     producer_rng: Any = None
     counters: LoopCounters = field(default_factory=LoopCounters)
+
+
+@dataclass
+class _PassTotals:
+    """What recompute passes did, summed (the mean |Δ| kept as a token-weighted sum)."""
+
+    tokens: int = 0
+    samples: int = 0
+    delta_sum: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, stats: RecomputeStats, seconds: float) -> None:
+        self.tokens += stats.tokens_recomputed
+        self.samples += stats.samples_recomputed
+        self.delta_sum += stats.mean_abs_delta * stats.tokens_recomputed
+        self.seconds += seconds
 
 
 @contextmanager
@@ -193,7 +209,7 @@ class AsyncLoop:
         # Recompute ahead: the engine version whose pass the producer has run, and what it did
         # since the last push (reported with the push's own pass).
         self._recomputed_for: int | None = None
-        self._ahead = {"tokens": 0, "samples": 0, "delta_sum": 0.0, "seconds": 0.0}
+        self._ahead = _PassTotals()
 
     # ============================================================ producer side
     def _produce(self) -> None:
@@ -263,20 +279,20 @@ class AsyncLoop:
             version = self._version
             if self._recomputed_for == version:
                 return
-            t0 = time.perf_counter()
             try:
-                stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=[])
+                self._ahead.add(*self._recompute_pass(inflight=[]))
             except EngineError as exc:  # the push's pass retries what is left, and fails loudly
                 logger.warning("recompute ahead of the weight push failed, the push will redo it: %s", exc)
-            else:
-                elapsed = time.perf_counter() - t0
-                self.state.counters.recompute_tokens += stats.tokens_recomputed
-                self.state.counters.recompute_seconds += elapsed
-                self._ahead["tokens"] += stats.tokens_recomputed
-                self._ahead["samples"] += stats.samples_recomputed
-                self._ahead["delta_sum"] += stats.mean_abs_delta * stats.tokens_recomputed
-                self._ahead["seconds"] += elapsed
             self._recomputed_for = version
+
+    def _recompute_pass(self, inflight: list[RolloutSample]) -> tuple[RecomputeStats, float]:
+        """One recompute pass over queue, cache and ``inflight``, counted; (stats, seconds)."""
+        t0 = time.perf_counter()
+        stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=inflight)
+        elapsed = time.perf_counter() - t0
+        self.state.counters.recompute_tokens += stats.tokens_recomputed
+        self.state.counters.recompute_seconds += elapsed
+        return stats, elapsed
 
     def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
         items = self.task.sample(rng, n_groups)
@@ -463,24 +479,19 @@ class AsyncLoop:
         with self.pause_controller.paused():
             with self._handoff_lock:
                 if self.recompute_enabled:
-                    t0 = time.perf_counter()
                     in_hand = [s for g in self._in_hand.values() for s in g.samples]
                     with intra_op_threads(self.recompute_threads):
-                        stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=in_hand)
-                    elapsed = time.perf_counter() - t0
-                    self.state.counters.recompute_tokens += stats.tokens_recomputed
-                    self.state.counters.recompute_seconds += elapsed
+                        stats, elapsed = self._recompute_pass(inflight=in_hand)
                     self.state.counters.recompute_blocking_seconds += elapsed
-                    ahead = self._ahead
-                    tokens = ahead["tokens"] + stats.tokens_recomputed
-                    delta_sum = ahead["delta_sum"] + stats.mean_abs_delta * stats.tokens_recomputed
-                    metrics["recompute/tokens"] = float(tokens)
+                    # this version's passes: the producer's since the last push, and this one
+                    passes, self._ahead = self._ahead, _PassTotals()
+                    metrics["time/recompute_ahead_s"] = passes.seconds
+                    passes.add(stats, elapsed)
+                    metrics["recompute/tokens"] = float(passes.tokens)
                     metrics["recompute/tokens_at_push"] = float(stats.tokens_recomputed)
-                    metrics["recompute/samples"] = float(ahead["samples"] + stats.samples_recomputed)
-                    metrics["recompute/mean_abs_delta"] = delta_sum / tokens if tokens else 0.0
+                    metrics["recompute/samples"] = float(passes.samples)
+                    metrics["recompute/mean_abs_delta"] = passes.delta_sum / passes.tokens if passes.tokens else 0.0
                     metrics["time/recompute_s"] = elapsed
-                    metrics["time/recompute_ahead_s"] = ahead["seconds"]
-                    self._ahead = {"tokens": 0, "samples": 0, "delta_sum": 0.0, "seconds": 0.0}
                 fault_point("loop.recomputed")
                 self.engine.update_weights(update)
                 self._version = new_version
