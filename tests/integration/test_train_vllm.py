@@ -37,7 +37,12 @@ def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypat
             "engine.max_model_len=256",
             "+preset=segment_wise",
             "rollout.max_head_offpolicyness=2",
-            "train.steps=5",
+            # Short answers, more optimizer work per step and a few more steps keep the producer
+            # ahead of the trainer, so batches reach lag 2 and need the server-side recompute
+            # pass (with 5 quick steps of full answers that race was lost about half the time).
+            "rollout.max_new_tokens=3",
+            "optim.ppo_epochs=4",
+            "train.steps=8",
             "train.save_batches=true",
             "train.keep_version_checkpoints=true",
             f"run.dir={tmp_path / 'run'}",
@@ -46,8 +51,8 @@ def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypat
     summary = run_training(cfg, raw, overrides=[])
     run_dir = Path(summary["run_dir"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["version"] for r in rows] == list(range(1, 9))
     assert (run_dir / "logs").is_dir()  # the server log lives in the run directory
 
     versions = {}
