@@ -68,6 +68,9 @@ class LossConfig:
     """ppo_clip | reinforce (−A·log π_θ·w)."""
     scale_adv_by_std: bool = True
     """GRPO advantages divide by the group std; false gives Dr.GRPO."""
+    drift_clip: float | None = None
+    """segment_wise only: κ >= 1 multiplies the weight by the drift factor π_prox/π_{v+1} clipped
+    into [1/κ, κ] (1 = segment-wise, inf = decoupled); null = off."""
 
 
 @dataclass
@@ -305,6 +308,16 @@ def validate(cfg: SdpConfig) -> None:
         )
     if loss.weight_action == "mask" and loss.weight_cap is None and loss.weight_floor is None:
         raise ConfigValueError("loss.weight_action=mask needs loss.weight_cap or loss.weight_floor")
+    if loss.drift_clip is not None:
+        if loss.mode != "segment_wise":
+            raise ConfigValueError(
+                f"loss.drift_clip={loss.drift_clip} needs loss.mode=segment_wise "
+                "(or +preset=segment_wise_drift); set loss.drift_clip=null for other modes"
+            )
+        if math.isnan(loss.drift_clip) or loss.drift_clip < 1:
+            raise ConfigValueError(
+                f"loss.drift_clip={loss.drift_clip} must be >= 1 (1 = segment-wise, inf = decoupled)"
+            )
     _positive("loss.clip", loss.clip)
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:

@@ -60,10 +60,15 @@ def check_2d(name: str, tensor: Tensor) -> None:
         raise ValueError(f"{name} must be a [B, T] tensor; got shape {tuple(tensor.shape)}")
 
 
-def check_number(name: str, value: object, *, above: float, inclusive: bool = False) -> None:
-    """Raise ValueError unless ``value`` is a finite number > ``above`` (≥ with ``inclusive``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number; got {value!r}")
+def check_number(
+    name: str, value: object, *, above: float, inclusive: bool = False, finite: bool = True
+) -> None:
+    """Raise ValueError unless ``value`` is a finite number > ``above`` (≥ with ``inclusive``);
+    ``finite=False`` also accepts +inf."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or math.isnan(value) or (finite and math.isinf(value)):  # type: ignore[arg-type]
+        kind = "a finite number" if finite else "a number (inf allowed)"
+        raise ValueError(f"{name} must be {kind}; got {value!r}")
     if value < above or (value == above and not inclusive):
         raise ValueError(f"{name} must be {'>=' if inclusive else '>'} {above:g}; got {value!r}")
 

@@ -5,6 +5,7 @@ The three correction modes differ only in the log ratio of the behavioural weigh
     bypass        no weight (the PPO ratio is anchored at π_behav instead)
     decoupled     lr = log π_prox   − log π_behav
     segment_wise  lr = log π_prox_t − log π_behav
+                  with drift_clip κ: + clamp(log π_prox − log π_prox_t, ±log κ)
 
 ``importance_weights`` turns lr into detached weights (token / sequence / geometric, bounded by
 truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it into a 0/1
@@ -39,20 +40,44 @@ LEVELS = ("token", "sequence", "geometric")
 ACTIONS = ("truncate", "mask")
 
 
+def drift_log_factor(
+    proximal_logprobs: Tensor, proximal_logprobs_t: Tensor, drift_clip: float
+) -> tuple[Tensor, Tensor]:
+    """The drift factor d = π_prox/π_prox_t in log space, clipped to [−log κ, log κ] (math.md §1.1).
+
+    Returns (log d clipped, clipped): ``clipped`` is True where the clip changed log d. Both are
+    detached; callers select valid tokens (padding may hold anything).
+    """
+    check_number("drift_clip", drift_clip, above=1.0, inclusive=True, finite=False)
+    check_like("proximal_logprobs", proximal_logprobs, proximal_logprobs_t, "proximal_logprobs_t")
+    bound = math.log(drift_clip)
+    log_d = (proximal_logprobs - proximal_logprobs_t).detach()
+    clipped_log_d = log_d.clamp(-bound, bound)
+    return clipped_log_d, clipped_log_d != log_d
+
+
 def behavior_log_ratio(
     old_logprobs: Tensor,
     proximal_logprobs: Tensor | None = None,
     proximal_logprobs_t: Tensor | None = None,
     *,
     mode: str,
+    drift_clip: float | None = None,
 ) -> Tensor | None:
     """Log ratio of the behavioural weight for ``mode`` (DESIGN.md §1 table), detached.
 
     decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav;
     bypass: None (no behavioural weight).
+
+    ``drift_clip`` = κ ≥ 1 (segment_wise only) multiplies the segment-wise weight by the drift
+    factor π_prox/π_prox_t clipped into [1/κ, κ]: κ = 1 is segment-wise, κ = ∞ decoupled
+    (docs/math.md §1.1). Where the clip does not bind the result is computed as
+    log π_prox − log π_behav, so both limits hold bit for bit.
     """
     check_choice("mode", mode, MODES)
     check_float_tensor("old_logprobs", old_logprobs)
+    if drift_clip is not None and mode != "segment_wise":
+        raise ValueError(f"drift_clip applies to mode='segment_wise' only; got mode={mode!r}")
     if mode == "bypass":
         return None
     name, anchor = (
@@ -64,7 +89,15 @@ def behavior_log_ratio(
         raise ValueError(f"{name} is required for mode={mode!r}")
     check_like(name, anchor, old_logprobs, "old_logprobs")
     # π_prox, π_prox_t and π_behav are fixed numbers during the update: no gradient flows here.
-    return (anchor - old_logprobs).detach()
+    log_ratio = (anchor - old_logprobs).detach()
+    if drift_clip is None:
+        return log_ratio
+    if proximal_logprobs is None:
+        raise ValueError("proximal_logprobs is required for drift_clip")
+    check_like("proximal_logprobs", proximal_logprobs, old_logprobs, "old_logprobs")
+    clipped_log_d, clipped = drift_log_factor(proximal_logprobs, anchor, drift_clip)
+    unclipped = (proximal_logprobs - old_logprobs).detach()
+    return torch.where(clipped, log_ratio + clipped_log_d, unclipped)
 
 
 def _level_log_ratio(log_ratio: Tensor, mk: Masked, level: str) -> Tensor:

@@ -24,8 +24,11 @@ from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.logprobs import logprobs_from_logits
 from sdp_cli.core.loss import policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
-from sdp_cli.core.weights import behavior_log_ratio, importance_weights, rejection_mask
+from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal, segment_wise_violation
+
+#: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
+SHADOW_DRIFT_CLIP = 2.0
 
 
 @dataclass
@@ -125,8 +128,14 @@ class Trainer:
             proximal_logprobs=prox,
             proximal_logprobs_t=batch.proximal_logprobs_t if cfg.mode == "segment_wise" else None,
             mode=cfg.mode,
+            drift_clip=cfg.drift_clip,
         )
         weights = None
+        if cfg.drift_clip is not None and prox is not None:
+            _, clipped = drift_log_factor(prox, batch.proximal_logprobs_t, cfg.drift_clip)
+            metrics["weights/drift_clipped_fraction"] = float((clipped & (loss_mask > 0)).sum()) / max(
+                float((loss_mask > 0).sum()), 1.0
+            )
         if log_ratio is not None:
             weights, wmetrics = importance_weights(
                 log_ratio,
@@ -227,7 +236,17 @@ class Trainer:
 
         shadows = {"decoupled": prox - old}
         if self.measure_proximal_t:
-            shadows["segment_wise"] = batch.proximal_logprobs_t - old
+            prox_t = batch.proximal_logprobs_t
+            shadows["segment_wise"] = prox_t - old
+            kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP
+            shadows["segment_wise_drift"] = behavior_log_ratio(
+                old, prox, prox_t, mode="segment_wise", drift_clip=kappa
+            )
+            _, clipped = drift_log_factor(prox, prox_t, kappa)
+            out["shadow/segment_wise_drift/kappa"] = float(kappa)
+            out["shadow/segment_wise_drift/drift_clipped_fraction"] = float((clipped & valid).sum()) / max(
+                float(valid.sum()), 1.0
+            )
         for name, lr in shadows.items():
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
