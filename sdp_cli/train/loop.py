@@ -1,8 +1,10 @@
 """The asynchronous RL loop: a rollout producer thread and the trainer, overlapping.
 
 Producer thread (``_produce``): while the staleness manager grants capacity, sample prompts,
-generate G responses per prompt on the engine (tokens tagged with the engine version), score
-them and hand each finished group to the queue (segment-wise: filtered before enqueue).
+generate G responses per prompt on the engine (tokens tagged with the engine version) and pass
+the finished groups to the reward pool (``sdp_cli/train/rewarding.py``) without waiting for
+their scores; the pool hands each scored group to the queue (segment-wise: filtered before
+enqueue). Until then a group stays in the producer's hands.
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
 step, then push the new weights following DESIGN.md §2: pause (hooks) → recompute pass with the
@@ -23,6 +25,7 @@ agree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -48,6 +51,7 @@ from sdp_cli.rollout.strategies import StalenessControlStrategy, create_stalenes
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.train.batch import TrainBatch, assemble_batch
 from sdp_cli.train.ledger import LedgerLog
+from sdp_cli.train.rewarding import EXTRAS, RewardPool, extra_means
 from sdp_cli.train.trainer import StepOutput, Trainer
 
 logger = logging.getLogger(__name__)
@@ -210,6 +214,9 @@ class AsyncLoop:
         # since the last push (reported with the push's own pass).
         self._recomputed_for: int | None = None
         self._ahead = _PassTotals()
+        self.rewards = RewardPool(
+            workers=cfg.task.reward_workers, kind=cfg.task.reward_pool, name=f"of task {task.name}"
+        )
 
     # ============================================================ producer side
     def _produce(self) -> None:
@@ -241,13 +248,20 @@ class AsyncLoop:
                     continue
                 consecutive_faults = 0
                 fault_point("producer.generated")
-                self._hand_over(groups)
+                self._score(groups)
         except BaseException as exc:  # surfaced to the trainer thread, which stops the run
-            self._producer_error = exc
-            self._stop.set()
+            self._fail(exc)
         finally:
             with self._capacity_changed:
                 self._capacity_changed.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the run with ``exc`` (the first failure of the producer or the reward pool)."""
+        if self._producer_error is None:
+            self._producer_error = exc
+        self._stop.set()
+        with self._capacity_changed:
+            self._capacity_changed.notify_all()
 
     def _wait_for_capacity(self) -> int:
         with self._capacity_changed:
@@ -270,8 +284,9 @@ class AsyncLoop:
         them at any time before weights c are replaced. Doing it here overlaps the pass with
         training instead of blocking the weight push; the push then only scores what is left
         (``_push``; the pass skips tokens already scored under c). Between two generate calls
-        the producer holds no sample, and ``_handoff_lock`` keeps the push and the trainer's
-        batch taking out while it writes.
+        the producer holds no partial sample (groups still being scored are left to the push's
+        pass), and ``_handoff_lock`` keeps the push and the trainer's batch taking out while it
+        writes.
         """
         if not self._recompute_due():
             return
@@ -295,7 +310,7 @@ class AsyncLoop:
         return stats, elapsed
 
     def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
-        items = self.task.sample(rng, n_groups)
+        items = self.task.stream(rng, self.state.next_group_id, n_groups)
         self.state.producer_rng = rng.getstate()
         groups = []
         with self._handoff_lock:
@@ -327,15 +342,40 @@ class AsyncLoop:
         with self._capacity_changed:
             self._capacity_changed.notify_all()
 
+    def _score(self, groups: list[RolloutGroup]) -> None:
+        """Send each finished group's reward calls to the pool; ``_scored`` hands it over."""
+        for group in groups:
+            calls, wheres = [], []
+            for sample in group.samples:
+                completion = self.codec.decode_completion(sample.output_ids)
+                item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
+                calls.append(self.task.reward_call(completion, item, stopped=sample.finish_reason == "stop"))
+                wheres.append(f"a completion of {item.prompt[:60]!r}")
+            self.rewards.submit(calls, wheres, functools.partial(self._scored, group))
+
+    def _scored(
+        self, group: RolloutGroup, results: list[tuple[float, dict[str, float]]] | None, error: BaseException | None
+    ) -> None:
+        """Reward pool callback: store the rewards and hand the group over, or stop the run."""
+        if error is None:
+            assert results is not None and len(results) == len(group.samples), "one reward per sample"
+            try:
+                for sample, (score, extras) in zip(group.samples, results):
+                    sample.reward = score
+                    if extras:
+                        sample.meta[EXTRAS] = extras
+                self._hand_over([group])
+                return
+            except BaseException as exc:
+                error = exc
+        self._fail(error)
+
     def _hand_over(self, groups: list[RolloutGroup]) -> None:
-        """Score finished groups and move them from the producer's hands into the queue."""
+        """Move scored groups from the producer's hands into the queue."""
         with self._handoff_lock:
             version = self._version
             for group in groups:
                 for sample in group.samples:
-                    completion = self.codec.decode_completion(sample.output_ids)
-                    item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
-                    sample.reward = float(self.task.reward(completion, item, stopped=sample.finish_reason == "stop"))
                     self.state.counters.samples_generated += 1
                     self.state.counters.tokens_generated += sample.output_len
                 self._in_hand.pop(group.group_id, None)
@@ -363,8 +403,10 @@ class AsyncLoop:
         self._producer.start()
 
     def stop(self) -> None:
-        """Stop the producer and wait for it (it finishes the generate call it is in)."""
+        """Stop the producer and wait for it (it finishes the generate call it is in); groups
+        still being scored stay in the producer's hands."""
         self._stop.set()
+        self.rewards.close()
         if self.engine.is_paused():
             self.engine.resume()
         with self._capacity_changed:
@@ -415,6 +457,7 @@ class AsyncLoop:
         counters.push_seconds += t3 - t2
         self.state.step += 1
         metrics = dict(output.metrics)
+        metrics.update(extra_means([s.meta.get(EXTRAS) for g in groups for s in g.samples]))
         metrics.update(push_metrics)
         metrics.update(self._loop_metrics())
         metrics["time/wait_s"] = t1 - t0
@@ -508,7 +551,11 @@ class AsyncLoop:
 
     def _loop_metrics(self) -> dict[str, float]:
         stats = self.manager.get_stats()
+        size = self.task.num_problems
+        # a data set: epochs of prompts drawn for generation (sdp_cli/tasks/dataset.py)
+        epoch = {"data/epoch": self.state.next_group_id / size} if size else {}
         return {
+            **epoch,
             "staleness/capacity": float(self.manager.get_capacity()),
             "staleness/accepted": float(stats.accepted),
             "staleness/running": float(stats.running),
