@@ -20,6 +20,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import traceback
 from datetime import datetime
@@ -35,13 +36,15 @@ from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
-from sdp_cli.tasks import Task, build_task
+from sdp_cli.tasks import Task
+from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LEDGER, LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.task_setup import build_task_from, prepare_task
 from sdp_cli.train.trainer import Trainer
 
 
@@ -102,15 +105,6 @@ def make_run_dir(cfg: SdpConfig) -> Path:
     return path
 
 
-def build_task_from(cfg: SdpConfig) -> Task:
-    kwargs: dict[str, Any] = {}
-    if cfg.task.name == "gsm8k":
-        kwargs["path"] = cfg.task.path
-        if cfg.task.prompt_template is not None:
-            kwargs["prompt_template"] = cfg.task.prompt_template
-    return build_task(cfg.task.name, **kwargs)
-
-
 def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
     """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir)."""
     from sdp_cli.models import load_policy
@@ -168,8 +162,10 @@ class TrainingRun:
         *,
         resuming: bool,
         coordinator: Coordinator,
+        task: Task | None = None,
     ):
         self.cfg = cfg
+        self.task = task
         self.raw = raw
         self.overrides = overrides
         self.run_dir = run_dir
@@ -199,7 +195,8 @@ class TrainingRun:
                 raise UserError(f"{self.run_dir}: no complete checkpoint to resume from; start a new run instead")
             checkpoint = ckpt.read_checkpoint(found)
 
-        self.task = build_task_from(cfg)
+        if self.task is None:
+            self.task = prepare_task(cfg)
         # rank 0 first: it may train and cache the warm start, which the others then load
         self.policy = self.coordinator.main_first(
             lambda: load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
@@ -264,7 +261,9 @@ class TrainingRun:
                 "resumed", step=self.start_step, version=self.trainer.version, checkpoint=str(checkpoint.path)
             )
         else:
-            self.events.write("started", overrides=self.overrides, processes=self.coordinator.num_processes)
+            self.events.write(
+                "started", overrides=self.overrides, processes=self.coordinator.num_processes, task=self.task.summary()
+            )
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
 
@@ -378,10 +377,13 @@ class TrainingRun:
         self.ledger.sync()
         return snapshot
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int) -> float | None:
+        """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
         acc = greedy_accuracy(self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7)
+        if acc is None:
+            return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
         self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
@@ -401,7 +403,9 @@ class TrainingRun:
             path = self.checkpoint(step) if step > self.start_step else None
             cause = exc.__cause__
             detail = {}
-            if cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
+            if isinstance(cause, RewardError):  # user code: its own traceback
+                detail["traceback"] = cause.details
+            elif cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
                 detail["traceback"] = "".join(traceback.format_exception(cause))
             self.events.write(
                 "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
@@ -490,19 +494,25 @@ def _read_overrides(path: Path) -> list[str]:
     return overrides
 
 
-def _preflight(cfg: SdpConfig) -> None:
-    """Refuse what is certain to fail before anything is written: input files that do not
-    exist and an API-key variable that is not set."""
-    if cfg.model.kind == "hf" and not Path(cfg.model.path or "").is_dir():
-        raise UserError(f"model.path={cfg.model.path} is not a directory; pass a local Hugging Face model directory")
-    if cfg.task.name == "gsm8k" and not Path(cfg.task.path or "").is_file():
-        raise UserError(f"task.path={cfg.task.path} is not a file; pass a local .jsonl or .parquet file")
+def _preflight(cfg: SdpConfig) -> Task:
+    """Refuse what is certain to fail before anything is written (a model that is neither a
+    directory nor a hub id, bad task data, a reward function that does not import, an API-key
+    variable that is not set) and return the task, ready to sample."""
+    if cfg.model.kind == "hf":
+        from sdp_cli.models.loader import resolve_model_dir
+
+        if not resolve_model_dir(cfg.model.path or "").is_dir():
+            raise UserError(
+                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
+            )
+    task = prepare_task(cfg)
     key_env = cfg.engine.api_key_env
     if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
         raise UserError(
             f"engine.api_key_env={key_env}, but that environment variable is empty; "
             "export the key in it or unset engine.api_key_env"
         )
+    return task
 
 
 def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any] | None:
@@ -520,12 +530,12 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         original = _read_overrides(saved)
         extra = [o for o in overrides if not o.startswith("resume=")]
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
-        _preflight(cfg)
+        task = _preflight(cfg)
         if extra and coordinator.is_main:
             atomic_write_text(saved, json.dumps([*original, *extra]))
         resuming = True
     else:
-        _preflight(cfg)
+        task = _preflight(cfg)
         run_dir = make_run_dir(cfg) if coordinator.is_main else None
         run_dir = Path(coordinator.broadcast_json(str(run_dir) if run_dir else None))
         if coordinator.is_main:
@@ -533,7 +543,9 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         resuming = False
     if coordinator.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator)
+    if coordinator.is_main:
+        print(task.summary(), file=sys.stderr)
+    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
     run.setup()
     if not coordinator.is_main:
         run.follow()
