@@ -3,6 +3,7 @@
 Run directory (``runs/<timestamp>-<mode>-<task>/``):
     config.yaml        the resolved config
     overrides.json     the command-line overrides (``resume`` re-composes from them)
+    config_source.json --config-dir / --config-name, when given (``resume`` composes with them)
     metrics.jsonl      one line per step
     events.jsonl       start / resume / crashes / checkpoints / stops / end
     ledger.jsonl       the fate of every rollout group (sdp_cli/train/ledger.py)
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from sdp_cli.config.compose import compose_config, to_yaml
+from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.errors import UserError
@@ -515,7 +516,27 @@ def _preflight(cfg: SdpConfig) -> Task:
     return task
 
 
-def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any] | None:
+#: where a run records its --config-dir / --config-name
+SOURCE_FILE = "config_source.json"
+
+
+def _resume_source(run_dir: Path, given: ConfigSource) -> ConfigSource:
+    """The config source a run started with; a different one given at the resume is refused."""
+    path = run_dir / SOURCE_FILE
+    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
+    if given != ConfigSource() and given != saved:
+        raise UserError(
+            f"{run_dir} was started with {saved.config_dir or 'no --config-dir'}; "
+            "resume it without --config-dir/--config-name (its own are used)"
+        )
+    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
+        raise UserError(f"{run_dir} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume")
+    return saved
+
+
+def run_training(
+    cfg: SdpConfig, raw: Any, *, overrides: list[str], source: ConfigSource = ConfigSource()
+) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0)."""
     from accelerate import Accelerator
 
@@ -529,7 +550,8 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
             raise UserError(f"{run_dir}: not an sdp run directory (no overrides.json); pass the run directory to resume=")
         original = _read_overrides(saved)
         extra = [o for o in overrides if not o.startswith("resume=")]
-        cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
+        source = _resume_source(run_dir, source)
+        cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"], source=source)
         task = _preflight(cfg)
         if extra and coordinator.is_main:
             atomic_write_text(saved, json.dumps([*original, *extra]))
@@ -540,13 +562,15 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         run_dir = Path(coordinator.broadcast_json(str(run_dir) if run_dir else None))
         if coordinator.is_main:
             atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
+            if source != ConfigSource():
+                atomic_write_text(run_dir / SOURCE_FILE, source.to_json())
         resuming = False
     if coordinator.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
-    if coordinator.is_main:
-        print(task.summary(), file=sys.stderr)
     run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
     run.setup()
+    if coordinator.is_main:
+        print(task.summary(), file=sys.stderr)
     if not coordinator.is_main:
         run.follow()
         return None

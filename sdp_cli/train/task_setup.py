@@ -88,3 +88,15 @@ def show_prompts(cfg: SdpConfig, n: int) -> str:
         lines.append(f"--- prompt {k} ({len(ids)} tokens{where}) ---")
         lines.append(shown)
     return "\n".join(lines)
+
+
+def prompt_comment(cfg: SdpConfig) -> str:
+    """``--print-config``'s addition for a data task: its first training prompt as rendered,
+    as YAML comments so the output stays valid YAML ("" for generated tasks)."""
+    if cfg.task.name not in DATA_TASKS:
+        return ""
+    task = prepare_task(cfg)
+    (item,) = task.stream(random.Random(cfg.seed + 1), 0, 1)
+    lines = [f"# first training prompt ({task.where(item)}), rendered:"]  # type: ignore[attr-defined]
+    lines += [f"#   {line}" for line in item.prompt.split("\n")]
+    return "\n".join(lines) + "\n"
