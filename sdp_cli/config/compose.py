@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.config.overrides import HELP_HINT, check_overrides, unknown_key_message, unknown_keys
+from sdp_cli.config.overrides import HELP_HINT, check_overrides, schema_keys, unknown_key_message, unknown_keys
 from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
 from sdp_cli.errors import UserError
 
@@ -142,7 +142,7 @@ def _explain(exc: BaseException, source: ConfigSource) -> str:
             if origin is None:
                 return unknown_key_message(key)
             group = match.group(1).rpartition("/")[0] if match else ""
-            if group and key.split(".")[0] == group.replace("/", "."):
+            if group and key.split(".")[0] == group and group not in schema_keys():
                 return (
                     f"{origin}: its keys land under '{key.split('.')[0]}.' ({key}); "
                     "add '# @package _global_' as its first line to set top-level keys"

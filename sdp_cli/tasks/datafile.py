@@ -23,10 +23,12 @@ _PARQUET_MAGIC = b"PAR1"
 
 @dataclass(frozen=True)
 class Record:
-    """One record of a data file: its fields and where it is (``file:line`` or ``file row N``)."""
+    """One record of a data file: its fields, where it is (``file:line`` or ``file row N``) and
+    its position among the file's records (0-based)."""
 
     data: dict[str, Any]
     where: str
+    index: int = 0
 
 
 def read_records(path: str | Path, *, key: str = "task.path", fix: str = "") -> list[Record]:
@@ -52,7 +54,7 @@ def read_records(path: str | Path, *, key: str = "task.path", fix: str = "") -> 
         records = _read_json(path, hint, lines=suffix in JSONL_SUFFIXES)
     if not records:
         raise UserError(f"{key}={path} holds no records{hint}")
-    return records
+    return [Record(r.data, r.where, i) for i, r in enumerate(records)]
 
 
 def _check_text(path: Path, data: bytes) -> str:

@@ -266,8 +266,9 @@ class DatasetTask(Task):
         return self._records[item.meta["split"]][item.meta["index"]]
 
     def where(self, item: TaskItem) -> str:
-        """``record N (file:line)`` of a problem, for messages."""
-        return f"record {item.meta['index']} of the {item.meta['split']} data ({self.record(item).where})"
+        """``record N (file:line)`` of a problem (N counts the file's records from 0), for messages."""
+        record = self.record(item)
+        return f"record {record.index} ({record.where})"
 
     def reward_call(self, completion: str, item: TaskItem, *, stopped: bool) -> Callable[[], RewardValue]:
         if self.options.require_stop and not stopped:
