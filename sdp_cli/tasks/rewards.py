@@ -7,8 +7,9 @@ Each has the plug-in signature ``(prompt, completion, record, **task.reward_kwar
 - ``final_number``: the completion's final number (after ``####`` if present, else its last
   number) equals the reference's (after ``####`` if present) by value: GSM8K's scoring.
 - ``boxed``: the content of the completion's last ``\\boxed{...}`` equals the reference (its
-  last ``\\boxed{}`` if it has one) after LaTeX normalisation (``\\dfrac{1}{2}`` = ``0.5``,
-  ``\\text{cm}``, ``\\left(``, spaces and ``$`` ignored): MATH-style scoring.
+  last ``\\boxed{}`` if it has one) after LaTeX normalisation: numbers by value
+  (``\\dfrac{1}{2}`` = ``1/2`` = ``0.5``, ``1,000`` = ``1000``, a unit such as ``\\text{ cm}``
+  after a number dropped), anything else as text without spaces, ``$``, ``\\left``/``\\right``.
 - ``regex``: 1.0 when ``pattern`` matches the completion (``full_match=true``: all of it).
 """
 
@@ -97,10 +98,16 @@ def _number(text: str) -> Fraction | None:
     return Fraction(value) if value.is_finite() else None
 
 
+def _value(answer: str) -> Fraction | None:
+    """The number an answer states, a unit in ``\\text{}`` after it dropped (``5\\text{ cm}``)."""
+    value = _number(normalize_math(answer))
+    return value if value is not None else _number(normalize_math(_TEXT.sub("", answer)))
+
+
 def math_equal(a: str, b: str) -> bool:
     """Whether two LaTeX answers agree: by value when both are numbers, else as normalised text."""
     na, nb = normalize_math(a), normalize_math(b)
-    va, vb = _number(na), _number(nb)
+    va, vb = _value(a), _value(b)
     if va is not None and vb is not None:
         return va == vb
     return na == nb and na != ""
