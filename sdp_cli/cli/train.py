@@ -108,11 +108,13 @@ def _details(err: BaseException) -> str:
 
     from sdp_cli.tasks.plugins import RewardError
 
+    chain: list[BaseException] = []
     cur: BaseException | None = err
-    while cur is not None:
-        if isinstance(cur, RewardError) and cur.details:
-            return cur.details.rstrip()
-        if not isinstance(cur, UserError):
-            return "".join(traceback.format_exception(cur)).rstrip()
+    while cur is not None and cur not in chain:
+        chain.append(cur)
         cur = cur.__cause__
-    return "".join(traceback.format_exception(err)).rstrip()
+    for cause in chain:
+        if isinstance(cause, RewardError) and cause.details:
+            return cause.details.rstrip()
+    bug = next((c for c in chain if not isinstance(c, UserError)), err)
+    return "".join(traceback.format_exception(bug)).rstrip()

@@ -128,6 +128,9 @@ def _explain(exc: BaseException, source: ConfigSource) -> str:
             mark = getattr(err, "problem_mark", None)
             where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
             problem = getattr(err, "problem", None) or _first_line(err)
+            context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+            if context and context_mark is not None:
+                problem += f", {context} at line {context_mark.line + 1}"
             return f"{where}: not valid YAML ({problem}); fix the file"
         if isinstance(err, MissingConfigException):
             found = re.search(r"Could not find '([^']+)'", str(err))

@@ -96,7 +96,26 @@ def nearest_key(key: str) -> str:
     return (difflib.get_close_matches(key, same or keys, n=1, cutoff=0.0) or keys)[0]
 
 
+def _mapping_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Schema keys that hold a free-form mapping (``engine.env``, ``task.reward_kwargs``)."""
+    from sdp_cli.config.schema import SdpConfig
+
+    cls = cls or SdpConfig
+    hints = typing.get_type_hints(cls)
+    found: list[str] = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            found.extend(_mapping_keys(hint, f"{prefix}{f.name}."))
+        elif typing.get_origin(hint) is dict:
+            found.append(f"{prefix}{f.name}")
+    return found
+
+
 def unknown_key_message(key: str) -> str:
+    parent = key.rpartition(".")[0]
+    if parent in _mapping_keys():
+        return f"{key}: {parent} is a mapping; add a new key with '+': +{key}=..."
     return f"unknown config key '{key}'; the nearest valid key is {nearest_key(key)} ({HELP_HINT})"
 
 

@@ -62,7 +62,9 @@ def _where_in(exc: BaseException, path: Path | None) -> str:
 def _import_file(path: Path, spec: str) -> Any:
     if not path.is_file():
         raise UserError(f"task.reward={spec}: {path} does not exist; give path/to/file.py:function")
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    # one module per file version: an edited file is imported afresh, never a stale copy
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}".encode()).hexdigest()[:12]
     name = f"sdp_reward_{path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
@@ -128,9 +130,30 @@ def _resolve(spec: str) -> tuple[Callable[..., Any], str]:
     return fn, f"{Path(target).name if is_file else target}:{attr}"
 
 
+def _file_target(spec: str) -> Path | None:
+    """The file of a ``path/to/file.py:function`` spec (None for other forms)."""
+    target = spec.rpartition(":")[0]
+    if ":" not in spec or not (target.endswith(".py") or "/" in target or "\\" in target):
+        return None
+    return Path(target).expanduser()
+
+
+def _canonical(spec: str) -> str:
+    """The spec with an absolute file path, the same from any working directory or worker."""
+    path = _file_target(spec)
+    return spec if path is None else f"{path.resolve()}:{spec.rpartition(':')[2]}"
+
+
 @functools.lru_cache(maxsize=16)
-def _cached(spec: str) -> tuple[Callable[..., Any], str]:
+def _resolve_version(spec: str, stamp: tuple[int, int]) -> tuple[Callable[..., Any], str]:
     return _resolve(spec)
+
+
+def _cached(spec: str) -> tuple[Callable[..., Any], str]:
+    """``_resolve`` once per spec and file version (size and modification time)."""
+    path = _file_target(spec)
+    stat = path.stat() if path is not None and path.is_file() else None
+    return _resolve_version(spec, (stat.st_mtime_ns, stat.st_size) if stat else (0, 0))
 
 
 def load_reward(spec: str, kwargs: Mapping[str, Any], *, answer_key: str) -> RewardSpec:
@@ -140,6 +163,7 @@ def load_reward(spec: str, kwargs: Mapping[str, Any], *, answer_key: str) -> Rew
     Raises a one-line UserError when the function cannot be imported or called as
     ``fn(prompt, completion, record, **kwargs)``.
     """
+    spec = _canonical(spec)
     fn, name = _cached(spec)
     kwargs = dict(kwargs)
     if spec in NEEDS_ANSWER:
