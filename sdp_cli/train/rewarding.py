@@ -14,6 +14,7 @@ as without a pool; more workers may hand groups over out of order.
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence
@@ -46,6 +47,7 @@ class RewardPool:
         else:
             self._executor = ThreadPoolExecutor(workers, thread_name_prefix="sdp-reward")
         self._closed = False
+        self._lock = threading.Lock()  # submit and close race when the loop stops
 
     def submit(
         self,
@@ -54,8 +56,12 @@ class RewardPool:
         done: Callable[[list[tuple[float, dict[str, float]]] | None, BaseException | None], None],
     ) -> None:
         """Score ``calls`` (one per sample) and call ``done(results, None)`` or ``done(None, error)``
-        from a pool thread. Nothing is reported after ``close``."""
-        future = self._executor.submit(_run_calls, list(calls))
+        from a pool thread. After ``close`` nothing is scored or reported: the groups stay with
+        the producer, like groups still being generated when the loop stops."""
+        with self._lock:
+            if self._closed:
+                return
+            future = self._executor.submit(_run_calls, list(calls))
         future.add_done_callback(lambda f: self._finish(f, list(wheres), done))
 
     def _finish(self, future: Future[Any], wheres: list[str], done: Callable[..., None]) -> None:
@@ -86,8 +92,9 @@ class RewardPool:
 
     def close(self) -> None:
         """Stop reporting and drop queued work; a call already running finishes in the background."""
-        self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._closed = True
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def extra_means(extras: Sequence[dict[str, float] | None]) -> dict[str, float]:

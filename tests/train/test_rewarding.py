@@ -219,3 +219,13 @@ def test_one_worker_hands_groups_over_in_generation_order():
     assert done.wait(10)
     pool.close()
     assert order == list(range(20))
+
+
+def test_work_submitted_after_close_is_dropped_silently():
+    # the producer may finish a generate call after the loop stopped: its groups stay in hand
+    pool = RewardPool()
+    pool.close()
+    reported = []
+    pool.submit([lambda: 1.0], ["r"], lambda r, e: reported.append((r, e)))
+    time.sleep(0.1)
+    assert reported == []
