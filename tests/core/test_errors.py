@@ -9,6 +9,7 @@ from sdp_cli.core import (
     group_advantages,
     importance_weights,
     logprobs_from_logits,
+    loss_count,
     offpolicy_metrics,
     policy_loss,
     rejection_mask,
@@ -136,6 +137,22 @@ CASES = {
         r"values must be a \[B, T\]",
     ),
     "aggregate agg": (lambda: aggregate_loss(X, M, "mean"), "agg"),
+    "norm without its constant": (
+        lambda: policy_loss(X, X, X, M, agg="seq-mean-token-sum-norm"),
+        "needs its constant denominator",
+    ),
+    "denominator zero": (
+        lambda: aggregate_loss(X, M, "token-mean", denominator=0.0),
+        "denominator must be > 0",
+    ),
+    "denominator nan": (
+        lambda: policy_loss(X, X, X, M, denominator=torch.tensor(float("nan"))),
+        "denominator must be a finite number",
+    ),
+    "count of the norm": (
+        lambda: loss_count(M, "seq-mean-token-sum-norm"),
+        "divides by a constant",
+    ),
     # logprobs_from_logits
     "logits integer": (
         lambda: logprobs_from_logits(torch.zeros(2, 5, dtype=torch.long), TARGETS[0]),
