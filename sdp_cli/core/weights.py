@@ -16,6 +16,7 @@ both, or neither.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -137,12 +138,14 @@ def importance_weights(
     floor: float | None = None,
     action: str = "truncate",
     batch_normalize: bool = False,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Detached behavioural weights w = exp(clamp(lr, ±20)) at ``level``, bounded to [floor, cap].
 
     token: w_t = exp(lr_t); sequence: w = exp(Σ_t lr_t) and geometric: w = exp(mean_t lr_t),
     broadcast over the row. ``truncate`` clamps into [floor, cap]; ``mask`` sets weights outside
     to 0. ``batch_normalize`` then divides by the mean weight (docs/math.md §2). Padding is 0.
+    ``all_reduce`` (a sum over data-parallel shards) makes that mean the whole batch's.
     Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
     """
     mk = _check_inputs(log_ratio, mask, level)
@@ -174,7 +177,14 @@ def importance_weights(
 
         factor = None
         if batch_normalize:
-            mean = mk.mean(weights) if level == "token" else mk.rows_mean(seq_weight)
+            if level == "token":
+                total, among = weights.sum(), mk.token_count
+            else:
+                total, among = (seq_weight * mk.row_weight).sum(), mk.row_total
+            if all_reduce is not None:
+                dtype = torch.promote_types(total.dtype, among.dtype)
+                total, among = all_reduce(torch.stack([total.to(dtype), among.to(dtype)])).unbind()
+            mean = total / among.clamp_min(1)
             # Nothing to normalise when every weight is 0 or the batch is empty: factor 1.
             factor = torch.where(mean > 0, mean, 1.0)
             weights = weights / factor  # a 0-d factor keeps the dtype of the weights
