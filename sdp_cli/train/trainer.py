@@ -43,6 +43,22 @@ class StepOutput:
     loss_mask: torch.Tensor
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of ``model`` to 0.
+
+    π_θ is computed in train mode and π_prox in eval mode: with dropout the two differ at
+    θ = π_prox, so the PPO ratio is not 1 there and the clip fires on noise (docs/training.md,
+    "The trainer's policy"). Dropout lives in ``nn.Dropout`` modules and in float attributes
+    that attention implementations read in train mode (Qwen2's ``attention_dropout``).
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+
+
 def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
     keys = {k for d in dicts for k in d}
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
@@ -80,6 +96,7 @@ class Trainer:
             self.norm_denominator = loss.norm_length * batch_sequences / optim.minibatches
         self.measure_proximal_t = measure_proximal_t or loss.mode == "segment_wise"
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        disable_dropout(model)
         optimizer = torch.optim.AdamW(
             model.parameters(),
             lr=optim.lr,
