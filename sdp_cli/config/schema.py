@@ -29,13 +29,14 @@ class RejectionConfig:
     """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
 
     level: str | None = None
-    """token | sequence | geometric; null turns rejection sampling off."""
+    """token | sequence | geometric; null turns the ratio bounds off (a veto still applies)."""
     upper: float = 2.0
     """keep where ratio <= upper."""
     lower: float | None = None
     """keep where ratio >= lower; null means 1/upper."""
     veto: float | None = None
-    """drop a whole sequence if any token's ratio is below this; null = no veto."""
+    """drop a whole sequence if any token's ratio is below this, with or without level (verl's
+    token veto); null = no veto."""
 
 
 @dataclass

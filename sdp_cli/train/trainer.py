@@ -178,14 +178,17 @@ class Trainer:
                 batch_normalize=cfg.batch_normalize,
             )
             metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
-            if cfg.rejection.level is not None:
+            rej = cfg.rejection
+            if rej.level is not None or rej.veto is not None:
+                # a veto needs no bounds (verl's token veto): level null leaves only the veto
+                bounded = rej.level is not None
                 loss_mask, rmetrics = rejection_mask(
                     log_ratio,
                     loss_mask,
-                    level=cfg.rejection.level,
-                    upper=cfg.rejection.upper,
-                    lower=cfg.rejection.lower,
-                    veto=cfg.rejection.veto,
+                    level=rej.level,
+                    upper=rej.upper if bounded else None,
+                    lower=rej.lower if bounded else None,
+                    veto=rej.veto,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
 
@@ -340,7 +343,8 @@ class Trainer:
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
                 out[f"shadow/{name}/{key}"] = raw[key]
-            # per-lag breakdown with AReaL's names (behav_imp_weight, behav_kl)
+            # per-lag breakdown with AReaL's names and signs: behav_kl is its behave_approx_kl,
+            # mean(log π_x − log π_behav), the log of the weight (docs/training.md)
             w = torch.exp(lr.clamp(-20, 20))
             for lag in sorted(set(int(x) for x in lags.tolist())):
                 sel = valid & ((c - batch.versions) == lag)
@@ -349,7 +353,7 @@ class Trainer:
                 out[f"shadow/{name}/lag{lag}/tokens"] = float(count)
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = float(ws.mean())
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = float(ws.std(unbiased=False)) if count > 1 else 0.0
-                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float((-lr[sel]).mean())
+                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float(lr[sel].mean())
         return out
 
     # -------------------------------------------------------------- weights I/O

@@ -86,7 +86,7 @@ CASES = {
     "rs upper zero": (lambda: rejection_mask(X, M, level="token", upper=0.0), "upper must be > 0"),
     "rs upper none": (
         lambda: rejection_mask(X, M, level="token", upper=None),
-        "upper must be a finite number",
+        "upper is required with a level",
     ),
     "rs lower negative": (
         lambda: rejection_mask(X, M, level="token", upper=2.0, lower=-1.0),
@@ -101,6 +101,11 @@ CASES = {
         "veto must be > 0",
     ),
     "rs level": (lambda: rejection_mask(X, M, level="tok", upper=2.0), "level"),
+    "rs nothing to reject": (lambda: rejection_mask(X, M), r"needs a level \(with upper\) or a veto"),
+    "rs bounds without level": (
+        lambda: rejection_mask(X, M, upper=2.0, veto=0.1),
+        "upper and lower need a level",
+    ),
     # offpolicy_metrics
     "rollout integer": (
         lambda: offpolicy_metrics(torch.zeros(2, 3, dtype=torch.long), X, M),

@@ -89,6 +89,17 @@ def test_rejection_mask_is_a_sub_mask_and_ignores_padding(b, level, upper, veto)
     assert torch.equal(new, again) and metrics == metrics_again
 
 
+@given(batches(scale=8.0), st.sampled_from([1e-4, 1e-2, 0.5]))
+def test_veto_alone_is_verls_formula(b, veto):
+    # verl (Gen A): mask · ¬any_t(valid_t ∧ lr_t < log veto), written out directly
+    lr, mask = b["a"], b["mask"]
+    catastrophic = (lr < math.log(veto)) & mask
+    expected = mask & ~catastrophic.any(-1, keepdim=True)
+    new, _ = rejection_mask(lr, mask, veto=veto)
+    assert torch.equal(new, expected)
+    assert torch.equal(rejection_mask(dirty(lr, b), mask, veto=veto)[0], expected)
+
+
 @given(batches(scale=1.0))
 def test_offpolicy_metrics_ignore_padding(b):
     metrics = offpolicy_metrics(b["a"] - 3, b["b"] - 3, b["mask"])
