@@ -183,7 +183,8 @@ class EngineConfig:
     api_key_env: str | None = None
     """remote engines: name of the environment variable holding the API key (never logged)."""
     allow_temperature_mismatch: bool = False
-    """remote engines: run at temperature != 1 although prefill logprobs are not temperature-scaled."""
+    """remote engines: run at temperature != 1 although the server's logprobs are then wrong
+    (vLLM: not temperature-scaled; SGLang: prefill ones not; docs/engines.md)."""
     extra_args: list[str] = field(default_factory=list)
     """remote engines: extra command-line arguments for a launched server."""
     env: dict[str, str] = field(default_factory=dict)
