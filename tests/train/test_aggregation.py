@@ -1,6 +1,7 @@
 """The trainer's loss denominators (docs/math.md §5.2): the Dr.GRPO normaliser is a constant."""
 
 import copy
+import json
 import math
 
 import pytest
@@ -71,3 +72,26 @@ def test_the_constant_counts_sequences_per_optimizer_step():
 def test_the_norm_needs_its_constant():
     with pytest.raises(ValueError, match="norm_length and batch_sequences"):
         Trainer(cases.tiny_model(), loss=NORM, optim=OptimConfig(), temperature=1.0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["loss.agg=seq-mean-token-sum-norm"],
+        ["mode=bypass", "loss.loss_type=reinforce", "loss.weight_cap=2", "loss.batch_normalize=true"],
+        ["loss.rejection.veto=0.0001", "optim.minibatches=2"],
+    ],
+    ids=["dr-grpo", "reinforce-bypass", "veto-alone"],
+)
+def test_sdp_train_runs_with(fast_config, overrides):
+    from pathlib import Path
+
+    from sdp_cli.train.run import run_training
+
+    cfg, raw = fast_config(*overrides, "train.steps=2")
+    summary = run_training(cfg, raw, overrides=[])
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(r["loss/pg_loss"]) for r in rows)
+    if any("veto" in o for o in overrides):  # the veto alone is applied (its metrics exist)
+        assert all("rejection/rollout_rs_veto_fraction" in r for r in rows)
