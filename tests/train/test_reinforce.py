@@ -39,6 +39,7 @@ def test_every_optimizer_step_takes_the_importance_sampled_gradient_at_its_own_t
         loss=loss,
         optim=OptimConfig(lr=3e-2, grad_clip=None, ppo_epochs=3),
         temperature=1.0,
+        track_proximal_t=mode == "segment_wise",
     )
     trainer.version = version
     params: list[dict[str, torch.Tensor]] = []
