@@ -12,8 +12,9 @@ Per step (DESIGN.md §1, §4):
 
 The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
-the loss by the count of the whole minibatch (all-reduced) and DDP sums the gradients, so the
-update equals a single-process one (docs/training.md, "Several processes"). Both behavioural
+the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
+processes, which DDP's gradient average undoes, so the update equals a single-process one
+(docs/training.md, "Several processes"). Both behavioural
 weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
 exist, whatever the training mode ("shadow" metrics).
 """
