@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -24,7 +26,16 @@ from sdp_cli.errors import UserError
 CONFIG_MODULE = "sdp_cli.conf"
 PRIMARY = "config"
 
-__all__ = ["HELP_HINT", "ConfigSource", "compose_config", "compose_dict", "config_source", "to_config", "to_yaml"]
+__all__ = [
+    "HELP_HINT",
+    "ConfigSource",
+    "compose_config",
+    "compose_dict",
+    "config_source",
+    "hydra_initialized",
+    "to_config",
+    "to_yaml",
+]
 
 
 @dataclass(frozen=True)
@@ -172,25 +183,35 @@ def _explain(exc: BaseException, source: ConfigSource) -> str:
     return text
 
 
+@contextmanager
+def hydra_initialized(source: ConfigSource) -> Iterator[list[str]]:
+    """Hydra's compose API set up for ``source`` (schema registered); yields the search-path
+    override to put first. The primary config is ``source.config_name``: a user primary comes
+    from the user's directory with sdp's groups searched too, else sdp's ``config`` with the
+    user's directory searched too."""
+    from hydra import initialize_config_dir, initialize_config_module
+
+    _register_schema()
+    if source.config_dir is None:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            yield []
+    elif source.config_name == PRIMARY:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            yield [f"hydra.searchpath=['file://{source.config_dir}']"]
+    else:
+        with initialize_config_dir(config_dir=source.config_dir, version_base="1.3"):
+            yield [f"hydra.searchpath=['pkg://{CONFIG_MODULE}']"]
+
+
 def compose_dict(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> Any:
     """Compose the raw ``DictConfig`` (schema-checked keys and types, values not yet validated)."""
-    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra import compose
     from omegaconf import OmegaConf
 
     overrides = check_overrides(list(overrides))
-    _register_schema()
     try:
-        if source.config_dir is None:
-            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                cfg = compose(config_name=PRIMARY, overrides=overrides)
-        elif source.config_name == PRIMARY:
-            with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-                search = f"hydra.searchpath=['file://{source.config_dir}']"
-                cfg = compose(config_name=PRIMARY, overrides=[search, *overrides])
-        else:
-            with initialize_config_dir(config_dir=source.config_dir, version_base="1.3"):
-                search = f"hydra.searchpath=['pkg://{CONFIG_MODULE}']"
-                cfg = compose(config_name=source.config_name, overrides=[search, *overrides])
+        with hydra_initialized(source) as search:
+            cfg = compose(config_name=source.config_name, overrides=[*search, *overrides])
     except Exception as exc:  # every Hydra/OmegaConf failure becomes one line
         raise UserError(_explain(exc, source)) from exc
     if OmegaConf.get_type(cfg) is not SdpConfig:

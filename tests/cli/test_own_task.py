@@ -164,3 +164,27 @@ def test_a_failing_reward_stops_in_one_line_and_debug_prints_its_traceback(workd
     assert "Traceback (most recent call last)" in err and "return int(record['answer']) / 0" in err
     assert err.strip().splitlines()[-1].startswith("error: training stopped at step ")
     assert "rewarding.py" not in err  # the user's traceback, not sdp's machinery
+
+
+def test_ablate_takes_the_same_config_options(workdir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parents[1]), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    argv = ["ablate", "smoke", "--config-dir", "conf", "--dir", str(tmp_path / "sweep"), "hydra/launcher=basic",
+            "task=larger", "+preset=segment_wise", "rollout.max_head_offpolicyness=0", "seed=0,1",
+            "rollout.max_new_tokens=4", "--no-plots"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "sdp_cli", *argv], env=env, cwd=workdir,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    runs = sorted((tmp_path / "sweep" / "runs").iterdir())
+    assert [r.name for r in runs] == ["segment_wise-eta0-rollout.max_new_tokens@4-task@larger-seed0",
+                                      "segment_wise-eta0-rollout.max_new_tokens@4-task@larger-seed1"]  # fmt: skip
+    for run in runs:
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        assert (config["task"]["name"], config["task"]["reward"]) == ("dataset", "reward.py:larger")
+        assert json.loads((run / "config_source.json").read_text())["config_dir"] == str(workdir / "conf")
+        assert (run / "summary.json").is_file()
+    assert json.loads((tmp_path / "sweep" / "ablate.json").read_text())["config_dir"] == str(workdir / "conf")
