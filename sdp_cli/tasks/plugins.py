@@ -163,8 +163,13 @@ def load_reward(spec: str, kwargs: Mapping[str, Any], *, answer_key: str) -> Rew
     Raises a one-line UserError when the function cannot be imported or called as
     ``fn(prompt, completion, record, **kwargs)``.
     """
-    spec = _canonical(spec)
-    fn, name = _cached(spec)
+    given, spec = spec, _canonical(spec)
+    try:
+        fn, name = _cached(spec)
+    except UserError as err:  # name the file as the user wrote it
+        path = _file_target(given)
+        text = str(err) if path is None else str(err).replace(str(path.resolve()), str(path))
+        raise UserError(text) from None
     kwargs = dict(kwargs)
     if spec in NEEDS_ANSWER:
         kwargs.setdefault("answer_key", answer_key)

@@ -188,3 +188,19 @@ def test_ablate_takes_the_same_config_options(workdir, tmp_path):
         assert json.loads((run / "config_source.json").read_text())["config_dir"] == str(workdir / "conf")
         assert (run / "summary.json").is_file()
     assert json.loads((tmp_path / "sweep" / "ablate.json").read_text())["config_dir"] == str(workdir / "conf")
+
+
+def test_resume_composes_with_the_config_dir_the_run_started_with(workdir, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    argv = ["train", "--config-dir", "conf", "task=larger", "+preset=quick", "model.warm_start_steps=0",
+            "train.eval_samples=0", "train.steps=2", "run.progress=false", "run.tensorboard=false", f"run.dir={run}"]  # fmt: skip
+    assert run_main(argv, capsys)[0] == 0
+    assert json.loads((run / "config_source.json").read_text()) == {"config_dir": str(workdir / "conf"), "config_name": "config"}
+    # task=larger exists only in conf/: the resume finds it through config_source.json
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=3"], capsys)
+    assert code == 0, err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    (workdir / "other").mkdir()
+    line = _refused(["train", "--config-dir", "other", f"resume={run}"], capsys, workdir)
+    assert "resume it without --config-dir/--config-name (its own are used)" in line
