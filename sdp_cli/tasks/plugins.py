@@ -192,10 +192,6 @@ def load_reward(spec: str, kwargs: Mapping[str, Any], *, answer_key: str) -> Rew
     return RewardSpec(spec, tuple(sorted(kwargs.items())))
 
 
-def display_name(reward: RewardSpec) -> str:
-    return _cached(reward.spec)[1]
-
-
 def to_score(value: Any, name: str, where: str) -> tuple[float, dict[str, float]]:
     """``(score, extras)`` of a reward function's result; RewardError for anything unusable."""
     extras: dict[str, float] = {}

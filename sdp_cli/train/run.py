@@ -46,7 +46,7 @@ from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
-from sdp_cli.train.task_setup import build_task_from, prepare_task
+from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
 

@@ -96,7 +96,8 @@ def prompt_comment(cfg: SdpConfig) -> str:
     if cfg.task.name not in DATA_TASKS:
         return ""
     task = prepare_task(cfg)
+    assert isinstance(task, DatasetTask), f"data task {cfg.task.name} is not a DatasetTask"
     (item,) = task.stream(random.Random(cfg.seed + 1), 0, 1)
-    lines = [f"# first training prompt ({task.where(item)}), rendered:"]  # type: ignore[attr-defined]
+    lines = [f"# first training prompt ({task.where(item)}), rendered:"]
     lines += [f"#   {line}" for line in item.prompt.split("\n")]
     return "\n".join(lines) + "\n"

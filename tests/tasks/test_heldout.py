@@ -9,7 +9,6 @@ import pytest
 
 import sdp_cli.models.evaluate as evaluate
 from sdp_cli.tasks import build_task
-from sdp_cli.tasks.gsm8k import sample_path
 
 
 class _TextPolicy:
