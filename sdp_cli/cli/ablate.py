@@ -11,8 +11,8 @@ from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
-    from sdp_cli.analysis.ablate import SweepPlan
-    from sdp_cli.analysis.ablate_report import Report
+    from sdp_cli.ablate.sweep import SweepPlan
+    from sdp_cli.ablate.report import Report
 
 ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what each correction buys.
 
@@ -86,7 +86,7 @@ def ablate_command(
         _print_report(report, plots=not no_plots)
         return
 
-    from sdp_cli.analysis.ablate import (
+    from sdp_cli.ablate.sweep import (
         plan_sweep,
         prune_checkpoints,
         run_sweep,
@@ -144,7 +144,7 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
     from rich.console import Console
     from rich.table import Table
 
-    from sdp_cli.analysis.ablate_report import TABLES, table_columns, table_rows, write_report
+    from sdp_cli.ablate.report import TABLES, table_columns, table_rows, write_report
 
     result = write_report(directory, plots=plots)
     console = Console()

@@ -10,7 +10,7 @@ directory is a complete recipe for ``sdp train``.
 ``plan_sweep`` expands the axes exactly as Hydra's ``BasicSweeper`` does (command-line values
 replace an axis of the same key), composes every value of every axis and every run that already
 exists, and classifies each run directory, all before anything starts. ``run_sweep`` then starts
-``python -m sdp_cli.analysis.ablate_app --multirun ...`` in a subprocess; the configured launcher
+``python -m sdp_cli.ablate.app --multirun ...`` in a subprocess; the configured launcher
 (``hydra/launcher=basic|joblib|submitit_slurm|ray``) executes the jobs and each job calls
 ``run_job``, which skips a finished run (``summary.json`` present), resumes an interrupted one
 from its latest checkpoint, or trains a new one. Re-running the same command therefore never
@@ -36,7 +36,7 @@ from typing import Any
 from sdp_cli.errors import UserError
 
 SWEEP_GROUP = "ablate"
-APP_MODULE = "sdp_cli.analysis.ablate_app"
+APP_MODULE = "sdp_cli.ablate.app"
 RUNS_SUBDIR = "runs"
 #: the sdp config keys a sweep owns: one run directory per job, never resumed by hand
 MANAGED_KEYS = ("run.dir", "run.root", "run.name", "resume")

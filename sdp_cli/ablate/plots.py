@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.ablate_report import GroupRow
+from sdp_cli.ablate.report import GroupRow
 
 #: (metric prefix, line style, legend name) of the decoupled and the segment-wise weight
 WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav"))

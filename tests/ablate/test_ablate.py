@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdp_cli.analysis.ablate import (
+from sdp_cli.ablate.sweep import (
     FINISHED,
     NEW,
     PARTIAL,
@@ -25,7 +25,7 @@ from sdp_cli.analysis.ablate import (
     run_name,
     run_state,
 )
-from sdp_cli.analysis.ablate_report import (
+from sdp_cli.ablate.report import (
     aggregate,
     load_sweep,
     pooled_std,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.ablate import (
+from sdp_cli.ablate.sweep import (
     ETA_KEY,
     MODE_KEY,
     RUNS_SUBDIR,
@@ -500,7 +500,7 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     )
     written: list[Path] = []
     if plots and groups:
-        from sdp_cli.analysis.ablate_plots import write_plots
+        from sdp_cli.ablate.plots import write_plots
 
         written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots")
     return Report(groups, sweep, csv_path, md_path, written)
