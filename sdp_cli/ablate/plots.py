@@ -16,11 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.ablate.report import GroupRow
+from sdp_cli.ablate.records import Curves, GroupRow
 
 #: (metric prefix, line style, legend name) of the decoupled and the segment-wise weight
-WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav"))
-Curves = dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]
+WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("segment_wise", "--", "π_{v+1}/π_behav"))
 
 
 def _pyplot() -> Any:

@@ -132,7 +132,7 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             steps = _batch_weights(run_dir)
             assert len(steps) == summary["steps"] == 6
             assert (row["n"], row["seeds"]) == ("1", "0")
-            for short, index in (("dec", 0), ("sdp", 1)):
+            for short, index in (("dec", 0), ("segment_wise", 1)):
                 tokens = np.concatenate([s[index] for s in steps])
                 # population std over every response token of the run
                 assert float(row[f"w_{short}_std_mean"]) == pytest.approx(
