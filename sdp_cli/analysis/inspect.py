@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sdp_cli.choices import IS_LEVELS, MODES
 from sdp_cli.core.metrics import offpolicy_metrics
-from sdp_cli.core.weights import LEVELS, MODES, behavior_log_ratio, importance_weights
+from sdp_cli.core.weights import behavior_log_ratio, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -239,7 +240,7 @@ def _mode_report(
     report = ModeReport(mode=mode, available=True, tokens=int(covered.sum()), covered=covered)
     # bypass has no behavioural weight: w ≡ 1, never bounded (the reference row).
     opts = WeightOptions() if mode == "bypass" else options
-    for level in LEVELS:
+    for level in IS_LEVELS:
         weights, metrics = importance_weights(
             log_ratio,
             covered,
@@ -381,7 +382,7 @@ def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str
     for name, m in report.modes.items():
         if name == "bypass" or not m.available:
             continue
-        for level in LEVELS:
+        for level in IS_LEVELS:
             tensors[f"{name}.{level}"] = packed(m.per_token[level].to(torch.float32), 0.0)
     metadata = {
         "format": "sdp-weights",

@@ -12,7 +12,7 @@ import io
 import numpy as np
 
 from sdp_cli.analysis.inspect import WeightReport, dropped_samples, weight_samples
-from sdp_cli.core.weights import LEVELS
+from sdp_cli.choices import IS_LEVELS
 
 _COLORS = {"decoupled": "tab:blue", "segment_wise": "tab:orange"}
 _BINS = 40
@@ -45,10 +45,10 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
 
     modes = [m for m in ("decoupled", "segment_wise") if report.modes[m].available]
     dropped = dropped_samples(report)
-    panels = len(LEVELS) + (dropped is not None)
+    panels = len(IS_LEVELS) + (dropped is not None)
     fig = Figure(figsize=(6.0 * 2, 4.2 * ((panels + 1) // 2)), layout="constrained")
     axes = fig.subplots((panels + 1) // 2, 2, squeeze=False).ravel()
-    for ax, level in zip(axes, LEVELS):
+    for ax, level in zip(axes, IS_LEVELS):
         samples = {m: weight_samples(report, m, level).double().numpy() for m in modes}
         bins = _log_bins(list(samples.values()))
         for mode, values in samples.items():
@@ -62,7 +62,7 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         ax.set_ylabel("share of tokens")
         ax.legend(fontsize="small")
     if dropped is not None:
-        ax = axes[len(LEVELS)]
+        ax = axes[len(IS_LEVELS)]
         values, lags = (t.double().numpy() for t in dropped)
         by_lag = {int(lag): values[lags == lag] for lag in np.unique(lags)}
         bins = _log_bins(list(by_lag.values()))

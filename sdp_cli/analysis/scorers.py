@@ -11,12 +11,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sdp_cli.choices import REMOTE_ENGINE_KINDS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.engine.base import InferenceEngine
-
-REMOTE_ENGINES = ("vllm", "sglang")
 
 
 class Scorer(abc.ABC):
@@ -139,8 +138,8 @@ def connect_remote(kind: str, urls: Sequence[str], temperatures: Iterable[float]
     replaced by each checkpoint in turn: use servers dedicated to this recompute."""
     from sdp_cli.engine.remote import RemoteOptions
 
-    if kind not in REMOTE_ENGINES:
-        raise UserError(f"--engine {kind!r} is not a server engine; use {' or '.join(REMOTE_ENGINES)}")
+    if kind not in REMOTE_ENGINE_KINDS:
+        raise UserError(f"--engine {kind!r} is not a server engine; use {' or '.join(REMOTE_ENGINE_KINDS)}")
     other = sorted({t for t in temperatures if t != 1.0})
     if other:
         # neither server temperature-scales prefill logprobs (docs/engines.md)

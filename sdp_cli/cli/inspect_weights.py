@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from sdp_cli.choices import WEIGHT_ACTIONS
 from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
     from sdp_cli.analysis.inspect import WeightReport
 
 EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.safetensors"
-ACTIONS = ("truncate", "mask")
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
@@ -133,8 +133,8 @@ def inspect_weights_command(
 
 # ------------------------------------------------------------------ parsing
 def _check_options(cap: float | None, floor: float | None, action: str) -> None:
-    if action not in ACTIONS:
-        raise UserError(f"--action {action!r} is not one of {', '.join(ACTIONS)}; pick one of them")
+    if action not in WEIGHT_ACTIONS:
+        raise UserError(f"--action {action!r} is not one of {', '.join(WEIGHT_ACTIONS)}; pick one of them")
     if cap is not None and not (math.isfinite(cap) and cap > 0):
         raise UserError(f"--cap {cap} must be a finite number > 0; pass e.g. --cap 5")
     if floor is not None and not (math.isfinite(floor) and floor >= 0):

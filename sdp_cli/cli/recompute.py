@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from sdp_cli.choices import ENGINE_KINDS
 from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
@@ -85,7 +86,7 @@ def recompute_command(
     from sdp_cli.analysis.recompute import ProximalChoice, RecomputeOptions
 
     servers = list(server or [])
-    if engine not in ("local", "vllm", "sglang"):
+    if engine not in ENGINE_KINDS:
         raise UserError(f"--engine {engine!r} is unknown; choose local, vllm or sglang")
     if engine == "local" and servers:
         raise UserError("--server needs --engine vllm or --engine sglang")

@@ -11,17 +11,19 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-MODES = ("bypass", "decoupled", "segment_wise")
-IS_LEVELS = ("token", "sequence", "geometric")
-WEIGHT_ACTIONS = ("truncate", "mask")
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-LOSS_TYPES = ("ppo_clip", "reinforce")
-STALENESS_STRATEGIES = ("standard", "segment_wise")
-RECOMPUTE_POLICIES = ("auto", "always", "never")
-ENGINE_KINDS = ("local", "vllm", "sglang")
-MODEL_KINDS = ("tiny", "hf")
-TASKS = ("arith1", "arith2", "gsm8k")
-CHARSETS = ("arith", "ascii")
+from sdp_cli.choices import (
+    CHARSETS,
+    ENGINE_KINDS,
+    IS_LEVELS,
+    LOSS_AGGS,
+    LOSS_TYPES,
+    MODEL_KINDS,
+    MODES,
+    RECOMPUTE_POLICIES,
+    STALENESS_STRATEGIES,
+    TASKS,
+    WEIGHT_ACTIONS,
+)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from sdp_cli.choices import LOSS_AGGS, LOSS_TYPES
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -23,14 +24,6 @@ from sdp_cli.core._masked import (
     count,
     masked,
     to_host,
-)
-
-LOSS_TYPES = ("ppo_clip", "reinforce")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
 )
 
 
@@ -51,7 +44,7 @@ def aggregate_loss(values: Tensor, mask: Tensor, agg: str = "token-mean") -> Ten
     """Aggregate any per-token [B, T] loss term exactly as ``policy_loss`` does (docs §5.2)."""
     check_float_tensor("values", values)
     check_2d("values", values)
-    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("agg", agg, LOSS_AGGS)
     mk = masked(mask, values, "values")
     return _aggregate(torch.where(mk.valid, values, 0.0), mk, agg)
 
@@ -102,7 +95,7 @@ def policy_loss(
     if weights is not None:
         check_like("weights", weights, logprobs, "logprobs")
     mk = masked(mask, logprobs, "logprobs")
-    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("agg", agg, LOSS_AGGS)
     check_choice("loss_type", loss_type, LOSS_TYPES)
     check_number("clip", clip, above=0)
     clip_high = clip if clip_high is None else clip_high

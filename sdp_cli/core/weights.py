@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from sdp_cli.choices import IS_LEVELS, MODES, WEIGHT_ACTIONS
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -34,10 +35,6 @@ from sdp_cli.core._masked import (
     masked,
     to_host,
 )
-
-MODES = ("bypass", "decoupled", "segment_wise")
-LEVELS = ("token", "sequence", "geometric")
-ACTIONS = ("truncate", "mask")
 
 
 def drift_log_factor(
@@ -124,7 +121,7 @@ def _any_row(flags: Tensor) -> Tensor:
 def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str) -> Masked:
     check_float_tensor("log_ratio", log_ratio)
     check_2d("log_ratio", log_ratio)
-    check_choice("level", level, LEVELS)
+    check_choice("level", level, IS_LEVELS)
     return masked(mask, log_ratio, "log_ratio")
 
 
@@ -146,7 +143,7 @@ def importance_weights(
     Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
     """
     mk = _check_inputs(log_ratio, mask, level)
-    check_choice("action", action, ACTIONS)
+    check_choice("action", action, WEIGHT_ACTIONS)
     if cap is not None:
         check_number("cap", cap, above=0)
     if floor is not None:

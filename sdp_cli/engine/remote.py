@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from sdp_cli.choices import FINISH_REASONS
 from sdp_cli.engine.base import (
     EngineError,
     EngineUnavailable,
@@ -61,7 +62,6 @@ from sdp_cli.rollout.records import RolloutSample
 
 logger = logging.getLogger(__name__)
 
-FINISHED = ("stop", "length")
 #: restores of one server in a row, with no good answer in between, before a request fails
 MAX_RESTORES_IN_A_ROW = 3
 
@@ -497,7 +497,7 @@ class RemoteEngine(InferenceEngine):
                 self._check_versions(server, segment, version)
                 self._patch_proximal(sample, request, segment, proximal_indices, version)
                 sample.append_tokens(segment.token_ids, segment.logprobs, version)
-                if segment.finish_reason in FINISHED:
+                if segment.finish_reason in FINISH_REASONS:
                     sample.finish(segment.finish_reason)
                     return
                 self._stats["aborted_segments"] += 1

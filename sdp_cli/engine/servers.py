@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from sdp_cli.choices import REMOTE_ENGINE_KINDS
 from sdp_cli.engine.base import EngineUnavailable, InferenceEngine
 from sdp_cli.errors import UserError
 
@@ -211,7 +212,7 @@ def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine
         ),
     )
     kind = engine_cfg.kind
-    if kind not in ("vllm", "sglang"):
+    if kind not in REMOTE_ENGINE_KINDS:
         raise UserError(f"engine.kind={kind!r} is not a remote engine; use vllm or sglang")
     if engine_cfg.urls:
         if kind == "vllm":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
@@ -25,7 +26,6 @@ from sdp_cli.models.warm_start import default_settings, warm_start
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
 
-KINDS = ("tiny", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -95,7 +95,7 @@ def load_policy(
             _check_charset_covers(task_obj, charset)
         policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir)
     else:
-        raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+        raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
     policy.model.to(device=device, dtype=DTYPES[dtype])
     return policy
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from sdp_cli import __version__
+from sdp_cli.choices import MODES
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_bytes
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
@@ -30,7 +31,6 @@ FORMAT_VERSION = 1
 #: a header longer than this is refused before it is read: a real one is a few kB, and parsing
 #: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
 MAX_HEADER_BYTES = 1024 * 1024
-MODES = ("bypass", "decoupled", "segment_wise")
 
 REQUIRED_TENSORS = (
     "input_ids",

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-FINISH_REASONS = ("stop", "length")
+from sdp_cli.choices import FINISH_REASONS
 
 _sample_ids = itertools.count()
 
