@@ -22,6 +22,7 @@ from sdp_cli.ablate.sweep import (
     split_override,
 )
 from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir
 
 #: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
 SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise"}
@@ -110,18 +111,15 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def read_run(run_dir: Path) -> RunRecord:
     """A run directory of a sweep (finished or not)."""
-    overrides = _read_json(run_dir / "overrides.json")
+    layout = RunDir(run_dir)
+    overrides = _read_json(layout.overrides)
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise UserError(
             f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate"
         )
     import yaml
 
-    config = (
-        yaml.safe_load((run_dir / "config.yaml").read_text())
-        if (run_dir / "config.yaml").is_file()
-        else None
-    )
+    config = yaml.safe_load(layout.config.read_text()) if layout.config.is_file() else None
     if not isinstance(config, dict):
         raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
     extra = []
@@ -134,7 +132,6 @@ def read_run(run_dir: Path) -> RunRecord:
         ):
             continue
         extra.append(f"{key.lstrip('+~')}={value}")
-    summary_path = run_dir / "summary.json"
     return RunRecord(
         name=run_dir.name,
         run_dir=run_dir,
@@ -142,8 +139,8 @@ def read_run(run_dir: Path) -> RunRecord:
         eta=int(config["rollout"]["max_head_offpolicyness"]),
         seed=int(config["seed"]),
         extra=tuple(sorted(extra)),
-        summary=_read_json(summary_path) if summary_path.is_file() else None,
-        rows=read_metrics(run_dir / "metrics.jsonl"),
+        summary=_read_json(layout.summary) if layout.finished else None,
+        rows=read_metrics(layout.metrics),
     )
 
 
@@ -166,7 +163,7 @@ def load_sweep(sweep_dir: Path) -> Sweep:
     records = [
         read_run(d)
         for d in sorted(runs_dir.iterdir())
-        if d.is_dir() and (d / "overrides.json").is_file()
+        if d.is_dir() and RunDir(d).overrides.is_file()
     ]
     if not records:
         raise UserError(f"{runs_dir}: no runs yet; start the sweep with sdp ablate")

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir
 
 SWEEP_GROUP = "ablate"
 APP_MODULE = "sdp_cli.ablate.app"
@@ -97,13 +98,14 @@ def run_name(overrides: Sequence[str]) -> str:
 def run_state(run_dir: Path) -> str:
     """``finished`` (summary.json), ``resumable`` (a complete checkpoint), ``partial`` (started,
     nothing to resume from) or ``new``."""
-    if (run_dir / "summary.json").is_file():
+    layout = RunDir(run_dir)
+    if layout.finished:
         return FINISHED
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return NEW
     from sdp_cli.train import checkpoint as ckpt
 
-    return RESUMABLE if ckpt.find_latest(run_dir / "checkpoints") is not None else PARTIAL
+    return RESUMABLE if ckpt.find_latest(layout.checkpoints) is not None else PARTIAL
 
 
 # ------------------------------------------------------------------ sweeps
@@ -243,7 +245,7 @@ def _first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
 
 
 def _check_same_config(run_dir: Path, planned_yaml: str) -> None:
-    saved = run_dir / "config.yaml"
+    saved = RunDir(run_dir).config
     if not saved.is_file():
         return
     diff = _first_difference(_comparable(saved.read_text()), _comparable(planned_yaml))
@@ -400,7 +402,7 @@ def prune_checkpoints(plan: SweepPlan) -> int:
     results stay). Returns the number of run directories pruned."""
     pruned = 0
     for job in plan.jobs:
-        folder = job.run_dir / "checkpoints"
+        folder = RunDir(job.run_dir).checkpoints
         if run_state(job.run_dir) == FINISHED and folder.is_dir():
             shutil.rmtree(folder)
             pruned += 1

@@ -608,7 +608,7 @@ def test_one_seed_gives_distinct_and_reproducible_samples(stub):
 
 # ----------------------------------------------------------------- from the run config
 def _run_cfg(**engine):
-    """The fields of the run config that build_remote_engine reads (schema.EngineConfig)."""
+    """The fields of the run config that build_engine reads for a server (schema.EngineConfig)."""
     from types import SimpleNamespace
 
     defaults = dict(
@@ -624,12 +624,12 @@ def _run_cfg(**engine):
 def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(
     weight_dirs, tmp_path, monkeypatch
 ):
-    from sdp_cli.engine.servers import build_remote_engine
+    from sdp_cli.engine.factory import build_engine
 
     monkeypatch.setenv("SDP_TEST_SGLANG_KEY", "sk-env-42")
     with sglang_stub.SGLangStub(weight_dirs[0], api_key="sk-env-42") as stub:
         cfg = _run_cfg(urls=[stub.url], api_key_env="SDP_TEST_SGLANG_KEY", retries=2)
-        with build_remote_engine(cfg, policy=None, run_dir=tmp_path) as engine:
+        with build_engine(cfg, policy=None, run_dir=tmp_path) as engine:
             assert isinstance(engine, SGLangEngine) and engine.options.http.max_retries == 2
             samples = _samples(PROMPTS[:1])
             engine.generate(samples, SamplingParams(max_new_tokens=2))
@@ -644,18 +644,18 @@ def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(
             "engine.api_key_env=SDP_TEST_UNSET_KEY, but that environment variable is empty",
         ),
         ({"launch": False}, "has no engine.urls and engine.launch=false"),
-        ({"kind": "local"}, "engine.kind='local' is not a remote engine"),
+        ({"kind": "tgi"}, "engine.kind='tgi' is not an engine; choose one of local, vllm, sglang"),
     ],
 )
 def test_build_from_the_run_config_refuses_bad_settings(
     tmp_path, monkeypatch, engine_fields, message
 ):
-    from sdp_cli.engine.servers import build_remote_engine
+    from sdp_cli.engine.factory import build_engine
     from sdp_cli.errors import UserError
 
     monkeypatch.delenv("SDP_TEST_UNSET_KEY", raising=False)
     with pytest.raises(UserError, match=message):
-        build_remote_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
+        build_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
 
 
 # ------------------------------------------------- the stub keeps SGLang's documented rules
