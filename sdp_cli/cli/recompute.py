@@ -83,7 +83,7 @@ def recompute_command(
         "auto", "--device", metavar="DEVICE", help="Device of the local engine: auto (cuda if available), cpu, cuda, cuda:1 …"
     ),
 ) -> None:
-    from sdp_cli.analysis.recompute import ProximalChoice, RecomputeOptions
+    from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions
 
     servers = list(server or [])
     if engine not in ENGINE_KINDS:
