@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.remote import (
-    RemoteEngine,
-    RemoteOptions,
-    RemoteServer,
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
+from sdp_cli.engine.servers import LaunchSpec, free_port
+from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
     as_logprob,
@@ -33,7 +33,6 @@ from sdp_cli.engine.remote import (
     malformed,
     version_label,
 )
-from sdp_cli.engine.servers import LaunchSpec, free_port
 
 GENERATE = "/generate"
 

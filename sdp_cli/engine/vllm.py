@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.remote import (
-    RemoteEngine,
-    RemoteOptions,
-    RemoteServer,
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
     as_logprob,
@@ -37,7 +37,6 @@ from sdp_cli.engine.remote import (
     malformed,
     new_request_id,
 )
-from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
 
 GENERATE = "/inference/v1/generate"
 #: the worker extension as the server imports it (copied next to the server log at launch)

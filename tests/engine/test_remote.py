@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.engine.remote import RemoteEngine, RemoteOptions, Segment, expand_spans, request_seed
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.wire import Segment, expand_spans, request_seed
 from sdp_cli.rollout.records import RolloutSample
 
 from .stubs import tiny_lm
@@ -149,8 +151,6 @@ def test_http_options_are_validated(bad):
 
 # ------------------------------------------------------------------------------ parsing
 def test_spans_must_tile_the_output():
-    from sdp_cli.engine.remote import RemoteServer
-
     server = RemoteServer(HttpServer("http://x.invalid", HttpOptions()))
     spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 5}]
     assert expand_spans(server, "/g", spans, 5) == ["1", "1", "2", "2", "2"]

@@ -696,10 +696,10 @@ def test_stub_blocks_generate_while_paused(stub):
 def test_a_request_admitted_just_before_pause_is_waited_for(stub, weight_dirs, monkeypatch):
     """The request id is registered in the same step that admits the request, so a pause()
     that starts right after admission cannot miss it (it would run through the update)."""
-    import sdp_cli.engine.remote as remote
+    import sdp_cli.engine.remote_server as remote_server
 
     entered, release = threading.Event(), threading.Event()
-    original = remote.new_request_id
+    original = remote_server.new_request_id
     calls = []
 
     def slow_first_id() -> str:
@@ -709,7 +709,7 @@ def test_a_request_admitted_just_before_pause_is_waited_for(stub, weight_dirs, m
             release.wait()  # the producer thread is descheduled right at admission
         return original()
 
-    monkeypatch.setattr(remote, "new_request_id", slow_first_id)
+    monkeypatch.setattr(remote_server, "new_request_id", slow_first_id)
     stub.set_hold(2)
     with _engine(stub) as engine:
         samples = _samples(PROMPTS[:1])

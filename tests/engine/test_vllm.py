@@ -10,7 +10,8 @@ import pytest
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.engine.remote import RemoteOptions, RemoteServer
+from sdp_cli.engine.remote import RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import free_port
 from sdp_cli.engine.vllm import (
     EXTENSION_CLASS,
