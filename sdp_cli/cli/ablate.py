@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
-    from sdp_cli.ablate.sweep import SweepPlan
     from sdp_cli.ablate.report import Report
+    from sdp_cli.ablate.sweep import SweepPlan
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what each correction buys.
 

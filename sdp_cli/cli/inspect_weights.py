@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from sdp_cli.choices import WEIGHT_ACTIONS
-from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.analysis.inspect import WeightReport
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.safetensors"
 

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from sdp_cli.choices import ENGINE_KINDS
-from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.analysis.recompute import RecomputeResult
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 RECOMPUTE_HELP = """Recompute π_prox_t of saved batches from the run's per-version checkpoints.
 

@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import EngineError, EngineUnavailable
 from sdp_cli.rollout.records import RolloutSample
 
 if TYPE_CHECKING:
     import torch
 
-
-class EngineError(UserError, RuntimeError):
-    """An engine failed in a way the user can act on; the message says how (one line)."""
-
-
-class EngineUnavailable(EngineError):
-    """The engine (or its server) cannot be reached."""
+#: the errors of the contract (defined in sdp_cli/errors.py)
+__all__ = [
+    "EngineError",
+    "EngineUnavailable",
+    "InferenceEngine",
+    "SamplingParams",
+    "WeightUpdate",
+]
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable, Iterator, MutableSequence, Seque
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from sdp_cli.engine.base import EngineError, InferenceEngine
+from sdp_cli.errors import EngineError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
+from sdp_cli.rollout.scoring import ScoringEngine
 
 Item = RolloutSample | RolloutGroup
 
@@ -108,7 +109,7 @@ def _make_job(
 class ProximalRecomputer:
     """Writes π_prox_t = log π_c(token) for the version c − 1 tokens of every held sample."""
 
-    def __init__(self, engine: InferenceEngine, *, max_tokens_per_call: int = 32768):
+    def __init__(self, engine: ScoringEngine, *, max_tokens_per_call: int = 32768):
         if max_tokens_per_call < 1:
             raise ValueError(f"max_tokens_per_call must be >= 1, got {max_tokens_per_call}")
         self.engine = engine
