@@ -19,6 +19,7 @@ from sdp_cli.choices import (
     LOSS_TYPES,
     MODEL_KINDS,
     MODES,
+    PROXIMAL_T_SOURCES,
     RECOMPUTE_POLICIES,
     STALENESS_STRATEGIES,
     TASKS,
@@ -95,6 +96,10 @@ class RolloutConfig:
     """response budget; null = the task's default."""
     recompute: str = "auto"
     """auto (segment_wise only) | always (also in other modes, for measurement) | never."""
+    proximal_t_source: str = "engine"
+    """where π_prox_t of tokens one version stale comes from: engine (scored by the inference
+    engine, like π_behav, so their numeric mismatch cancels) | trainer (the trainer's π_prox:
+    no engine scoring at batch time, but trainer/engine mismatch enters the weight of those tokens)."""
 
 
 @dataclass
@@ -255,6 +260,14 @@ class RunConfig:
     """live progress display in the terminal."""
 
 
+def tracks_proximal_t(cfg: "SdpConfig") -> bool:
+    """Whether the run keeps π_prox_t = π_{v+1} for stale tokens: the recompute pass runs
+    (segment_wise needs it; ``rollout.recompute=always`` measures it in other modes)."""
+    return cfg.rollout.recompute == "always" or (
+        cfg.rollout.recompute == "auto" and cfg.loss.mode == "segment_wise"
+    )
+
+
 @dataclass
 class SdpConfig:
     """A whole training run."""
@@ -345,6 +358,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("rollout.temperature", ro.temperature)
     _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
     _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
+    _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)
 
     _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
     if cfg.staleness.strategy == "segment_wise" and loss.mode == "bypass":
