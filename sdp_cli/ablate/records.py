@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.ablate.sweep import (
-    ETA_KEY,
+    MAX_HEAD_OFFPOLICYNESS_KEY,
     MODE_KEY,
     RUNS_SUBDIR,
     SEED_KEY,
@@ -26,7 +26,7 @@ from sdp_cli.rundir import RunDir
 
 #: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
 SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise"}
-#: a group: (mode, η, the other swept values)
+#: a group: (mode, η = max_head_offpolicyness, the other swept values)
 GroupKey = tuple[str, int, tuple[str, ...]]
 #: per group: steps, mean reward per step over the seeds, its sample std
 Curves = dict[GroupKey, tuple[list[int], list[float], list[float]]]
@@ -39,7 +39,7 @@ class RunRecord:
     name: str
     run_dir: Path
     mode: str
-    eta: int
+    max_head_offpolicyness: int
     seed: int
     extra: tuple[str, ...]
     summary: dict[str, Any] | None
@@ -51,7 +51,7 @@ class RunRecord:
 
     @property
     def group(self) -> GroupKey:
-        return (self.mode, self.eta, self.extra)
+        return (self.mode, self.max_head_offpolicyness, self.extra)
 
 
 @dataclass
@@ -59,7 +59,7 @@ class GroupRow:
     """Mean, sample std (None for n = 1) and count of every metric over the seeds of a group."""
 
     mode: str
-    eta: int
+    max_head_offpolicyness: int
     extra: tuple[str, ...]
     seeds: list[int]
     mean: dict[str, float | None] = field(default_factory=dict)
@@ -125,7 +125,7 @@ def read_run(run_dir: Path) -> RunRecord:
     extra = []
     for override in overrides:
         key, value = split_override(override)
-        if key in (MODE_KEY, ETA_KEY, SEED_KEY) or key.lstrip("+~") in (
+        if key in (MODE_KEY, MAX_HEAD_OFFPOLICYNESS_KEY, SEED_KEY) or key.lstrip("+~") in (
             SWEEP_GROUP,
             "run.dir",
             "resume",
@@ -136,7 +136,7 @@ def read_run(run_dir: Path) -> RunRecord:
         name=run_dir.name,
         run_dir=run_dir,
         mode=str(config["loss"]["mode"]),
-        eta=int(config["rollout"]["max_head_offpolicyness"]),
+        max_head_offpolicyness=int(config["rollout"]["max_head_offpolicyness"]),
         seed=int(config["seed"]),
         extra=tuple(sorted(extra)),
         summary=_read_json(layout.summary) if layout.finished else None,
@@ -171,5 +171,5 @@ def load_sweep(sweep_dir: Path) -> Sweep:
     for record in records:
         record.extra = tuple(e for e in record.extra if e not in common)
     return Sweep(
-        sorted(records, key=lambda r: (r.mode, r.eta, r.extra, r.seed)), tuple(sorted(common))
+        sorted(records, key=lambda r: (r.mode, r.max_head_offpolicyness, r.extra, r.seed)), tuple(sorted(common))
     )

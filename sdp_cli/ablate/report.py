@@ -210,8 +210,8 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
         if record.finished:
             groups.setdefault(record.group, []).append(record)
     out = []
-    for (mode, eta, extra), members in sorted(groups.items()):
-        row = GroupRow(mode, eta, extra, sorted(r.seed for r in members))
+    for (mode, bound, extra), members in sorted(groups.items()):
+        row = GroupRow(mode, bound, extra, sorted(r.seed for r in members))
         per_run = [run_metrics(r) for r in members]
         for metric in METRICS:
             values = [float(m[metric.key]) for m in per_run if m[metric.key] is not None]
@@ -272,7 +272,7 @@ def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
     with_extra = any(g.extra for g in groups)
     rows = []
     for g in groups:
-        cells = [g.mode, str(g.eta), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
+        cells = [g.mode, str(g.max_head_offpolicyness), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
         cells += [_cell(g.mean[m.key], g.std[m.key], m.fmt) for m in _metrics_of(table)]
         rows.append(cells)
     return rows
@@ -297,7 +297,7 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
     writer.writerow(
         [
             "mode",
-            "eta",
+            "eta",  # η = rollout.max_head_offpolicyness
             "other",
             "seeds",
             "n",
@@ -305,7 +305,7 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
         ]
     )
     for g in groups:
-        cells: list[Any] = [g.mode, g.eta, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
+        cells: list[Any] = [g.mode, g.max_head_offpolicyness, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
         for m in METRICS:
             cells += [_num(g.mean[m.key]), _num(g.std[m.key]), g.count[m.key]]
         writer.writerow(cells)

@@ -42,7 +42,7 @@ RUNS_SUBDIR = "runs"
 #: the sdp config keys a sweep owns: one run directory per job, never resumed by hand
 MANAGED_KEYS = ("run.dir", "run.root", "run.name", "resume")
 MODE_KEY = "+preset"
-ETA_KEY = "rollout.max_head_offpolicyness"
+MAX_HEAD_OFFPOLICYNESS_KEY = "rollout.max_head_offpolicyness"
 SEED_KEY = "seed"
 _MAX_NAME = 120
 # what stays in a run name: characters Hydra accepts unquoted in `resume=<dir>` (no '=' or ',')
@@ -71,7 +71,7 @@ def run_name(overrides: Sequence[str]) -> str:
     ``optim.lr=3e-4`` adds ``optim.lr@3e-4``; a name longer than 120 characters is cut and
     suffixed with a hash of the whole.
     """
-    mode = eta = seed = None
+    mode = offpolicyness = seed = None
     others = []
     for override in overrides:
         key, value = split_override(override)
@@ -80,13 +80,13 @@ def run_name(overrides: Sequence[str]) -> str:
             continue
         if key == MODE_KEY:
             mode = value
-        elif key == ETA_KEY:
-            eta = f"eta{value}"
+        elif key == MAX_HEAD_OFFPOLICYNESS_KEY:
+            offpolicyness = f"eta{value}"
         elif key == SEED_KEY:
             seed = f"seed{value}"
         else:
             others.append(f"{bare}@{value}")
-    parts = [p for p in (mode, eta, *sorted(others), seed) if p is not None]
+    parts = [p for p in (mode, offpolicyness, *sorted(others), seed) if p is not None]
     name = _UNSAFE.sub("_", "-".join(parts)) or "run"
     if len(name) > _MAX_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:12]

@@ -104,10 +104,11 @@ class RolloutConfig:
 
 @dataclass
 class StalenessConfig:
-    """Consume-time staleness control (group `staleness`)."""
+    """Consume-time staleness control (group `staleness`). The bound η is not here: it is
+    ``rollout.max_head_offpolicyness``, which admission control uses whatever the strategy."""
 
     strategy: str = "standard"
-    """standard (no filtering) | segment_wise (drop samples that break the §2 invariant or lag > η)."""
+    """standard (no filtering) | segment_wise (drop samples that break the invariant of docs/design.md §2, or lag > η = rollout.max_head_offpolicyness)."""
 
 
 @dataclass

@@ -43,7 +43,9 @@ def _check_lengths(sample: RolloutSample) -> int:
     return n
 
 
-def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str | None:
+def _segment_wise_sample_reason(
+    sample: RolloutSample, c: int, max_head_offpolicyness: int
+) -> str | None:
     n = _check_lengths(sample)
     if n == 0:
         return None
@@ -53,8 +55,8 @@ def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str 
         return f"sample {sid}: holds a token of version {newest} > current version {c}"
     if oldest < 0:
         return f"sample {sid}: holds a token of negative version {oldest}"
-    if c - oldest > eta:
-        return f"sample {sid}: head lags {c - oldest} versions > η = {eta}"
+    if c - oldest > max_head_offpolicyness:
+        return f"sample {sid}: head lags {c - oldest} versions > η = {max_head_offpolicyness}"
     for t in range(n):
         v, pv = sample.versions[t], sample.proximal_t_versions[t]
         if v <= c - 2 and pv != v + 1:

@@ -180,7 +180,7 @@ class AsyncLoop:
         self.manager = StalenessManager(
             max_concurrent_rollouts=ro.max_concurrent_rollouts or 2 * ro.batch_groups,
             consumer_batch_size=ro.batch_groups,
-            max_staleness=ro.max_head_offpolicyness,
+            max_head_offpolicyness=ro.max_head_offpolicyness,
             version_provider=lambda: self._version,
         )
         self.filtered_capacity = FilteredSamplesCapacityModifier()

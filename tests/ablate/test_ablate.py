@@ -331,14 +331,8 @@ def test_aggregate_by_hand(fake_sweep):
     assert [r.name for r in sweep.records if not r.finished] == ["decoupled-eta2-seed2"]
     assert sweep.common == ()  # +ablate=smoke is not an override the report keeps
     bypass, dec = aggregate(sweep.records)
-    assert (bypass.mode, bypass.eta, bypass.n, dec.mode, dec.eta, dec.seeds) == (
-        "bypass",
-        0,
-        1,
-        "decoupled",
-        2,
-        [0, 1],
-    )
+    assert (bypass.mode, bypass.max_head_offpolicyness, bypass.n) == ("bypass", 0, 1)
+    assert (dec.mode, dec.max_head_offpolicyness, dec.seeds) == ("decoupled", 2, [0, 1])
     # weight std per run 1 and √(8/3) (see the fixture); mean and sample std over the two seeds
     s1, s2 = 1.0, math.sqrt(8 / 3)
     assert dec.mean["w_dec_std"] == pytest.approx((s1 + s2) / 2)
