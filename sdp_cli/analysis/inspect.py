@@ -1,4 +1,4 @@
-"""Importance weights of saved batches, mode by mode (``sdp inspect-weights``; DESIGN.md §1, §4).
+"""Importance weights of saved batches, mode by mode (``sdp inspect-weights``; docs/design.md §1, §4).
 
 For every correction mode — ``bypass`` (the reference, w ≡ 1), ``decoupled`` (log w = π_prox −
 π_behav) and ``segment_wise`` (log w = π_prox_t − π_behav) — and every aggregation (token,
@@ -154,7 +154,7 @@ class WeightReport:
 
 @dataclass
 class _Stacked:
-    """Response tokens of every batch, right-padded to one [S, T] (DESIGN.md §5 layout)."""
+    """Response tokens of every batch, right-padded to one [S, T] (docs/design.md §5 layout)."""
 
     old: Tensor
     prox: Tensor | None
@@ -192,7 +192,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     t_versions = cat([p.proximal_t_versions for p in padded], -1)
     trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
     # An output token older than the trainer whose π_{v+1} was never computed has no
-    # segment-wise weight (DESIGN.md §2): the trainer drops it from a segment-wise loss.
+    # segment-wise weight (docs/design.md §2): the trainer drops it from a segment-wise loss.
     uncorrectable = mask & (versions < trainer) & (t_versions != versions + 1)
     return _Stacked(
         old=cat([p.old_logprobs for p in padded], 0.0),

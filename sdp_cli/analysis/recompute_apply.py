@@ -58,7 +58,7 @@ class BatchOutcome:
 def apply_scores(
     path: Path, batch: SavedBatch, scores: dict[int, torch.Tensor], proximal_version: int | None
 ) -> BatchOutcome:
-    """The batch with π_prox_t (and π_prox) replaced by the scored values (DESIGN.md §2)."""
+    """The batch with π_prox_t (and π_prox) replaced by the scored values (docs/design.md §2)."""
     out = output_mask(batch)
     v, c = batch.versions, batch.trainer_version
     lagged = out & (v < c)

@@ -43,7 +43,7 @@ class RejectionConfig:
 
 @dataclass
 class LossConfig:
-    """Off-policy correction and the policy loss (DESIGN.md §4)."""
+    """Off-policy correction and the policy loss (docs/design.md §4)."""
 
     mode: str = "decoupled"
     """bypass | decoupled | segment_wise: which behavioural weight multiplies the PPO loss."""
@@ -78,7 +78,7 @@ class LossConfig:
 
 @dataclass
 class RolloutConfig:
-    """Rollout production, admission and the recompute pass (DESIGN.md §2–3)."""
+    """Rollout production, admission and the recompute pass (docs/design.md §2–3)."""
 
     max_head_offpolicyness: int = 2
     """η: how many versions a rollout may lag; 0 = synchronous on-policy training."""

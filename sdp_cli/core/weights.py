@@ -1,4 +1,4 @@
-"""Behavioural importance weights and rejection masks (DESIGN.md §4, docs/math.md §1–§3).
+"""Behavioural importance weights and rejection masks (docs/design.md §4, docs/math.md §1–§3).
 
 The three correction modes differ only in the log ratio of the behavioural weight:
 
@@ -40,7 +40,8 @@ from sdp_cli.core._masked import (
 def drift_log_factor(
     proximal_logprobs: Tensor, proximal_logprobs_t: Tensor, drift_clip: float
 ) -> tuple[Tensor, Tensor]:
-    """The drift factor d = π_prox/π_prox_t in log space, clipped to [−log κ, log κ] (math.md §1.1).
+    """The drift factor d = π_prox/π_prox_t in log space, clipped to [−log κ, log κ]
+    (docs/math.md §1.1).
 
     Returns (log d clipped, clipped): ``clipped`` is True where the clip changed log d. Both are
     detached; callers select valid tokens (padding may hold anything).
@@ -61,7 +62,7 @@ def behavior_log_ratio(
     mode: str,
     drift_clip: float | None = None,
 ) -> Tensor | None:
-    """Log ratio of the behavioural weight for ``mode`` (DESIGN.md §1 table), detached.
+    """Log ratio of the behavioural weight for ``mode`` (docs/design.md §1 table), detached.
 
     decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav;
     bypass: None (no behavioural weight).

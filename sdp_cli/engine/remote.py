@@ -97,7 +97,8 @@ class RemoteOptions:
 
 
 def check_temperature(options: RemoteOptions, engine_name: str) -> None:
-    """Refuse T != 1: neither server temperature-scales prefill logprobs (research notes)."""
+    """Refuse T != 1: neither server temperature-scales prefill logprobs
+    (docs/engines.md "Temperature")."""
     if options.temperature == 1.0:
         return
     message = (

@@ -1,6 +1,6 @@
 """``engine=sglang``: client for SGLang's native HTTP API (0.5.6 – 0.5.23).
 
-Routes used (research note sglang.md §1): ``POST /generate`` with ``input_ids`` and
+Routes used (docs/engines.md "SGLang"): ``POST /generate`` with ``input_ids`` and
 ``return_logprob``; ``/pause_generation`` (mode abort) and ``/continue_generation``;
 ``/update_weights_from_disk`` with ``weight_version`` and ``flush_cache``;
 ``/update_weight_version``; ``/get_model_info``; ``/health_generate`` for readiness.
@@ -208,7 +208,7 @@ class SGLangEngine(RemoteEngine):
     def _server_score(
         self, server: RemoteServer, sequence: list[int], start: int
     ) -> tuple[list[float], str | None]:
-        # max_new_tokens = 0 makes a prefill-only request (research note §2).
+        # max_new_tokens = 0 makes a prefill-only request (docs/engines.md "SGLang").
         body = {
             "input_ids": sequence,
             "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature},

@@ -1,6 +1,7 @@
 """Supervised warm start of a tiny model, cached on disk between runs.
 
-Sparse-reward RL from a random tiny model never sees a reward (research/feasibility.md §5), so a
+Sparse-reward RL from a random or barely trained tiny model almost never sees a reward (a probe
+on two-digit addition stayed at about 2 % reward after a 300-step warm start), so a
 tiny policy first learns the task format by teacher forcing on ``prompt + answer + EOS`` with the
 loss on the answer and EOS tokens only: AdamW, gradient norm clipped at 1, learning rate decayed
 linearly to 0 over ``steps``. With a ``target`` accuracy, training stops early once greedy

@@ -1,4 +1,4 @@
-"""Saved training batches: one safetensors file per batch (DESIGN.md §5, docs/batch-format.md).
+"""Saved training batches: one safetensors file per batch (docs/design.md §5, docs/batch-format.md).
 
 Packed 1-D tensors over the prompt + output tokens of every sequence, delimited by
 ``cu_seqlens``; index t of every per-token tensor refers to token t. Prompt tokens have

@@ -1,4 +1,4 @@
-"""The recompute pass of DESIGN.md §2 step 2: π_prox_t for the tokens whose window closes now.
+"""The recompute pass of docs/design.md §2 step 2: π_prox_t for the tokens whose window closes now.
 
 With the engine paused at version c (weights c still loaded), every output token with
 ``versions[t] == c − 1`` whose ``proximal_t_versions[t] != c`` is scored under weights c, so it

@@ -1,4 +1,4 @@
-"""Admission control: how many rollouts may start now (DESIGN.md §3, AReaL's rule).
+"""Admission control: how many rollouts may start now (docs/design.md §3, AReaL's rule).
 
 With η = ``max_head_offpolicyness`` (the config key ``rollout.max_head_offpolicyness``),
 B = ``consumer_batch_size`` and v the current version::
@@ -88,8 +88,9 @@ class FilteredSamplesCapacityModifier(CapacityModifier):
     Semantics: ``credit`` rises by ``count`` on :meth:`on_samples_filtered` and
     :meth:`modify_capacity` returns ``base + credit``. The credit is *not* touched when rollouts
     are admitted or batches consumed — the dropped rollouts stay inside ``accepted`` for good,
-    so a credit that decayed there would take their slots away again (the fork's deadlock,
-    research/areal.md §0.3). It falls only through :meth:`on_capacity_consumed`, which the
+    so a credit that decayed there would take their slots away again (the deadlock of the
+    AReaL fork this design started from, which decremented the credit on every consumed batch).
+    It falls only through :meth:`on_capacity_consumed`, which the
     manager calls when its counters stop counting those rollouts. Thread-safe.
     """
 

@@ -1,4 +1,4 @@
-"""Consume-time staleness control (DESIGN.md §2–3): which rollouts are too stale to train on.
+"""Consume-time staleness control (docs/design.md §2–3): which rollouts are too stale to train on.
 
 A strategy is asked about a rollout in three places: before it is enqueued
 (:meth:`~StalenessControlStrategy.filter_before_enqueue`), when the version changes
@@ -92,7 +92,7 @@ def segment_wise_stale_reason(
 
 
 def check_segment_wise_invariant(sample: Item, current_version: int) -> str | None:
-    """The strict invariant of DESIGN.md §2 at trainer version c, checked after the trainer's
+    """The strict invariant of docs/design.md §2 at trainer version c, checked after the trainer's
     fill of π_prox_t for version c−1 tokens; a one-line reason, or ``None`` if it holds.
 
     Every output token with v < c has ``proximal_t_versions == v + 1``; every token with

@@ -1,6 +1,6 @@
 """The PPO trainer: one optimisation step per consumed batch, math delegated to ``sdp_cli.core``.
 
-Per step (DESIGN.md §1, §4):
+Per step (docs/design.md §1, §4):
 1. π_prox: a no-grad forward of the current weights at the rollout temperature (not in bypass).
 2. π_prox_t of stale tokens was scored by the engine (the loop's recompute passes); only with
    ``rollout.proximal_t_source=trainer`` do tokens one version behind take π_prox_t := π_prox here

@@ -1,7 +1,7 @@
 """LocalEngine: exact logprobs, full-softmax sampling, stops, scoring and weight loading.
 
 The reference everywhere is how a trainer computes logprobs: one full forward of the unpadded
-sequence, log_softmax(logits / T) gathered at the next tokens (DESIGN.md §4). It shares no code
+sequence, log_softmax(logits / T) gathered at the next tokens (docs/design.md §4). It shares no code
 with the engine's padded, KV-cached loop.
 """
 

@@ -317,7 +317,7 @@ class MemoryEngine(RemoteEngine):
     def _trainer_cycle(self):
         self.pause()
         loaded = self.get_version()
-        for s in self.inflight_samples():  # DESIGN.md §2 step 2
+        for s in self.inflight_samples():  # docs/design.md §2 step 2
             idx = [
                 t
                 for t in range(s.output_len)
@@ -349,7 +349,7 @@ def version_dirs(tmp_path_factory):
     budget=st.integers(1, 12),
 )
 def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedule, budget):
-    """DESIGN.md §2 invariant: every token of version v below the final version has π_prox_t
+    """docs/design.md §2 invariant: every token of version v below the final version has π_prox_t
     from version v+1 (computed here directly from those weights); the others keep π_behav."""
     engine = MemoryEngine(version_dirs, schedule)
     sample = RolloutSample(prompt_ids=[3, 1, 4])

@@ -144,7 +144,7 @@ def test_prefill_scores_equal_sampled_logprobs_at_temperature_one(stub):
 
 # ------------------------------------------------------------- abort / resume / versions
 def _recompute_pass(engine, weights_loaded_version: int) -> None:
-    """DESIGN.md §2 step 2, as the rollout loop does it: score tokens of version v-1 under v."""
+    """docs/design.md §2 step 2, as the rollout loop does it: score tokens of version v-1 under v."""
     v = weights_loaded_version
     todo = []
     for s in engine.inflight_samples():

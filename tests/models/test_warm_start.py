@@ -216,8 +216,9 @@ def test_gsm8k_warm_start_smoke(tmp_path):
 @pytest.mark.slow
 def test_default_arith1_warm_start_reaches_the_feasibility_accuracy(tmp_path):
     # 3-8 s alone, ~20 s on a busy 2-core machine: kept out of the fast suite, which covers the
-    # same path with a smaller model. Defaults (h128-L4, 40 steps, lr 1e-3, batch 64). research/feasibility.md §5 measured greedy
-    # 0.43 for seed 0 with a similar recipe; here seeds 0, 1, 2 gave 0.40, 0.50, 0.41 on 1000 problems.
+    # same path with a smaller model. Defaults (h128-L4, 40 steps, lr 1e-3, batch 64). A feasibility
+    # probe measured greedy 0.43 for seed 0 with a similar recipe; here seeds 0, 1, 2 gave 0.40,
+    # 0.50, 0.41 on 1000 problems.
     task = build_task("arith1")
     policy = load_policy("tiny", task=task, cache_dir=tmp_path)
     assert policy.name.startswith("tiny-qwen2:arith1:ws40:")

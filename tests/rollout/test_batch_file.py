@@ -1,4 +1,4 @@
-"""Saved batches (DESIGN.md §5): round trip, padded view, atomic writes, and malformed files
+"""Saved batches (docs/design.md §5): round trip, padded view, atomic writes, and malformed files
 refused with one clear line each."""
 
 import json

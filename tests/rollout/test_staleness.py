@@ -1,4 +1,4 @@
-"""StalenessManager and FilteredSamplesCapacityModifier: admission formula (DESIGN.md §3),
+"""StalenessManager and FilteredSamplesCapacityModifier: admission formula (docs/design.md §3),
 modifier order and the concurrency cap, exact return of dropped slots, checkpoint state."""
 
 import json
