@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sdp_cli import choices
+from sdp_cli.config.compose import compose_config
 from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
 
 PACKAGE = Path(choices.__file__).parent
@@ -46,9 +47,8 @@ def test_registries_are_keyed_by_the_allowed_names():
 
 def test_the_schema_validates_against_the_choices():
     for mode in choices.MODES:
-        cfg = SdpConfig()
-        cfg.loss.mode = mode
-        validate(cfg)
+        cfg, _ = compose_config([f"mode={mode}"])  # validated on the way
+        assert cfg.loss.mode == mode
     cfg = SdpConfig()
     cfg.loss.is_level = "tokens"
     with pytest.raises(ConfigValueError, match="loss.is_level"):

@@ -1,4 +1,4 @@
-"""Logic shared by the HTTP engines (vLLM, SGLang): versions, pause and resubmission.
+"""Logic shared by the HTTP engines (vLLM, SGLang): versions, pause, weights and scoring.
 
 The client owns the rollout records and accumulates (token, logprob, version) triples across the
 segments a server answers (``sdp_cli.engine.wire``); the tokens of a segment carry the client's
@@ -6,30 +6,16 @@ version at submission, cross-checked against the weight-version label the server
 disagreement is an ``EngineError``). Each sample goes through ``remote_sample.SampleRun``, three
 steps per segment: *admit* (wait while paused, pick its server, register the request), *send*
 (the dialect's request, the answer checked), *record* (tokens, π_prox_t, finish or resubmit).
-The state the threads share (pause switch, version, counters) is ``remote_state.RemoteState``.
+The state the threads share (pause switch, version, counters) is ``remote_state.RemoteState``;
+a server's outage and restore is ``remote_server.RemoteServer``.
 
-Pause protocol (docs/design.md §2), as seen from the servers:
-
-- ``pause()``: stop admitting requests, abort everything in flight on the servers and let
-  them run again (so that the recompute pass can ``score`` while generation is paused), and
-  return once every request has ended and its partial output is recorded in its sample. From
-  then until ``resume()`` no sample is mutated: the recompute pass owns them.
-- ``update_weights()``: pause the servers (aborting anything that slipped in), load the new
-  weights, reset the prefix cache, relabel the weight version, resume the servers.
-- ``resume()``: admit again. A partial sample is resubmitted as prompt + partial output with
-  the remaining token budget and a fresh request id; when it holds tokens of version
-  (new − 1) without π_prox_t, the resubmission also asks for the prefill logprobs of its
-  input, and those become π_prox_t of the tokens (docs/design.md §2 step 4, patched by absolute
-  index). Tokens whose resubmission was aborted before its prefill are left to the next
-  recompute pass (step 2).
-
-Outages and restarts (docs/reliability.md) are the server's state machine
-(``sdp_cli.engine.remote_server``): a server that stops answering or answers under a label sdp
-never sets is *suspect* and is restored before it is used again. The answer that revealed the
-restart is discarded, so no token is ever tagged with a version that did not produce it; the
-sample keeps the tokens it had and is resubmitted (prompt + partial output) like after a pause.
-A server that is down when ``pause()`` aborts is not waited for beyond its requests, which end
-on their own; scoring and weight updates wait for it too.
+Pause protocol (docs/design.md §2; docs/engines.md "How the remote engines keep versions and
+π_prox_t right"): ``pause()`` stops admitting requests, aborts everything in flight and returns
+once every request has ended and its partial output is in its sample, leaving the servers
+running so that the recompute pass can ``score``; until ``resume()`` no sample is mutated.
+``update_weights()`` loads, resets the prefix cache and relabels every server. After
+``resume()`` a partial sample is resubmitted as prompt + partial output, and the prefill of the
+resubmission gives π_prox_t of its tokens of version new − 1 (step 4).
 """
 
 from __future__ import annotations
@@ -74,7 +60,7 @@ class RemoteOptions:
 
     #: sampling temperature; scoring uses the same one (see ``allow_temperature_mismatch``)
     temperature: float = 1.0
-    #: accept temperature != 1 although the servers do not temperature-scale prefill logprobs
+    #: accept temperature != 1 although the servers' logprobs are then wrong (check_temperature)
     allow_temperature_mismatch: bool = False
     #: keep generating past the model's end-of-sequence token (benchmarks)
     ignore_eos: bool = False
@@ -96,15 +82,30 @@ class RemoteOptions:
             raise ValueError(f"reconnect_timeout_s must be > 0, got {self.reconnect_timeout_s}")
 
 
+#: why each server's logprobs are wrong at T != 1 (docs/engines.md, "Temperature")
+TEMPERATURE_PROBLEMS = {
+    "vllm": (
+        "vLLM reports raw logprobs, log softmax(z) without the 1/T, for sampled and prompt tokens "
+        "alike, so old_logprobs would not be those of the distribution the tokens were sampled "
+        "from (--logprobs-mode processed_logprobs scales the sampled ones only: prompt logprobs, "
+        "which the π_prox_t scores use, stay unscaled)"
+    ),
+    "sglang": (
+        "SGLang's sampled-token logprobs are log softmax(z / T) but its prefill logprobs are not "
+        "temperature-scaled, so the π_prox_t scores would not match old_logprobs "
+        "(SGLANG_RETURN_ORIGINAL_LOGPROB=1 unscales the sampled ones too, making old_logprobs wrong)"
+    ),
+}
+
+
 def check_temperature(options: RemoteOptions, engine_name: str) -> None:
-    """Refuse T != 1: neither server temperature-scales prefill logprobs
-    (docs/engines.md "Temperature")."""
+    """Refuse T != 1, saying why the server's logprobs would be wrong (``TEMPERATURE_PROBLEMS``)."""
     if options.temperature == 1.0:
         return
-    message = (
-        f"engine={engine_name} with temperature={options.temperature}: the server's prefill logprobs "
-        "are not temperature-scaled, so scores and π_prox_t would not match the sampled logprobs"
+    problem = TEMPERATURE_PROBLEMS.get(
+        engine_name, "the server's logprobs are not known to be temperature-scaled"
     )
+    message = f"engine={engine_name} with temperature={options.temperature}: {problem}"
     if not options.allow_temperature_mismatch:
         raise EngineError(
             message
