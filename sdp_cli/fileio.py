@@ -9,10 +9,13 @@ crash. A reader therefore sees the old file or the new one, never a partial one.
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from sdp_cli.errors import UserError
 
@@ -95,3 +98,19 @@ def atomic_write_text(path: Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_document(doc: Any) -> str:
+    """``doc`` as indented JSON that every parser accepts (``--json`` of every command): a
+    non-finite number (NaN, ±inf: not JSON) becomes null, "no defined value"."""
+    return json.dumps(_finite(doc), indent=2, allow_nan=False)

@@ -7,7 +7,6 @@ analysis in ``sdp_cli.analysis``; docs/inspect-weights.md explains every column.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,10 +107,12 @@ def inspect_weights_command(
         atomic_write_bytes(path, data)
 
     if as_json:
+        from sdp_cli.fileio import json_document
+
         doc = report.to_dict()
         if per_file:
             doc["per_file"] = [r.to_dict() for r in per_file_reports]
-        typer.echo(json.dumps(doc, indent=2))
+        typer.echo(json_document(doc))
         for path, _, what in outputs:
             typer.echo(f"wrote {what} to {path}", err=True)
         return

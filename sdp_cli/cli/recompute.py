@@ -4,7 +4,6 @@ batches from per-version checkpoints. Parsing and reporting only; the work is in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -100,7 +99,9 @@ def recompute_command(
 
         commit(result)
     if as_json:
-        typer.echo(json.dumps({**result.to_dict(), "dry_run": dry_run}, indent=2))
+        from sdp_cli.fileio import json_document
+
+        typer.echo(json_document({**result.to_dict(), "dry_run": dry_run}))
     else:
         _print_report(result, dry_run)
 

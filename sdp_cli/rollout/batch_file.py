@@ -2,17 +2,21 @@
 
 Packed 1-D tensors over the prompt + output tokens of every sequence, delimited by
 ``cu_seqlens``; index t of every per-token tensor refers to token t. Prompt tokens have
-version −1, zero logprobs/advantages and ``loss_mask`` 0. The reader never unpickles: it refuses
-pickles and ``torch.save`` archives by their first bytes, checks the header length before
-parsing, and validates dtypes, shapes, offsets, finiteness and version ranges. Every problem is a
+version −1, zero logprobs/advantages and ``loss_mask`` 0. The reader never unpickles: a file
+is taken for safetensors by its own structure first, and only otherwise refused as a pickle or
+``torch.save`` archive by its first bytes; the header length is checked before parsing, the
+file is copied into memory once (a map of a file that another process shrinks would SIGBUS),
+and dtypes, shapes, offsets, every integer's range (bounded by the file's own sizes), the
+log-prob range and the metadata numbers are validated. Every problem is a
 ``BatchFormatError`` with one line "<path>: <problem>; <fix>".
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import re
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 
 from sdp_cli import __version__
+from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_bytes
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
@@ -31,6 +36,13 @@ FORMAT_VERSION = 1
 #: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
 MAX_HEADER_BYTES = 1024 * 1024
 MODES = ("bypass", "decoupled", "segment_wise")
+#: the largest trainer version: exact in float64 and JSON, and v + 1 never overflows int64
+MAX_TRAINER_VERSION = 2**53 - 1
+#: token ids are int32 in every engine sdp drives (vocabularies are far smaller)
+MAX_TOKEN_ID = 2**31 - 1
+#: the lowest log-prob accepted (docs/batch-format.md): a logit gap of 1000 at the lowest
+#: temperature, 0.01; float32 keeps two decimals there, and sums of such values stay finite
+LOGPROB_FLOOR = -1e5
 
 REQUIRED_TENSORS = (
     "input_ids",
@@ -43,6 +55,7 @@ REQUIRED_TENSORS = (
 )
 OPTIONAL_TOKEN_FLOATS = ("proximal_logprobs", "logprobs", "advantages")
 TOKEN_FLOATS = ("old_logprobs", "proximal_logprobs_t", *OPTIONAL_TOKEN_FLOATS)
+LOGPROBS = ("old_logprobs", "proximal_logprobs_t", "proximal_logprobs", "logprobs")
 OPTIONAL_TENSORS = (*OPTIONAL_TOKEN_FLOATS, "rewards", "loss_mask")
 DTYPES: dict[str, torch.dtype] = {
     "input_ids": torch.int64,
@@ -298,10 +311,10 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
 
     if batch.mode not in MODES:
         fail(f"mode {batch.mode!r} is not one of {', '.join(MODES)}")
-    if batch.trainer_version < 0:
-        fail(f"trainer_version is {batch.trainer_version}, must be >= 0")
-    if not (math.isfinite(batch.temperature) and batch.temperature > 0):
-        fail(f"temperature is {batch.temperature}, must be a finite number > 0")
+    if not 0 <= batch.trainer_version <= MAX_TRAINER_VERSION:
+        fail(f"trainer_version {batch.trainer_version} is outside [0, {MAX_TRAINER_VERSION}]")
+    if not MIN_TEMPERATURE <= batch.temperature <= MAX_TEMPERATURE:  # also refuses NaN
+        fail(f"temperature {batch.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
     tensors = batch.tensors()
     for name, tensor in tensors.items():
         if tensor.dtype != DTYPES[name]:
@@ -316,6 +329,12 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
         want = expected_len.get(name, n)
         if tensor.numel() != want:
             fail(f"tensor {name} has {tensor.numel()} entries, expected {want}")
+    # Bounded first, so the differences below cannot wrap around int64.
+    for name, values, high in (("cu_seqlens", batch.cu_seqlens, n), ("input_ids", batch.input_ids, MAX_TOKEN_ID)):
+        bad = (values < 0) | (values > high)
+        if bool(bad.any()):
+            i = _first(bad)
+            fail(f"{name}[{i}] = {int(values[i])} is outside [0, {high}]")
     cu = batch.cu_seqlens
     if int(cu[0]) != 0:
         fail(f"cu_seqlens starts at {int(cu[0])}, must start at 0")
@@ -358,6 +377,16 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
             fail(
                 f"{name} of prompt {where_token(t)} is {tensor[t].item()}, prompt tokens must have {prompt_value}"
             )
+    for name in LOGPROBS:
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        bad = ~is_prompt & ((tensor > 0) | (tensor < LOGPROB_FLOOR))
+        if bool(bad.any()):
+            t = _first(bad)
+            value = float(tensor[t])
+            limit = "must be <= 0" if value > 0 else f"below the floor {LOGPROB_FLOOR:g}"
+            fail(f"{name} of output {where_token(t)} is {value:.6g}, {limit} (a log-probability)")
     v, pv, c = batch.versions, batch.proximal_t_versions, batch.trainer_version
     bad = ~is_prompt & ((v < 0) | (v > c))
     if bool(bad.any()):
@@ -395,6 +424,16 @@ def write_batch(path: str | os.PathLike[str], batch: SavedBatch) -> Path:
 
 
 # ------------------------------------------------------------------------- reading
+def _looks_like_safetensors(head: bytes, size: int, first_header_byte: bytes) -> bool:
+    """The file's own structure: a plausible header length that fits the file, followed by the
+    opening brace of a JSON object. Checked before any magic bytes, because a valid header of
+    640, 896, 1152 or 1408 bytes begins with what a pickle begins with (0x80, then 2–5)."""
+    if len(head) < 8:
+        return False
+    header_len = int.from_bytes(head, "little")
+    return 2 <= header_len <= MAX_HEADER_BYTES and 8 + header_len <= size and first_header_byte == b"{"
+
+
 def _refuse_foreign(where: str, head: bytes) -> None:
     """Refuse zip archives (``torch.save``) and pickles by their magic bytes, unread."""
     if head.startswith(b"PK\x03\x04"):
@@ -405,15 +444,25 @@ def _refuse_foreign(where: str, head: bytes) -> None:
         raise BatchFormatError(where, "is a Python pickle, which sdp never loads", FIX_NOT_OURS)
 
 
-def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int]:
-    """(parsed header JSON, bytes of tensor data after it), sizes checked before parsing."""
+def _read_file(where: str, path: Path) -> tuple[bytes, int]:
+    """(the whole file, its header length), copied into memory once. Sizes are checked on the
+    first 8 bytes, before anything else is read or allocated."""
     try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise BatchFormatError(where, "is not a regular file", "pass the path of a batch file")
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise BatchFormatError(where, "is not a regular file", "pass the path of a batch file")
+            f = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        size = info.st_size
+        with f:
             head = f.read(8)
-            _refuse_foreign(where, head)
+            if not _looks_like_safetensors(head, size, f.read(1)):
+                _refuse_foreign(where, head)
             if len(head) < 8:
                 raise BatchFormatError(
                     where, f"is truncated: {len(head)} bytes, shorter than the 8-byte header length"
@@ -431,26 +480,36 @@ def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int]:
                     where,
                     f"is truncated: the header claims {header_len} bytes but {size - 8} follow",
                 )
-            raw = f.read(header_len)
+            f.seek(0)
+            data = f.read(size + 1)
     except FileNotFoundError:
         raise BatchFormatError(where, "file not found", "check the path") from None
     except PermissionError:
         raise BatchFormatError(where, "permission denied", "check the file's permissions") from None
-    except IsADirectoryError:
-        raise BatchFormatError(where, "is a directory", "pass the path of a batch file") from None
     except OSError as err:
         raise BatchFormatError(
             where, f"cannot be read ({err.strerror or err})", "check the file"
         ) from None
+    if len(data) != size or data[:8] != head:
+        raise BatchFormatError(
+            where,
+            f"changed while it was read ({size} bytes, then {len(data)})",
+            "read it again once the process writing it has finished",
+        )
+    return data, header_len
+
+
+def _parse_header(where: str, data: bytes, header_len: int) -> tuple[dict[str, Any], int]:
+    """(parsed header JSON, bytes of tensor data after it)."""
     try:
-        header = json.loads(raw)
+        header = json.loads(data[8 : 8 + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise BatchFormatError(
             where, "header is not valid JSON (not a safetensors file, or corrupt)"
         ) from None
     if not isinstance(header, dict):
         raise BatchFormatError(where, "header is not a JSON object")
-    return header, size - 8 - header_len
+    return header, len(data) - 8 - header_len
 
 
 def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
@@ -482,12 +541,16 @@ def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
         raise BatchFormatError(
             where, f"format version {version} is not supported (expected {FORMAT_VERSION})"
         )
+    if not _DECIMAL.fullmatch(meta["trainer_version"]):
+        raise BatchFormatError(
+            where, f"trainer_version {meta['trainer_version'][:40]!r} is not a plain decimal integer"
+        )
+    trainer_version = int(meta["trainer_version"])
     try:
-        trainer_version = int(meta["trainer_version"])
         temperature = float(meta["temperature"])
     except ValueError:
         raise BatchFormatError(
-            where, "trainer_version or temperature in the metadata is not a number"
+            where, f"temperature {meta['temperature'][:40]!r} in the metadata is not a number"
         ) from None
     return {
         "trainer_version": trainer_version,
@@ -496,6 +559,11 @@ def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
         "mode": meta["mode"],
         "sdp_version": meta["sdp_version"],
     }
+
+
+#: a trainer version as sdp writes it (str(int)); at most 40 digits, so that int() never
+#: spends time on a hostile string (the range itself is checked in validate_batch)
+_DECIMAL = re.compile(r"[0-9]{1,40}")
 
 
 def _check_entries(where: str, header: dict[str, Any], data_len: int) -> None:
@@ -515,18 +583,13 @@ def _check_entries(where: str, header: dict[str, Any], data_len: int) -> None:
                 where, f"tensor {name} has dtype {entry.get('dtype')}, expected {st_dtype}"
             )
         shape = entry.get("shape")
-        if not (
-            isinstance(shape, list)
-            and len(shape) == 1
-            and isinstance(shape[0], int)
-            and shape[0] >= 0
-        ):
+        if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0):
             raise BatchFormatError(where, f"tensor {name} has shape {shape}, expected 1-D")
         offsets = entry.get("data_offsets")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
+            and all(type(o) is int for o in offsets)
         ):
             raise BatchFormatError(where, f"tensor {name} has malformed data_offsets {offsets}")
         begin, end = offsets
@@ -544,16 +607,17 @@ def _check_entries(where: str, header: dict[str, Any], data_len: int) -> None:
 def read_batch(path: str | os.PathLike[str]) -> SavedBatch:
     """Read and validate a batch file; any problem raises ``BatchFormatError`` (one line)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     target = Path(path)
     where = str(target)
-    header, data_len = _read_header(where, target)
+    data, header_len = _read_file(where, target)
+    header, data_len = _parse_header(where, data, header_len)
     meta = _parse_metadata(where, header)
     _check_entries(where, header, data_len)
     try:
-        tensors = load_file(target)
-    except (SafetensorError, OSError) as err:
+        tensors = load(data)
+    except (SafetensorError, ValueError) as err:
         problem = " ".join(str(err).split())
         raise BatchFormatError(where, f"safetensors cannot load it ({problem})") from None
     batch = SavedBatch(

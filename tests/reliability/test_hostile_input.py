@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save, save_file
 
@@ -73,6 +73,33 @@ def _cu_not_increasing(t, m):
 
 def _newer_format(t, m):
     m["format_version"] = "99"
+
+
+def _cu_wraps_int64(t, m):
+    # differences stay positive in int64: 2^62 − 0, (−2^63 + 100) − 2^62 → 2^62 + 100,
+    # 34 − (−2^63 + 100) → 2^63 − 66; unbounded, this was SIGSEGV (inspect) and SIGFPE (recompute)
+    t["cu_seqlens"][1] = 2**62
+    t["cu_seqlens"][2] = -(2**63) + 100
+
+
+def _trainer_version_2_70(t, m):
+    m["trainer_version"] = str(2**70)
+
+
+def _positive_logprob(t, m):
+    t["old_logprobs"][t["versions"] >= 0] = 0.5
+
+
+def _logprob_near_float_min(t, m):
+    t["proximal_logprobs"][t["versions"] >= 0] = -3e38
+
+
+def _tiny_temperature(t, m):
+    m["temperature"] = "1e-300"
+
+
+def _token_id_negative(t, m):
+    t["input_ids"][3] = -5
 
 
 def _run_dir(tmp: Path, overrides: str) -> Path:
@@ -153,6 +180,29 @@ MALFORMED = [
      "cu_seqlens is not strictly increasing"),
     ("inspect-weights: newer format version",
      lambda t: ["inspect-weights", str(_edited_batch(t / "v.safetensors", _newer_format))], "upgrade sdp"),
+    ("inspect-weights: cu_seqlens wrap int64",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "w.safetensors", _cu_wraps_int64))],
+     "cu_seqlens[1] = 4611686018427387904 is outside [0, 695]"),
+    ("recompute: cu_seqlens wrap int64",
+     lambda t: ["recompute", str(_edited_batch(t / "w.safetensors", _cu_wraps_int64)), "-c", str(t)],
+     "cu_seqlens[1] = 4611686018427387904 is outside [0, 695]"),
+    ("inspect-weights: trainer_version 2^70",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "v.safetensors", _trainer_version_2_70))],
+     "trainer_version 1180591620717411303424 is outside"),
+    ("inspect-weights: log-probs above 0, --json",
+     lambda t: ["inspect-weights", "--json", str(_edited_batch(t / "p.safetensors", _positive_logprob))],
+     "is 0.5, must be <= 0"),
+    ("inspect-weights: log-probs near -3e38, --json",
+     lambda t: ["inspect-weights", "--json", str(_edited_batch(t / "p.safetensors", _logprob_near_float_min))],
+     "below the floor -100000"),
+    ("inspect-weights: temperature 1e-300 in the header",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "t.safetensors", _tiny_temperature))],
+     "temperature 1e-300 is outside [0.01, 100]"),
+    ("recompute: negative token id",
+     lambda t: ["recompute", str(_edited_batch(t / "i.safetensors", _token_id_negative)), "-c", str(t)],
+     "input_ids[3] = -5 is outside"),
+    ("train: temperature 1e-300", lambda t: ["train", "rollout.temperature=1e-300"],
+     "rollout.temperature=1e-300 is outside [0.01, 100]"),
     ("inspect-weights: directory without batches", lambda t: ["inspect-weights", str(_empty_dir(t))],
      "holds no *.safetensors"),
     ("recompute: no --checkpoints", lambda t: ["recompute", str(EXAMPLE)], "Missing option '--checkpoints'"),
@@ -325,6 +375,82 @@ def test_fuzzed_batch_files_are_read_or_refused_in_one_line(tmp_path, content):
     except BatchFormatError as err:
         assert "\n" not in str(err) and str(err).startswith(str(path))
     assert time.perf_counter() - started < 2.0, "the reader took too long"
+
+
+INT64_EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**53 - 1, 2**53, 2**62, 2**63 - 1, -(2**63), -(2**62)]
+_INT64 = st.one_of(st.sampled_from(INT64_EDGES), st.integers(-(2**63), 2**63 - 1), st.integers(-3, 800))
+_METADATA_NUMBERS = st.one_of(
+    st.sampled_from([*map(str, INT64_EDGES), str(2**64), str(2**70), "1e-300", "1e309", "5e-324", "-0",
+                     "nan", "-inf", "1_0", " 1", "+1", "\u0661", "0x10", "", "9" * 5000]),
+    st.integers(-(2**80), 2**80).map(str), st.floats().map(repr), st.text(max_size=8),
+)  # fmt: skip
+_INT_TENSORS = ("cu_seqlens", "prompt_lens", "versions", "proximal_t_versions", "input_ids")
+_FLOAT_TENSORS = ("old_logprobs", "proximal_logprobs_t", "proximal_logprobs", "advantages", "rewards")
+_INT64_WRAP = 2**64
+
+
+def _wrap(x: int) -> int:
+    return (x + 2**63) % _INT64_WRAP - 2**63
+
+
+@st.composite
+def _wrapping_cu_seqlens(draw, n: int, entries: int):
+    """cu_seqlens from 0 to ``n`` whose differences are all positive in int64 arithmetic, with
+    values far outside [0, n] (they wrap around)."""
+    cu = [0]
+    for _ in range(entries - 3):
+        cu.append(_wrap(cu[-1] + draw(st.integers(1, 2**63 - 1))))
+    # the last two steps: to a value v with v − cu[-1] > 0 and n − v > 0, both wrapped
+    v = draw(st.integers(n + 1 - 2**63, n - 1))
+    assume(0 < _wrap(v - cu[-1]) and 0 < _wrap(n - v))
+    return torch.tensor([*cu, v, n], dtype=torch.int64)
+
+
+@st.composite
+def _hostile_numbers(draw):
+    """The example batch with 1–4 numbers replaced: int64 entries by edge values or any int64,
+    log-probs and rewards by any float32, metadata numbers by arbitrary strings, or cu_seqlens
+    by a sequence whose differences are all positive in wrapping int64 arithmetic."""
+    tensors, meta = _example_tensors()
+    for _ in range(draw(st.integers(1, 4))):
+        what = draw(st.sampled_from(["metadata", "wrapping cu_seqlens", "int", "float"]))
+        if what == "int":
+            name = draw(st.sampled_from(_INT_TENSORS))
+            tensors[name][draw(st.integers(0, tensors[name].numel() - 1))] = draw(_INT64)
+        elif what == "float":
+            name = draw(st.sampled_from(_FLOAT_TENSORS))
+            tensors[name][draw(st.integers(0, tensors[name].numel() - 1))] = draw(st.floats(width=32))
+        elif what == "metadata":
+            meta[draw(st.sampled_from(["trainer_version", "temperature"]))] = draw(_METADATA_NUMBERS)
+        else:
+            cu = tensors["cu_seqlens"]
+            tensors["cu_seqlens"] = draw(_wrapping_cu_seqlens(int(cu[-1]), cu.numel()))
+    return tensors, meta
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_hostile_numbers())
+def test_fuzzed_header_and_tensor_numbers_are_read_or_refused_in_one_line(tmp_path, case):
+    """Whatever the numbers, the reader accepts the batch or refuses it in one line; an accepted
+    batch can be analysed (the layout, padding and every statistic) and its --json report is
+    strict JSON. A crash here (SIGSEGV, SIGFPE, OverflowError) fails the whole session."""
+    from sdp_cli.analysis.inspect import analyse_batches
+    from sdp_cli.fileio import json_document
+
+    tensors, meta = case
+    path = tmp_path / "numbers.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    try:
+        batch = read_batch(path)
+    except BatchFormatError as err:
+        assert "\n" not in str(err) and str(err).startswith(str(path))
+        return
+    report = analyse_batches([batch], [str(path)])
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    json.loads(json_document(report.to_dict()), parse_constant=refuse)
 
 
 KEYS = [key for key, _, _ in field_docs()]
