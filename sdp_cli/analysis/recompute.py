@@ -15,13 +15,12 @@ version was loaded can be computed again, for any saved batch (trainer version c
 
 Each checkpoint is loaded once and scores, in length-sorted calls of at most
 ``max_tokens_per_call`` tokens, every token of every batch that needs it (one group per batch
-temperature). Nothing is written until every batch is computed; then all outputs are staged
-next to their targets and renamed into place, so a failure leaves each file old or new.
+temperature). Nothing is written until every batch is computed; then all outputs are written
+together through ``fileio.OutputPlan``: every target changes, or none.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -36,7 +35,7 @@ import torch
 
 from sdp_cli import __version__
 from sdp_cli.errors import UserError
-from sdp_cli.fileio import fsync_directory, stage_bytes
+from sdp_cli.fileio import Output, OutputPlan
 from sdp_cli.analysis.scorers import Scorer
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch, serialize_batch
 from sdp_cli.rollout.recompute import token_packs
@@ -524,6 +523,7 @@ class RecomputeResult:
     checkpoint_root: Path
     seconds: float
     options: RecomputeOptions
+    outputs: OutputPlan = field(default_factory=OutputPlan)
     written: list[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -589,10 +589,10 @@ def resolve_targets(sources: Sequence[Path], output: str | os.PathLike[str] | No
         return list(sources)
     raw = os.fspath(output)
     out = Path(raw).expanduser()
-    as_dir = out.is_dir() or raw.endswith(("/", os.sep)) or len(sources) > 1
+    as_dir = os.path.isdir(out) or raw.endswith(("/", os.sep)) or len(sources) > 1
     if not as_dir:
         return [out]
-    if out.exists() and not out.is_dir():
+    if os.path.lexists(out) and not os.path.isdir(out):
         raise UserError(f"--output {out} is a file but {len(sources)} batches were given; pass a directory")
     targets = [out / s.name for s in sources]
     names = [t.name for t in targets]
@@ -611,6 +611,7 @@ def recompute(
     options: RecomputeOptions | None = None,
     *,
     output: str | os.PathLike[str] | None = None,
+    force: bool = False,
     on_plan: Callable[[Plan], None] | None = None,
     progress: ProgressCallback | None = None,
 ) -> RecomputeResult:
@@ -625,6 +626,8 @@ def recompute(
     started = time.perf_counter()
     sources = expand_batch_paths(paths)
     targets = resolve_targets(sources, output)
+    outputs = OutputPlan(force=force, make_dirs=True)
+    planned = [outputs.add(t, "--output", replace=force or output is None) for t in targets]
     batches = [(p, read_batch(p)) for p in sources]
     root = checkpoint_root(checkpoints)
     store = find_checkpoints(root)
@@ -642,8 +645,8 @@ def recompute(
         apply_scores(path, batch, scores[i], plan.proximal_versions[i])
         for i, (path, batch) in enumerate(batches)
     ]
-    for outcome, target in zip(outcomes, targets, strict=True):
-        outcome.target = target
+    for outcome, out in zip(outcomes, planned, strict=True):
+        outcome.target = out.path
     lags = exact_decomposition([b for _, b in batches], scores) if options.exact else None
     return RecomputeResult(
         outcomes=outcomes,
@@ -653,46 +656,15 @@ def recompute(
         checkpoint_root=root,
         seconds=time.perf_counter() - started,
         options=options,
+        outputs=outputs,
     )
 
 
 def commit(result: RecomputeResult) -> list[Path]:
-    """Write every outcome to its target: all are staged (validated, written, fsynced) next to
-    their targets first, then renamed into place. A failure while staging leaves every target
-    unchanged; a failing rename (after staging succeeded) leaves the earlier targets new and
-    the later ones old, and the message names how many were written."""
-    staged: list[tuple[Path, Path]] = []
-    try:
-        for outcome in result.outcomes:
-            target = outcome.target
-            assert target is not None, "recompute() sets every target"
-            if not target.parent.is_dir():
-                try:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                except OSError as err:
-                    raise UserError(
-                        f"cannot create {target.parent} ({err.strerror}); choose a writable --output"
-                    ) from None
-            staged.append((stage_bytes(target, serialize_batch(outcome.batch, str(target))), target))
-    except BaseException:
-        for tmp, _ in staged:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        raise
-    written: list[Path] = []
-    for i, (tmp, target) in enumerate(staged):
-        try:
-            os.replace(tmp, target)
-        except OSError as err:
-            for rest, _ in staged[i:]:
-                with contextlib.suppress(OSError):
-                    os.unlink(rest)
-            raise UserError(
-                f"{target}: cannot replace it ({err.strerror}); {len(written)} of {len(staged)} batches "
-                f"were written before it, the others are unchanged; fix the problem and run again"
-            ) from None
-        written.append(target)
-    for directory in {t.parent for t in written}:
-        fsync_directory(directory)
-    result.written = written
-    return written
+    """Write every outcome to its target, all or none (``fileio.OutputPlan.commit``)."""
+    contents: dict[Output, bytes] = {
+        out: serialize_batch(outcome.batch, str(out.path))
+        for out, outcome in zip(result.outputs.outputs, result.outcomes, strict=True)
+    }
+    result.written = result.outputs.commit(contents)
+    return result.written

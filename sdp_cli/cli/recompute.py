@@ -65,6 +65,9 @@ def recompute_command(
         metavar="PATH",
         help="Write here instead of in place: a directory, or a file when one batch is given.",
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Let --output replace existing files (in place needs no --force)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and report; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     engine: str = typer.Option(
@@ -93,7 +96,7 @@ def recompute_command(
     options = RecomputeOptions(
         proximal=None if proximal is None else ProximalChoice.parse(proximal), exact=exact
     )
-    result = _run(batches, checkpoints, options, output, engine, servers, device, as_json)
+    result = _run(batches, checkpoints, options, output, force, engine, servers, device, as_json)
     if not dry_run:
         from sdp_cli.analysis.recompute import commit
 
@@ -111,6 +114,7 @@ def _run(
     checkpoints: Path,
     options: Any,
     output: Path | None,
+    force: bool,
     engine: str,
     servers: list[str],
     device: str,
@@ -162,6 +166,7 @@ def _run(
             make_scorer,
             options,
             output=output,
+            force=force,
             on_plan=on_plan,
             progress=on_progress,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -100,6 +101,21 @@ def _tiny_temperature(t, m):
 
 def _token_id_negative(t, m):
     t["input_ids"][3] = -5
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _existing(path: Path) -> Path:
+    path.write_bytes(EXAMPLE.read_bytes())  # a training batch the user keeps
+    return path
+
+
+def _hard_link(tmp: Path) -> Path:
+    os.link(_copy_example(tmp), tmp / "alias.safetensors")
+    return tmp / "alias.safetensors"
 
 
 def _run_dir(tmp: Path, overrides: str) -> Path:
@@ -203,6 +219,24 @@ MALFORMED = [
      "input_ids[3] = -5 is outside"),
     ("train: temperature 1e-300", lambda t: ["train", "rollout.temperature=1e-300"],
      "rollout.temperature=1e-300 is outside [0.01, 100]"),
+    ("inspect-weights: --plot over a FIFO", lambda t: ["inspect-weights", "--example", "--plot", str(_fifo(t / "f"))],
+     "is a FIFO, not a regular file"),
+    ("inspect-weights: --dump-weights over a training batch, no --force",
+     lambda t: ["inspect-weights", "--example", "--dump-weights", str(_existing(t / "step-000013.safetensors"))],
+     "already exists; pass --force to replace it"),
+    ("inspect-weights: --plot and --dump-weights one file (x and ./x)",
+     lambda t: ["inspect-weights", "--example", "--plot", f"{t}/w.out", "--dump-weights", f"{t}/./w.out"],
+     "is given for both --plot and --dump-weights"),
+    ("inspect-weights: --plot name of 300 characters",
+     lambda t: ["inspect-weights", "--example", "--plot", f"{t}/{'p' * 300}.png"], "longer than the 255"),
+    ("inspect-weights: one batch twice (a file and its hard link)",
+     lambda t: ["inspect-weights", str(_copy_example(t)), str(_hard_link(t))], "is the same file as"),
+    ("recompute: -o over an existing file, no --force",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(t), "-o", str(_existing(t / "kept.safetensors"))],
+     "already exists; pass --force"),
+    ("recompute: -o a FIFO",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(t), "-o", str(_fifo(t / "f")), "--force"],
+     "is a FIFO, not a regular file"),
     ("inspect-weights: directory without batches", lambda t: ["inspect-weights", str(_empty_dir(t))],
      "holds no *.safetensors"),
     ("recompute: no --checkpoints", lambda t: ["recompute", str(EXAMPLE)], "Missing option '--checkpoints'"),
