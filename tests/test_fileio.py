@@ -141,3 +141,15 @@ def test_json_document_is_strict_json_with_null_for_non_finite_numbers():
     # json.dumps would have written Infinity and NaN, which JSON parsers refuse
     assert json.loads(text) == {"a": None, "b": [None, 1.5, None], "c": {"d": 2}}
     assert "Infinity" not in text and "NaN" not in text
+
+
+def test_a_name_of_the_maximum_length_can_be_written(tmp_path):
+    """255 bytes is a legal name; the temporary sibling's name is shortened to fit too (before,
+    ".<name>.XXXXXXXX.tmp" was over the limit and the write failed)."""
+    name = "é" * 127 + "a"  # 255 bytes in UTF-8, the usual NAME_MAX
+    assert len(name.encode()) == 255
+    fileio.atomic_write_bytes(tmp_path / name, b"x")
+    plan = fileio.OutputPlan(force=True)
+    out = plan.add(tmp_path / name, "--plot")
+    plan.commit({out: b"y"})
+    assert (tmp_path / name).read_bytes() == b"y" and len(list(tmp_path.iterdir())) == 1

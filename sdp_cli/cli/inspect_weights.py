@@ -128,7 +128,8 @@ def inspect_weights_command(
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console(highlight=False)
+    # paths are escaped where they are printed; emoji codes (":thumbs_up:") in them stay text
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         # Piped or captured output has no width to fit; 80 columns would truncate the tables.
         console.width = max(console.width, 120)

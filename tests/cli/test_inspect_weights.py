@@ -398,3 +398,17 @@ def test_a_batch_without_response_tokens_reports_no_statistics(tmp_path, make, c
     assert code == 0, err
     bypass_row = next(line for line in out.splitlines() if line.strip().startswith("bypass"))
     assert bypass_row.split()[-5:] == ["n/a"] * 5, bypass_row  # mean std min max ESS
+
+
+def test_paths_with_rich_markup_are_printed_as_they_are(tmp_path, capsys):
+    """A directory "b [" holding "] [bold] :thumbs_up:…": the paths contain "[/]" with no tag
+    open (a MarkupError traceback), "[bold]" (a style rich would apply and hide) and an emoji code."""
+    directory = tmp_path / "b ["
+    directory.mkdir()
+    batch = write_batch(directory / "] [bold] :thumbs_up:.safetensors", read_batch(EXAMPLE_BATCH))
+    plot = directory / "] [bold] :thumbs_up:.png"
+    code, out, err = run_main(["inspect-weights", str(batch), "--per-file", "--plot", str(plot)], capsys)
+    assert code == 0, err
+    flat = " ".join(out.split())  # rich may wrap a long path
+    assert str(batch) in flat and f"wrote weight histograms to {plot}" in flat
+    assert "👍" not in out  # :thumbs_up: stays text

@@ -11,6 +11,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -278,3 +279,82 @@ def test_a_too_long_output_name_is_one_line(run_dir, batches, tmp_path, capsys):
     code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", target], capsys)
     assert_one_line_error(code, err, "longer than the 255 this file system allows")
     assert list(tmp_path.iterdir()) == [files[0].parent] and unchanged(files, before)
+
+
+def test_paths_with_rich_markup_are_printed_as_they_are(run_dir, batches, tmp_path, capsys):
+    """Paths holding "[/]" with no tag open (a MarkupError traceback; here across two path
+    components), "[bold]" (a style rich would apply and hide) and an emoji code are printed as
+    they are."""
+    files, _ = batches
+    out_dir = tmp_path / "o [" / "] :thumbs_up:"
+    source = files[0].parent / "[bold] [x] :thumbs_up:.safetensors"
+    files[2].rename(source)
+    code, out, err = run_main(["recompute", source, "-c", run_dir, "-o", f"{out_dir}/"], capsys)
+    assert code == 0, err
+    assert source.name in out and f"wrote 1 batch file(s) to {out_dir}" in out
+    assert "👍" not in out
+
+
+def test_a_trailing_slash_makes_the_output_a_directory_even_for_one_batch(run_dir, batches, tmp_path, capsys):
+    """Before, typer turned "-o new/" into Path("new"), so one batch was written to a file
+    named "new" (docs/recompute.md: a trailing slash means a directory)."""
+    files, _ = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", f"{tmp_path / 'new'}/"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "new").is_dir() and read_batch(tmp_path / "new" / files[2].name).trainer_version == 2
+
+
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        ("bogus", "--device 'bogus' is not a device; use auto, cpu, cuda or cuda:N"),
+        ("meta", "--device 'meta' is not supported; use auto, cpu, cuda or cuda:N"),
+        ("cuda:x", "--device 'cuda:x' is not a device"),
+    ],
+)
+def test_a_bad_device_is_one_line(run_dir, batches, device, fragment, capsys):
+    files, before = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", device], capsys)
+    assert_one_line_error(code, err, fragment)
+    assert unchanged(files, before)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:99"])
+def test_a_missing_cuda_device_is_one_line(run_dir, batches, device, monkeypatch, capsys):
+    """Without CUDA (this machine's torch is CPU-only) and, simulated, with one GPU."""
+    import torch
+
+    files, before = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", device], capsys)
+    if torch.cuda.is_available():
+        assert code == 0 or "CUDA device" in err
+    else:
+        assert_one_line_error(code, err, f"--device {device}: CUDA is not available", "use --device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", "cuda:99"], capsys)
+    assert_one_line_error(code, err, "--device cuda:99: this machine has 1 CUDA device(s) (cuda:0 to cuda:0)")
+    assert unchanged(files, before)
+
+
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("localhost:8000", "no http:// or https:// scheme"),
+        ("ftp://host:8000", "no http:// or https:// scheme"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://host:99999", "Port out of range 0-65535"),
+        ("http://host:0", "port 0"),
+        ("http://host:port", "Port could not be cast to integer value"),
+        ("http://", "no host"),
+        ("http://a b:8000", "spaces or control characters"),
+        ("http://host:8000/?x=1", "a query or fragment"),
+    ],
+)
+def test_a_malformed_server_url_is_one_line_and_immediate(run_dir, batches, url, fragment, capsys):
+    files, before = batches
+    started = time.perf_counter()
+    code, _, err = run_main(["recompute", files[1], "-c", run_dir, "--engine", "vllm", "--server", url], capsys)
+    assert_one_line_error(code, err, f"--server {url!r} is not a server URL", fragment)
+    assert time.perf_counter() - started < 5, "refused before any connection attempt (and its retries)"
+    assert unchanged(files, before)

@@ -118,6 +118,19 @@ def _hard_link(tmp: Path) -> Path:
     return tmp / "alias.safetensors"
 
 
+def _versions_with_a_truncated_one(tmp: Path) -> Path:
+    """v000008 and v000009 (the versions the example batch needs), v000008's weights cut in half."""
+    from sdp_cli.models import load_policy, save_policy
+
+    policy = load_policy("tiny", task="arith1", warm_start_steps=0, hidden_size=32, num_layers=1,
+                         num_heads=2, num_kv_heads=2, intermediate_size=64)  # fmt: skip
+    for version in (8, 9):
+        save_policy(policy, tmp / "run" / "versions" / f"v{version:06d}")
+    weights = tmp / "run" / "versions" / "v000008" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return tmp / "run"
+
+
 def _run_dir(tmp: Path, overrides: str) -> Path:
     run = tmp / "oldrun"
     run.mkdir()
@@ -237,6 +250,9 @@ MALFORMED = [
     ("recompute: -o a FIFO",
      lambda t: ["recompute", str(_copy_example(t)), "-c", str(t), "-o", str(_fifo(t / "f")), "--force"],
      "is a FIFO, not a regular file"),
+    ("recompute: a version's model.safetensors truncated",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(_versions_with_a_truncated_one(t)), "--dry-run"],
+     "v000008: model.safetensors is truncated"),
     ("inspect-weights: directory without batches", lambda t: ["inspect-weights", str(_empty_dir(t))],
      "holds no *.safetensors"),
     ("recompute: no --checkpoints", lambda t: ["recompute", str(EXAMPLE)], "Missing option '--checkpoints'"),
@@ -301,6 +317,7 @@ def test_malformed_input_is_one_line_nonzero_and_writes_nothing(
     inputs = tmp_path / "in"
     inputs.mkdir()
     argv = build(inputs)
+    capsys.readouterr()  # what building the input printed is not the command's output
     work = tmp_path / "work"  # the working directory: runs/ would appear here
     work.mkdir()
     monkeypatch.chdir(work)
@@ -626,3 +643,23 @@ def test_a_torch_save_file_is_refused_unread(tmp_path, monkeypatch):
         with pytest.raises(BatchFormatError):
             read_batch(path)
     assert save({"x": torch.zeros(1)})  # the safetensors writer itself is untouched
+
+
+def test_truncated_weights_are_one_line_in_every_reader(tmp_path, monkeypatch, capsys):
+    """A model.safetensors cut short: the local engine's weight reader, the policy loader behind
+    `sdp train model=hf` and recompute's scorers (the MALFORMED case above) each name the file
+    and say it is truncated. (`sdp train` still creates its run directory first: issue 13
+    item 8, another change.)"""
+    from sdp_cli.engine._local_weights import read_safetensors_dir
+    from sdp_cli.engine.base import EngineError
+
+    run = _versions_with_a_truncated_one(tmp_path)
+    broken = run / "versions" / "v000008"
+    with pytest.raises(EngineError, match="model.safetensors: is truncated: tensor") as err:
+        read_safetensors_dir(broken)
+    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    code, err_text = _run_main(["train", "model=hf", f"model.path={broken}", "train.steps=1"], capsys)
+    assert code == 2
+    assert "model.safetensors is truncated" in error_line(err_text)
