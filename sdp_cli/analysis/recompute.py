@@ -50,7 +50,11 @@ def checkpoint_root(path: str | os.PathLike[str]) -> Path:
     """The directory holding the version directories: a run directory's ``versions/``, or
     ``path`` itself."""
     root = Path(path).expanduser()
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as err:  # e.g. a name too long for the file system
+        raise UserError(f"checkpoint directory {root}: {err.strerror}; pass a run directory or its versions/") from None
+    if not is_dir:
         raise UserError(
             f"checkpoint directory {root} does not exist; pass a run directory or its versions/ directory"
         )
@@ -566,7 +570,7 @@ def expand_batch_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
-        if path.is_dir():
+        if os.path.isdir(path):  # False for a name too long: the reader then names the problem
             found = sorted(p for p in path.glob("*.safetensors") if p.is_file())
             if not found:
                 raise UserError(f"{path} holds no *.safetensors batch files; pass batch files or a batches/ directory")
