@@ -170,7 +170,8 @@ class OutputPlan:
     file named for two outputs (whatever the spelling, see :func:`file_identity`); an existing
     file unless ``force`` (or ``replace=True`` for that output); an unwritable directory.
     ``commit`` re-checks, stages every file, then renames them into place; if any step fails,
-    every output is as it was before (a replaced file is restored from a hard-link backup).
+    every output is as it was before (a replaced file is restored from a hard-link backup, or
+    a copy where the file system has no hard links).
     """
 
     def __init__(self, *, force: bool = False, inputs: Iterable[Path] = (), make_dirs: bool = False):
@@ -249,7 +250,7 @@ class OutputPlan:
         try:
             for out in self._outputs:
                 current = out
-                created += _make_dirs(out.target.parent)
+                _make_dirs(out.target.parent, created)
                 staged.append((stage_bytes(out.target, contents[out]), out))
             for tmp, out in staged:
                 current = out
@@ -261,11 +262,13 @@ class OutputPlan:
                     if backup is not None:
                         os.unlink(backup)
                     raise
-        except (OSError, UserError) as err:
+        except UserError as err:  # already names the file and the problem
             _roll_back(published, staged, created)
-            problem = err.strerror if isinstance(err, OSError) else str(err)
+            raise UserError(f"{err}; nothing was written") from None
+        except OSError as err:
+            _roll_back(published, staged, created)
             raise UserError(
-                f"{current.path if current else '?'}: cannot be written ({problem}); nothing was written"
+                f"{current.path if current else '?'}: cannot be written ({err.strerror or err}); nothing was written"
             ) from None
         except BaseException:
             _roll_back(published, staged, created)
@@ -294,8 +297,9 @@ def _existing_ancestor(directory: Path) -> Path:
     return directory
 
 
-def _make_dirs(directory: Path) -> list[Path]:
-    """Create ``directory`` and its missing parents; returns those created, outermost first."""
+def _make_dirs(directory: Path, created: list[Path]) -> None:
+    """Create ``directory`` and its missing parents, outermost first, appending each to
+    ``created`` as soon as it exists (so that a failure half-way can remove them)."""
     missing = []
     while not os.path.lexists(directory):
         missing.append(directory)
@@ -304,8 +308,8 @@ def _make_dirs(directory: Path) -> list[Path]:
         try:
             path.mkdir()
         except OSError as err:
-            raise UserError(f"cannot create {path} ({err.strerror})") from None
-    return list(reversed(missing))
+            raise UserError(f"{path}: cannot create the directory ({err.strerror})") from None
+        created.append(path)
 
 
 def _backup(target: Path) -> Path | None:

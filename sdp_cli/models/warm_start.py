@@ -243,7 +243,10 @@ def _set_aside(entry: Path) -> None:
         raise UserError(
             f"warm-start cache entry {entry} is damaged and cannot be removed ({err.strerror}); delete it by hand"
         ) from None
-    shutil.rmtree(graveyard, ignore_errors=True)
+    if graveyard.is_dir():
+        shutil.rmtree(graveyard, ignore_errors=True)
+    else:
+        graveyard.unlink(missing_ok=True)
 
 
 def _publish(tmp: Path, entry: Path, info: dict[str, Any]) -> None:
