@@ -18,6 +18,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 LOSS_TYPES = ("ppo_clip", "reinforce")
 STALENESS_STRATEGIES = ("standard", "segment_wise")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
+PROXIMAL_T_SOURCES = ("engine", "trainer")
 ENGINE_KINDS = ("local", "vllm", "sglang")
 MODEL_KINDS = ("tiny", "hf")
 TASKS = ("arith1", "arith2", "gsm8k")
@@ -34,13 +35,14 @@ class RejectionConfig:
     """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
 
     level: str | None = None
-    """token | sequence | geometric; null turns rejection sampling off."""
+    """token | sequence | geometric; null turns the ratio bounds off (a veto still applies)."""
     upper: float = 2.0
     """keep where ratio <= upper."""
     lower: float | None = None
     """keep where ratio >= lower; null means 1/upper."""
     veto: float | None = None
-    """drop a whole sequence if any token's ratio is below this; null = no veto."""
+    """drop a whole sequence if any token's ratio is below this, with or without level (verl's
+    token veto); null = no veto."""
 
 
 @dataclass
@@ -69,6 +71,9 @@ class LossConfig:
     """dual-clip constant c > 1 for negative advantages; null = off."""
     agg: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    norm_length: int | None = None
+    """seq-mean-token-sum-norm: the constant length L of Σ_i s_i / (L · sequences per optimizer
+    step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
     """ppo_clip | reinforce (−A·log π_θ·w)."""
     scale_adv_by_std: bool = True
@@ -98,6 +103,10 @@ class RolloutConfig:
     """response budget; null = the task's default."""
     recompute: str = "auto"
     """auto (segment_wise only) | always (also in other modes, for measurement) | never."""
+    proximal_t_source: str = "engine"
+    """where π_prox_t of tokens one version stale comes from: engine (scored by the inference
+    engine, like π_behav, so their numeric mismatch cancels) | trainer (the trainer's π_prox:
+    no engine scoring at batch time, but trainer/engine mismatch enters the weight of those tokens)."""
 
 
 @dataclass
@@ -184,7 +193,8 @@ class EngineConfig:
     api_key_env: str | None = None
     """remote engines: name of the environment variable holding the API key (never logged)."""
     allow_temperature_mismatch: bool = False
-    """remote engines: run at temperature != 1 although prefill logprobs are not temperature-scaled."""
+    """remote engines: run at temperature != 1 although the server's logprobs are then wrong
+    (vLLM: not temperature-scaled; SGLang: prefill ones not; docs/engines.md)."""
     extra_args: list[str] = field(default_factory=list)
     """remote engines: extra command-line arguments for a launched server."""
     env: dict[str, str] = field(default_factory=dict)
@@ -258,6 +268,14 @@ class RunConfig:
     """live progress display in the terminal."""
 
 
+def tracks_proximal_t(cfg: "SdpConfig") -> bool:
+    """Whether the run keeps π_prox_t = π_{v+1} for stale tokens: the recompute pass runs
+    (segment_wise needs it; ``rollout.recompute=always`` measures it in other modes)."""
+    return cfg.rollout.recompute == "always" or (
+        cfg.rollout.recompute == "auto" and cfg.loss.mode == "segment_wise"
+    )
+
+
 @dataclass
 class SdpConfig:
     """A whole training run."""
@@ -297,6 +315,34 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False, 
         raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
 
 
+def _check_bypass(loss: LossConfig) -> None:
+    """Refuse what bypass would ignore (docs/training.md, "bypass"): it has no behavioural log
+    ratio to reject on, and with ppo_clip no behavioural weight to bound (the PPO ratio
+    π_θ/π_behav is clipped by loss.clip); reinforce's importance weight π_θ/π_behav is bounded."""
+    if loss.rejection.level is not None or loss.rejection.veto is not None:
+        raise ConfigValueError(
+            "loss.rejection needs a behavioural log ratio, which loss.mode=bypass does not have; "
+            "set loss.rejection.level=null and loss.rejection.veto=null, or use mode=decoupled"
+        )
+    if loss.loss_type != "ppo_clip":
+        return
+    instead = (
+        "which loss.mode=bypass with loss.loss_type=ppo_clip does not have "
+        "(loss.clip bounds its ratio π_θ/π_behav)"
+    )
+    for key, value in (("weight_cap", loss.weight_cap), ("weight_floor", loss.weight_floor)):
+        if value is not None:
+            raise ConfigValueError(
+                f"loss.{key}={value} bounds a behavioural weight, {instead}; "
+                f"set loss.{key}=null or use loss.loss_type=reinforce"
+            )
+    if loss.batch_normalize:
+        raise ConfigValueError(
+            f"loss.batch_normalize=true normalises a behavioural weight, {instead}; "
+            "set loss.batch_normalize=false or use loss.loss_type=reinforce"
+        )
+
+
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
     loss = cfg.loss
@@ -323,6 +369,7 @@ def validate(cfg: SdpConfig) -> None:
             raise ConfigValueError(
                 f"loss.drift_clip={loss.drift_clip} must be >= 1 (1 = segment-wise, inf = decoupled)"
             )
+    _positive("loss.norm_length", loss.norm_length, allow_none=True)
     _positive("loss.clip", loss.clip)
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
@@ -337,7 +384,9 @@ def validate(cfg: SdpConfig) -> None:
             raise ConfigValueError(
                 f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
             )
-        _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    if loss.mode == "bypass":
+        _check_bypass(loss)
 
     ro = cfg.rollout
     _positive("rollout.max_head_offpolicyness", ro.max_head_offpolicyness, strict=False)
@@ -352,6 +401,7 @@ def validate(cfg: SdpConfig) -> None:
         )
     _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
     _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
+    _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)
 
     _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
     if cfg.staleness.strategy == "segment_wise" and loss.mode == "bypass":

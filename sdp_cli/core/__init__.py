@@ -9,7 +9,7 @@ advantages   GRPO / Dr.GRPO group-normalised advantages
 
 from sdp_cli.core.advantages import group_advantages
 from sdp_cli.core.logprobs import logprobs_from_logits
-from sdp_cli.core.loss import aggregate_loss, policy_loss
+from sdp_cli.core.loss import aggregate_loss, loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.weights import behavior_log_ratio, importance_weights, rejection_mask
 
@@ -19,6 +19,7 @@ __all__ = [
     "group_advantages",
     "importance_weights",
     "logprobs_from_logits",
+    "loss_count",
     "offpolicy_metrics",
     "policy_loss",
     "rejection_mask",

@@ -16,6 +16,7 @@ Run directory (``runs/<timestamp>-<mode>-<task>/``):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import random
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from sdp_cli.config.compose import compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
@@ -206,14 +207,18 @@ class TrainingRun:
         )
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
+        max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.trainer = Trainer(
             self.policy.model,
-            loss=cfg.loss,
+            # the Dr.GRPO normaliser's constant length defaults to the generation budget
+            loss=dataclasses.replace(cfg.loss, norm_length=cfg.loss.norm_length or max_new),
             optim=cfg.optim,
             temperature=cfg.rollout.temperature,
             seed=cfg.seed,
-            measure_proximal_t=cfg.rollout.recompute == "always",
+            track_proximal_t=tracks_proximal_t(cfg),
+            proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
+            batch_sequences=cfg.rollout.batch_groups * cfg.rollout.group_size,
         )
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
@@ -232,7 +237,6 @@ class TrainingRun:
             return
 
         self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
-        max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(

@@ -42,9 +42,25 @@ def test_every_group_combination_composes(mode, is_agg, staleness):
 @pytest.mark.parametrize("preset", _options("preset"))
 def test_presets_compose_and_set_mode_and_staleness(preset):
     cfg, _ = compose_config([f"+preset={preset}"])
-    assert cfg.loss.mode == preset
-    expected_staleness = "segment_wise" if preset == "segment_wise" else "standard"
+    drift = preset.startswith("segment_wise_drift")
+    assert cfg.loss.mode == ("segment_wise" if drift else preset)
+    expected_staleness = "segment_wise" if preset.startswith("segment_wise") else "standard"
     assert cfg.staleness.strategy == expected_staleness
+    # the drift presets: the plain one carries the recommended κ, the _kX ones fix κ = X
+    if drift:
+        kappa = preset.partition("_k")[2]
+        assert cfg.loss.drift_clip == (float(kappa) if kappa else 2.0)
+    else:
+        assert cfg.loss.drift_clip is None
+
+
+def test_drift_clip_outside_segment_wise_or_below_one_is_refused():
+    with pytest.raises(UserError, match="loss.drift_clip=2.0 needs loss.mode=segment_wise"):
+        compose_config(["+preset=decoupled", "loss.drift_clip=2"])
+    with pytest.raises(UserError, match="must be >= 1"):
+        compose_config(["+preset=segment_wise_drift", "loss.drift_clip=0.5"])
+    cfg, _ = compose_config(["+preset=segment_wise_drift", "loss.drift_clip=inf"])
+    assert cfg.loss.drift_clip == float("inf")
 
 
 def test_segment_wise_preset_sets_weight_bounds():
@@ -104,6 +120,34 @@ def test_bad_input_gives_one_line_naming_the_problem(overrides, fragment):
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["loss.weight_cap=3"], "loss.weight_cap=3.0 bounds a behavioural weight"),
+        (["loss.weight_floor=0.5"], "loss.weight_floor=0.5 bounds a behavioural weight"),
+        (["loss.batch_normalize=true"], "loss.batch_normalize=true normalises a behavioural weight"),
+        (["loss.rejection.level=token"], "loss.rejection needs a behavioural log ratio"),
+        (["loss.rejection.veto=0.0001"], "loss.rejection needs a behavioural log ratio"),
+        (["loss.loss_type=reinforce", "loss.rejection.level=geometric"], "loss.rejection needs"),
+    ],
+)
+def test_bypass_refuses_what_it_would_ignore(overrides, fragment):
+    # bypass with ppo_clip has no behavioural weight (the PPO ratio is π_θ/π_behav), and no
+    # mode-level log ratio to reject on: these keys would silently do nothing
+    with pytest.raises(UserError) as info:
+        compose_config(["mode=bypass", *overrides])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bypass_composes_and_reinforce_in_bypass_bounds_its_weight():
+    cfg, _ = compose_config(["mode=bypass"])
+    assert (cfg.loss.weight_cap, cfg.loss.weight_floor) == (None, None)
+    cfg, _ = compose_config(
+        ["mode=bypass", "loss.loss_type=reinforce", "loss.weight_cap=2", "loss.batch_normalize=true"]
+    )
+    assert (cfg.loss.weight_cap, cfg.loss.batch_normalize) == (2.0, True)
 
 
 def test_resolved_yaml_round_trips_through_validate():
