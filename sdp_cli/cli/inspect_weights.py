@@ -309,7 +309,7 @@ def _render(console: Any, report: WeightReport) -> None:
             *(_fmt(dec.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(sdp.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(dropped.get(k)) for k in ("mean", "std")),
-            "–" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
+            "n/a" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
     console.print(lags)
