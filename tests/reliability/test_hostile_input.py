@@ -32,7 +32,8 @@ from sdp_cli.cli.main import main
 from sdp_cli.config.compose import compose_config
 from sdp_cli.config.schema import field_docs
 from sdp_cli.errors import UserError
-from sdp_cli.rollout.batch_file import MAX_HEADER_BYTES, BatchFormatError, read_batch
+from sdp_cli.rollout.batch_file import BatchFormatError, read_batch
+from sdp_cli.rollout.batch_header import MAX_HEADER_BYTES
 
 from . import report
 from .harness import error_line
