@@ -523,7 +523,7 @@ def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
     """Another process rewrites a 6.6 MB batch in place (the same inode), cutting it to half its
     length at random moments, while it is read 100 times: each read gives the batch or one
     BatchFormatError line, never SIGBUS (a memory map of a file that shrinks under it; before
-    the reader copied the file, 5 of 5 runs of this test died that way)."""
+    the reader copied the file, 3 of 3 runs of this test died that way)."""
     sample = RolloutSample(prompt_ids=[1])
     sample.append_tokens([3] * 200_000, [-0.5] * 200_000, 0)
     batch = SavedBatch.from_samples([sample], trainer_version=0, temperature=1.0, model="m", mode="bypass")
