@@ -21,7 +21,11 @@ def checkpoint_root(path: str | os.PathLike[str]) -> Path:
     """The directory holding the version directories: a run directory's ``versions/``, or
     ``path`` itself."""
     root = Path(path).expanduser()
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as err:  # e.g. a name too long for the file system
+        raise UserError(f"checkpoint directory {root}: {err.strerror}; pass a run directory or its versions/") from None
+    if not is_dir:
         raise UserError(
             f"checkpoint directory {root} does not exist; pass a run directory or its versions/ directory"
         )

@@ -91,14 +91,16 @@ class ModeReport:
     tokens, and frac_high/frac_low of raw weights above cap/below floor (of tokens at token level,
     of sequences at the sequence levels); ``masked`` (action mask) is a share of tokens.
     ``per_token[level]`` is the [S, T] weight tensor itself (0 outside the covered tokens).
+    Over zero tokens no statistic is defined: every value in ``weights`` and ``divergence`` is
+    None (n/a), not the 0 a masked mean over nothing would give.
     """
 
     mode: str
     available: bool
     reason: str | None = None
     tokens: int = 0
-    weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    divergence: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    divergence: dict[str, float | None] = field(default_factory=dict)
     per_token: dict[str, Tensor] = field(default_factory=dict, repr=False)
     covered: Tensor | None = field(default=None, repr=False)
 
@@ -271,8 +273,12 @@ def _mode_report(
             action=opts.action,
             batch_normalize=opts.batch_normalize,
         )
-        report.weights[level] = _weight_stats(metrics)
+        stats = _weight_stats(metrics)
+        report.weights[level] = stats if report.tokens else dict.fromkeys(stats)
         report.per_token[level] = weights
+    if not report.tokens:
+        report.divergence = dict.fromkeys(DIVERGENCES)
+        return report
     divergence = offpolicy_metrics(old, target, covered)
     # + 0.0 turns the −0.0 of an all-zero log ratio (bypass) into 0.0 for display.
     report.divergence = {name: divergence[name] + 0.0 for name in DIVERGENCES}

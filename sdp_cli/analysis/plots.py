@@ -27,6 +27,10 @@ def _log_bins(arrays: list[np.ndarray]) -> np.ndarray:
     return np.logspace(np.log10(lo), np.log10(hi), _BINS + 1)
 
 
+def _stat(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def _histogram(ax, values: np.ndarray, bins: np.ndarray, label: str, color: str | None) -> None:
     positive = values[values > 0]
     zeros = values.size - positive.size
@@ -53,7 +57,7 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         bins = _log_bins(list(samples.values()))
         for mode, values in samples.items():
             stats = report.modes[mode].weights[level]
-            label = f"{mode} (std {stats['std']:.3g}, ESS {stats['ess']:.3f})"
+            label = f"{mode} (std {_stat(stats['std'], '.3g')}, ESS {_stat(stats['ess'], '.3f')})"
             _histogram(ax, values, bins, label, _COLORS[mode])
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="bypass (w = 1)")
         ax.set_xscale("log")
@@ -72,7 +76,10 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         ax.set_title(r"factor segment-wise drops, $\pi_c\,/\,\pi_{v+1}$ (1 at lag ≤ 1)")
         ax.set_xlabel(r"$\pi_c\,/\,\pi_{v+1}$ (log scale)")
         ax.set_ylabel("share of the lag's tokens")
-        ax.legend(fontsize="small")
+        if by_lag:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no tokens", transform=ax.transAxes, ha="center")
     for ax in axes[panels:]:
         ax.set_visible(False)
     fig.suptitle(title)

@@ -15,15 +15,13 @@ version was loaded can be computed again, for any saved batch (trainer version c
 
 Each checkpoint is loaded once and scores, in length-sorted calls of at most
 ``max_tokens_per_call`` tokens, every token of every batch that needs it (one group per batch
-temperature). Nothing is written until every batch is computed; then all outputs are staged
-next to their targets and renamed into place, so a failure leaves each file old or new.
+temperature). Nothing is written until every batch is computed; then all outputs are written
+together through ``fileio.OutputPlan``: every target changes, or none.
 
 The steps live in their own modules: ``checkpoints`` (the version directories),
 ``recompute_plan`` (what to score, and scoring it), ``recompute_apply`` (the new batches),
-``decomposition`` (the exact chain) and ``batch_files`` (reading paths, writing outputs).
+``decomposition`` (the exact chain) and ``batch_files`` (input paths and output targets).
 """
-
-from __future__ import annotations
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets, write_batches
+from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
 from sdp_cli.analysis.checkpoints import checkpoint_root, find_checkpoints
 from sdp_cli.analysis.decomposition import LagDecomposition, exact_decomposition
 from sdp_cli.analysis.recompute_apply import BatchOutcome, DeltaStats, apply_scores
@@ -48,7 +46,8 @@ from sdp_cli.analysis.recompute_plan import (
     run_plan,
 )
 from sdp_cli.analysis.scorers import Scorer
-from sdp_cli.rollout.batch_file import SavedBatch, read_batch
+from sdp_cli.fileio import Output, OutputPlan
+from sdp_cli.rollout.batch_file import SavedBatch, read_batch, serialize_batch
 
 
 @dataclass
@@ -62,6 +61,7 @@ class RecomputeResult:
     checkpoint_root: Path
     seconds: float
     options: RecomputeOptions
+    outputs: OutputPlan = field(default_factory=OutputPlan)
     written: list[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +106,7 @@ def recompute(
     options: RecomputeOptions | None = None,
     *,
     output: str | os.PathLike[str] | None = None,
+    force: bool = False,
     on_plan: Callable[[Plan], None] | None = None,
     progress: ProgressCallback | None = None,
 ) -> RecomputeResult:
@@ -120,6 +121,8 @@ def recompute(
     started = time.perf_counter()
     sources = expand_batch_paths(paths)
     targets = resolve_targets(sources, output)
+    outputs = OutputPlan(force=force, make_dirs=True)
+    planned = [outputs.add(t, "--output", replace=force or output is None) for t in targets]
     batches = [(p, read_batch(p)) for p in sources]
     root = checkpoint_root(checkpoints)
     store = find_checkpoints(root)
@@ -137,8 +140,8 @@ def recompute(
         apply_scores(path, batch, scores[i], plan.proximal_versions[i])
         for i, (path, batch) in enumerate(batches)
     ]
-    for outcome, target in zip(outcomes, targets, strict=True):
-        outcome.target = target
+    for outcome, out in zip(outcomes, planned, strict=True):
+        outcome.target = out.path
     lags = exact_decomposition([b for _, b in batches], scores) if options.exact else None
     return RecomputeResult(
         outcomes=outcomes,
@@ -148,15 +151,15 @@ def recompute(
         checkpoint_root=root,
         seconds=time.perf_counter() - started,
         options=options,
+        outputs=outputs,
     )
 
 
 def commit(result: RecomputeResult) -> list[Path]:
-    """Write every outcome to its target, all or none (``batch_files.write_batches``); records
-    and returns the paths written."""
-    outputs = []
-    for outcome in result.outcomes:
-        assert outcome.target is not None, "recompute() sets every target"
-        outputs.append((outcome.batch, outcome.target))
-    result.written = write_batches(outputs)
+    """Write every outcome to its target, all or none (``fileio.OutputPlan.commit``)."""
+    contents: dict[Output, bytes] = {
+        out: serialize_batch(outcome.batch, str(out.path))
+        for out, outcome in zip(result.outputs.outputs, result.outcomes, strict=True)
+    }
+    result.written = result.outputs.commit(contents)
     return result.written

@@ -26,6 +26,12 @@ from sdp_cli.choices import (
     WEIGHT_ACTIONS,
 )
 
+#: rollout.temperature bounds (also checked in batch headers): vLLM raises a temperature below
+#: 0.01 to 0.01 (a warning in the server's log), so the logprobs would not be those of the
+#: configured one; above 100 sampling is uniform for any practical logit range: a typo
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+
 
 @dataclass
 class RejectionConfig:
@@ -95,7 +101,7 @@ class RolloutConfig:
     groups_per_request: int = 8
     """prompt groups the producer sends to the engine in one generate call."""
     temperature: float = 1.0
-    """sampling temperature; the trainer and the recompute pass use the same one."""
+    """sampling temperature in [0.01, 100]; the trainer and the recompute pass use the same one."""
     max_new_tokens: int | None = None
     """response budget; null = the task's default."""
     recompute: str = "auto"
@@ -393,6 +399,10 @@ def validate(cfg: SdpConfig) -> None:
     _positive("rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, allow_none=True)
     _positive("rollout.groups_per_request", ro.groups_per_request)
     _positive("rollout.temperature", ro.temperature)
+    if not MIN_TEMPERATURE <= ro.temperature <= MAX_TEMPERATURE:
+        raise ConfigValueError(
+            f"rollout.temperature={ro.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+        )
     _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
     _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
     _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)

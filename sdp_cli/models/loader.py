@@ -23,6 +23,7 @@ from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
+from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
 
@@ -147,6 +148,7 @@ def _tiny_policy(
 
 def load_hf_policy(path: str | Path) -> Policy:
     """A local Hugging Face causal-LM directory with its tokenizer (safetensors weights only)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(path).expanduser()
@@ -167,10 +169,16 @@ def load_hf_policy(path: str | Path) -> Policy:
             f"model directory {directory} has no tokenizer files; "
             "save the tokenizer into it with tokenizer.save_pretrained"
         )
+    try:  # a truncated or corrupt weight file is named here, not by the library's traceback
+        check_directory(directory)
+    except (LayoutError, OSError) as err:
+        raise UserError(
+            f"model directory {directory}: {err}; copy or save the model again (save_pretrained)"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
         raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
     eos_id = tokenizer.eos_token_id

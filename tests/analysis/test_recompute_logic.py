@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import sdp_cli.analysis.batch_files as batch_files
 import sdp_cli.analysis.recompute as rc
 from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
 from sdp_cli.analysis.checkpoints import MissingCheckpoints, find_checkpoints, format_versions
 from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions, make_plan, token_requests
 import sdp_cli.analysis.scorers as scorers
+from sdp_cli import fileio
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch, write_batch
 
@@ -385,7 +385,7 @@ def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
     paths, before = _two_batches(tmp_path)
     result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
     calls = []
-    real_stage = batch_files.stage_bytes
+    real_stage = fileio.stage_bytes
 
     def failing_stage(path, data):
         calls.append(path)
@@ -393,14 +393,16 @@ def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
             raise UserError(f"{path}: cannot be written (No space left on device); free some space")
         return real_stage(path, data)
 
-    monkeypatch.setattr(batch_files, "stage_bytes", failing_stage)
+    monkeypatch.setattr(fileio, "stage_bytes", failing_stage)
     with pytest.raises(UserError, match="No space left"):
         rc.commit(result)
     assert all(p.read_bytes() == before[p] for p in paths)
     assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
 
 
-def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch):
+def test_a_failing_rename_leaves_every_file_old(tmp_path, monkeypatch):
+    """The first batch is renamed into place, the second rename fails: the first gets its old
+    bytes back (all or none, fileio.OutputPlan)."""
     paths, before = _two_batches(tmp_path)
     result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
     real_replace = os.replace
@@ -410,11 +412,12 @@ def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch
             raise OSError(30, "Read-only file system")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(batch_files.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(UserError) as err:
         rc.commit(result)
-    assert "1 of 2 batches were written" in str(err.value) and "\n" not in str(err.value)
-    assert paths[0].read_bytes() != before[paths[0]] and paths[1].read_bytes() == before[paths[1]]
+    assert "Read-only file system" in str(err.value) and "nothing was written" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert all(p.read_bytes() == before[p] for p in paths)
     assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
 
 
