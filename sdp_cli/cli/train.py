@@ -6,8 +6,10 @@ from pathlib import Path
 
 import typer
 
-from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 TRAIN_HELP = """Train a policy with asynchronous RL (segment-wise decoupled PPO and friends).
 

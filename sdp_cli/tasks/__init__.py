@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
+from sdp_cli.choices import DATA_TASKS
 from sdp_cli.errors import UserError
 from sdp_cli.tasks import gsm8k
 from sdp_cli.tasks.arith import AdditionTask
@@ -37,8 +38,6 @@ def _dataset(**options: Any) -> Task:
 
 
 TASKS: dict[str, Callable[..., Task]] = {"arith1": _arith1, "arith2": _arith2, "gsm8k": _gsm8k, "dataset": _dataset}
-#: tasks that read a data file and take every DatasetOptions key
-DATA_TASKS = ("gsm8k", "dataset")
 
 
 def task_parameters(name: str) -> list[str]:

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sdp_cli.errors import UserError
-from sdp_cli.tasks import templates
 from sdp_cli.tasks.base import RewardValue, Task, TaskItem
 from sdp_cli.tasks.datafile import Record, read_records
 from sdp_cli.tasks.plugins import RewardSpec, call_reward, load_reward
 from sdp_cli.tasks.rewards import check_record
+from sdp_cli.tasks.templates import as_messages, chat_prompt, has_field, render
+from sdp_cli.tasks.templates import field as record_field
 
 #: the eval_fraction split is seeded by this, not by the run seed: every run holds out the same records
 SPLIT_SEED = "sdp-eval-split"
@@ -130,17 +131,17 @@ class DatasetTask(Task):
     def _prompt(self, split: str, index: int, record: Record) -> _Prompt:
         opts = self.options
         if opts.prompt_template is not None:
-            text: str | None = templates.render(opts.prompt_template, record.data, record.where)
+            text: str | None = render(opts.prompt_template, record.data, record.where)
             messages = None
         else:
-            if not templates.has_field(record.data, opts.prompt_key):
+            if not has_field(record.data, opts.prompt_key):
                 fields = ", ".join(sorted(record.data)) or "none"
                 raise UserError(
                     f"{record.where}: no field {opts.prompt_key!r} (task.prompt_key; the record has {fields}); "
                     "set task.prompt_key or task.prompt_template"
                 )
-            value = templates.field(record.data, opts.prompt_key)
-            messages = templates.as_messages(value, record.where, opts.prompt_key)
+            value = record_field(record.data, opts.prompt_key)
+            messages = as_messages(value, record.where, opts.prompt_key)
             text = value if messages is None else None
             if messages is not None and not opts.chat_template:
                 raise UserError(
@@ -157,7 +158,7 @@ class DatasetTask(Task):
     def require_answers(self, reason: str) -> None:
         """Refuse (one line) when a record lacks the reference answer that ``reason`` needs."""
         for prompt in self._prompts[TRAIN]:
-            if not templates.has_field(prompt.record.data, self.options.answer_key):
+            if not has_field(prompt.record.data, self.options.answer_key):
                 raise UserError(
                     f"{prompt.record.where}: no field {self.options.answer_key!r} (task.answer_key), "
                     f"which {reason}; add it to the data or set task.answer_key"
@@ -179,7 +180,7 @@ class DatasetTask(Task):
             assert prompt.text is not None, "chat messages without a chat template"
             return prompt.text
         messages = prompt.messages or [{"role": "user", "content": prompt.text or ""}]
-        return templates.chat_prompt(tokenizer, messages, self.options.system_prompt, prompt.record.where)
+        return chat_prompt(tokenizer, messages, self.options.system_prompt, prompt.record.where)
 
     def _build_items(self, tokenizer: Any) -> None:
         limit = self.options.max_prompt_tokens
@@ -215,8 +216,8 @@ class DatasetTask(Task):
         self._prepared = True
 
     def _item(self, prompt: _Prompt, text: str) -> TaskItem:
-        answer = templates.field(prompt.record.data, self.options.answer_key)
-        answer_text = "" if not templates.has_field(prompt.record.data, self.options.answer_key) else str(answer)
+        answer = record_field(prompt.record.data, self.options.answer_key)
+        answer_text = "" if not has_field(prompt.record.data, self.options.answer_key) else str(answer)
         meta = {"split": prompt.split, "index": prompt.index, **self.item_meta(prompt.record)}
         return TaskItem(prompt=text, answer=answer_text, meta=meta)
 

@@ -31,9 +31,9 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
+from sdp_cli.rundir import LATEST, STEP_GLOB, step_name
 
 MANIFEST = "manifest.json"
-LATEST = "latest"
 FORMAT = "sdp-checkpoint"
 FORMAT_VERSION = 1
 
@@ -107,7 +107,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
+    name = step_name(step)
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
@@ -143,7 +143,7 @@ def write_checkpoint(
     fault_point("checkpoint.renamed")
     atomic_write_text(root / LATEST, name + "\n")
     fault_point("checkpoint.latest")
-    for old in sorted(root.glob("step-*"))[:-keep] if keep > 0 else []:
+    for old in sorted(root.glob(STEP_GLOB))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -171,7 +171,7 @@ def find_latest(root: Path) -> Path | None:
     """
     if not root.is_dir():
         return None
-    for path in sorted(root.glob("step-*"), reverse=True):
+    for path in sorted(root.glob(STEP_GLOB), reverse=True):
         if path.is_dir() and _is_valid(path):
             return path
     return None
@@ -200,7 +200,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
 def remove_stale_temporaries(root: Path) -> int:
     """Delete leftovers of checkpoint writes that were killed midway; returns how many."""
     removed = 0
-    for tmp in root.glob(".tmp-step-*") if root.is_dir() else []:
+    for tmp in root.glob(f".tmp-{STEP_GLOB}") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
         removed += 1
     return removed

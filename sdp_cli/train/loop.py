@@ -7,7 +7,7 @@ their scores; the pool hands each scored group to the queue (segment-wise: filte
 enqueue). Until then a group stays in the producer's hands.
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
-step, then push the new weights following DESIGN.md §2: pause (hooks) → recompute pass with the
+step, then push the new weights following docs/design.md §2: pause (hooks) → recompute pass with the
 old weights still loaded → load the new weights → purge stale queue items → resume (hooks).
 
 Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
@@ -184,7 +184,7 @@ class AsyncLoop:
         self.manager = StalenessManager(
             max_concurrent_rollouts=ro.max_concurrent_rollouts or 2 * ro.batch_groups,
             consumer_batch_size=ro.batch_groups,
-            max_staleness=ro.max_head_offpolicyness,
+            max_head_offpolicyness=ro.max_head_offpolicyness,
             version_provider=lambda: self._version,
         )
         self.filtered_capacity = FilteredSamplesCapacityModifier()
@@ -547,7 +547,7 @@ class AsyncLoop:
             raise LoopStopped("stopped")
 
     def _push(self) -> dict[str, float]:
-        """DESIGN.md §2: pause → recompute (old weights) → load new weights → purge → resume.
+        """docs/design.md §2: pause → recompute (old weights) → load new weights → purge → resume.
 
         The producer usually ran the recompute pass already (``_recompute_ahead``); this one
         scores whatever is left, including the producer's partial samples.

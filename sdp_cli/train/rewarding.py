@@ -19,6 +19,7 @@ from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExec
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Sequence
 
+from sdp_cli.choices import REWARD_POOLS
 from sdp_cli.errors import UserError
 from sdp_cli.tasks.base import RewardValue
 from sdp_cli.tasks.plugins import to_score
@@ -38,7 +39,7 @@ class RewardPool:
 
     def __init__(self, *, workers: int = 1, kind: str = "thread", name: str = "reward"):
         assert workers >= 1, f"reward workers must be >= 1, got {workers}"
-        assert kind in ("thread", "process"), f"unknown reward pool {kind!r}"
+        assert kind in REWARD_POOLS, f"unknown reward pool {kind!r}"
         self.name = name
         self._executor: Executor
         if kind == "process":
