@@ -31,7 +31,7 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
-from sdp_cli.rundir import LATEST, STEP_GLOB, step_name
+from sdp_cli.rundir import LATEST, STEP_GLOB, step_dirs, step_name
 
 MANIFEST = "manifest.json"
 FORMAT = "sdp-checkpoint"
@@ -143,7 +143,7 @@ def write_checkpoint(
     fault_point("checkpoint.renamed")
     atomic_write_text(root / LATEST, name + "\n")
     fault_point("checkpoint.latest")
-    for old in sorted(root.glob(STEP_GLOB))[:-keep] if keep > 0 else []:
+    for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -169,10 +169,8 @@ def find_latest(root: Path) -> Path | None:
     ``latest`` is not trusted: a process killed between renaming a checkpoint into place and
     updating ``latest`` leaves it naming the previous one.
     """
-    if not root.is_dir():
-        return None
-    for path in sorted(root.glob(STEP_GLOB), reverse=True):
-        if path.is_dir() and _is_valid(path):
+    for _, path in reversed(step_dirs(root)):
+        if _is_valid(path):
             return path
     return None
 

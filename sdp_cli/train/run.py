@@ -27,7 +27,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
-from sdp_cli.rundir import VERSION_GLOB, RunDir
+from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
@@ -246,7 +246,7 @@ class TrainingRun:
             return WeightUpdate(version=version, state_dict=self.trainer.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
-        for old in sorted(self.run_dir.weights.glob(VERSION_GLOB))[:-2]:
+        for old in older_versions(self.run_dir.weights, keep=2):
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(version=version, path=target)
 
