@@ -12,7 +12,7 @@ import sys
 import typer
 
 from sdp_cli import __version__
-from sdp_cli.errors import UserError
+from sdp_cli.errors import Interrupted, UserError
 
 app = typer.Typer(
     name="sdp",
@@ -72,4 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         _fail("aborted", 130)
     except UserError as err:
         _fail(str(err), err.exit_code)
+    except Interrupted as err:  # a run stopped on a signal: its line says where and how to go on
+        typer.echo(str(err), err=True)
+        sys.exit(err.exit_code)
     sys.exit(code if isinstance(code, int) else 0)

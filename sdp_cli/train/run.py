@@ -21,21 +21,23 @@ import torch
 
 from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
+from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.factory import build_engine
-from sdp_cli.errors import UserError
+from sdp_cli.errors import Interrupted, UserError, describe_os_error
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.rundir import RunDir, older_versions
+from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LedgerLog
-from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
+from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
+from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides, recover_after_crash
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
@@ -109,6 +111,7 @@ class TrainingRun:
         resuming: bool,
         coordinator: Coordinator,
         task: Task | None = None,
+        stop_request: StopRequest | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -117,6 +120,12 @@ class TrainingRun:
         self.run_dir = run_dir
         self.resuming = resuming
         self.coordinator = coordinator
+        # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
+        self.stop_request = stop_request or StopRequest()
+        self.engine: Any = None
+        self.loop: AsyncLoop | None = None
+        self.start_step = 0
+        self._last_checkpoint: tuple[int, Path] | None = None
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
 
@@ -199,8 +208,10 @@ class TrainingRun:
             max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
             ledger=self.ledger,
             recompute_threads=cfg.train.threads or os.cpu_count(),
+            should_stop=lambda: self.stop_request.requested,
         )
-        self._last_checkpoint: tuple[int, Path] | None = None
+        if checkpoint is not None:
+            self._last_checkpoint = (checkpoint.step, checkpoint.path)
         if checkpoint is not None or cfg.engine.urls:
             self._sync_engine(self.trainer.version)
         if checkpoint is not None:
@@ -326,50 +337,126 @@ class TrainingRun:
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
+        step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
         acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
+        stopped: BaseException | None = None
         try:
             self.loop.run()
-        except (LoopStopped, EngineError) as exc:
-            step = self.loop.state.step
-            path = self.checkpoint(step) if step > self.start_step else None
-            cause = exc.__cause__
-            detail = {}
-            if isinstance(cause, RewardError):  # user code: its own traceback
-                detail["traceback"] = cause.details
-            elif cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
-                detail["traceback"] = "".join(traceback.format_exception(cause))
-            self.events.write(
-                "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
-            )
-            where = f"; resume with: sdp train resume={self.run_dir.path}" if path or step else ""
-            raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
-        except KeyboardInterrupt:
-            step = self.loop.state.step
-            if step > self.start_step:
-                self.checkpoint(step)
-            self.events.write("interrupted", step=step)
+        except (LoopStopped, EngineError, OSError) as exc:
+            stopped = exc
+        except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting
+            self.close(abort=True)
             raise
-        finally:
-            self.progress.close()
-            self.engine.close()
-            self.coordinator.send_batch(None)
-            in_sync = self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+        in_sync = self._end_session()
         if not in_sync:
             raise UserError("the training processes ended with different weights; report this as a bug")
+        if isinstance(stopped, LoopInterrupted):
+            raise self._interrupted()
+        if stopped is not None:
+            raise self._stopped(stopped)
         wall = time.perf_counter() - t0
         acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
-        self.metrics.close()
-        self.ledger.close()
-        self.tensorboard.close()
-        self.events.close()
+        self._close_logs()
         return summary
+
+    def _end_session(self) -> bool:
+        """Close the display and the engine, release the other ranks; whether all weights agree."""
+        self.close()
+        self.coordinator.send_batch(None)
+        return self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop what this session started that outlives it (a launched server); idempotent.
+        ``abort``: the process is about to end, the logs are closed too."""
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+        if abort:
+            self._close_logs()
+
+    def _close_logs(self) -> None:
+        for log in ("metrics", "ledger", "tensorboard", "events"):
+            if getattr(self, log, None) is not None:
+                getattr(self, log).close()
+
+    def _checkpoint_at_stop(self, step: int) -> tuple[Path | None, str | None]:
+        """The checkpoint of ``step`` (written now unless it exists): (path, None), or
+        (None, why not) when it cannot be written (a full disk)."""
+        if step == self.start_step and self._last_checkpoint is None:
+            return None, None  # a fresh run that never stepped: a resume starts it over
+        try:
+            return self.checkpoint(step), None
+        except OSError as err:
+            return None, describe_os_error(err)
+
+    def _last_complete_step(self) -> int | None:
+        found = ckpt.find_latest(self.run_dir.checkpoints)
+        return None if found is None else ckpt.step_of(found)
+
+    def _interrupted(self) -> Interrupted:
+        """The end of a session stopped by a signal, at a step boundary."""
+        step = self.loop.state.step
+        name = self.stop_request.name
+        path, problem = self._checkpoint_at_stop(step)
+        self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
+        self._close_logs()
+        where = f"resume with: sdp train resume={self.run_dir.path}"
+        if problem:
+            last = self._last_complete_step()
+            where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
+        return Interrupted(f"stopped at step {step} ({name}); {where}", 128 + int(self.stop_request.signum))
+
+    def _stopped(self, exc: BaseException) -> UserError:
+        """The end of a session stopped by an engine fault, a failed producer or a full disk."""
+        step = self.loop.state.step
+        path, problem = self._checkpoint_at_stop(step) if step > self.start_step else (None, None)
+        cause = exc.__cause__
+        detail: dict[str, Any] = {}
+        if isinstance(cause, RewardError):  # user code: its own traceback
+            detail["traceback"] = cause.details
+        elif cause is not None and not isinstance(cause, (UserError, OSError)):  # a bug: keep its trace
+            detail["traceback"] = "".join(traceback.format_exception(cause))
+        reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+        self._event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
+        self._close_logs()
+        last = self._last_complete_step()
+        where = f"; resume with: sdp train resume={self.run_dir.path}" if last is not None or step else ""
+        if problem:
+            where = f"; its checkpoint could not be written ({problem}){where} (from step {last or 0})"
+        error = UserError(f"training stopped at step {step}: {reason}{where}")
+        error.__cause__ = exc
+        return error
+
+    def _event(self, name: str, **fields: Any) -> None:
+        """An end-of-session event; a full disk must not hide the one line that follows."""
+        try:
+            self.events.write(name, **{k: v for k, v in fields.items() if v is not None or k == "checkpoint"})
+        except OSError:
+            pass
+
+    def aborted(self, signum: int) -> Interrupted:
+        """The end of a session aborted by a second Ctrl-C: no checkpoint, the last complete one
+        is the resume point."""
+        step = self.loop.state.step if self.loop is not None else self.start_step
+        last = self._last_complete_step()
+        self._event("aborted", step=step, signal=signal_name(signum), resume_step=last)
+        self.close(abort=True)
+        start = f"from step {last}, the last complete checkpoint" if last is not None else "it starts over: no checkpoint yet"
+        return Interrupted(
+            f"aborted at step {step} (second {signal_name(signum)}); "
+            f"resume with: sdp train resume={self.run_dir.path} ({start})",
+            128 + signum,
+        )
 
     def follow(self) -> None:
         """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
@@ -457,50 +544,94 @@ def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
 
 
 def run_training(
-    cfg: SdpConfig, raw: Any, *, overrides: list[str], source: ConfigSource = ConfigSource()
+    cfg: SdpConfig,
+    raw: Any,
+    *,
+    overrides: list[str],
+    source: ConfigSource = ConfigSource(),
+    stop: StopRequest | None = None,
 ) -> dict[str, Any] | None:
-    """Start (or resume) a run and return its summary (None on ranks other than 0)."""
+    """Start (or resume) a run and return its summary (None on ranks other than 0).
+
+    SIGINT and SIGTERM stop it at a step boundary with a checkpoint (``Interrupted``); a second
+    SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory.
+    """
     from accelerate import Accelerator
 
     from sdp_cli.train.distributed import Coordinator
 
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
-    if cfg.resume:
-        run_dir = RunDir(Path(cfg.resume))
-        saved = run_dir.overrides
-        if not saved.is_file():
-            raise UserError(
-                f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
-            )
-        original = read_overrides(saved)
-        extra = [o for o in overrides if not o.startswith("resume=")]
-        source = _resume_source(run_dir, source)
-        cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
-        task = _preflight(cfg)
-        if extra and coordinator.is_main:
-            atomic_write_text(saved, json.dumps([*original, *extra]))
-        resuming = True
-    else:
-        task = _preflight(cfg)
-        created = make_run_dir(cfg) if coordinator.is_main else None
-        run_dir = RunDir(Path(coordinator.broadcast_json(str(created.path) if created else None)))
+    # ranks other than 0 follow rank 0, which decides where the run stops (no abort of their own)
+    stop = stop or StopRequest(abortable=coordinator.is_main)
+    with handling(stop):
+        return _train(cfg, raw, overrides, source, coordinator, stop)
+
+
+def _train(
+    cfg: SdpConfig,
+    raw: Any,
+    overrides: list[str],
+    source: ConfigSource,
+    coordinator: Coordinator,
+    stop: StopRequest,
+) -> dict[str, Any] | None:
+    owned: OwnedRunDir | None = None
+    run: TrainingRun | None = None
+    try:
+        if cfg.resume:
+            run_dir = RunDir(Path(cfg.resume))
+            saved = run_dir.overrides
+            if not saved.is_file():
+                raise UserError(
+                    f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
+                )
+            if coordinator.is_main:
+                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
+            original = read_overrides(saved)
+            extra = [o for o in overrides if not o.startswith("resume=")]
+            source = _resume_source(run_dir, source)
+            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+            task = _preflight(cfg)
+            if extra and coordinator.is_main:
+                atomic_write_text(saved, json.dumps([*original, *extra]))
+            resuming = True
+        else:
+            task = _preflight(cfg)
+            owned = make_run_dir(cfg) if coordinator.is_main else None
+            run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
+            if coordinator.is_main:
+                atomic_write_text(run_dir.overrides, json.dumps(overrides))
+                if source != ConfigSource():
+                    atomic_write_text(run_dir.config_source, source.to_json())
+            resuming = False
         if coordinator.is_main:
-            atomic_write_text(run_dir.overrides, json.dumps(overrides))
-            if source != ConfigSource():
-                atomic_write_text(run_dir.config_source, source.to_json())
-        resuming = False
-    if coordinator.is_main:
-        atomic_write_text(run_dir.config, to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
-    run.setup()
-    if coordinator.is_main:
-        print(task.summary(), file=sys.stderr)
-    if not coordinator.is_main:
-        run.follow()
-        return None
-    summary = run.run()
-    print(_summary_line(summary))
-    return summary
+            atomic_write_text(run_dir.config, to_yaml(raw))
+        run = TrainingRun(
+            cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, stop_request=stop
+        )
+        try:
+            run.setup()
+        except BaseException:
+            run.close(abort=True)
+            if owned is not None and owned.created:
+                owned.remove()  # nothing was trained: a failed start leaves nothing behind
+                run = None
+            raise
+        if coordinator.is_main:
+            print(task.summary(), file=sys.stderr)
+        if not coordinator.is_main:
+            run.follow()
+            return None
+        summary = run.run()
+        print(_summary_line(summary))
+        return summary
+    except Abort as abort:
+        if run is None:
+            raise Interrupted(f"aborted (second {signal_name(abort.signum)}) before training started", 128 + abort.signum) from None
+        raise run.aborted(abort.signum) from None
+    finally:
+        if owned is not None:
+            owned.lock.release()
 
 
 def _summary_line(summary: dict[str, Any]) -> str:
