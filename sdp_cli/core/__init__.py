@@ -3,12 +3,12 @@
 weights      behavioural log ratio per mode, importance weights, rejection masks
 loss         PPO-clip / REINFORCE policy loss and its aggregations
 metrics      verl-named off-policy diagnostics (kl, k3_kl, ppl family, chi2)
-logprobs     chunked log-probabilities and entropy from logits
+logprobs     chunked log-probabilities and entropy from logits or from hidden states
 advantages   GRPO / Dr.GRPO group-normalised advantages
 """
 
 from sdp_cli.core.advantages import group_advantages
-from sdp_cli.core.logprobs import logprobs_from_logits
+from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.core.loss import aggregate_loss, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.weights import behavior_log_ratio, importance_weights, rejection_mask
@@ -18,6 +18,7 @@ __all__ = [
     "behavior_log_ratio",
     "group_advantages",
     "importance_weights",
+    "logprobs_from_hidden",
     "logprobs_from_logits",
     "offpolicy_metrics",
     "policy_loss",

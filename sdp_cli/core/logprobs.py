@@ -11,6 +11,10 @@ into the logits' own storage instead (chunk by chunk, each chunk read before it 
 overwritten), so forward + backward allocate no [N, V] tensor at all. The logits then hold
 the gradient after backward; any other autograd node that saved them fails loudly (torch's
 in-place version check), never silently.
+
+``logprobs_from_hidden`` goes one step further for training: it takes the final hidden states
+and the output embedding and makes the logits itself, one chunk at a time, so no [N, V] tensor
+exists at all — neither the logits nor their gradient (docs/math.md §6.2).
 """
 
 from __future__ import annotations
@@ -35,6 +39,53 @@ def _chunks(groups: int, rows: int, chunk_size: int):
     for group in range(groups):
         for start in range(0, rows, chunk_size):
             yield group, slice(start, start + chunk_size)
+
+
+def _chunk_forward(
+    x: Tensor, targets: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """log p(target), logsumexp and (with a ``probs`` buffer) H of one chunk x = logits / T.
+
+    Works in place: ``x`` is overwritten (it is a scratch chunk).
+    """
+    target_logit = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # logsumexp(x) = max + log Σ e^{x − max}, computed in place in the scratch.
+    top = x.amax(-1, keepdim=True)
+    shifted = x.sub_(top)
+    exp = torch.exp(shifted, out=probs[: x.shape[0]]) if probs is not None else shifted.exp_()
+    total = exp.sum(-1)
+    lse = total.log() + top.squeeze(-1)
+    entropy = None
+    if probs is not None:
+        # H = log Σ e^s − Σ e^s·s / Σ e^s with s = x − max.
+        entropy = total.log() - torch.linalg.vecdot(exp, shifted) / total
+    return target_logit - lse, lse, entropy
+
+
+def _chunk_backward(
+    work: Tensor,
+    targets: Tensor,
+    log_norm: Tensor,
+    grad_logprobs: Tensor,
+    entropy: Tensor | None,
+    grad_entropy: Tensor | None,
+    probs: Tensor | None,
+    temperature: float,
+) -> None:
+    """Turn ``work`` = logits / T of one chunk into ∂(g·log p_y + h·H)/∂logits, in place."""
+    dtype = work.dtype
+    g_lp = grad_logprobs.to(dtype).unsqueeze(-1)
+    work.sub_(log_norm.unsqueeze(-1))  # work := log p
+    if grad_entropy is not None:
+        assert entropy is not None and probs is not None, "entropy gradient needs H and a buffer"
+        # d/dx [g·log p_y + h·H] = g·(onehot_y − p) − h·p·(log p + H)
+        g_h = grad_entropy.to(dtype).unsqueeze(-1)
+        p = torch.exp(work, out=probs[: work.shape[0]])
+        work.add_(entropy.unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
+    else:
+        work.exp_().mul_(g_lp).neg_()
+    work.scatter_add_(-1, targets.unsqueeze(-1), g_lp)
+    work.div_(temperature)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -67,18 +118,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             chunk = logits[group, rows]
             x = scratch[: chunk.shape[0]]
             x.copy_(chunk).div_(temperature)  # half precision is widened before dividing
-            target_logit = x.gather(-1, targets[group, rows].unsqueeze(-1)).squeeze(-1)
-            # logsumexp(x) = max + log Σ e^{x − max}, computed in place in the scratch.
-            top = x.amax(-1, keepdim=True)
-            shifted = x.sub_(top)
-            exp = torch.exp(shifted, out=probs[: x.shape[0]]) if with_entropy else shifted.exp_()
-            total = exp.sum(-1)
-            lse = total.log() + top.squeeze(-1)
+            lp, lse, ent = _chunk_forward(x, targets[group, rows], probs)
             log_norm[group, rows] = lse
-            logprobs[group, rows] = target_logit - lse
+            logprobs[group, rows] = lp
             if with_entropy:
-                # H = log Σ e^s − Σ e^s·s / Σ e^s with s = x − max.
-                entropy[group, rows] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+                entropy[group, rows] = ent
         ctx.save_for_backward(logits, targets, log_norm, entropy)
         # Unused outputs then arrive as None in backward instead of as tensors of zeros.
         ctx.set_materialize_grads(False)
@@ -113,21 +157,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for group, rows in _chunks(groups, rows_per_group, chunk_size):
             out = grad_logits[group, rows]
             work = out if scratch is None else scratch[: out.shape[0]]
-            g_lp = grad_logprobs[group, rows].unsqueeze(-1)
-            # work := log p = x − logsumexp(x)
             if work.data_ptr() != logits[group, rows].data_ptr():
                 work.copy_(logits[group, rows])
             work.div_(temperature)
-            work.sub_(log_norm[group, rows].unsqueeze(-1))
-            if use_entropy:
-                # d/dx [g_lp·log p_y + g_H·H] = g_lp·(onehot_y − p) − g_H·p·(log p + H)
-                g_h = grad_entropy[group, rows].to(dtype).unsqueeze(-1)
-                p = torch.exp(work, out=probs[: out.shape[0]])
-                work.add_(entropy[group, rows].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
-            else:
-                work.exp_().mul_(g_lp).neg_()
-            work.scatter_add_(-1, targets[group, rows].unsqueeze(-1), g_lp)
-            work.div_(temperature)
+            _chunk_backward(
+                work,
+                targets[group, rows],
+                log_norm[group, rows],
+                grad_logprobs[group, rows],
+                entropy[group, rows] if use_entropy else None,
+                grad_entropy[group, rows] if use_entropy else None,
+                probs,
+                temperature,
+            )
             if scratch is not None:
                 out.copy_(work)
         return grad_logits, None, None, None, None, None
@@ -199,6 +241,198 @@ def logprobs_from_logits(
     logprobs, entropy = _ChunkedLogprobs.apply(
         grouped, grouped_targets, float(temperature), chunk_size, return_entropy, bool(inplace_backward)
     )
+    logprobs = logprobs.reshape(targets.shape)
+    if return_entropy:
+        return logprobs, entropy.reshape(targets.shape)
+    return logprobs
+
+
+#: Elements of one float32 [chunk, V] scratch in ``logprobs_from_hidden`` (64 MiB).
+HIDDEN_CHUNK_ELEMENTS = 1 << 24
+
+
+class _HiddenLogprobs(torch.autograd.Function):
+    """log p(target) and H of softmax((h·Wᵀ + b) / T), the logits made one chunk at a time.
+
+    Rows are [N, H] hidden states; the [chunk, V] logits of a chunk live only inside one loop
+    iteration, in forward and again (recomputed) in backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden.dtype)
+        w, b = _as_matmul_dtype(weight, bias, hidden.dtype)
+        logprobs = torch.empty(rows, dtype=dtype, device=hidden.device)
+        log_norm = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
+        size = (min(chunk_size, max(rows, 1)), vocab)
+        scratch = torch.empty(size, dtype=dtype, device=hidden.device)
+        probs = torch.empty_like(scratch) if with_entropy else None
+        for start in range(0, rows, chunk_size):
+            sel = slice(start, start + chunk_size)
+            x = _chunk_logits(hidden[sel], w, b, scratch).div_(temperature)
+            lp, lse, ent = _chunk_forward(x, targets[sel], probs)
+            log_norm[sel] = lse
+            logprobs[sel] = lp
+            if with_entropy:
+                entropy[sel] = ent
+        ctx.save_for_backward(hidden, weight, bias, targets, log_norm, entropy)
+        ctx.set_materialize_grads(False)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, targets, log_norm, entropy = ctx.saved_tensors
+        # backward() may run under autocast; every dtype below is chosen explicitly
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return _hidden_backward(ctx, hidden, weight, bias, targets, log_norm, entropy, grad_logprobs, grad_entropy)
+
+
+def _hidden_backward(
+    ctx: FunctionCtx,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    log_norm: Tensor,
+    entropy: Tensor,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """Backward of ``_HiddenLogprobs``: recompute each chunk's logits, push ∂/∂logits through
+    logits = h·Wᵀ + b into the hidden, weight and bias gradients."""
+    temperature, chunk_size = ctx.temperature, ctx.chunk_size
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    dtype = log_norm.dtype
+    grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs
+    use_entropy = ctx.with_entropy and grad_entropy is not None
+    w, b = _as_matmul_dtype(weight, bias, hidden.dtype)
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    # Weight and bias gradients accumulate over chunks in float32 whatever the matmul dtype.
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
+    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=weight.device) if need_b else None
+    scratch = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=dtype, device=hidden.device)
+    probs = torch.empty_like(scratch) if use_entropy else None
+    for start in range(0, rows, chunk_size):
+        sel = slice(start, start + chunk_size)
+        h = hidden[sel]
+        work = _chunk_logits(h, w, b, scratch).div_(temperature)
+        _chunk_backward(
+            work,
+            targets[sel],
+            log_norm[sel],
+            grad_logprobs[sel],
+            entropy[sel] if use_entropy else None,
+            grad_entropy[sel] if use_entropy else None,
+            probs,
+            temperature,
+        )
+        # work now holds ∂/∂logits of the chunk
+        if grad_hidden is not None:
+            grad_hidden[sel] = work.to(w.dtype) @ w
+        if grad_weight is not None:
+            grad_weight.addmm_(work.t().to(acc_dtype), h.to(acc_dtype))
+        if grad_bias is not None:
+            grad_bias += work.sum(0)
+    return (
+        grad_hidden,
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _as_matmul_dtype(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """The output embedding in the hidden states' dtype (a copy only when they differ)."""
+    w = weight.detach().to(dtype)
+    return w, None if bias is None else bias.detach().to(dtype)
+
+
+def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, scratch: Tensor) -> Tensor:
+    """h·Wᵀ + b of one chunk, in (a prefix of) the compute-dtype ``scratch``."""
+    out = scratch[: h.shape[0]]
+    if h.dtype == out.dtype:
+        return torch.addmm(b, h, w.t(), out=out) if b is not None else torch.mm(h, w.t(), out=out)
+    # half precision: the matmul runs in it, the softmax in float32
+    logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+    return out.copy_(logits)
+
+
+def logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log softmax((hidden·weightᵀ + bias) / T) at ``targets`` without the logits (docs/math.md §6.2).
+
+    ``hidden`` is [..., H] (the model's final hidden states), ``weight`` the [V, H] output
+    embedding, ``targets`` [...] ids in [0, V). The logits exist one chunk of ``chunk_size``
+    rows at a time (default: ``HIDDEN_CHUNK_ELEMENTS // V`` rows), in forward and in backward,
+    so no [N, V] tensor is ever allocated. The matmul runs in ``hidden``'s dtype (``weight`` is
+    cast to it), the softmax in float32 for half-precision input; gradients come back in each
+    input's own dtype, the weight's accumulated in float32. Returns float32 for half-precision
+    hidden states, else their dtype; with ``return_entropy`` also H per token.
+    """
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [..., H] and [V, H] with V > 0"
+        )
+    vocab = weight.shape[0]
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must have shape ({vocab},); got {tuple(bias.shape)}")
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but hidden has shape {tuple(hidden.shape)};"
+            " targets must match hidden without the feature dimension"
+        )
+    check_number("temperature", temperature, above=0)
+    if chunk_size is None:
+        chunk_size = max(1, HIDDEN_CHUNK_ELEMENTS // vocab)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position"
+        )
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    # Half-precision autocast must not recast inside the chunks: the dtypes above are the contract.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logprobs, entropy = _HiddenLogprobs.apply(
+            flat, weight, bias, targets.reshape(-1).long(), float(temperature), chunk_size, return_entropy
+        )
     logprobs = logprobs.reshape(targets.shape)
     if return_entropy:
         return logprobs, entropy.reshape(targets.shape)
