@@ -11,20 +11,32 @@ The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch`` (each process trains on its shard of every minibatch; DDP averages the
 gradients). Both behavioural weights (decoupled and segment-wise) are measured on the same
 tokens whenever their inputs exist, whatever the training mode ("shadow" metrics).
+
+Log-probs come from the model's final hidden states and its output embedding
+(``core.logprobs_from_hidden``), only at response tokens, so no [tokens, vocab] logits tensor
+exists (docs/math.md §6.2); a model whose logits are not hidden·Wᵀ (e.g. logit soft-capping)
+falls back to full logits with a warning. ``dtype="bfloat16"`` runs forward and backward under
+autocast; the optimizer sees float32 parameters. With ``loss.kl_coef > 0`` a reference policy
+(a frozen copy, or the LoRA model with its adapters disabled) scores each batch once, and the
+KL and entropy terms of ``core.regularizers`` join the policy loss (docs/math.md §8).
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sdp_cli.config.schema import LossConfig, OptimConfig
-from sdp_cli.core.logprobs import logprobs_from_logits
+from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.core.loss import policy_loss
+from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
+from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal, segment_wise_violation
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
@@ -58,16 +70,28 @@ class Trainer:
         seed: int = 0,
         measure_proximal_t: bool = False,
         accelerator: Any | None = None,
+        dtype: str = "float32",
+        reference: torch.nn.Module | None = None,
     ):
+        """``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
+        term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
+        the adapters disabled is the reference). Only parameters that require grad train."""
         from accelerate import Accelerator
 
+        assert dtype in ("float32", "bfloat16"), f"unsupported training dtype {dtype}"
+        assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
+            "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
+        )
         self.loss_cfg = loss
         self.optim_cfg = optim
         self.temperature = float(temperature)
         self.measure_proximal_t = measure_proximal_t or loss.mode == "segment_wise"
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+        self.reference = None if reference is None else reference.requires_grad_(False).eval()
+        self._hidden_path: bool | None = None  # decided at the first forward
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
@@ -78,26 +102,127 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward
     def logprobs(self, batch: TrainBatch, *, grad: bool) -> torch.Tensor:
-        """log π_θ of every target token at the rollout temperature, shape [N, L-1].
+        """log π_θ of every response token at the rollout temperature, shape [N, L-1], 0 at
+        prompt and padding positions.
 
         With ``grad`` the result stays on the training device and carries the graph; without it
         it is a detached float32 CPU tensor (π_prox).
         """
-        device = self.accelerator.device
-        with torch.set_grad_enabled(grad):
-            out = self.model(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                use_cache=False,
-            )
-            # The logits feed nothing else: backward may store their gradient in place.
-            logprobs = logprobs_from_logits(
-                out.logits[:, :-1],
-                batch.input_ids[:, 1:].to(device),
-                temperature=self.temperature,
-                inplace_backward=grad,
-            )
+        logprobs, _ = self._forward(self.model, batch, grad=grad, with_entropy=False)
         return logprobs if grad else logprobs.detach().float().cpu()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        device_type = self.accelerator.device.type
+        return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    def _forward(
+        self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [N, L-1] (float32, 0 outside the response) and, ``with_entropy``, the
+        entropy of π at each response token, from one forward of ``model``."""
+        device = self.accelerator.device
+        ids = batch.input_ids.to(device)
+        response = batch.mask.to(device) > 0
+        targets = ids[:, 1:][response]
+        with torch.set_grad_enabled(grad), self._autocast():
+            if self._hidden_path is None:
+                self._hidden_path = self._logits_are_hidden_times_head(model, ids, batch)
+            if self._hidden_path:
+                # logits_to_keep=1: the model makes one position's logits, not [N, L, V]
+                out = model(
+                    input_ids=ids,
+                    attention_mask=batch.attention_mask.to(device),
+                    use_cache=False,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+                hidden = out.hidden_states[-1][:, :-1][response]
+                head = self._head(model)
+                result = logprobs_from_hidden(
+                    hidden.to(self.autocast_dtype or hidden.dtype),
+                    head.weight,
+                    targets,
+                    bias=head.bias,
+                    temperature=self.temperature,
+                    return_entropy=with_entropy,
+                )
+            else:
+                out = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), use_cache=False)
+                # The logits feed nothing else: backward may store their gradient in place.
+                result = logprobs_from_logits(
+                    out.logits[:, :-1][response],
+                    targets,
+                    temperature=self.temperature,
+                    return_entropy=with_entropy,
+                    inplace_backward=grad,
+                )
+        values, entropy = result if with_entropy else (result, None)
+        zeros = torch.zeros(response.shape, dtype=torch.float32, device=device)
+        logprobs = zeros.masked_scatter(response, values.float())
+        return logprobs, None if entropy is None else zeros.masked_scatter(response, entropy.float())
+
+    @torch.no_grad()
+    def _logits_are_hidden_times_head(self, model: torch.nn.Module, ids: torch.Tensor, batch: TrainBatch) -> bool:
+        """Whether the model's logits are its last hidden state times the output embedding (+
+        bias), checked on the first row; if not (soft-capping, logit scaling), warn once."""
+        out = model(
+            input_ids=ids[:1],
+            attention_mask=batch.attention_mask[:1].to(ids.device),
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        hidden = out.hidden_states[-1][:, -1:] if out.hidden_states else None
+        head = self._head(model)
+        if hidden is None or not isinstance(head, torch.nn.Linear):
+            same = False
+        else:
+            expected, got = head(hidden).float(), out.logits[:, -1:].float()
+            same = bool(torch.allclose(expected, got, rtol=1e-3, atol=1e-3 * float(got.abs().max()) + 1e-5))
+        if not same:
+            warnings.warn(
+                "this model's logits are not its last hidden state times the output embedding "
+                "(e.g. logit soft-capping or scaling); log-probs are computed from full logits, "
+                "which needs [tokens × vocab] memory",
+                stacklevel=3,
+            )
+        return same
+
+    def _head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model).get_output_embeddings()
+
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π_ref of the response tokens (no grad, float32 on CPU): the frozen reference, or the
+        LoRA model with its adapters disabled."""
+        model = self.reference
+        if model is None:
+            model = self.unwrapped_model()
+            context: contextlib.AbstractContextManager[Any] = model.disable_adapter()
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            logprobs, _ = self._forward(model, batch, grad=False, with_entropy=False)
+        return logprobs.cpu()
+
+    def _regularizers(
+        self,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        mask: torch.Tensor,
+        reference: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """KL-to-reference and entropy terms of one minibatch (docs/math.md §8)."""
+        cfg = self.loss_cfg
+        return regularizer_loss(
+            logprobs,
+            mask,
+            ref_logprobs=reference,
+            entropy=entropy,
+            kl_coef=cfg.kl_coef,
+            kl_type=cfg.kl_type,
+            entropy_coef=cfg.entropy_coef,
+            agg=cfg.agg,
+        )
 
     # --------------------------------------------------------------------- step
     def step(self, batch: TrainBatch) -> StepOutput:
@@ -110,6 +235,7 @@ class Trainer:
 
         need_prox = cfg.mode != "bypass" or self.measure_proximal_t
         prox = self.logprobs(batch, grad=False) if need_prox else None
+        reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
         loss_mask = mask
         if self.measure_proximal_t and prox is not None:
@@ -160,7 +286,7 @@ class Trainer:
 
         metrics.update(self._diagnostics(batch, prox))
         anchor = prox if cfg.mode != "bypass" else old
-        metrics.update(self._optimise(batch, anchor, loss_mask, weights))
+        metrics.update(self._optimise(batch, anchor, loss_mask, weights, reference=reference))
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 
@@ -170,6 +296,8 @@ class Trainer:
         anchor: torch.Tensor,
         loss_mask: torch.Tensor,
         weights: torch.Tensor | None,
+        *,
+        reference: torch.Tensor | None = None,
     ) -> dict[str, float]:
         cfg, opt = self.loss_cfg, self.optim_cfg
         acc = self.accelerator
@@ -185,8 +313,9 @@ class Trainer:
                     rows = chunk[:1]
                 mb = batch.rows(rows)
                 dev = acc.device
+                logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
                 loss, lmetrics = policy_loss(
-                    self.logprobs(mb, grad=True),
+                    logprobs,
                     anchor[rows].to(dev),
                     mb.advantages.to(dev),
                     loss_mask[rows].to(dev),
@@ -197,6 +326,10 @@ class Trainer:
                     agg=cfg.agg,
                     loss_type=cfg.loss_type,
                 )
+                ref_rows = None if reference is None else reference[rows].to(dev)
+                extra, rmetrics = self._regularizers(logprobs, entropy, loss_mask[rows].to(dev), ref_rows)
+                loss = loss + extra
+                lmetrics.update(rmetrics)
                 acc.backward(loss)
                 if opt.grad_clip is not None:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
@@ -268,12 +401,14 @@ class Trainer:
         return self.accelerator.unwrap_model(self.model)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights (detached views; the engine copies them into its own model)."""
-        return {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()}
+        """The weights an engine runs (detached; merged under LoRA, ``models.lora``); the local
+        engine copies them into its own model, casting to its dtype."""
+        return merged_state_dict(self.unwrapped_model())
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.weights(),
+            # the trained module's own tensors (adapters included), not the merged weights
+            "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "version": self.version,

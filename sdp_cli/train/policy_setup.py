@@ -1,0 +1,73 @@
+"""What a run trains and serves, made from a loaded policy: precision, LoRA adapters, gradient
+checkpointing, the frozen KL reference and the local engine's copy (docs/training.md,
+"Precision and memory" and "LoRA").
+
+Precision (``train.dtype``): full fine-tuning keeps float32 master weights and AdamW state and
+computes under bfloat16 autocast; a LoRA base never changes, so it is stored in bfloat16 itself
+(its float32 adapters are the only trained weights). The local engine runs a copy in
+``train.dtype``: in bfloat16 it holds the rounded master weights, as a bfloat16 inference server
+loading the pushed weights would, at half the memory and with the CPU's bf16 matmuls.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.models.lora import apply_lora, load_adapters, merged_copy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(cfg: SdpConfig) -> torch.dtype:
+    """The dtype the local engine runs and version checkpoints are written in."""
+    return DTYPES[cfg.train.dtype]
+
+
+def prepare_policy(policy: Any, cfg: SdpConfig, *, adapters: Path | None = None) -> Any:
+    """``policy`` made trainable as the config says (in place): LoRA adapters (loaded from
+    ``adapters`` on resume) on a base in ``train.dtype``, and gradient checkpointing."""
+    lora = cfg.model.lora
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(policy.model)
+    if lora.r > 0:
+        policy.model.to(DTYPES[cfg.train.dtype])
+        policy.model = apply_lora(
+            policy.model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+        )
+        if adapters is not None:
+            load_adapters(policy.model, adapters)
+    return policy
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward. Non-reentrant: the inputs need no gradient, so
+    frozen embeddings (LoRA) work as they are."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the name since transformers 5.x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_reference(
+    policy: Any, cfg: SdpConfig, *, load_initial: Callable[[], Any] | None = None
+) -> torch.nn.Module | None:
+    """The frozen reference policy of the KL term, or None when there is none to build: no KL
+    term, or LoRA (the trainer disables the adapters instead). It is the initial model: a copy
+    of ``policy`` in a fresh run (call before training), ``load_initial()`` on resume."""
+    if cfg.loss.kl_coef == 0 or cfg.model.lora.r > 0:
+        return None
+    model = load_initial().model if load_initial is not None else copy.deepcopy(policy.model)
+    # frozen: no master copy needed, so it is stored in the compute dtype
+    return model.to(DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
+
+
+def engine_model(policy: Any, cfg: SdpConfig) -> torch.nn.Module:
+    """The local engine's own copy of the policy: merged under LoRA, in ``engine_dtype``."""
+    return merged_copy(policy.model).to(engine_dtype(cfg)).eval()
