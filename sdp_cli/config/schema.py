@@ -18,6 +18,7 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 LOSS_TYPES = ("ppo_clip", "reinforce")
 STALENESS_STRATEGIES = ("standard", "segment_wise")
 RECOMPUTE_POLICIES = ("auto", "always", "never")
+PROXIMAL_T_SOURCES = ("engine", "trainer")
 ENGINE_KINDS = ("local", "vllm", "sglang")
 MODEL_KINDS = ("tiny", "hf")
 TASKS = ("arith1", "arith2", "gsm8k")
@@ -103,6 +104,10 @@ class RolloutConfig:
     """response budget; null = the task's default."""
     recompute: str = "auto"
     """auto (segment_wise only) | always (also in other modes, for measurement) | never."""
+    proximal_t_source: str = "engine"
+    """where π_prox_t of tokens one version stale comes from: engine (scored by the inference
+    engine, like π_behav, so their numeric mismatch cancels) | trainer (the trainer's π_prox:
+    no engine scoring at batch time, but trainer/engine mismatch enters the weight of those tokens)."""
 
 
 @dataclass
@@ -291,6 +296,14 @@ class RunConfig:
     """live progress display in the terminal."""
 
 
+def tracks_proximal_t(cfg: "SdpConfig") -> bool:
+    """Whether the run keeps π_prox_t = π_{v+1} for stale tokens: the recompute pass runs
+    (segment_wise needs it; ``rollout.recompute=always`` measures it in other modes)."""
+    return cfg.rollout.recompute == "always" or (
+        cfg.rollout.recompute == "auto" and cfg.loss.mode == "segment_wise"
+    )
+
+
 @dataclass
 class SdpConfig:
     """A whole training run."""
@@ -384,6 +397,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("rollout.temperature", ro.temperature)
     _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
     _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
+    _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)
 
     _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
     if cfg.staleness.strategy == "segment_wise" and loss.mode == "bypass":

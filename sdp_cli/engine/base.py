@@ -113,6 +113,11 @@ class InferenceEngine(abc.ABC):
     def inflight_samples(self) -> list[RolloutSample]:
         """Samples whose generation has started but not finished (meaningful while paused)."""
 
+    def stats(self) -> dict[str, int]:
+        """Counters since start (``prefill_proximal_tokens``: tokens whose π_prox_t came from
+        the re-prefill of a resumed sample; remote engines add their segment counters)."""
+        return {}
+
     def close(self) -> None:
         """Release resources (threads, server processes, connections)."""
 

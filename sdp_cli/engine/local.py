@@ -113,6 +113,7 @@ class LocalEngine(InferenceEngine):
         self._weights_epoch = 0
         self._inflight: dict[int, RolloutSample] = {}
         self._inflight_lock = threading.Lock()
+        self._prefill_proximal_tokens = 0  # written inside a model turn, read under the lock
 
     # ---------------------------------------------------------------- version
     def get_version(self) -> int:
@@ -136,6 +137,10 @@ class LocalEngine(InferenceEngine):
     def inflight_samples(self) -> list[RolloutSample]:
         with self._inflight_lock:
             return list(self._inflight.values())
+
+    def stats(self) -> dict[str, int]:
+        with self._inflight_lock:
+            return {"prefill_proximal_tokens": self._prefill_proximal_tokens}
 
     def close(self) -> None:
         self._gate.close()
@@ -287,6 +292,7 @@ class LocalEngine(InferenceEngine):
             [s.input_ids for s in samples], max(tails) + 1, True
         )
         if any(need):
+            patched = 0
             for sample, logprobs in zip(
                 samples, self._tail_logprobs(logits, ids, tails), strict=True
             ):
@@ -296,6 +302,9 @@ class LocalEngine(InferenceEngine):
                         and sample.proximal_t_versions[t] != version
                     ):
                         sample.set_proximal_t(t, lp, version)
+                        patched += 1
+            with self._inflight_lock:
+                self._prefill_proximal_tokens += patched
         batch.rows = list(samples)
         batch.live = torch.ones(len(samples), dtype=torch.bool, device=self.device)
         batch.remaining = torch.tensor(

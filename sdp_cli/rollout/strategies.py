@@ -78,8 +78,9 @@ def segment_wise_stale_reason(
     (``proximal_t_versions != v+1``: weights v+1 are gone, it can never be corrected); when a
     token of version c−1 has ``proximal_t_versions`` outside {c−1, c}; when a token of version c
     has ``proximal_t_versions != c`` or π_prox_t ≠ π_behav; or when any version exceeds c.
-    A version c−1 token still at c−1 is kept: weights c are the trainer's own, and the trainer
-    sets π_prox_t := π_prox for it when it consumes the batch.
+    A version c−1 token still at c−1 is kept: weights c are still loaded, so the engine scores it
+    when the trainer takes the batch (or the trainer fills it with
+    ``rollout.proximal_t_source=trainer``).
     """
     for sample in samples_of(item):
         reason = _segment_wise_sample_reason(sample, current_version, max_head_offpolicyness)

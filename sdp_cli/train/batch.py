@@ -127,15 +127,16 @@ def assemble_batch(
 
 
 def fill_one_step_proximal(batch: TrainBatch, proximal_logprobs: torch.Tensor) -> int:
-    """Give tokens that are one version behind their π_prox_t from the trainer's π_prox.
+    """``rollout.proximal_t_source=trainer``: every token one version behind takes π_prox_t from
+    the trainer's π_prox (overwriting an engine score, so the source never depends on timing).
 
-    A token of version c−1 consumed at trainer version c needs π_{v+1} = π_c, and π_c is exactly
-    the trainer's current policy, whose logprobs (π_prox) were just computed for the clip anchor.
-    No engine pass can score it earlier: weights c were loaded after the last recompute pass.
-    Returns the number of tokens filled.
+    A token of version c−1 consumed at trainer version c needs π_{v+1} = π_c, and π_c is the
+    trainer's current policy, whose logprobs (π_prox) were computed for the clip anchor anyway;
+    the engine then does not score it at batch time, but trainer/engine numeric differences enter
+    the weight of these tokens (docs/training.md). Returns the number of tokens filled.
     """
     c = batch.trainer_version
-    todo = (batch.mask > 0) & (batch.versions == c - 1) & (batch.proximal_t_versions != c)
+    todo = (batch.mask > 0) & (batch.versions == c - 1)
     values = proximal_logprobs.to(batch.proximal_logprobs_t.dtype)
     batch.proximal_logprobs_t = torch.where(todo, values, batch.proximal_logprobs_t)
     batch.proximal_t_versions = torch.where(todo, torch.full_like(batch.proximal_t_versions, c), batch.proximal_t_versions)

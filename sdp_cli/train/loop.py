@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
@@ -194,9 +194,10 @@ class AsyncLoop:
         self.cache: RolloutCache[RolloutGroup] = RolloutCache()
         self.pause_controller = PauseController(engine)
         self.recomputer = ProximalRecomputer(engine)
-        self.recompute_enabled = ro.recompute == "always" or (
-            ro.recompute == "auto" and cfg.loss.mode == "segment_wise"
-        )
+        self.recompute_enabled = tracks_proximal_t(cfg)
+        # π_prox_t of a token one version stale is scored by the engine when the trainer takes
+        # its batch, unless the producer's pass already did: one source, whatever the timing.
+        self.score_at_take = self.recompute_enabled and ro.proximal_t_source == "engine"
 
         self.state = LoopState(producer_rng=random.Random(cfg.seed + 1).getstate())
         self._in_hand: dict[int, RolloutGroup] = {}
@@ -210,6 +211,8 @@ class AsyncLoop:
         # since the last push (reported with the push's own pass).
         self._recomputed_for: int | None = None
         self._ahead = _PassTotals()
+        self._at_take = _PassTotals()
+        self._prefill_tokens_seen = 0
 
     # ============================================================ producer side
     def _produce(self) -> None:
@@ -285,10 +288,15 @@ class AsyncLoop:
                 logger.warning("recompute ahead of the weight push failed, the push will redo it: %s", exc)
             self._recomputed_for = version
 
-    def _recompute_pass(self, inflight: list[RolloutSample]) -> tuple[RecomputeStats, float]:
-        """One recompute pass over queue, cache and ``inflight``, counted; (stats, seconds)."""
+    def _recompute_pass(
+        self, inflight: list[RolloutSample], *, held: bool = True
+    ) -> tuple[RecomputeStats, float]:
+        """One recompute pass over ``inflight`` (and, if ``held``, the queue and the cache),
+        counted; (stats, seconds)."""
         t0 = time.perf_counter()
-        stats = self.recomputer.recompute_all(queue=self.queue, cache=self.cache, inflight=inflight)
+        stats = self.recomputer.recompute_all(
+            queue=self.queue if held else None, cache=self.cache if held else None, inflight=inflight
+        )
         elapsed = time.perf_counter() - t0
         self.state.counters.recompute_tokens += stats.tokens_recomputed
         self.state.counters.recompute_seconds += elapsed
@@ -417,6 +425,7 @@ class AsyncLoop:
         metrics = dict(output.metrics)
         metrics.update(push_metrics)
         metrics.update(self._loop_metrics())
+        metrics.update(self._proximal_t_paths())
         metrics["time/wait_s"] = t1 - t0
         metrics["time/train_s"] = t2 - t1
         metrics["time/push_s"] = t3 - t2
@@ -442,7 +451,11 @@ class AsyncLoop:
                 kept = {g.group_id for g in self.cache.get_all()}
                 self._record("dropped", [g for g in before if g not in kept], version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
-                with self._handoff_lock:  # not while the producer's recompute pass writes
+                # Under the hand-off lock: the producer's recompute pass never writes into a
+                # batch being taken, and never scores what the take-time pass scores.
+                with self._handoff_lock:
+                    if self.score_at_take:
+                        self._score_at_take(self.cache.get_all()[: self.batch_groups])
                     groups = self.cache.take_first_n(self.batch_groups)
                     self._record(
                         "consumed",
@@ -460,6 +473,14 @@ class AsyncLoop:
                         f"no batch arrived within train.batch_timeout_s={self.cfg.train.batch_timeout_s:g}s "
                         f"(cache holds {self.cache.size()} of {self.batch_groups} groups)"
                     ) from None
+
+    def _score_at_take(self, groups: list[RolloutGroup]) -> None:
+        """Engine scores for the tokens of the batch that are one version stale and still lack
+        π_prox_t (the producer's pass has not reached them yet). The engine runs the trainer's
+        weights c, so this is π_{v+1} for tokens of version c − 1; tokens of older versions had
+        their window at earlier updates. A failure leaves the groups in the cache."""
+        samples = [s for g in groups for s in g.samples]
+        self._at_take.add(*self._recompute_pass(inflight=samples, held=False))
 
     def _raise_if_stopped(self) -> None:
         if self._producer_error is not None:
@@ -488,6 +509,7 @@ class AsyncLoop:
                     metrics["time/recompute_ahead_s"] = passes.seconds
                     passes.add(stats, elapsed)
                     metrics["recompute/tokens"] = float(passes.tokens)
+                    metrics["recompute/tokens_ahead"] = float(passes.tokens - stats.tokens_recomputed)
                     metrics["recompute/tokens_at_push"] = float(stats.tokens_recomputed)
                     metrics["recompute/samples"] = float(passes.samples)
                     metrics["recompute/mean_abs_delta"] = passes.delta_sum / passes.tokens if passes.tokens else 0.0
@@ -506,6 +528,20 @@ class AsyncLoop:
             self._capacity_changed.notify_all()
         return metrics
 
+    def _proximal_t_paths(self) -> dict[str, float]:
+        """Tokens given π_prox_t this step by the paths that are not the update's passes: the
+        take-time pass and the engine's re-prefill of resumed samples (docs/training.md)."""
+        if not self.recompute_enabled:
+            return {}
+        taken, self._at_take = self._at_take, _PassTotals()
+        prefilled = int(self.engine.stats().get("prefill_proximal_tokens", 0))
+        new_prefilled, self._prefill_tokens_seen = prefilled - self._prefill_tokens_seen, prefilled
+        return {
+            "recompute/tokens_at_take": float(taken.tokens),
+            "recompute/tokens_prefill": float(new_prefilled),
+            "time/recompute_take_s": taken.seconds,
+        }
+
     def _loop_metrics(self) -> dict[str, float]:
         stats = self.manager.get_stats()
         return {
@@ -520,7 +556,7 @@ class AsyncLoop:
             "engine/faults_total": float(self.state.counters.engine_faults),
             "engine/groups_rejected_total": float(self.state.counters.groups_failed),
             # remote engines: segments, resubmissions, aborted segments, restores, ... (this session)
-            **{f"engine/{k}": float(v) for k, v in getattr(self.engine, "stats", dict)().items()},
+            **{f"engine/{k}": float(v) for k, v in self.engine.stats().items()},
         }
 
     # ============================================================== checkpoint

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sdp_cli.config.compose import compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
@@ -212,7 +212,8 @@ class TrainingRun:
             optim=cfg.optim,
             temperature=cfg.rollout.temperature,
             seed=cfg.seed,
-            measure_proximal_t=cfg.rollout.recompute == "always",
+            track_proximal_t=tracks_proximal_t(cfg),
+            proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
         )
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps

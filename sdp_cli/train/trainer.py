@@ -2,7 +2,9 @@
 
 Per step (DESIGN.md §1, §4):
 1. π_prox: a no-grad forward of the current weights at the rollout temperature (not in bypass).
-2. segment-wise: tokens one version behind take π_prox_t := π_prox (see ``fill_one_step_proximal``).
+2. π_prox_t of stale tokens was scored by the engine (the loop's recompute passes); only with
+   ``rollout.proximal_t_source=trainer`` do tokens one version behind take π_prox_t := π_prox here
+   (``fill_one_step_proximal``). Tokens whose π_{v+1} window closed leave the loss.
 3. behavioural log ratio of the mode → bounded importance weights (+ optional rejection mask).
 4. ``ppo_epochs`` × ``minibatches`` optimizer steps on ``policy_loss`` with π_prox (or π_behav in
    bypass) as the clip anchor.
@@ -33,11 +35,11 @@ import torch
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.core.loss import policy_loss
-from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
 from sdp_cli.models.lora import is_lora, merged_state_dict
-from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal, segment_wise_violation
+from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = 2.0
@@ -68,7 +70,8 @@ class Trainer:
         optim: OptimConfig,
         temperature: float,
         seed: int = 0,
-        measure_proximal_t: bool = False,
+        track_proximal_t: bool = False,
+        proximal_t_source: str = "engine",
         accelerator: Any | None = None,
         dtype: str = "float32",
         reference: torch.nn.Module | None = None,
@@ -78,6 +81,8 @@ class Trainer:
         the adapters disabled is the reference). Only parameters that require grad train."""
         from accelerate import Accelerator
 
+        assert track_proximal_t or loss.mode != "segment_wise", "segment_wise trains on π_prox_t: track it"
+        assert proximal_t_source in ("engine", "trainer"), f"unknown proximal_t_source {proximal_t_source!r}"
         assert dtype in ("float32", "bfloat16"), f"unsupported training dtype {dtype}"
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
@@ -85,7 +90,9 @@ class Trainer:
         self.loss_cfg = loss
         self.optim_cfg = optim
         self.temperature = float(temperature)
-        self.measure_proximal_t = measure_proximal_t or loss.mode == "segment_wise"
+        #: π_prox_t = π_{v+1} is kept for stale tokens (segment_wise, or measured with recompute=always)
+        self.track_proximal_t = track_proximal_t
+        self.proximal_t_source = proximal_t_source
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
         self.reference = None if reference is None else reference.requires_grad_(False).eval()
@@ -233,17 +240,19 @@ class Trainer:
         metrics: dict[str, float] = {}
         mask = batch.mask
 
-        need_prox = cfg.mode != "bypass" or self.measure_proximal_t
+        need_prox = cfg.mode != "bypass" or self.track_proximal_t
         prox = self.logprobs(batch, grad=False) if need_prox else None
         reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
         loss_mask = mask
-        if self.measure_proximal_t and prox is not None:
-            metrics["sdp/one_step_filled_tokens"] = float(fill_one_step_proximal(batch, prox))
-            violation = segment_wise_violation(batch)
+        if self.track_proximal_t and prox is not None:
+            if self.proximal_t_source == "trainer":
+                metrics["recompute/tokens_trainer_fill"] = float(fill_one_step_proximal(batch, prox))
             uncorrectable = (mask > 0) & (batch.versions < c) & (batch.proximal_t_versions != batch.versions + 1)
-            metrics["sdp/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(float(mask.sum()), 1.0)
-            if cfg.mode == "segment_wise" and violation is not None:
+            metrics["segment_wise/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(
+                float(mask.sum()), 1.0
+            )
+            if cfg.mode == "segment_wise" and bool(uncorrectable.any()):
                 # Reachable only without consume-time filtering (staleness=standard): a token whose
                 # π_{v+1} window closed cannot be corrected, so it leaves the loss.
                 loss_mask = torch.where(uncorrectable, torch.zeros_like(mask), mask)
@@ -368,7 +377,7 @@ class Trainer:
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
 
         shadows = {"decoupled": prox - old}
-        if self.measure_proximal_t:
+        if self.track_proximal_t:
             prox_t = batch.proximal_logprobs_t
             shadows["segment_wise"] = prox_t - old
             kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP

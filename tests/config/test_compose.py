@@ -42,9 +42,25 @@ def test_every_group_combination_composes(mode, is_agg, staleness):
 @pytest.mark.parametrize("preset", _options("preset"))
 def test_presets_compose_and_set_mode_and_staleness(preset):
     cfg, _ = compose_config([f"+preset={preset}"])
-    assert cfg.loss.mode == preset
-    expected_staleness = "segment_wise" if preset == "segment_wise" else "standard"
+    drift = preset.startswith("segment_wise_drift")
+    assert cfg.loss.mode == ("segment_wise" if drift else preset)
+    expected_staleness = "segment_wise" if preset.startswith("segment_wise") else "standard"
     assert cfg.staleness.strategy == expected_staleness
+    # the drift presets: the plain one carries the recommended κ, the _kX ones fix κ = X
+    if drift:
+        kappa = preset.partition("_k")[2]
+        assert cfg.loss.drift_clip == (float(kappa) if kappa else 2.0)
+    else:
+        assert cfg.loss.drift_clip is None
+
+
+def test_drift_clip_outside_segment_wise_or_below_one_is_refused():
+    with pytest.raises(UserError, match="loss.drift_clip=2.0 needs loss.mode=segment_wise"):
+        compose_config(["+preset=decoupled", "loss.drift_clip=2"])
+    with pytest.raises(UserError, match="must be >= 1"):
+        compose_config(["+preset=segment_wise_drift", "loss.drift_clip=0.5"])
+    cfg, _ = compose_config(["+preset=segment_wise_drift", "loss.drift_clip=inf"])
+    assert cfg.loss.drift_clip == float("inf")
 
 
 def test_segment_wise_preset_sets_weight_bounds():

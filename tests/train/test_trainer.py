@@ -47,8 +47,9 @@ def _set_old_logprobs(groups, model, temperature, shift=0.0):
         s.proximal_logprobs_t[:] = vals
 
 
-def _train(model, loss, groups, version):
-    trainer = Trainer(copy.deepcopy(model), loss=loss, optim=OptimConfig(lr=1e-2), temperature=1.0, seed=0)
+def _train(model, loss, groups, version, **kwargs):
+    kwargs.setdefault("track_proximal_t", loss.mode == "segment_wise")
+    trainer = Trainer(copy.deepcopy(model), loss=loss, optim=OptimConfig(lr=1e-2), temperature=1.0, seed=0, **kwargs)
     trainer.version = version
     out = trainer.step(assemble_batch(copy.deepcopy(groups), pad_token_id=0, trainer_version=version))
     return trainer, out
@@ -64,9 +65,11 @@ def test_segment_wise_equals_decoupled_when_every_token_is_one_version_behind(is
     groups = _groups(version=4)
     _set_old_logprobs(groups, model, 1.0, shift=-0.3)  # behaviour differs from the trainer
     dec, out_dec = _train(model, LossConfig(mode="decoupled", is_level=is_level), groups, version=5)
-    sdp, out_sdp = _train(model, LossConfig(mode="segment_wise", is_level=is_level), groups, version=5)
+    sdp, out_sdp = _train(
+        model, LossConfig(mode="segment_wise", is_level=is_level), groups, version=5, proximal_t_source="trainer"
+    )
     # lag 1 everywhere: π_prox_t := π_5 = π_prox, so the weight and therefore the update agree
-    assert out_sdp.metrics["sdp/one_step_filled_tokens"] == out_dec.metrics["batch/response_tokens"]
+    assert out_sdp.metrics["recompute/tokens_trainer_fill"] == out_dec.metrics["batch/response_tokens"]
     assert out_dec.metrics["weights/rollout_is_mean"] == pytest.approx(out_sdp.metrics["weights/rollout_is_mean"])
     assert out_dec.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
     assert _same_weights(dec, sdp)
@@ -100,7 +103,7 @@ def test_segment_wise_without_filtering_drops_uncorrectable_tokens_from_the_loss
     groups = _groups(version=1)  # at trainer version 4 these are 3 behind and were never rescored
     _set_old_logprobs(groups, model, 1.0)
     _, out = _train(model, LossConfig(mode="segment_wise"), groups, version=4)
-    assert out.metrics["sdp/uncorrectable_token_fraction"] == 1.0
+    assert out.metrics["segment_wise/uncorrectable_token_fraction"] == 1.0
     assert out.loss_mask.sum().item() == 0
 
 
