@@ -11,7 +11,10 @@ peft is imported on first use, so a plain install never needs it.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,6 +27,8 @@ EXTRA_HINT = "pip install 'sdp-cli[lora]'"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"
+#: the directory next to a run's adapter version checkpoints that holds their base model
+VERSION_BASE = "base"
 
 
 def _peft() -> Any:
@@ -120,15 +125,22 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_adapters(model: torch.nn.Module, directory: str | Path) -> Path:
-    """Write the adapters of ``model`` (config + safetensors) into ``directory``."""
+    """Write the adapters of ``model`` (config + safetensors) into ``directory``; like
+    ``save_policy``, through a temporary sibling so no reader sees a partly written file."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
-    model.peft_config[ADAPTER_NAME].save_pretrained(str(target))
-    tensors = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(tensors, str(target / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
+        tensors = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        for item in sorted(tmp.iterdir()):
+            os.replace(item, target / item.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

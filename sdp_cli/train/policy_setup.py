@@ -7,6 +7,11 @@ computes under bfloat16 autocast; a LoRA base never changes, so it is stored in 
 (its float32 adapters are the only trained weights). The local engine runs a copy in
 ``train.dtype``: in bfloat16 it holds the rounded master weights, as a bfloat16 inference server
 loading the pushed weights would, at half the memory and with the CPU's bf16 matmuls.
+
+What is written where: resumable checkpoints hold the master weights (float32), or only the
+adapters under LoRA (the base is rebuilt from the config on resume); version checkpoints
+(``versions/vNNNNNN``, for ``sdp recompute``) hold what the engine ran: the weights in
+``train.dtype``, or under LoRA the adapters plus one copy of the base in ``versions/base``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,16 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.models.lora import apply_lora, load_adapters, merged_copy
+from sdp_cli.errors import UserError
+from sdp_cli.models.lora import (
+    VERSION_BASE,
+    apply_lora,
+    is_adapter_dir,
+    is_lora,
+    load_adapters,
+    merged_copy,
+    save_adapters,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -26,6 +40,55 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def engine_dtype(cfg: SdpConfig) -> torch.dtype:
     """The dtype the local engine runs and version checkpoints are written in."""
     return DTYPES[cfg.train.dtype]
+
+
+def load_for_training(
+    cfg: SdpConfig,
+    load: Callable[[Path | None], Any],
+    *,
+    checkpoint_policy: Path | None = None,
+    versions_dir: Path | None = None,
+) -> tuple[Any, torch.nn.Module | None]:
+    """The trainable policy and the frozen KL reference (or None). ``load(path)`` loads the
+    configured policy (``path=None``) or a saved whole model; ``checkpoint_policy`` is the policy
+    directory of the checkpoint a resume starts from. With ``versions_dir`` (rank 0 keeping
+    version checkpoints) a LoRA run writes its base there once."""
+    lora = cfg.model.lora.r > 0
+    if checkpoint_policy is not None and is_adapter_dir(checkpoint_policy) != lora:
+        saved = "LoRA adapters" if is_adapter_dir(checkpoint_policy) else "a whole model"
+        raise UserError(
+            f"{checkpoint_policy} holds {saved} but model.lora.r={cfg.model.lora.r}; "
+            "resume with the model.lora settings the run was started with"
+        )
+    policy = load(None if lora else checkpoint_policy)
+    if lora and versions_dir is not None and not (versions_dir / VERSION_BASE / "config.json").is_file():
+        from sdp_cli.models import save_policy
+
+        save_policy(policy, versions_dir / VERSION_BASE, dtype=engine_dtype(cfg))
+    initial = (lambda: load(None)) if checkpoint_policy is not None else None
+    reference = build_reference(policy, cfg, load_initial=initial)
+    prepare_policy(policy, cfg, adapters=checkpoint_policy if lora else None)
+    return policy, reference
+
+
+def save_checkpoint_policy(policy: Any, directory: Path) -> None:
+    """The policy part of a resumable checkpoint: master weights, or the adapters under LoRA."""
+    if is_lora(policy.model):
+        save_adapters(policy.model, directory)
+        return
+    from sdp_cli.models import save_policy
+
+    save_policy(policy, directory)
+
+
+def save_version(policy: Any, cfg: SdpConfig, directory: Path) -> None:
+    """A version checkpoint: the weights the engine ran (``engine_dtype``), or the adapters."""
+    if is_lora(policy.model):
+        save_adapters(policy.model, directory)
+        return
+    from sdp_cli.models import save_policy
+
+    save_policy(policy, directory, dtype=engine_dtype(cfg))
 
 
 def prepare_policy(policy: Any, cfg: SdpConfig, *, adapters: Path | None = None) -> Any:

@@ -15,11 +15,11 @@ Run directory (``runs/<timestamp>-<mode>-<task>/``):
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
 import shutil
+import sys
 import time
 import traceback
 from datetime import datetime
@@ -41,6 +41,7 @@ from sdp_cli.train.ledger import LEDGER, LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
+from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
 from sdp_cli.train.trainer import Trainer
 
@@ -141,8 +142,10 @@ def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path, *, device: Any = "c
     if cfg.engine.kind == "local":
         from sdp_cli.engine.local import LocalEngine
 
+        from sdp_cli.train.policy_setup import engine_model
+
         return LocalEngine(
-            copy.deepcopy(policy.model),
+            engine_model(policy, cfg),
             temperature=cfg.rollout.temperature,
             eos_token_id=policy.eos_token_id,
             pad_token_id=policy.pad_token_id,
@@ -200,9 +203,15 @@ class TrainingRun:
             checkpoint = ckpt.read_checkpoint(found)
 
         self.task = build_task_from(cfg)
+        keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
-        self.policy = self.coordinator.main_first(
-            lambda: load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
+        self.policy, reference = self.coordinator.main_first(
+            lambda: load_for_training(
+                cfg,
+                lambda path: load_policy_from(cfg, self.task, path=path),
+                checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
+                versions_dir=self.run_dir / "versions" if keep_versions else None,
+            )
         )
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
@@ -215,6 +224,8 @@ class TrainingRun:
             track_proximal_t=tracks_proximal_t(cfg),
             proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
+            dtype=cfg.train.dtype,
+            reference=reference,
         )
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
@@ -222,9 +233,16 @@ class TrainingRun:
         self.start_step = 0
         if checkpoint is not None:
             state = checkpoint.state
-            self.trainer.optimizer.load_state_dict(
-                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
-            )
+            if state["optimizer"] is not None:
+                self.trainer.optimizer.load_state_dict(
+                    ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+                )
+            else:  # train.save_optimizer=false (docs/training.md, "Checkpoints and resume")
+                print(
+                    f"warning: {checkpoint.path.name} holds no optimizer state (train.save_optimizer=false); "
+                    "AdamW restarts from zero moments",
+                    file=sys.stderr,
+                )
             self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
             torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
             self.trainer.version = int(state["trainer"]["version"])
@@ -262,7 +280,11 @@ class TrainingRun:
         if checkpoint is not None:
             self.loop.restore(checkpoint.state["loop"])
             self.events.write(
-                "resumed", step=self.start_step, version=self.trainer.version, checkpoint=str(checkpoint.path)
+                "resumed",
+                step=self.start_step,
+                version=self.trainer.version,
+                checkpoint=str(checkpoint.path),
+                optimizer_restarted=checkpoint.state["optimizer"] is None,
             )
         else:
             self.events.write("started", overrides=self.overrides, processes=self.coordinator.num_processes)
@@ -323,7 +345,7 @@ class TrainingRun:
         save_policy(self.policy, directory)
 
     def _save_version(self, version: int) -> None:
-        self._save_policy(self.run_dir / "versions" / f"v{version:06d}")
+        save_version(self.policy, self.cfg, self.run_dir / "versions" / f"v{version:06d}")
 
     # -- per step -----------------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
@@ -365,9 +387,10 @@ class TrainingRun:
         path = ckpt.write_checkpoint(
             self.ckpt_root,
             step,
-            save_policy=self._save_policy,
-            optimizer_state=self.trainer.optimizer.state_dict(),
+            save_policy=lambda directory: save_checkpoint_policy(self.policy, directory),
+            optimizer_state=self.trainer.optimizer.state_dict() if self.cfg.train.save_optimizer else None,
             state={"trainer": trainer_state, "loop": self._snapshot()},
+            keep=self.cfg.train.keep_checkpoints,
         )
         self._last_checkpoint = (step, path)
         self.events.write("checkpoint", step=step, path=str(path))
@@ -382,7 +405,10 @@ class TrainingRun:
     def _evaluate(self, step: int) -> float:
         from sdp_cli.models import greedy_accuracy
 
-        acc = greedy_accuracy(self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7)
+        cfg = self.cfg
+        budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
+        with self.trainer.autocast():  # the training precision
+            acc = greedy_accuracy(self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget)
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
         self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)

@@ -118,7 +118,8 @@ class Trainer:
         logprobs, _ = self._forward(self.model, batch, grad=grad, with_entropy=False)
         return logprobs if grad else logprobs.detach().float().cpu()
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The training precision as a context: bfloat16 autocast, or nothing for float32."""
         device_type = self.accelerator.device.type
         return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
@@ -131,7 +132,7 @@ class Trainer:
         ids = batch.input_ids.to(device)
         response = batch.mask.to(device) > 0
         targets = ids[:, 1:][response]
-        with torch.set_grad_enabled(grad), self._autocast():
+        with torch.set_grad_enabled(grad), self.autocast():
             if self._hidden_path is None:
                 self._hidden_path = self._logits_are_hidden_times_head(model, ids, batch)
             if self._hidden_path:
