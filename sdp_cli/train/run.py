@@ -539,6 +539,9 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
     from sdp_cli.train.distributed import Coordinator
 
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
+    # what a resume changes in the run directory, written only once setup has accepted it, so a
+    # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
+    deferred: list[tuple[Path, str]] = []
     if cfg.resume:
         run_dir = Path(cfg.resume)
         saved = run_dir / "overrides.json"
@@ -548,8 +551,8 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         extra = [o for o in overrides if not o.startswith("resume=")]
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
         _preflight(cfg)
-        if extra and coordinator.is_main:
-            atomic_write_text(saved, json.dumps([*original, *extra]))
+        if extra:
+            deferred.append((saved, json.dumps([*original, *extra])))
         resuming = True
     else:
         _preflight(cfg)
@@ -558,10 +561,15 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
         if coordinator.is_main:
             atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
         resuming = False
-    if coordinator.is_main:
+    if resuming:
+        deferred.append((run_dir / "config.yaml", to_yaml(raw)))
+    elif coordinator.is_main:
         atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
     run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator)
     run.setup()
+    if coordinator.is_main:
+        for path, text in deferred:
+            atomic_write_text(path, text)
     if not coordinator.is_main:
         run.follow()
         return None

@@ -157,3 +157,26 @@ def test_evaluation_uses_the_rollout_budget_unless_told_otherwise(tmp_path, monk
     train_run(tmp_path, overrides)
     # the run's start and end evaluations (a warm start, when one runs, evaluates before them)
     assert seen[-2:] == [budget, budget]
+
+
+def test_resume_with_other_lora_settings_is_refused_in_one_line(lora_run, tmp_path):
+    import shutil
+
+    from sdp_cli.errors import UserError
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(lora_run, run_dir)
+    saved = (run_dir / "overrides.json").read_text()
+    cfg, raw = compose_config([f"resume={run_dir}", "model.lora.r=0"])
+    with pytest.raises(UserError) as err:
+        run_training(cfg, raw, overrides=["model.lora.r=0"])
+    message = str(err.value)
+    assert "holds LoRA adapters but model.lora.r=0; resume with the model.lora settings" in message
+    assert "\n" not in message
+    cfg, raw = compose_config([f"resume={run_dir}", "model.lora.r=8"])
+    with pytest.raises(UserError, match="adapters do not fit the model"):
+        run_training(cfg, raw, overrides=["model.lora.r=8"])
+    # a refused resume leaves the run as it was: a plain resume afterwards works
+    assert (run_dir / "overrides.json").read_text() == saved
+    cfg, raw = compose_config([f"resume={run_dir}", "train.steps=3"])
+    assert run_training(cfg, raw, overrides=["train.steps=3"])["steps"] == 3
