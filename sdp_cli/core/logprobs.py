@@ -13,11 +13,15 @@ the gradient after backward; any other autograd node that saved them fails loudl
 in-place version check), never silently.
 
 ``logprobs_from_hidden`` goes one step further for training: it takes the final hidden states
-and the output embedding and makes the logits itself, one chunk at a time, so no [N, V] tensor
-exists at all — neither the logits nor their gradient (docs/math.md §6.2).
+and the output embedding and makes the logits itself, one vocabulary block at a time, so no [N, V]
+tensor exists at all — neither the logits nor their gradient (docs/math.md §6.2).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -71,8 +75,13 @@ def _chunk_backward(
     grad_entropy: Tensor | None,
     probs: Tensor | None,
     temperature: float,
+    target_grad: Tensor | None = None,
 ) -> None:
-    """Turn ``work`` = logits / T of one chunk into ∂(g·log p_y + h·H)/∂logits, in place."""
+    """Turn ``work`` = logits / T of one chunk into ∂(g·log p_y + h·H)/∂logits, in place.
+
+    ``target_grad`` is what the one-hot term adds at ``targets`` (default g; a vocabulary block
+    passes 0 for rows whose target lies in another block).
+    """
     dtype = work.dtype
     g_lp = grad_logprobs.to(dtype).unsqueeze(-1)
     work.sub_(log_norm.unsqueeze(-1))  # work := log p
@@ -84,7 +93,7 @@ def _chunk_backward(
         work.add_(entropy.unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
     else:
         work.exp_().mul_(g_lp).neg_()
-    work.scatter_add_(-1, targets.unsqueeze(-1), g_lp)
+    work.scatter_add_(-1, targets.unsqueeze(-1), g_lp if target_grad is None else target_grad.to(dtype).unsqueeze(-1))
     work.div_(temperature)
 
 
@@ -247,15 +256,18 @@ def logprobs_from_logits(
     return logprobs
 
 
-#: Elements of one float32 [chunk, V] scratch in ``logprobs_from_hidden`` (64 MiB).
-HIDDEN_CHUNK_ELEMENTS = 1 << 24
+#: Elements of one float32 [N, block] scratch in ``logprobs_from_hidden`` (64 MiB).
+HIDDEN_BLOCK_ELEMENTS = 1 << 24
 
 
 class _HiddenLogprobs(torch.autograd.Function):
-    """log p(target) and H of softmax((h·Wᵀ + b) / T), the logits made one chunk at a time.
+    """log p(target) and H of softmax((h·Wᵀ + b) / T), the logits made one vocabulary block at a
+    time (docs/math.md §6.2).
 
-    Rows are [N, H] hidden states; the [chunk, V] logits of a chunk live only inside one loop
-    iteration, in forward and again (recomputed) in backward.
+    Forward keeps a running max m, S = Σ e^{x−m} and U = Σ e^{x−m}·(x − m) per row across
+    blocks (an online logsumexp), so lse = m + log S and H = log S − U/S. Backward recomputes
+    each block's logits and turns them into the block's columns of ∂/∂logits, which give ∂W for
+    those vocabulary rows directly and add their share to ∂h.
     """
 
     @staticmethod
@@ -266,30 +278,37 @@ class _HiddenLogprobs(torch.autograd.Function):
         bias: Tensor | None,
         targets: Tensor,
         temperature: float,
-        chunk_size: int,
+        block_size: int,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         rows, vocab = hidden.shape[0], weight.shape[0]
         dtype = _compute_dtype(hidden.dtype)
-        w, b = _as_matmul_dtype(weight, bias, hidden.dtype)
-        logprobs = torch.empty(rows, dtype=dtype, device=hidden.device)
-        log_norm = torch.empty_like(logprobs)
-        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        size = (min(chunk_size, max(rows, 1)), vocab)
-        scratch = torch.empty(size, dtype=dtype, device=hidden.device)
+        new = functools.partial(torch.zeros, rows, dtype=dtype, device=hidden.device)
+        top, total, spread, target_logit = new().fill_(-math.inf), new(), new(), new()
+        scratch = torch.empty(rows * min(block_size, vocab), dtype=dtype, device=hidden.device)
         probs = torch.empty_like(scratch) if with_entropy else None
-        for start in range(0, rows, chunk_size):
-            sel = slice(start, start + chunk_size)
-            x = _chunk_logits(hidden[sel], w, b, scratch).div_(temperature)
-            lp, lse, ent = _chunk_forward(x, targets[sel], probs)
-            log_norm[sel] = lse
-            logprobs[sel] = lp
+        for start, x in _blocks(hidden, weight, bias, temperature, block_size, scratch):
+            idx, in_block = _block_targets(targets, start, x.shape[1])
+            target_logit = torch.where(in_block, x.gather(1, idx.unsqueeze(1)).squeeze(1), target_logit)
+            new_top = torch.maximum(top, x.amax(1))
+            scale = torch.exp(top - new_top)  # 0 for the first block (top = −inf)
             if with_entropy:
-                entropy[sel] = ent
+                # U' = scale·(U + (m − m')·S); where S = 0 the product would be (−inf)·0
+                shift = torch.where(total > 0, (top - new_top) * total, 0.0)
+                spread = scale * (spread + shift)
+            x.sub_(new_top.unsqueeze(1))
+            exp = torch.exp(x, out=probs[: x.numel()].view_as(x)) if probs is not None else x.exp_()
+            total = scale * total + exp.sum(1)
+            if with_entropy:
+                spread += torch.linalg.vecdot(exp, x)
+            top = new_top
+        log_norm = top + total.log()
+        logprobs = target_logit - log_norm
+        entropy = total.log() - spread / total if with_entropy else log_norm.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, targets, log_norm, entropy)
         ctx.set_materialize_grads(False)
         ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
+        ctx.block_size = block_size
         ctx.with_entropy = with_entropy
         ctx.mark_non_differentiable(targets)
         return logprobs, entropy
@@ -314,47 +333,46 @@ def _hidden_backward(
     grad_logprobs: Tensor | None,
     grad_entropy: Tensor | None,
 ) -> tuple[Tensor | None, ...]:
-    """Backward of ``_HiddenLogprobs``: recompute each chunk's logits, push ∂/∂logits through
-    logits = h·Wᵀ + b into the hidden, weight and bias gradients."""
-    temperature, chunk_size = ctx.temperature, ctx.chunk_size
+    """Backward of ``_HiddenLogprobs``, block by block: ∂W and ∂b of the block's vocabulary rows
+    are written once; ∂h accumulates in float32."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     rows, vocab = hidden.shape[0], weight.shape[0]
     dtype = log_norm.dtype
-    grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs
+    grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
     use_entropy = ctx.with_entropy and grad_entropy is not None
-    w, b = _as_matmul_dtype(weight, bias, hidden.dtype)
-    grad_hidden = torch.empty_like(hidden) if need_h else None
-    # Weight and bias gradients accumulate over chunks in float32 whatever the matmul dtype.
     acc_dtype = torch.promote_types(dtype, torch.float32)
-    grad_weight = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device) if need_w else None
-    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=weight.device) if need_b else None
-    scratch = torch.empty(min(chunk_size, max(rows, 1)), vocab, dtype=dtype, device=hidden.device)
+    grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None
+    grad_bias = torch.empty_like(bias) if need_b else None
+    scratch = torch.empty(rows * min(ctx.block_size, vocab), dtype=dtype, device=hidden.device)
     probs = torch.empty_like(scratch) if use_entropy else None
-    for start in range(0, rows, chunk_size):
-        sel = slice(start, start + chunk_size)
-        h = hidden[sel]
-        work = _chunk_logits(h, w, b, scratch).div_(temperature)
+    blocks = _blocks(hidden, weight, bias, ctx.temperature, ctx.block_size, scratch)
+    for start, work in blocks:
+        cols = slice(start, start + work.shape[1])
+        idx, in_block = _block_targets(targets, start, work.shape[1])
         _chunk_backward(
             work,
-            targets[sel],
-            log_norm[sel],
-            grad_logprobs[sel],
-            entropy[sel] if use_entropy else None,
-            grad_entropy[sel] if use_entropy else None,
-            probs,
-            temperature,
+            idx,
+            log_norm,
+            grad_logprobs,
+            entropy if use_entropy else None,
+            grad_entropy if use_entropy else None,
+            None if probs is None else probs[: work.numel()].view_as(work),
+            ctx.temperature,
+            target_grad=torch.where(in_block, grad_logprobs, 0.0),
         )
-        # work now holds ∂/∂logits of the chunk
+        # work is now ∂/∂logits of the block; logits = h·W_blockᵀ + b_block
+        grad = work.to(hidden.dtype)
         if grad_hidden is not None:
-            grad_hidden[sel] = work.to(w.dtype) @ w
+            grad_hidden += grad @ weight[cols].detach().to(hidden.dtype)
         if grad_weight is not None:
-            grad_weight.addmm_(work.t().to(acc_dtype), h.to(acc_dtype))
+            grad_weight[cols] = grad.t() @ hidden
         if grad_bias is not None:
-            grad_bias += work.sum(0)
+            grad_bias[cols] = work.sum(0)
     return (
-        grad_hidden,
-        None if grad_weight is None else grad_weight.to(weight.dtype),
-        None if grad_bias is None else grad_bias.to(bias.dtype),
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+        grad_weight,
+        grad_bias,
         None,
         None,
         None,
@@ -362,20 +380,32 @@ def _hidden_backward(
     )
 
 
-def _as_matmul_dtype(weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """The output embedding in the hidden states' dtype (a copy only when they differ)."""
-    w = weight.detach().to(dtype)
-    return w, None if bias is None else bias.detach().to(dtype)
+def _blocks(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, block_size: int, scratch: Tensor
+) -> Iterator[tuple[int, Tensor]]:
+    """(first vocabulary id, x = (h·W_blockᵀ + b_block) / T) of every block, x [N, block] in the
+    compute-dtype ``scratch`` (a flat buffer, so every block's view is contiguous). The matmul
+    runs in ``hidden``'s dtype; W is cast to it one block at a time."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    for start in range(0, vocab, block_size):
+        w = weight[start : start + block_size].detach().to(hidden.dtype)
+        x = scratch[: rows * w.shape[0]].view(rows, w.shape[0])
+        b = None if bias is None else bias[start : start + block_size].detach().to(hidden.dtype)
+        if hidden.dtype == x.dtype:
+            if b is None:
+                torch.mm(hidden, w.t(), out=x)
+            else:
+                torch.addmm(b, hidden, w.t(), out=x)
+        else:  # half precision: the matmul runs in it, the softmax in float32
+            x.copy_(hidden @ w.t() if b is None else torch.addmm(b, hidden, w.t()))
+        yield start, x.div_(temperature)
 
 
-def _chunk_logits(h: Tensor, w: Tensor, b: Tensor | None, scratch: Tensor) -> Tensor:
-    """h·Wᵀ + b of one chunk, in (a prefix of) the compute-dtype ``scratch``."""
-    out = scratch[: h.shape[0]]
-    if h.dtype == out.dtype:
-        return torch.addmm(b, h, w.t(), out=out) if b is not None else torch.mm(h, w.t(), out=out)
-    # half precision: the matmul runs in it, the softmax in float32
-    logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
-    return out.copy_(logits)
+def _block_targets(targets: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each row's target as a column of the block starting at ``start`` (clamped into it), and
+    whether the target lies in the block at all."""
+    local = targets - start
+    return local.clamp(0, width - 1), (local >= 0) & (local < width)
 
 
 def logprobs_from_hidden(
@@ -385,18 +415,18 @@ def logprobs_from_hidden(
     *,
     bias: Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int | None = None,
+    block_size: int | None = None,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax((hidden·weightᵀ + bias) / T) at ``targets`` without the logits (docs/math.md §6.2).
 
     ``hidden`` is [..., H] (the model's final hidden states), ``weight`` the [V, H] output
-    embedding, ``targets`` [...] ids in [0, V). The logits exist one chunk of ``chunk_size``
-    rows at a time (default: ``HIDDEN_CHUNK_ELEMENTS // V`` rows), in forward and in backward,
-    so no [N, V] tensor is ever allocated. The matmul runs in ``hidden``'s dtype (``weight`` is
-    cast to it), the softmax in float32 for half-precision input; gradients come back in each
-    input's own dtype, the weight's accumulated in float32. Returns float32 for half-precision
-    hidden states, else their dtype; with ``return_entropy`` also H per token.
+    embedding, ``targets`` [...] ids in [0, V). The logits exist one block of ``block_size``
+    vocabulary entries at a time (default: ``HIDDEN_BLOCK_ELEMENTS // N``), in forward and in
+    backward, so no [N, V] tensor is ever allocated. The matmuls run in ``hidden``'s dtype
+    (``weight`` is cast to it block by block), the softmax in float32 for half-precision input;
+    gradients come back in each input's own dtype (∂h accumulated in float32). Returns float32
+    for half-precision hidden states, else their dtype; with ``return_entropy`` also H per token.
     """
     check_float_tensor("hidden", hidden)
     check_float_tensor("weight", weight)
@@ -419,19 +449,20 @@ def logprobs_from_hidden(
             " targets must match hidden without the feature dimension"
         )
     check_number("temperature", temperature, above=0)
-    if chunk_size is None:
-        chunk_size = max(1, HIDDEN_CHUNK_ELEMENTS // vocab)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
+    rows = targets.numel()
+    if block_size is None:
+        block_size = max(1, HIDDEN_BLOCK_ELEMENTS // max(rows, 1))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+    if rows and not bool(((targets >= 0) & (targets < vocab)).all()):
         raise ValueError(
             f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    # Half-precision autocast must not recast inside the chunks: the dtypes above are the contract.
+    # autocast must not recast inside the blocks: the dtypes above are the contract
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         logprobs, entropy = _HiddenLogprobs.apply(
-            flat, weight, bias, targets.reshape(-1).long(), float(temperature), chunk_size, return_entropy
+            flat, weight, bias, targets.reshape(-1).long(), float(temperature), block_size, return_entropy
         )
     logprobs = logprobs.reshape(targets.shape)
     if return_entropy:

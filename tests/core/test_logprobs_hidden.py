@@ -1,4 +1,4 @@
-"""Checks of sdp_cli.core.logprobs.logprobs_from_hidden: the logits h·Wᵀ + b made chunk by chunk
+"""Checks of sdp_cli.core.logprobs.logprobs_from_hidden: the logits h·Wᵀ + b made block by block
 give the same log-probs, entropy and gradients as materialising them (docs/math.md §6.2)."""
 
 import math
@@ -34,16 +34,16 @@ def test_hand_values():
     assert lp.item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("block_size", [1, 3, 5, None])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_naive(chunk_size, temperature, with_bias):
+def test_matches_naive(block_size, temperature, with_bias):
     hidden = torch.randn(3, 5, 8, dtype=torch.float64)
     weight = torch.randn(13, 8, dtype=torch.float64)
     bias = torch.randn(13, dtype=torch.float64) if with_bias else None
     targets = torch.randint(0, 13, (3, 5))
     lp, ent = logprobs_from_hidden(
-        hidden, weight, targets, bias=bias, temperature=temperature, chunk_size=chunk_size, return_entropy=True
+        hidden, weight, targets, bias=bias, temperature=temperature, block_size=block_size, return_entropy=True
     )
     ref_lp, ref_ent = naive(hidden, weight, targets, bias, temperature)
     assert lp.shape == targets.shape and ent.shape == targets.shape
@@ -51,15 +51,15 @@ def test_matches_naive(chunk_size, temperature, with_bias):
     torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 100])
-def test_gradcheck_every_input(chunk_size):
+@pytest.mark.parametrize("block_size", [1, 4, 100])
+def test_gradcheck_every_input(block_size):
     hidden = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(6, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 6, (2, 3))
 
     def both(h, w, b):
-        return logprobs_from_hidden(h, w, targets, bias=b, temperature=0.8, chunk_size=chunk_size, return_entropy=True)
+        return logprobs_from_hidden(h, w, targets, bias=b, temperature=0.8, block_size=block_size, return_entropy=True)
 
     assert torch.autograd.gradcheck(both, (hidden, weight, bias))
     # each output alone (the other's gradient arrives as None)
@@ -86,7 +86,7 @@ def test_bfloat16_hidden_matches_the_logits_path_and_returns_float32():
     hidden = torch.randn(40, 16).bfloat16()
     weight = torch.randn(50, 16)  # float32 master weight, cast to bf16 for the matmul
     targets = torch.randint(0, 50, (40,))
-    lp, ent = logprobs_from_hidden(hidden, weight, targets, temperature=0.9, chunk_size=7, return_entropy=True)
+    lp, ent = logprobs_from_hidden(hidden, weight, targets, temperature=0.9, block_size=7, return_entropy=True)
     logits = hidden @ weight.bfloat16().t()
     ref_lp, ref_ent = logprobs_from_logits(logits, targets, temperature=0.9, return_entropy=True)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
@@ -101,7 +101,7 @@ def test_bfloat16_gradients_come_back_in_each_inputs_dtype_close_to_float64():
     targets = torch.randint(0, 50, (30,))
     h = hidden64.bfloat16().requires_grad_(True)
     w = weight64.float().requires_grad_(True)
-    logprobs_from_hidden(h, w, targets, chunk_size=8).sum().backward()
+    logprobs_from_hidden(h, w, targets, block_size=8).sum().backward()
     h_ref = h.detach().double().requires_grad_(True)
     w_ref = w.detach().double().requires_grad_(True)
     naive(h_ref, w_ref, targets)[0].sum().backward()
@@ -131,5 +131,20 @@ def test_bad_inputs_are_refused():
         logprobs_from_hidden(h, w, t, bias=torch.zeros(4))
     with pytest.raises(ValueError, match="targets has shape"):
         logprobs_from_hidden(h, w, torch.tensor([0]))
-    with pytest.raises(ValueError, match="chunk_size"):
-        logprobs_from_hidden(h, w, t, chunk_size=0)
+    with pytest.raises(ValueError, match="block_size"):
+        logprobs_from_hidden(h, w, t, block_size=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_online_logsumexp_across_blocks_with_extreme_logits(block_size):
+    # logits [−1000, 3, 1000, 999, −5]: the running max jumps by 1000 and more between blocks;
+    # exp of a raw logit would overflow, the online rescaling must not
+    weight = torch.tensor([[-1000.0], [3.0], [1000.0], [999.0], [-5.0]], dtype=torch.float64)
+    hidden = torch.ones(5, 1, dtype=torch.float64)
+    targets = torch.arange(5)
+    lp, ent = logprobs_from_hidden(hidden, weight, targets, block_size=block_size, return_entropy=True)
+    ref_lp, ref_ent = naive(hidden, weight, targets)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
+    # by hand: p(1000) = 1/(1 + e^−1), p(999) = e^−1/(1 + e^−1), the rest ≈ 0
+    assert lp[2].item() == pytest.approx(-math.log1p(math.exp(-1)), rel=1e-12)
