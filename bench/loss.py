@@ -22,7 +22,7 @@
    Qwen2.5-0.5B, N = 2,048 response tokens), forward + backward from the final hidden states:
    ``naive`` = h·Wᵀ then log_softmax/gather; ``chunked logits`` = h·Wᵀ then
    ``logprobs_from_logits(inplace_backward=True)``; ``hidden`` = ``logprobs_from_hidden``
-   (what the trainer does: the logits exist one chunk at a time). Float32, and bfloat16 hidden
+   (what the trainer does: the logits exist one vocabulary block at a time). Float32, and bfloat16 hidden
    states with a float32 weight (autocast for the naive row). The weight gradient [V, H] is an
    output every variant must allocate (544 MiB in float32); it is included in every row.
 
