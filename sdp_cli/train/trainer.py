@@ -95,7 +95,9 @@ class Trainer:
         self.proximal_t_source = proximal_t_source
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
-        self.reference = None if reference is None else reference.requires_grad_(False).eval()
+        self.reference = None
+        if reference is not None:
+            self.reference = reference.requires_grad_(False).eval().to(self.accelerator.device)
         self._hidden_path: bool | None = None  # decided at the first forward
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
