@@ -1,7 +1,9 @@
 """Importance weights of saved batches, mode by mode (``sdp inspect-weights``; DESIGN.md §1, §4).
 
 For every correction mode — ``bypass`` (the reference, w ≡ 1), ``decoupled`` (log w = π_prox −
-π_behav) and ``segment_wise`` (log w = π_prox_t − π_behav) — and every aggregation (token,
+π_behav), ``segment_wise`` (log w = π_prox_t − π_behav) and the drift-clipped segment-wise weight
+``segment_wise_drift`` (log w = π_prox_t − π_behav + clamp(π_prox − π_prox_t, ±log κ),
+docs/math.md §1.1) — and every aggregation (token,
 sequence, geometric) this module builds the weights with ``core.weights.importance_weights``
 and the divergences with ``core.metrics.offpolicy_metrics`` (rollout = π_behav, training = the
 mode's target policy), then breaks the raw token weights down by staleness, lag = c − v. The
@@ -17,6 +19,7 @@ trainer version for the lag), so ``batch_normalize`` normalises over all of them
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,7 +28,7 @@ import torch
 from torch import Tensor
 
 from sdp_cli.core.metrics import offpolicy_metrics
-from sdp_cli.core.weights import LEVELS, MODES, behavior_log_ratio, importance_weights
+from sdp_cli.core.weights import LEVELS, MODES, behavior_log_ratio, drift_log_factor, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -43,7 +46,14 @@ _WEIGHT_STATS = {
     "batch_norm_factor": "rollout_is_batch_norm_factor",
 }
 #: the policy each mode's weight corrects towards (π_behav in bypass: no correction)
-TARGETS = {"bypass": "π_behav", "decoupled": "π_prox", "segment_wise": "π_prox_t"}
+TARGETS = {
+    "bypass": "π_behav",
+    "decoupled": "π_prox",
+    "segment_wise": "π_prox_t",
+    "segment_wise_drift": "π_prox_t·clip(π_prox/π_prox_t, 1/κ, κ)",
+}
+#: the rows of the report: the three modes, then segment-wise with the clipped drift factor
+ROWS = (*MODES, "segment_wise_drift")
 MISSING_PROXIMAL_FIX = (
     "add π_prox with `sdp recompute`, or save batches from a decoupled or segment-wise run "
     "(sdp train train.save_batches=true)"
@@ -61,6 +71,15 @@ class WeightOptions:
     floor: float | None = None
     action: str = "truncate"
     batch_normalize: bool = False
+    #: κ of the segment_wise_drift row (loss.drift_clip)
+    drift_clip: float = 2.0
+
+
+def _options_json(options: WeightOptions) -> dict[str, Any]:
+    """The options as JSON values: JSON has no infinity, so κ = ∞ is the string "inf"."""
+    return {
+        k: "inf" if isinstance(v, float) and math.isinf(v) else v for k, v in asdict(options).items()
+    }
 
 
 @dataclass
@@ -87,7 +106,8 @@ class ModeReport:
 class LagRow:
     """Raw token weights of the tokens with one lag (c − v). ``w_dec`` and ``dropped`` are None
     without π_prox; ``w_sdp`` and ``dropped`` cover the tokens that have π_{v+1} (all but
-    ``uncorrectable``) and are None when none has. ``dropped`` = π_c/π_{v+1} = w_dec / w_sdp."""
+    ``uncorrectable``) and are None when none has. ``dropped`` = π_c/π_{v+1} = w_dec / w_sdp;
+    ``drift_clipped`` is the share of those tokens whose dropped factor lies outside [1/κ, κ]."""
 
     lag: int
     tokens: int
@@ -95,6 +115,7 @@ class LagRow:
     w_dec: dict[str, float] | None
     w_sdp: dict[str, float] | None
     dropped: dict[str, float] | None
+    drift_clipped: float | None = None
 
 
 @dataclass
@@ -135,7 +156,7 @@ class WeightReport:
             "sequences": self.sequences,
             "tokens": self.tokens,
             "uncorrectable_tokens": self.uncorrectable,
-            "options": asdict(self.options),
+            "options": _options_json(self.options),
             "modes": {
                 name: {
                     "available": m.available,
@@ -163,12 +184,12 @@ class _Stacked:
     uncorrectable: Tensor
     layout: _Layout
 
-    def log_ratio(self, mode: str) -> Tensor | None:
+    def log_ratio(self, mode: str, drift_clip: float | None = None) -> Tensor | None:
         """The mode's behavioural log ratio (``core.weights.behavior_log_ratio``); None for
-        decoupled without π_prox."""
-        if mode == "decoupled" and self.prox is None:
+        decoupled, or segment_wise with ``drift_clip``, without π_prox."""
+        if (mode == "decoupled" or drift_clip is not None) and self.prox is None:
             return None
-        ratio = behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode)
+        ratio = behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode, drift_clip=drift_clip)
         return torch.zeros_like(self.old) if ratio is None else ratio  # bypass: w ≡ 1
 
 
@@ -266,20 +287,22 @@ def _raw_token_stats(log_ratio: Tensor, selected: Tensor) -> dict[str, float]:
     }
 
 
-def _lag_rows(s: _Stacked) -> list[LagRow]:
+def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
     lr_sdp = s.log_ratio("segment_wise")
     lr_dec = s.log_ratio("decoupled")
     assert lr_sdp is not None, "segment_wise always has π_prox_t"
     dropped_lr = None if s.prox is None else s.prox - s.prox_t
+    clipped = None if s.prox is None else drift_log_factor(s.prox, s.prox_t, drift_clip)[1]
     rows = []
     for lag in torch.unique(s.lag[s.mask]).tolist():
         selected = s.mask & (s.lag == lag)
         with_next = selected & ~s.uncorrectable
         has_next = bool(with_next.any())
-        dropped = None
-        if dropped_lr is not None and has_next:
+        dropped = drift_clipped = None
+        if dropped_lr is not None and clipped is not None and has_next:
             stats = _raw_token_stats(dropped_lr, with_next)
             dropped = {"mean": stats["mean"], "std": stats["std"]}
+            drift_clipped = int((clipped & with_next).sum()) / int(with_next.sum())
         rows.append(
             LagRow(
                 lag=int(lag),
@@ -288,6 +311,7 @@ def _lag_rows(s: _Stacked) -> list[LagRow]:
                 w_dec=None if lr_dec is None else _raw_token_stats(lr_dec, selected),
                 w_sdp=_raw_token_stats(lr_sdp, with_next) if has_next else None,
                 dropped=dropped,
+                drift_clipped=drift_clipped,
             )
         )
     return rows
@@ -322,7 +346,18 @@ def analyse_batches(
     assert lr_sdp is not None, "segment_wise always has π_prox_t"
     covered = s.mask & ~s.uncorrectable
     modes["segment_wise"] = _mode_report("segment_wise", lr_sdp, covered, s.old, s.prox_t, options)
-    assert tuple(modes) == MODES, f"modes out of order: {tuple(modes)}"
+    lr_drift = s.log_ratio("segment_wise", options.drift_clip)
+    if lr_drift is None:
+        modes["segment_wise_drift"] = ModeReport(
+            mode="segment_wise_drift",
+            available=False,
+            reason=f"{modes['decoupled'].reason} (the drift factor needs π_prox)",
+        )
+    else:
+        # the policy the weight corrects towards: π_behav · w
+        target = s.old + lr_drift
+        modes["segment_wise_drift"] = _mode_report("segment_wise_drift", lr_drift, covered, s.old, target, options)
+    assert tuple(modes) == ROWS, f"modes out of order: {tuple(modes)}"
     return WeightReport(
         sources=list(sources),
         trainer_versions=[b.trainer_version for b in batches],
@@ -331,7 +366,7 @@ def analyse_batches(
         uncorrectable=int(s.uncorrectable.sum()),
         options=options,
         modes=modes,
-        lags=_lag_rows(s),
+        lags=_lag_rows(s, options.drift_clip),
         mask=s.mask,
         dropped=None
         if s.prox is None
@@ -387,6 +422,6 @@ def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str
         "format": "sdp-weights",
         "files": json.dumps(report.sources),
         "trainer_versions": json.dumps(report.trainer_versions),
-        "options": json.dumps(asdict(report.options)),
+        "options": json.dumps(_options_json(report.options)),
     }
     return tensors, metadata

@@ -14,7 +14,7 @@ import numpy as np
 from sdp_cli.analysis.inspect import WeightReport, dropped_samples, weight_samples
 from sdp_cli.core.weights import LEVELS
 
-_COLORS = {"decoupled": "tab:blue", "segment_wise": "tab:orange"}
+_COLORS = {"decoupled": "tab:blue", "segment_wise": "tab:orange", "segment_wise_drift": "tab:green"}
 _BINS = 40
 
 
@@ -38,12 +38,12 @@ def _histogram(ax, values: np.ndarray, bins: np.ndarray, label: str, color: str 
 
 
 def weight_histograms(report: WeightReport, title: str) -> bytes:
-    """PNG bytes: one panel per aggregation (decoupled and segment-wise weights over their tokens;
+    """PNG bytes: one panel per aggregation (decoupled, segment-wise and drift-clipped weights over their tokens;
     bypass, w ≡ 1, is the dashed line) and a panel of the factor segment-wise drops,
     π_c/π_{v+1}, one histogram per lag (shown only when the batches carry π_prox)."""
     from matplotlib.figure import Figure
 
-    modes = [m for m in ("decoupled", "segment_wise") if report.modes[m].available]
+    modes = [m for m in ("decoupled", "segment_wise", "segment_wise_drift") if report.modes[m].available]
     dropped = dropped_samples(report)
     panels = len(LEVELS) + (dropped is not None)
     fig = Figure(figsize=(6.0 * 2, 4.2 * ((panels + 1) // 2)), layout="constrained")

@@ -25,7 +25,7 @@ ACTIONS = ("truncate", "mask")
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
-For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav) and segment_wise (w = π_prox_t/π_behav), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
+For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav) and segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
 
 [bold]Examples[/bold]
 
@@ -61,6 +61,12 @@ def inspect_weights_command(
     batch_normalize: bool = typer.Option(
         False, "--batch-normalize", help="Divide the bounded weights by their mean (loss.batch_normalize)."
     ),
+    drift_clip: float = typer.Option(
+        2.0,
+        "--drift-clip",
+        help="κ of the segment_wise_drift row: the segment-wise weight times π_prox/π_prox_t clipped "
+        "into \\[1/κ, κ] (loss.drift_clip; 1 = segment_wise, inf = decoupled).",
+    ),
     per_file: bool = typer.Option(False, "--per-file", help="Also analyse every file on its own."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
     plot: Path = typer.Option(
@@ -72,7 +78,7 @@ def inspect_weights_command(
         help="Write the per-token weights of every mode and aggregation (safetensors).",
     ),
 ) -> None:
-    _check_options(cap, floor, action)
+    _check_options(cap, floor, action, drift_clip)
     paths = _batch_paths(files or [], example)
     for out in (plot, dump_weights):
         if out is not None:
@@ -83,7 +89,9 @@ def inspect_weights_command(
 
     batches = [read_batch(p) for p in paths]
     sources = [str(p) for p in paths]
-    options = WeightOptions(cap=cap, floor=floor, action=action, batch_normalize=batch_normalize)
+    options = WeightOptions(
+        cap=cap, floor=floor, action=action, batch_normalize=batch_normalize, drift_clip=drift_clip
+    )
     report = analyse_batches(batches, sources, options)
     per_file_reports = (
         [analyse_batches([b], [src], options) for b, src in zip(batches, sources)] if per_file else []
@@ -132,7 +140,9 @@ def inspect_weights_command(
 
 
 # ------------------------------------------------------------------ parsing
-def _check_options(cap: float | None, floor: float | None, action: str) -> None:
+def _check_options(cap: float | None, floor: float | None, action: str, drift_clip: float) -> None:
+    if math.isnan(drift_clip) or drift_clip < 1:
+        raise UserError(f"--drift-clip {drift_clip} must be >= 1 (1 = segment_wise, inf = decoupled); pass e.g. --drift-clip 2")
     if action not in ACTIONS:
         raise UserError(f"--action {action!r} is not one of {', '.join(ACTIONS)}; pick one of them")
     if cap is not None and not (math.isfinite(cap) and cap > 0):
@@ -273,7 +283,7 @@ def _render(console: Any, report: WeightReport) -> None:
             "tokens",
             *("w_dec mean", "std", "ESS"),
             *("w_sdp mean", "std", "ESS"),
-            *("π_c/π_{v+1} mean", "std"),
+            *("π_c/π_{v+1} mean", "std", "κ-clipped"),
             *(["no π_{v+1}"] if show_unc else []),
         ],
         left=0,
@@ -286,11 +296,14 @@ def _render(console: Any, report: WeightReport) -> None:
             *(_fmt(dec.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(sdp.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(dropped.get(k)) for k in ("mean", "std")),
+            "–" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
     console.print(lags)
     console.print(
         "π_c/π_{v+1} = w_dec / w_sdp is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
-        "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance.",
+        "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance. "
+        f"κ-clipped: the share of it outside [1/κ, κ], κ = {_fmt(report.options.drift_clip)} "
+        "(segment_wise_drift keeps the rest of it).",
         style="dim",
     )

@@ -34,13 +34,14 @@ class RejectionConfig:
     """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
 
     level: str | None = None
-    """token | sequence | geometric; null turns rejection sampling off."""
+    """token | sequence | geometric; null turns the ratio bounds off (a veto still applies)."""
     upper: float = 2.0
     """keep where ratio <= upper."""
     lower: float | None = None
     """keep where ratio >= lower; null means 1/upper."""
     veto: float | None = None
-    """drop a whole sequence if any token's ratio is below this; null = no veto."""
+    """drop a whole sequence if any token's ratio is below this, with or without level (verl's
+    token veto); null = no veto."""
 
 
 @dataclass
@@ -69,6 +70,9 @@ class LossConfig:
     """dual-clip constant c > 1 for negative advantages; null = off."""
     agg: str = "token-mean"
     """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    norm_length: int | None = None
+    """seq-mean-token-sum-norm: the constant length L of Σ_i s_i / (L · sequences per optimizer
+    step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
     """ppo_clip | reinforce (−A·log π_θ·w)."""
     scale_adv_by_std: bool = True
@@ -206,7 +210,8 @@ class EngineConfig:
     api_key_env: str | None = None
     """remote engines: name of the environment variable holding the API key (never logged)."""
     allow_temperature_mismatch: bool = False
-    """remote engines: run at temperature != 1 although prefill logprobs are not temperature-scaled."""
+    """remote engines: run at temperature != 1 although the server's logprobs are then wrong
+    (vLLM: not temperature-scaled; SGLang: prefill ones not; docs/engines.md)."""
     extra_args: list[str] = field(default_factory=list)
     """remote engines: extra command-line arguments for a launched server."""
     env: dict[str, str] = field(default_factory=dict)
@@ -231,7 +236,7 @@ class LoraConfig:
     alpha: float | None = None
     """scaling numerator (the update is alpha/r · B·A); null = 2·r."""
     dropout: float = 0.0
-    """dropout on the adapter input during training."""
+    """adapter dropout; must stay 0: the trainer runs without dropout (docs/training.md, LoRA)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """names of the linear layers that get adapters (default: attention and MLP of Qwen2/Llama)."""
 
@@ -343,6 +348,34 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False, 
         raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
 
 
+def _check_bypass(loss: LossConfig) -> None:
+    """Refuse what bypass would ignore (docs/training.md, "bypass"): it has no behavioural log
+    ratio to reject on, and with ppo_clip no behavioural weight to bound (the PPO ratio
+    π_θ/π_behav is clipped by loss.clip); reinforce's importance weight π_θ/π_behav is bounded."""
+    if loss.rejection.level is not None or loss.rejection.veto is not None:
+        raise ConfigValueError(
+            "loss.rejection needs a behavioural log ratio, which loss.mode=bypass does not have; "
+            "set loss.rejection.level=null and loss.rejection.veto=null, or use mode=decoupled"
+        )
+    if loss.loss_type != "ppo_clip":
+        return
+    instead = (
+        "which loss.mode=bypass with loss.loss_type=ppo_clip does not have "
+        "(loss.clip bounds its ratio π_θ/π_behav)"
+    )
+    for key, value in (("weight_cap", loss.weight_cap), ("weight_floor", loss.weight_floor)):
+        if value is not None:
+            raise ConfigValueError(
+                f"loss.{key}={value} bounds a behavioural weight, {instead}; "
+                f"set loss.{key}=null or use loss.loss_type=reinforce"
+            )
+    if loss.batch_normalize:
+        raise ConfigValueError(
+            f"loss.batch_normalize=true normalises a behavioural weight, {instead}; "
+            "set loss.batch_normalize=false or use loss.loss_type=reinforce"
+        )
+
+
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
     loss = cfg.loss
@@ -369,6 +402,7 @@ def validate(cfg: SdpConfig) -> None:
             raise ConfigValueError(
                 f"loss.drift_clip={loss.drift_clip} must be >= 1 (1 = segment-wise, inf = decoupled)"
             )
+    _positive("loss.norm_length", loss.norm_length, allow_none=True)
     _positive("loss.clip", loss.clip)
     _positive("loss.kl_coef", loss.kl_coef, strict=False)
     _choice("loss.kl_type", loss.kl_type, KL_TYPES)
@@ -386,7 +420,9 @@ def validate(cfg: SdpConfig) -> None:
             raise ConfigValueError(
                 f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
             )
-        _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    if loss.mode == "bypass":
+        _check_bypass(loss)
 
     ro = cfg.rollout
     _positive("rollout.max_head_offpolicyness", ro.max_head_offpolicyness, strict=False)
@@ -486,8 +522,11 @@ def _validate_lora(lora: LoraConfig) -> None:
     if lora.r == 0:
         return
     _positive("model.lora.alpha", lora.alpha, allow_none=True)
-    if not 0 <= lora.dropout < 1:
-        raise ConfigValueError(f"model.lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.dropout != 0:
+        raise ConfigValueError(
+            f"model.lora.dropout={lora.dropout} is not supported: the trainer runs without dropout, "
+            "so that π_θ equals π_prox at equal weights (docs/training.md); leave it at 0"
+        )
     if not lora.target_modules:
         raise ConfigValueError("model.lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj]")
     embeddings = sorted({"lm_head", "embed_tokens"} & set(lora.target_modules))

@@ -10,7 +10,7 @@ regularizers KL to a reference policy (verl's k1/k2/k3 estimators) and the entro
 
 from sdp_cli.core.advantages import group_advantages
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
-from sdp_cli.core.loss import aggregate_loss, policy_loss
+from sdp_cli.core.loss import aggregate_loss, loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.regularizers import kl_penalty, regularizer_loss
 from sdp_cli.core.weights import behavior_log_ratio, importance_weights, rejection_mask
@@ -23,6 +23,7 @@ __all__ = [
     "kl_penalty",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "loss_count",
     "offpolicy_metrics",
     "policy_loss",
     "regularizer_loss",

@@ -34,26 +34,68 @@ AGGREGATIONS = (
 )
 
 
-def _aggregate(per_token: Tensor, mk: Masked, agg: str) -> Tensor:
-    """Reduce a [B, T] per-token loss, 0 at padding, to a scalar (docs/math.md §5.2)."""
+def loss_count(mask: Tensor, agg: str) -> Tensor:
+    """This batch's count in the denominator of ``agg`` (docs/math.md §5.2), before the ≥ 1 floor.
+
+    Valid tokens (token-mean) or non-empty rows (seq-mean-token-sum, seq-mean-token-mean), as a
+    0-d float tensor: summed over data-parallel shards it is the count of the whole minibatch.
+    seq-mean-token-sum-norm divides by a constant instead and has no count.
+    """
+    check_choice("agg", agg, AGGREGATIONS)
+    if agg == "seq-mean-token-sum-norm":
+        raise ValueError("agg='seq-mean-token-sum-norm' divides by a constant, not by a count")
+    check_2d("mask", mask)
+    mk = masked(mask, torch.empty(mask.shape, dtype=torch.float32), "mask")
+    return mk.token_count if agg == "token-mean" else mk.row_total
+
+
+def _check_denominator(agg: str, denominator: float | Tensor | None) -> None:
+    if denominator is None:
+        if agg == "seq-mean-token-sum-norm":
+            raise ValueError(
+                "agg='seq-mean-token-sum-norm' needs its constant denominator "
+                "(norm_length × sequences per optimizer step, docs/math.md §5.2)"
+            )
+        return
+    if isinstance(denominator, Tensor) and denominator.dim() == 0:
+        denominator = float(denominator)
+    check_number("denominator", denominator, above=0)
+
+
+def _aggregate(
+    per_token: Tensor, mk: Masked, agg: str, denominator: float | Tensor | None = None
+) -> Tensor:
+    """Reduce a [B, T] per-token loss, 0 at padding, to a scalar (docs/math.md §5.2).
+
+    The numerator is this batch's; the denominator is ``denominator`` when given (the count of
+    the whole minibatch across data-parallel shards, or the constant of
+    seq-mean-token-sum-norm) and this batch's own count (at least 1) otherwise.
+    """
     if agg == "token-mean":
-        return per_token.sum() / mk.n_tokens
-    seq_sum = per_token.sum(-1)
-    # n_rows counts only rows with ≥ 1 valid token, so padding rows do not dilute the loss.
-    if agg == "seq-mean-token-sum":
-        return seq_sum.sum() / mk.n_rows
-    if agg == "seq-mean-token-mean":
-        return (seq_sum / mk.row_divisor).sum() / mk.n_rows
-    return seq_sum.sum() / (mk.n_rows * max(per_token.shape[-1], 1))
+        total, count = per_token.sum(), mk.n_tokens
+    else:
+        seq_sum = per_token.sum(-1)
+        if agg == "seq-mean-token-mean":
+            seq_sum = seq_sum / mk.row_divisor
+        # n_rows counts only rows with ≥ 1 valid token, so padding rows do not dilute the loss.
+        total, count = seq_sum.sum(), mk.n_rows
+    return total / (count if denominator is None else denominator)
 
 
-def aggregate_loss(values: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+def aggregate_loss(
+    values: Tensor,
+    mask: Tensor,
+    agg: str = "token-mean",
+    *,
+    denominator: float | Tensor | None = None,
+) -> Tensor:
     """Aggregate any per-token [B, T] loss term exactly as ``policy_loss`` does (docs §5.2)."""
     check_float_tensor("values", values)
     check_2d("values", values)
     check_choice("agg", agg, AGGREGATIONS)
+    _check_denominator(agg, denominator)
     mk = masked(mask, values, "values")
-    return _aggregate(torch.where(mk.valid, values, 0.0), mk, agg)
+    return _aggregate(torch.where(mk.valid, values, 0.0), mk, agg, denominator)
 
 
 class _TokenLoss(torch.autograd.Function):
@@ -88,12 +130,15 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     loss_type: str = "ppo_clip",
+    denominator: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Aggregated policy loss and its metrics (docs/math.md §5).
 
     ppo_clip: ℓ = max(−A·r, −A·clip(r, 1−ε, 1+ε_high)) with r = exp(clamp(lp − prox, ±20));
-    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. reinforce: ℓ = −A·lp. Then ℓ·w, and
-    ``agg`` reduces over valid tokens. Only ``logprobs`` receives a gradient.
+    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. reinforce: ℓ = −A·lp, with ``weights``
+    the detached importance weight π_θ/π_behav (the caller recomputes it for every optimizer
+    step). Then ℓ·w, and ``agg`` reduces over valid tokens, dividing by ``denominator`` when
+    given (``_aggregate``). Only ``logprobs`` receives a gradient.
     """
     check_float_tensor("logprobs", logprobs)
     check_2d("logprobs", logprobs)
@@ -104,6 +149,7 @@ def policy_loss(
     mk = masked(mask, logprobs, "logprobs")
     check_choice("agg", agg, AGGREGATIONS)
     check_choice("loss_type", loss_type, LOSS_TYPES)
+    _check_denominator(agg, denominator)
     check_number("clip", clip, above=0)
     clip_high = clip if clip_high is None else clip_high
     check_number("clip_high", clip_high, above=0)
@@ -147,7 +193,7 @@ def policy_loss(
             value = value * w
             slope = slope * w
 
-    loss = _aggregate(_TokenLoss.apply(logprobs, value, slope), mk, agg)
+    loss = _aggregate(_TokenLoss.apply(logprobs, value, slope), mk, agg, denominator)
     host = to_host({"loss": loss, "n": mk.n_tokens, "delta": delta.sum(), **counts})
     n, clipped_n, high_n = host["n"], host.get("clipped", 0.0), host.get("high", 0.0)
     metrics = {

@@ -52,13 +52,16 @@ def regularizer_loss(
     kl_type: str = "low_var_kl",
     entropy_coef: float = 0.0,
     agg: str = "token-mean",
+    denominator: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """kl_coef·agg(k) − entropy_coef·agg(H) over the valid tokens of ``mask`` (docs/math.md §8).
 
     ``ref_logprobs`` is needed when kl_coef > 0 and ``entropy`` (H of π_θ per token, with its
     gradient) when entropy_coef > 0; whichever is given is also reported as a metric
-    (``kl_ref``, ``entropy``: the aggregated values before the coefficient). Returns a 0-d
-    tensor to add to the policy loss (0 when both coefficients are 0) and the metrics.
+    (``kl_ref``, ``entropy``: the aggregated values before the coefficient). ``denominator`` is
+    the policy loss's (``aggregate_loss``): the count of the whole minibatch across data-parallel
+    shards, or the seq-mean-token-sum-norm constant. Returns a 0-d tensor to add to the policy
+    loss (0 when both coefficients are 0) and the metrics.
     """
     check_number("kl_coef", kl_coef, above=0, inclusive=True)
     check_number("entropy_coef", entropy_coef, above=0, inclusive=True)
@@ -69,13 +72,13 @@ def regularizer_loss(
     term = logprobs.new_zeros(())
     metrics: dict[str, float] = {}
     if ref_logprobs is not None:
-        kl = aggregate_loss(kl_penalty(logprobs, ref_logprobs, kl_type), mask, agg)
+        kl = aggregate_loss(kl_penalty(logprobs, ref_logprobs, kl_type), mask, agg, denominator=denominator)
         metrics["kl_ref"] = float(kl.detach())
         if kl_coef > 0:
             term = term + kl_coef * kl
     if entropy is not None:
         check_like("entropy", entropy, logprobs, "logprobs")
-        ent = aggregate_loss(entropy, mask, agg)
+        ent = aggregate_loss(entropy, mask, agg, denominator=denominator)
         metrics["entropy"] = float(ent.detach())
         if entropy_coef > 0:
             term = term - entropy_coef * ent

@@ -16,6 +16,7 @@ both, or neither.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -137,12 +138,14 @@ def importance_weights(
     floor: float | None = None,
     action: str = "truncate",
     batch_normalize: bool = False,
+    all_reduce: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Detached behavioural weights w = exp(clamp(lr, ±20)) at ``level``, bounded to [floor, cap].
 
     token: w_t = exp(lr_t); sequence: w = exp(Σ_t lr_t) and geometric: w = exp(mean_t lr_t),
     broadcast over the row. ``truncate`` clamps into [floor, cap]; ``mask`` sets weights outside
     to 0. ``batch_normalize`` then divides by the mean weight (docs/math.md §2). Padding is 0.
+    ``all_reduce`` (a sum over data-parallel shards) makes that mean the whole batch's.
     Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
     """
     mk = _check_inputs(log_ratio, mask, level)
@@ -174,7 +177,14 @@ def importance_weights(
 
         factor = None
         if batch_normalize:
-            mean = mk.mean(weights) if level == "token" else mk.rows_mean(seq_weight)
+            if level == "token":
+                total, among = weights.sum(), mk.token_count
+            else:
+                total, among = (seq_weight * mk.row_weight).sum(), mk.row_total
+            if all_reduce is not None:
+                dtype = torch.promote_types(total.dtype, among.dtype)
+                total, among = all_reduce(torch.stack([total.to(dtype), among.to(dtype)])).unbind()
+            mean = total / among.clamp_min(1)
             # Nothing to normalise when every weight is 0 or the batch is empty: factor 1.
             factor = torch.where(mean > 0, mean, 1.0)
             weights = weights / factor  # a 0-d factor keeps the dtype of the weights
@@ -247,8 +257,8 @@ def rejection_mask(
     log_ratio: Tensor,
     mask: Tensor,
     *,
-    level: str,
-    upper: float,
+    level: str | None = None,
+    upper: float | None = None,
     lower: float | None = None,
     veto: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -256,30 +266,49 @@ def rejection_mask(
 
     The ratio is exp(clamp(stat, ±20)) with stat built as in ``importance_weights``; ``lower``
     defaults to 1/upper. ``veto`` drops every sequence holding a valid token with raw
-    lr < log(veto). The result has the dtype of ``mask``; it does not depend on any weight.
+    lr < log(veto); with ``level`` None the veto is the only test (verl's token veto, which
+    needs no bounds). The result has the dtype of ``mask``; it does not depend on any weight.
     """
-    mk = _check_inputs(log_ratio, mask, level)
-    check_number("upper", upper, above=0)
-    lower = 1.0 / upper if lower is None else lower
-    check_number("lower", lower, above=0, inclusive=True)
-    if lower > upper:
-        raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
+    if level is None:
+        if upper is not None or lower is not None:
+            raise ValueError(f"upper and lower need a level; got upper={upper!r}, lower={lower!r}")
+        if veto is None:
+            raise ValueError("rejection_mask needs a level (with upper) or a veto")
+    elif upper is None:
+        raise ValueError(f"upper is required with a level; got level={level!r}")
+    mk = _check_inputs(log_ratio, mask, "token" if level is None else level)
+    if level is not None:
+        check_number("upper", upper, above=0)
+        lower = 1.0 / upper if lower is None else lower
+        check_number("lower", lower, above=0, inclusive=True)
+        if lower > upper:
+            raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
     if veto is not None:
         check_number("veto", veto, above=0)
 
     with torch.no_grad():
         lr = mk.select(log_ratio.detach())
-        ratio = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
-        kept = (ratio >= lower) & (ratio <= upper)  # per token, or per row at sequence levels
+        stats: dict[str, Tensor] = {}
+        if level is None:
+            kept = torch.ones_like(mk.valid)
+        else:
+            ratio = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
+            # per token, or per row at sequence levels
+            kept = (ratio >= lower) & (ratio <= upper)
+            stats = (
+                mk.stats(ratio, with_std=False)
+                if level == "token"
+                else mk.row_stats(ratio, with_std=False)
+            )
         counts = {"tokens": mk.token_count, "rows": mk.row_total}
         if veto is not None:
             # The veto reads the raw (unclamped) log ratio of every valid token.
             catastrophic = (lr < math.log(veto)) & mk.valid
             vetoed = _any_row(catastrophic)
-            kept = kept & (~vetoed if level != "token" else ~vetoed.unsqueeze(-1))
+            kept = kept & (~vetoed if level not in (None, "token") else ~vetoed.unsqueeze(-1))
             counts["vetoed"] = count(vetoed)
             counts["catastrophic"] = count(catastrophic)
-        if level == "token":
+        if level in (None, "token"):
             dropped = mk.valid & ~kept
             counts["kept"] = mk.token_count - count(dropped)
             counts["seq_dropped"] = count(_any_row(dropped))
@@ -290,11 +319,6 @@ def rejection_mask(
             counts["seq_dropped"] = mk.row_total - (mk.row_weight * kept_weight).sum()
             kept = kept.unsqueeze(-1)
         new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
-        stats = (
-            mk.stats(ratio, with_std=False)
-            if level == "token"
-            else mk.row_stats(ratio, with_std=False)
-        )
         host = to_host({**stats, **counts})
     tokens, rows = max(host["tokens"], 1.0), max(host["rows"], 1.0)
     metrics = {
@@ -302,8 +326,9 @@ def rejection_mask(
         "rollout_rs_seq_masked_fraction": host["seq_dropped"] / rows,
         "rollout_rs_veto_fraction": host.get("vetoed", 0.0) / rows,
         "rollout_rs_catastrophic_token_fraction": host.get("catastrophic", 0.0) / tokens,
-        "rollout_rs_mean": host["mean"],
-        "rollout_rs_min": host["min"],
-        "rollout_rs_max": host["max"],
     }
+    if level is not None:
+        metrics.update(
+            rollout_rs_mean=host["mean"], rollout_rs_min=host["min"], rollout_rs_max=host["max"]
+        )
     return new_mask, metrics

@@ -184,17 +184,19 @@ class LocalEngine(InferenceEngine):
                 )
         self._check_ids([t for s in seqs for t in s], "token id")
         fault_point("local.score")
-        # similar lengths together keep the padding small
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        # rows with the same prefix (a GRPO group's prompt) together: they share its forward
+        order = sorted(range(len(seqs)), key=lambda i: (seqs[i][: starts[i]], len(seqs[i])))
         results: list[list[float]] = [[] for _ in seqs]
         with self._gate.exclusive_turn(), torch.inference_mode():
             for lo in range(0, len(order), self.max_batch_size):
                 chunk = order[lo : lo + self.max_batch_size]
-                tails = [len(seqs[i]) - starts[i] for i in chunk]
-                logits, ids, _, _ = self._forward_padded(
-                    [seqs[i] for i in chunk], max(tails) + 1, False
+                logits, _, _ = self._forward_shared(
+                    [seqs[i][: starts[i]] for i in chunk],
+                    [seqs[i][starts[i] : -1] for i in chunk],
+                    use_cache=False,
                 )
-                for i, values in zip(chunk, self._tail_logprobs(logits, ids, tails), strict=True):
+                targets = [seqs[i][starts[i] :] for i in chunk]
+                for i, values in zip(chunk, self._target_logprobs(logits, targets), strict=True):
                     results[i] = values
         return results
 
@@ -276,10 +278,14 @@ class LocalEngine(InferenceEngine):
         """(Re-)build the KV cache of prompt + output so far under the loaded weights.
 
         The same forward gives log π_v(token) of the tokens already generated; tokens of version
-        v − 1 without a π_prox_t from version v take it (DESIGN.md §2 step 4).
+        v − 1 without a π_prox_t from version v take it (DESIGN.md §2 step 4). Samples with the
+        same prompt share its forward.
         """
         version = self._version
         samples = [s for s in batch.rows if s is not None]
+        logits, mask, cache = self._forward_shared(
+            [s.prompt_ids for s in samples], [s.output_ids for s in samples], use_cache=True
+        )
         need = [
             any(
                 tv == version - 1 and pv != version
@@ -287,15 +293,14 @@ class LocalEngine(InferenceEngine):
             )
             for s in samples
         ]
-        tails = [s.output_len if n else 0 for s, n in zip(samples, need, strict=True)]
-        logits, ids, mask, cache = self._forward_padded(
-            [s.input_ids for s in samples], max(tails) + 1, True
-        )
         if any(need):
+            rows = [i for i, n in enumerate(need) if n]
             patched = 0
-            for sample, logprobs in zip(
-                samples, self._tail_logprobs(logits, ids, tails), strict=True
-            ):
+            values = self._target_logprobs(
+                logits[rows], [samples[i].output_ids for i in rows]
+            )
+            for i, logprobs in zip(rows, values, strict=True):
+                sample = samples[i]
                 for t, lp in enumerate(logprobs):
                     if (
                         sample.versions[t] == version - 1
@@ -305,6 +310,7 @@ class LocalEngine(InferenceEngine):
                         patched += 1
             with self._inflight_lock:
                 self._prefill_proximal_tokens += patched
+        lengths = torch.tensor([s.output_len for s in samples], device=self.device)
         batch.rows = list(samples)
         batch.live = torch.ones(len(samples), dtype=torch.bool, device=self.device)
         batch.remaining = torch.tensor(
@@ -315,7 +321,8 @@ class LocalEngine(InferenceEngine):
         batch.cache = cache
         batch.attention_mask = mask
         batch.next_positions = mask.sum(dim=1, keepdim=True)
-        batch.next_logits = logits[:, -1]
+        # the logits after each row's last token (suffixes are right-padded)
+        batch.next_logits = logits[torch.arange(len(samples), device=self.device), lengths]
         batch.weights_epoch = self._weights_epoch
 
     def _sample_and_advance(self, batch: _Batch) -> None:
@@ -370,21 +377,29 @@ class LocalEngine(InferenceEngine):
         batch.next_positions = batch.next_positions + 1
 
     # ---------------------------------------------------------------- forwards
-    def _forward_padded(
-        self, sequences: list[list[int]], keep: int, use_cache: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """One forward of left-padded ``sequences``, keeping logits of the last ``keep`` columns.
+    def _forward_shared(
+        self, prefixes: list[list[int]], suffixes: list[list[int]], *, use_cache: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """One forward of the rows ``prefixes[i] + suffixes[i]``, in which rows with the same
+        prefix share its computation: each distinct prefix runs once (left-padded) and its KV
+        cache is copied to its rows, then the suffixes run on it (right-padded).
 
-        Returns logits [B, keep, V], input ids [B, L], attention mask [B, L] and the KV cache.
+        Returns logits [B, 1 + S, V] — column 0 predicts suffix token 0 (from the prefix's last
+        token), column j predicts suffix token j from token j − 1, S the longest suffix —, the
+        attention mask [B, Lp + S] (0 on both kinds of padding) and the KV cache (or None).
+        Every prefix must be non-empty.
         """
-        width = max(len(s) for s in sequences)
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prefixes]
+        unique = [list(p) for p in distinct]
+        width = max(len(p) for p in unique)
         ids = torch.tensor(
-            [[self.pad_token_id] * (width - len(s)) + s for s in sequences],
+            [[self.pad_token_id] * (width - len(p)) + p for p in unique],
             dtype=torch.long,
             device=self.device,
         )
         mask = torch.tensor(
-            [[0] * (width - len(s)) + [1] * len(s) for s in sequences],
+            [[0] * (width - len(p)) + [1] * len(p) for p in unique],
             dtype=torch.long,
             device=self.device,
         )
@@ -394,22 +409,47 @@ class LocalEngine(InferenceEngine):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            use_cache=use_cache,
-            logits_to_keep=keep,
+            use_cache=True,
+            logits_to_keep=1,
         )
-        return out.logits, ids, mask, out.past_key_values if use_cache else None
+        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
+        cache = out.past_key_values
+        if len(unique) < len(prefixes):
+            cache.batch_select_indices(rows)
+        logits, mask = out.logits[rows], mask[rows]
+        span = max(len(s) for s in suffixes)
+        if span:
+            lengths = torch.tensor([len(s) for s in suffixes], device=self.device)
+            suffix_ids = torch.tensor(
+                [s + [self.pad_token_id] * (span - len(s)) for s in suffixes],
+                dtype=torch.long,
+                device=self.device,
+            )
+            suffix_mask = (torch.arange(span, device=self.device) < lengths[:, None]).long()
+            start = mask.sum(dim=1, keepdim=True)
+            mask = torch.cat([mask, suffix_mask], dim=1)
+            out = self.model(
+                input_ids=suffix_ids,
+                attention_mask=mask,
+                position_ids=start + torch.arange(span, device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            cache = out.past_key_values
+            logits = torch.cat([logits, out.logits], dim=1)
+        return logits, mask, cache if use_cache else None
 
-    def _tail_logprobs(
-        self, logits: torch.Tensor, ids: torch.Tensor, tails: list[int]
-    ) -> list[list[float]]:
-        """Logprobs of the last ``tails[i]`` tokens of row ``i`` from the kept logits of its last
-        ``K = logits.shape[1]`` columns (column j predicts token j + 1)."""
-        keep = logits.shape[1]
-        if keep == 1:
-            return [[] for _ in tails]
-        targets = ids[:, ids.shape[1] - keep + 1 :]
+    def _target_logprobs(self, logits: torch.Tensor, targets: list[list[int]]) -> list[list[float]]:
+        """log p(targets[i][j]) from ``logits[i, j]`` at the engine's temperature, for each row's
+        own number of targets (column j of ``_forward_shared`` predicts suffix token j)."""
+        span = max((len(t) for t in targets), default=0)
+        if span == 0:
+            return [[] for _ in targets]
+        padded = torch.tensor(
+            [t + [self.pad_token_id] * (span - len(t)) for t in targets],
+            dtype=torch.long,
+            device=self.device,
+        )
         # the formula the trainer uses (DESIGN.md §4), chunked so big vocabularies fit in memory
-        rows = logprobs_from_logits(logits[:, :-1], targets, temperature=self.temperature).tolist()
-        return [
-            row[len(row) - tail :] if tail else [] for row, tail in zip(rows, tails, strict=True)
-        ]
+        rows = logprobs_from_logits(logits[:, :span], padded, temperature=self.temperature).tolist()
+        return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]

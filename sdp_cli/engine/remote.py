@@ -72,7 +72,7 @@ class RemoteOptions:
 
     #: sampling temperature; scoring uses the same one (see ``allow_temperature_mismatch``)
     temperature: float = 1.0
-    #: accept temperature != 1 although the servers do not temperature-scale prefill logprobs
+    #: accept temperature != 1 although the servers' logprobs are then wrong (check_temperature)
     allow_temperature_mismatch: bool = False
     #: keep generating past the model's end-of-sequence token (benchmarks)
     ignore_eos: bool = False
@@ -173,14 +173,30 @@ def request_seed(seed: int | None, position: int, output_len: int) -> int | None
     return (seed * 1_000_003 + position * 65_537 + output_len) % 2**31
 
 
+#: why each server's logprobs are wrong at T != 1 (docs/engines.md, "Temperature")
+TEMPERATURE_PROBLEMS = {
+    "vllm": (
+        "vLLM reports raw logprobs, log softmax(z) without the 1/T, for sampled and prompt tokens "
+        "alike, so old_logprobs would not be those of the distribution the tokens were sampled "
+        "from (--logprobs-mode processed_logprobs scales the sampled ones only: prompt logprobs, "
+        "which the π_prox_t scores use, stay unscaled)"
+    ),
+    "sglang": (
+        "SGLang's sampled-token logprobs are log softmax(z / T) but its prefill logprobs are not "
+        "temperature-scaled, so the π_prox_t scores would not match old_logprobs "
+        "(SGLANG_RETURN_ORIGINAL_LOGPROB=1 unscales the sampled ones too, making old_logprobs wrong)"
+    ),
+}
+
+
 def check_temperature(options: RemoteOptions, engine_name: str) -> None:
-    """Refuse T != 1: neither server temperature-scales prefill logprobs (research notes)."""
+    """Refuse T != 1, saying why the server's logprobs would be wrong (``TEMPERATURE_PROBLEMS``)."""
     if options.temperature == 1.0:
         return
-    message = (
-        f"engine={engine_name} with temperature={options.temperature}: the server's prefill logprobs "
-        "are not temperature-scaled, so scores and π_prox_t would not match the sampled logprobs"
+    problem = TEMPERATURE_PROBLEMS.get(
+        engine_name, "the server's logprobs are not known to be temperature-scaled"
     )
+    message = f"engine={engine_name} with temperature={options.temperature}: {problem}"
     if not options.allow_temperature_mismatch:
         raise EngineError(
             message

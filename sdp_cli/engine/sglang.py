@@ -10,6 +10,9 @@ Alignment: with ``logprob_start_len = s``, ``meta_info.input_token_logprobs`` ho
 ``[null, ...]``; so to score tokens from position k, send ``s = k - 1`` and drop row 0.
 Versions: ``meta_info.weight_versions`` spans (0.5.19+) or the single ``weight_version``.
 SGLang 0.5.23 rejects unknown ``sampling_params`` keys, so only documented keys are sent.
+Every request sends neutral values for the sampling parameters a server fills in from the
+model's generation_config.json when a request leaves them out (``--sampling-defaults model``):
+tokens are then drawn from softmax(z / T) itself, the distribution of the logprobs recorded.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ from sdp_cli.engine.remote import (
 from sdp_cli.engine.servers import LaunchSpec, free_port
 
 GENERATE = "/generate"
+#: sampling parameters at the values that leave softmax(z / T) unchanged (top_k -1: all tokens)
+NEUTRAL_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,7 @@ class SGLangEngine(RemoteEngine):
         params: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
+            **NEUTRAL_SAMPLING,
             "stop_token_ids": list(stop_token_ids),
             "ignore_eos": self.options.ignore_eos,
             "skip_special_tokens": False,
@@ -212,7 +225,11 @@ class SGLangEngine(RemoteEngine):
         # max_new_tokens = 0 makes a prefill-only request (research note §2).
         body = {
             "input_ids": sequence,
-            "sampling_params": {"max_new_tokens": 0, "temperature": self.temperature},
+            "sampling_params": {
+                "max_new_tokens": 0,
+                "temperature": self.temperature,
+                **NEUTRAL_SAMPLING,
+            },
             "return_logprob": True,
             "logprob_start_len": start - 1,
             "stream": False,

@@ -13,6 +13,10 @@ Weights are reloaded from a safetensors directory by the worker method ``reload_
 by sdp's extension ``reload_weights_cpu`` (``vllm_ext.py``), which also fixes tied-embedding
 models on the CPU backend. The prefix cache is reset after every reload (it is not
 invalidated by a reload, research note §4d pitfall 1).
+
+Every request sends neutral values for the sampling parameters vLLM can take from the model's
+generation_config.json (``--generation-config auto``; 0.32 applies them on its OpenAI routes,
+not on the token route): tokens are then drawn from softmax(z / T) itself.
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ GENERATE = "/inference/v1/generate"
 EXTENSION_MODULE = "sdp_vllm_ext"
 EXTENSION_CLASS = f"{EXTENSION_MODULE}.SdpWorkerExtension"
 RELOAD_METHODS = ("reload_weights", "reload_weights_cpu")
+#: sampling parameters at the values that leave softmax(z / T) unchanged (top_k 0: all tokens)
+NEUTRAL_SAMPLING = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+}
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,7 @@ class VLLMEngine(RemoteEngine):
         params: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": self.temperature,
+            **NEUTRAL_SAMPLING,
             "logprobs": 0,
             "stop_token_ids": list(stop_token_ids),
             "ignore_eos": self.options.ignore_eos,

@@ -71,7 +71,11 @@ class RecomputeStats:
 
 @dataclass
 class _Job:
-    """One sequence to score: ``sequence[start:]`` is scored, ``targets`` are output indices."""
+    """One sequence to score: ``sequence[start:]`` is scored, ``targets`` are output indices.
+
+    ``due(t)`` says whether target t still needs this version's score when the result is
+    written (another pass may have written it meanwhile); ``sample`` is the record written, if any.
+    """
 
     sequence: list[int]
     start: int
@@ -79,6 +83,19 @@ class _Job:
     targets: list[int]
     previous: list[float]
     write: Callable[[int, float], None]
+    due: Callable[[int], bool]
+    sample: RolloutSample | None = None
+
+
+@dataclass
+class RecomputePlan:
+    """What a pass will score under weights ``version``: made under the caller's lock, scored
+    without it (:meth:`ProximalRecomputer.score`), written under it again (:meth:`~.write`)."""
+
+    version: int
+    jobs: list[_Job]
+    samples_seen: int
+    started: float
 
 
 def _targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
@@ -97,12 +114,14 @@ def _make_job(
     targets: list[int],
     previous: list[float],
     write: Callable[[int, float], None],
+    due: Callable[[int], bool],
+    sample: RolloutSample | None = None,
 ) -> _Job:
     prompt_len = len(prompt)
     start = prompt_len + targets[0]
     assert start >= 1, "cannot score output token 0 of a sample with an empty prompt"
     sequence = [int(x) for x in prompt] + [int(x) for x in output[: targets[-1] + 1]]
-    return _Job(sequence, start, prompt_len, targets, previous, write)
+    return _Job(sequence, start, prompt_len, targets, previous, write, due, sample)
 
 
 class ProximalRecomputer:
@@ -121,11 +140,22 @@ class ProximalRecomputer:
         cache: RolloutCache[Item] | None = None,
         inflight: Iterable[RolloutSample] | None = None,
     ) -> RecomputeStats:
-        """Rescore the queued, cached and in-flight samples (engine must be paused).
+        """Rescore the queued, cached and in-flight samples in one go (plan, score, write).
 
         ``inflight`` defaults to ``engine.inflight_samples()``. A sample reachable twice is
         scored once.
         """
+        plan = self.plan(queue, cache, inflight)
+        return self.write(plan, self.score(plan))
+
+    def plan(
+        self,
+        queue: RolloutQueue[Item] | None = None,
+        cache: RolloutCache[Item] | None = None,
+        inflight: Iterable[RolloutSample] | None = None,
+    ) -> RecomputePlan:
+        """The version c − 1 tokens of the held samples that lack π_prox_t from the loaded
+        version c. Reads the samples: call it where nobody else writes them."""
         started = time.perf_counter()
         current = self.engine.get_version()
         items: list[Item] = []
@@ -149,13 +179,69 @@ class ProximalRecomputer:
                 def write(t: int, logprob: float, sample: RolloutSample = sample) -> None:
                     sample.set_proximal_t(t, logprob, current)
 
+                def due(t: int, sample: RolloutSample = sample) -> bool:
+                    return int(sample.proximal_t_versions[t]) != current
+
                 previous = [sample.proximal_logprobs_t[t] for t in targets]
                 jobs.append(
-                    _make_job(sample.prompt_ids, sample.output_ids, targets, previous, write)
+                    _make_job(
+                        sample.prompt_ids, sample.output_ids, targets, previous, write, due, sample
+                    )
                 )
-        stats = RecomputeStats(version=current, samples_seen=len(seen))
-        self._run(jobs, stats)
-        stats.wall_time_s = time.perf_counter() - started
+        return RecomputePlan(current, jobs, len(seen), started)
+
+    def score(self, plan: RecomputePlan) -> list[list[float]]:
+        """Engine scores of every job of ``plan`` (packed into calls); writes nothing, so it may
+        run while others use the samples. The loaded weights must stay those of ``plan.version``."""
+        rows: list[list[float]] = []
+        for pack in token_packs(plan.jobs, self.max_tokens_per_call):
+            answer = self.engine.score([j.sequence for j in pack], [j.start for j in pack])
+            if len(answer) != len(pack):
+                raise EngineError(
+                    f"engine.score returned {len(answer)} results for {len(pack)} sequences; "
+                    "check the engine server version"
+                )
+            for job, row in zip(pack, answer):
+                expected = len(job.sequence) - job.start
+                if len(row) != expected:
+                    raise EngineError(
+                        f"engine.score returned {len(row)} logprobs for a sequence of "
+                        f"{len(job.sequence)} tokens from {job.start}, expected {expected}"
+                    )
+                values = [float(row[job.prompt_len + t - job.start]) for t in job.targets]
+                bad = next((v for v in values if not math.isfinite(v)), None)
+                if bad is not None:
+                    raise EngineError(f"engine.score returned a non-finite logprob ({bad})")
+                rows.append(values)
+        return rows
+
+    def write(
+        self,
+        plan: RecomputePlan,
+        scores: list[list[float]],
+        *,
+        keep: Callable[[RolloutSample], bool] | None = None,
+    ) -> RecomputeStats:
+        """Write the scores of ``plan`` into the samples ``keep`` accepts (all by default), for
+        the targets still due. Call it where nobody else writes the samples."""
+        assert len(scores) == len(plan.jobs), "one row of scores per job"
+        stats = RecomputeStats(version=plan.version, samples_seen=plan.samples_seen)
+        stats.score_calls = sum(1 for _ in token_packs(plan.jobs, self.max_tokens_per_call))
+        abs_delta = 0.0
+        for job, values in zip(plan.jobs, scores):
+            if job.sample is not None and keep is not None and not keep(job.sample):
+                continue
+            written = 0
+            for t, prev, logprob in zip(job.targets, job.previous, values):
+                if job.due(t):
+                    job.write(t, logprob)
+                    abs_delta += abs(logprob - prev)
+                    written += 1
+            stats.tokens_recomputed += written
+            stats.samples_recomputed += 1 if written else 0
+        if stats.tokens_recomputed:
+            stats.mean_abs_delta = abs_delta / stats.tokens_recomputed
+        stats.wall_time_s = time.perf_counter() - plan.started
         return stats
 
     # ----------------------------------------------------- dict API (tests, notebooks)
@@ -202,40 +288,14 @@ class ProximalRecomputer:
                 prox[t] = logprob
                 prox_versions[t] = current
 
+            def due(t: int, prox_versions=prox_versions) -> bool:
+                return int(prox_versions[t]) != current
+
             previous = [float(prox[t]) for t in targets]
             jobs.append(
-                _make_job(input_ids[:prompt_len], input_ids[prompt_len:], targets, previous, write)
-            )
-        stats = RecomputeStats(version=current, samples_seen=len(batch))
-        self._run(jobs, stats)
-        stats.wall_time_s = time.perf_counter() - started
-        return stats
-
-    # ---------------------------------------------------------------- scoring
-    def _run(self, jobs: list[_Job], stats: RecomputeStats) -> None:
-        abs_delta = 0.0
-        for pack in token_packs(jobs, self.max_tokens_per_call):
-            rows = self.engine.score([j.sequence for j in pack], [j.start for j in pack])
-            stats.score_calls += 1
-            if len(rows) != len(pack):
-                raise EngineError(
-                    f"engine.score returned {len(rows)} results for {len(pack)} sequences; "
-                    "check the engine server version"
+                _make_job(
+                    input_ids[:prompt_len], input_ids[prompt_len:], targets, previous, write, due
                 )
-            for job, row in zip(pack, rows):
-                expected = len(job.sequence) - job.start
-                if len(row) != expected:
-                    raise EngineError(
-                        f"engine.score returned {len(row)} logprobs for a sequence of "
-                        f"{len(job.sequence)} tokens from {job.start}, expected {expected}"
-                    )
-                for t, prev in zip(job.targets, job.previous):
-                    logprob = float(row[job.prompt_len + t - job.start])
-                    if not math.isfinite(logprob):
-                        raise EngineError(f"engine.score returned a non-finite logprob ({logprob})")
-                    job.write(t, logprob)
-                    abs_delta += abs(logprob - prev)
-                stats.tokens_recomputed += len(job.targets)
-            stats.samples_recomputed += len(pack)
-        if stats.tokens_recomputed:
-            stats.mean_abs_delta = abs_delta / stats.tokens_recomputed
+            )
+        plan = RecomputePlan(current, jobs, len(batch), started)
+        return self.write(plan, self.score(plan))

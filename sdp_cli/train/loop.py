@@ -42,7 +42,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController
 from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats
-from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
 from sdp_cli.tasks.base import Task, TaskItem
@@ -202,6 +202,9 @@ class AsyncLoop:
         self.state = LoopState(producer_rng=random.Random(cfg.seed + 1).getstate())
         self._in_hand: dict[int, RolloutGroup] = {}
         self._handoff_lock = threading.RLock()
+        # A recompute pass scores under the loaded weights: a weight push waits for a running
+        # one. Lock order: _pass_lock before _handoff_lock.
+        self._pass_lock = threading.Lock()
         self._capacity_changed = threading.Condition()
         self._stop = threading.Event()
         self._producer_error: BaseException | None = None
@@ -272,35 +275,48 @@ class AsyncLoop:
         Once weights c are loaded, every token of version c − 1 already exists, so π_c can score
         them at any time before weights c are replaced. Doing it here overlaps the pass with
         training instead of blocking the weight push; the push then only scores what is left
-        (``_push``; the pass skips tokens already scored under c). Between two generate calls
-        the producer holds no sample, and ``_handoff_lock`` keeps the push and the trainer's
-        batch taking out while it writes.
+        (``_push``; a pass skips tokens already scored under c). Between two generate calls the
+        producer holds no sample. ``_pass_lock`` keeps the weights loaded for the whole pass;
+        ``_handoff_lock`` is held only to plan and to write, so the trainer takes batches while
+        the engine scores, and the results of samples it took meanwhile are dropped (the
+        take-time pass scores those).
         """
         if not self._recompute_due():
             return
-        with self._handoff_lock:
-            version = self._version
-            if self._recomputed_for == version:
-                return
+        with self._pass_lock:
+            t0 = time.perf_counter()
+            with self._handoff_lock:
+                version = self._version
+                if self._recomputed_for == version:
+                    return
+                plan = self.recomputer.plan(queue=self.queue, cache=self.cache, inflight=[])
             try:
-                self._ahead.add(*self._recompute_pass(inflight=[]))
+                scores = self.recomputer.score(plan)
             except EngineError as exc:  # the push's pass retries what is left, and fails loudly
                 logger.warning("recompute ahead of the weight push failed, the push will redo it: %s", exc)
+                scores = None
+            if scores is not None:
+                with self._handoff_lock:
+                    held = {id(s) for item in (*self.queue.snapshot(), *self.cache.get_all()) for s in samples_of(item)}
+                    stats = self.recomputer.write(plan, scores, keep=lambda sample: id(sample) in held)
+                self._ahead.add(*self._counted(stats, time.perf_counter() - t0))
             self._recomputed_for = version
 
     def _recompute_pass(
         self, inflight: list[RolloutSample], *, held: bool = True
     ) -> tuple[RecomputeStats, float]:
-        """One recompute pass over ``inflight`` (and, if ``held``, the queue and the cache),
-        counted; (stats, seconds)."""
+        """One recompute pass over ``inflight`` (and, if ``held``, the queue and the cache) in
+        one go, counted; (stats, seconds). The caller keeps everyone else out of the samples."""
         t0 = time.perf_counter()
         stats = self.recomputer.recompute_all(
             queue=self.queue if held else None, cache=self.cache if held else None, inflight=inflight
         )
-        elapsed = time.perf_counter() - t0
+        return self._counted(stats, time.perf_counter() - t0)
+
+    def _counted(self, stats: RecomputeStats, seconds: float) -> tuple[RecomputeStats, float]:
         self.state.counters.recompute_tokens += stats.tokens_recomputed
-        self.state.counters.recompute_seconds += elapsed
-        return stats, elapsed
+        self.state.counters.recompute_seconds += seconds
+        return stats, seconds
 
     def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
         items = self.task.sample(rng, n_groups)
@@ -497,7 +513,7 @@ class AsyncLoop:
         new_version = self.trainer.version
         update = self.push_weights(new_version)
         metrics: dict[str, float] = {}
-        with self.pause_controller.paused():
+        with self._pass_lock, self.pause_controller.paused():
             with self._handoff_lock:
                 if self.recompute_enabled:
                     in_hand = [s for g in self._in_hand.values() for s in g.samples]

@@ -15,6 +15,7 @@ Run directory (``runs/<timestamp>-<mode>-<task>/``):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -215,15 +216,18 @@ class TrainingRun:
         )
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
+        max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         self.trainer = Trainer(
             self.policy.model,
-            loss=cfg.loss,
+            # the Dr.GRPO normaliser's constant length defaults to the generation budget
+            loss=dataclasses.replace(cfg.loss, norm_length=cfg.loss.norm_length or max_new),
             optim=cfg.optim,
             temperature=cfg.rollout.temperature,
             seed=cfg.seed,
             track_proximal_t=tracks_proximal_t(cfg),
             proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
+            batch_sequences=cfg.rollout.batch_groups * cfg.rollout.group_size,
             dtype=cfg.train.dtype,
             reference=reference,
         )
@@ -251,7 +255,6 @@ class TrainingRun:
             return
 
         self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
-        max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(

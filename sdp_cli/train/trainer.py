@@ -7,12 +7,16 @@ Per step (DESIGN.md §1, §4):
    (``fill_one_step_proximal``). Tokens whose π_{v+1} window closed leave the loss.
 3. behavioural log ratio of the mode → bounded importance weights (+ optional rejection mask).
 4. ``ppo_epochs`` × ``minibatches`` optimizer steps on ``policy_loss`` with π_prox (or π_behav in
-   bypass) as the clip anchor.
+   bypass) as the clip anchor; ``reinforce`` recomputes its importance weight π_θ/π_behav for
+   every optimizer step (docs/math.md §5.1).
 
 The model and optimizer go through ``accelerate`` so the same code runs under
-``accelerate launch`` (each process trains on its shard of every minibatch; DDP averages the
-gradients). Both behavioural weights (decoupled and segment-wise) are measured on the same
-tokens whenever their inputs exist, whatever the training mode ("shadow" metrics).
+``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
+the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
+processes, which DDP's gradient average undoes, so the update equals a single-process one
+(docs/training.md, "Several processes"). Both behavioural
+weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
+exist, whatever the training mode ("shadow" metrics).
 
 Log-probs come from the model's final hidden states and its output embedding
 (``core.logprobs_from_hidden``), only at response tokens, so no [tokens, vocab] logits tensor
@@ -34,7 +38,7 @@ import torch
 
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
-from sdp_cli.core.loss import policy_loss
+from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
@@ -52,6 +56,22 @@ class StepOutput:
     metrics: dict[str, float]
     proximal_logprobs: torch.Tensor | None
     loss_mask: torch.Tensor
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability of ``model`` to 0.
+
+    π_θ is computed in train mode and π_prox in eval mode: with dropout the two differ at
+    θ = π_prox, so the PPO ratio is not 1 there and the clip fires on noise (docs/training.md,
+    "The trainer's policy"). Dropout lives in ``nn.Dropout`` modules and in float attributes
+    that attention implementations read in train mode (Qwen2's ``attention_dropout``).
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
@@ -73,10 +93,13 @@ class Trainer:
         track_proximal_t: bool = False,
         proximal_t_source: str = "engine",
         accelerator: Any | None = None,
+        batch_sequences: int | None = None,
         dtype: str = "float32",
         reference: torch.nn.Module | None = None,
     ):
-        """``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
+        """``batch_sequences`` (rollout.batch_groups · rollout.group_size) sets, with
+        ``loss.norm_length``, the constant of seq-mean-token-sum-norm (docs/math.md §5.2).
+        ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
         the adapters disabled is the reference). Only parameters that require grad train."""
         from accelerate import Accelerator
@@ -90,10 +113,19 @@ class Trainer:
         self.loss_cfg = loss
         self.optim_cfg = optim
         self.temperature = float(temperature)
+        #: the constant denominator of seq-mean-token-sum-norm: L · sequences per optimizer step
+        self.norm_denominator: float | None = None
+        if loss.agg == "seq-mean-token-sum-norm":
+            if loss.norm_length is None or batch_sequences is None:
+                raise ValueError(
+                    "loss.agg=seq-mean-token-sum-norm needs loss.norm_length and batch_sequences"
+                )
+            self.norm_denominator = loss.norm_length * batch_sequences / optim.minibatches
         #: π_prox_t = π_{v+1} is kept for stale tokens (segment_wise, or measured with recompute=always)
         self.track_proximal_t = track_proximal_t
         self.proximal_t_source = proximal_t_source
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        disable_dropout(model)
         self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
         self.reference = None
         if reference is not None:
@@ -220,8 +252,10 @@ class Trainer:
         entropy: torch.Tensor | None,
         mask: torch.Tensor,
         reference: torch.Tensor | None,
+        denominator: float | torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """KL-to-reference and entropy terms of one minibatch (docs/math.md §8)."""
+        """KL-to-reference and entropy terms of one minibatch shard, over the policy loss's
+        denominator (docs/math.md §8)."""
         cfg = self.loss_cfg
         return regularizer_loss(
             logprobs,
@@ -232,6 +266,7 @@ class Trainer:
             kl_type=cfg.kl_type,
             entropy_coef=cfg.entropy_coef,
             agg=cfg.agg,
+            denominator=denominator,
         )
 
     # --------------------------------------------------------------------- step
@@ -285,20 +320,23 @@ class Trainer:
                 batch_normalize=cfg.batch_normalize,
             )
             metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
-            if cfg.rejection.level is not None:
+            rej = cfg.rejection
+            if rej.level is not None or rej.veto is not None:
+                # a veto needs no bounds (verl's token veto): level null leaves only the veto
+                bounded = rej.level is not None
                 loss_mask, rmetrics = rejection_mask(
                     log_ratio,
                     loss_mask,
-                    level=cfg.rejection.level,
-                    upper=cfg.rejection.upper,
-                    lower=cfg.rejection.lower,
-                    veto=cfg.rejection.veto,
+                    level=rej.level,
+                    upper=rej.upper if bounded else None,
+                    lower=rej.lower if bounded else None,
+                    veto=rej.veto,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
 
         metrics.update(self._diagnostics(batch, prox))
         anchor = prox if cfg.mode != "bypass" else old
-        metrics.update(self._optimise(batch, anchor, loss_mask, weights, reference=reference))
+        metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference))
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 
@@ -308,9 +346,11 @@ class Trainer:
         anchor: torch.Tensor,
         loss_mask: torch.Tensor,
         weights: torch.Tensor | None,
+        log_ratio: torch.Tensor | None,
         *,
         reference: torch.Tensor | None = None,
     ) -> dict[str, float]:
+        """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard."""
         cfg, opt = self.loss_cfg, self.optim_cfg
         acc = self.accelerator
         n = batch.num_sequences
@@ -321,28 +361,48 @@ class Trainer:
             for chunk in torch.tensor_split(order, opt.minibatches):
                 # data parallel: each process takes every world_size-th row of the minibatch
                 rows = chunk[acc.process_index :: acc.num_processes]
-                if rows.numel() == 0:
+                # A process with no row of this minibatch still runs forward and backward (DDP's
+                # gradient all-reduce needs every process) on a stand-in row with an empty mask:
+                # its loss and gradient are exactly 0.
+                stand_in = rows.numel() == 0
+                if stand_in:
                     rows = chunk[:1]
                 mb = batch.rows(rows)
                 dev = acc.device
+                mb_mask = loss_mask[rows].to(dev)
+                if stand_in:
+                    mb_mask = torch.zeros_like(mb_mask)
                 logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                mb_anchor = anchor[rows].to(dev)
+                if cfg.loss_type == "reinforce":
+                    mb_log_ratio = None if log_ratio is None else log_ratio[rows].to(dev)
+                    mb_weights = self._reinforce_weights(logprobs, mb_anchor, mb_log_ratio, mb_mask)
+                else:
+                    mb_weights = None if weights is None else weights[rows].to(dev)
+                denominator = self._denominator(mb_mask)
                 loss, lmetrics = policy_loss(
                     logprobs,
-                    anchor[rows].to(dev),
+                    mb_anchor,
                     mb.advantages.to(dev),
-                    loss_mask[rows].to(dev),
-                    weights=None if weights is None else weights[rows].to(dev),
+                    mb_mask,
+                    weights=mb_weights,
                     clip=cfg.clip,
                     clip_high=cfg.clip_high,
                     dual_clip=cfg.dual_clip,
                     agg=cfg.agg,
                     loss_type=cfg.loss_type,
+                    denominator=denominator,
                 )
                 ref_rows = None if reference is None else reference[rows].to(dev)
-                extra, rmetrics = self._regularizers(logprobs, entropy, loss_mask[rows].to(dev), ref_rows)
-                loss = loss + extra
+                extra, rmetrics = self._regularizers(logprobs, entropy, mb_mask, ref_rows, denominator)
+                # This process's loss is its share of the minibatch's (the denominator counts
+                # every process's rows); DDP averages the gradients over processes, so ×N
+                # makes that average the gradient of the whole minibatch's loss.
+                acc.backward((loss + extra) * acc.num_processes)
+                if acc.num_processes > 1:
+                    lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
+                    rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
                 lmetrics.update(rmetrics)
-                acc.backward(loss)
                 if opt.grad_clip is not None:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
                 else:
@@ -358,6 +418,42 @@ class Trainer:
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _denominator(self, mask: torch.Tensor) -> float | torch.Tensor:
+        """What the loss of a minibatch shard divides by: the seq-mean-token-sum-norm constant,
+        or the count of the whole minibatch, summed over the processes (docs/math.md §5.2)."""
+        if self.norm_denominator is not None:
+            return self.norm_denominator
+        count = loss_count(mask, self.loss_cfg.agg)
+        return self._sum_over_processes(count).clamp_min(1)
+
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        acc = self.accelerator
+        return acc.reduce(tensor, reduction="sum") if acc.num_processes > 1 else tensor
+
+    def _reinforce_weights(
+        self,
+        logprobs: torch.Tensor,
+        anchor: torch.Tensor,
+        log_ratio: torch.Tensor | None,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """REINFORCE's detached importance weight at the current θ (docs/math.md §5.1): log w =
+        (log π_θ − log anchor) + the mode's behavioural log ratio, so π_θ/π_behav in bypass and
+        decoupled, bounded and normalised as ``loss`` says, over the whole minibatch."""
+        cfg = self.loss_cfg
+        current = logprobs.detach() - anchor
+        weights, _ = importance_weights(
+            current if log_ratio is None else current + log_ratio,
+            mask,
+            level=cfg.is_level,
+            cap=cfg.weight_cap,
+            floor=cfg.weight_floor,
+            action=cfg.weight_action,
+            batch_normalize=cfg.batch_normalize,
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
+        )
+        return weights
 
     def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None) -> dict[str, float]:
         """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown."""
@@ -396,7 +492,8 @@ class Trainer:
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
                 out[f"shadow/{name}/{key}"] = raw[key]
-            # per-lag breakdown with AReaL's names (behav_imp_weight, behav_kl)
+            # per-lag breakdown with AReaL's names and signs: behav_kl is its behave_approx_kl,
+            # mean(log π_x − log π_behav), the log of the weight (docs/training.md)
             w = torch.exp(lr.clamp(-20, 20))
             for lag in sorted(set(int(x) for x in lags.tolist())):
                 sel = valid & ((c - batch.versions) == lag)
@@ -405,7 +502,7 @@ class Trainer:
                 out[f"shadow/{name}/lag{lag}/tokens"] = float(count)
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = float(ws.mean())
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = float(ws.std(unbiased=False)) if count > 1 else 0.0
-                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float((-lr[sel]).mean())
+                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float(lr[sel].mean())
         return out
 
     # -------------------------------------------------------------- weights I/O

@@ -92,12 +92,25 @@ def _axes(sweep):
     return yaml.safe_load(text)["hydra"]["sweeper"]["params"]
 
 
-def test_default_sweep_is_eta_0_1_2_4_8_by_every_mode_by_at_least_five_seeds(tmp_path):
-    plan = plan_sweep("default", [], tmp_path)
-    assert plan.axes["+preset"] == ["bypass", "decoupled", "segment_wise"]
-    assert plan.axes["rollout.max_head_offpolicyness"] == ["0", "1", "2", "4", "8"]
+DRIFT_STUDY_MODES = [
+    "decoupled",
+    "segment_wise",
+    "segment_wise_drift_k1.5",
+    "segment_wise_drift_k2",
+    "segment_wise_drift_k4",
+]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "etas"), [("default", ["1", "2", "4", "8", "16"]), ("harsh", ["2", "4", "8", "16"])]
+)
+def test_drift_clip_study_sweeps_five_modes_by_eta_by_at_least_five_seeds(tmp_path, sweep, etas):
+    # issue 16: decoupled, segment_wise and segment_wise + κ ∈ {1.5, 2, 4} in both regimes
+    plan = plan_sweep(sweep, [], tmp_path)
+    assert plan.axes["+preset"] == DRIFT_STUDY_MODES
+    assert plan.axes["rollout.max_head_offpolicyness"] == etas
     assert len(plan.axes["seed"]) >= 5
-    assert len(plan.jobs) == 3 * 5 * len(plan.axes["seed"])
+    assert len(plan.jobs) == len(DRIFT_STUDY_MODES) * len(etas) * len(plan.axes["seed"])
     assert {job.state for job in plan.jobs} == {NEW}
 
 

@@ -197,6 +197,31 @@ def test_lag_breakdown_by_hand():
     assert r1.w_sdp["ess"] == approx(ess(1.25, 0.75))
 
 
+def test_drift_clipped_row_by_hand():
+    # w = w_sdp · clip(w_dec / w_sdp, 1/κ, κ) with κ = 1.5, token by token:
+    #   a0: 2 · clip(2, ⅔, 1.5) = 3;  a1: 0.5 · 1 = 0.5;  a2: 1;  b0: 1 · clip(0.25) = ⅔;  b1: 2
+    # mean (3 + 0.5 + 1 + ⅔ + 2)/5 = 43/30; drift factor clipped on a0 and b0 (both lag 2).
+    r = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=1.5))
+    m = r.modes["segment_wise_drift"]
+    assert m.available and m.tokens == 5
+    tok = m.weights["token"]
+    assert tok["mean"] == approx(43 / 30)
+    assert (tok["min"], tok["max"]) == (approx(0.5), approx(3.0))
+    # sequence level: the product over the row, A = 3·0.5·1 = 1.5, B = ⅔·2 = 4/3
+    assert m.weights["sequence"]["max"] == approx(1.5) and m.weights["sequence"]["min"] == approx(4 / 3)
+    rows = {row.lag: row for row in r.lags}
+    assert rows[2].drift_clipped == 1.0 and rows[1].drift_clipped == 0.0 and rows[0].drift_clipped == 0.0
+    # κ = 4 keeps every dropped factor here (2 and 0.25 are inside [0.25, 4]): the decoupled weights
+    wide = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=4.0))
+    assert wide.modes["segment_wise_drift"].weights == wide.modes["decoupled"].weights
+    assert all(row.drift_clipped == 0.0 for row in wide.lags)
+    # κ = 1 is the segment-wise row
+    narrow = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=1.0))
+    assert narrow.modes["segment_wise_drift"].weights == narrow.modes["segment_wise"].weights
+    # without π_prox there is no drift factor
+    assert not analyse_batches([hand_batch(with_prox=False)], ["h"]).modes["segment_wise_drift"].available
+
+
 def test_dropped_factor_is_exactly_one_at_lag_at_most_one():
     # π_c/π_{v+1} = π_c/π_c at lag 1 and π_prox/π_behav with π_prox = π_behav at lag 0: exactly 1.
     rows = {row.lag: row for row in analyse_batches([hand_batch()], ["hand"]).lags}

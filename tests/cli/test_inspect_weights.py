@@ -41,7 +41,7 @@ def test_example_prints_the_three_tables(capsys):
     assert "Behavioural importance weights" in out
     assert "Divergence from π_behav" in out
     assert "By staleness" in out
-    for mode in ("bypass", "decoupled", "segment_wise"):
+    for mode in ("bypass", "decoupled", "segment_wise", "segment_wise_drift"):
         assert mode in out
     # the example is a real segment-wise batch at trainer version 11 with lags 3 and 4
     assert "trainer version 11" in out and "lag 3–4" in out
@@ -59,6 +59,19 @@ def test_json_is_the_analysis(capsys):
     assert [row["lag"] for row in doc["lags"]] == [3, 4]
     assert doc["modes"]["decoupled"]["available"] is True
     assert "\x1b[" not in out and "[bold]" not in out  # no colour codes, no rich markup
+
+
+def test_drift_clip_option_sets_the_drift_row(capsys):
+    code, out, _ = run_main(["inspect-weights", "--example", "--json", "--drift-clip", "inf"], capsys)
+    assert code == 0
+    doc = json.loads(out, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert doc["options"]["drift_clip"] == "inf"
+    modes = doc["modes"]
+    # κ = ∞ keeps the whole drift factor: the decoupled weights
+    assert modes["segment_wise_drift"]["weights"] == modes["decoupled"]["weights"]
+    code, out, _ = run_main(["inspect-weights", "--example", "--json", "--drift-clip", "1"], capsys)
+    modes = json.loads(out)["modes"]
+    assert modes["segment_wise_drift"]["weights"] == modes["segment_wise"]["weights"]
 
 
 def test_per_file_over_a_directory(tmp_path, capsys):
@@ -158,6 +171,8 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
         (["--cap", "nan"], "--cap nan must be a finite number > 0"),
         (["--floor", "-1"], "--floor -1.0 must be a finite number >= 0"),
         (["--action", "clip"], "--action 'clip' is not one of truncate, mask"),
+        (["--example", "--drift-clip", "0.5"], "--drift-clip 0.5 must be >= 1"),
+        (["--example", "--drift-clip", "nan"], "--drift-clip nan must be >= 1"),
         ([], "no batch file given"),
         (["--example", "--plot", "/nonexistent-dir/w.png"], "directory /nonexistent-dir does not exist"),
         (["--example", "--dump-weights", str(EXAMPLE_BATCH)], "is one of the input batches"),

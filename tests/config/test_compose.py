@@ -122,6 +122,34 @@ def test_bad_input_gives_one_line_naming_the_problem(overrides, fragment):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    "overrides,fragment",
+    [
+        (["loss.weight_cap=3"], "loss.weight_cap=3.0 bounds a behavioural weight"),
+        (["loss.weight_floor=0.5"], "loss.weight_floor=0.5 bounds a behavioural weight"),
+        (["loss.batch_normalize=true"], "loss.batch_normalize=true normalises a behavioural weight"),
+        (["loss.rejection.level=token"], "loss.rejection needs a behavioural log ratio"),
+        (["loss.rejection.veto=0.0001"], "loss.rejection needs a behavioural log ratio"),
+        (["loss.loss_type=reinforce", "loss.rejection.level=geometric"], "loss.rejection needs"),
+    ],
+)
+def test_bypass_refuses_what_it_would_ignore(overrides, fragment):
+    # bypass with ppo_clip has no behavioural weight (the PPO ratio is π_θ/π_behav), and no
+    # mode-level log ratio to reject on: these keys would silently do nothing
+    with pytest.raises(UserError) as info:
+        compose_config(["mode=bypass", *overrides])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bypass_composes_and_reinforce_in_bypass_bounds_its_weight():
+    cfg, _ = compose_config(["mode=bypass"])
+    assert (cfg.loss.weight_cap, cfg.loss.weight_floor) == (None, None)
+    cfg, _ = compose_config(
+        ["mode=bypass", "loss.loss_type=reinforce", "loss.weight_cap=2", "loss.batch_normalize=true"]
+    )
+    assert (cfg.loss.weight_cap, cfg.loss.batch_normalize) == (2.0, True)
+
+
 def test_resolved_yaml_round_trips_through_validate():
     cfg, raw = compose_config(["+preset=segment_wise", "engine=vllm"])
     text = to_yaml(raw)

@@ -32,14 +32,13 @@ def test_overrides_land_typed():
             "loss.entropy_coef=0.001",
             "model.lora.r=16",
             "model.lora.alpha=8",
-            "model.lora.dropout=0.1",
             "model.lora.target_modules=[q_proj,v_proj]",
         ]
     )
     assert (cfg.train.dtype, cfg.train.keep_checkpoints, cfg.train.eval_max_new_tokens) == ("bfloat16", 5, 64)
     assert (cfg.loss.kl_coef, cfg.loss.kl_type, cfg.loss.entropy_coef) == (0.05, "k2", 0.001)
     lora = cfg.model.lora
-    assert (lora.r, lora.alpha, lora.dropout, list(lora.target_modules)) == (16, 8.0, 0.1, ["q_proj", "v_proj"])
+    assert (lora.r, lora.alpha, lora.dropout, list(lora.target_modules)) == (16, 8.0, 0.0, ["q_proj", "v_proj"])
 
 
 @pytest.mark.parametrize(
@@ -52,7 +51,7 @@ def test_overrides_land_typed():
         (["loss.kl_type=full"], "loss.kl_type='full' is not valid"),
         (["loss.entropy_coef=nan"], "loss.entropy_coef=nan must be a finite number"),
         (["model.lora.r=-1"], "model.lora.r=-1 must be >= 0"),
-        (["model.lora.r=4", "model.lora.dropout=1.0"], "model.lora.dropout=1.0 must be in [0, 1)"),
+        (["model.lora.r=4", "model.lora.dropout=0.1"], "model.lora.dropout=0.1 is not supported: the trainer runs without dropout"),
         (["model.lora.r=4", "model.lora.target_modules=[]"], "model.lora.target_modules is empty"),
         (["model.lora.r=4", "model.lora.target_modules=[q_proj,lm_head]"], "may not include lm_head"),
         (["model.lora.r=4", "model.lora.alpha=0"], "model.lora.alpha=0.0 must be > 0"),

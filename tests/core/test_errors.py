@@ -9,6 +9,7 @@ from sdp_cli.core import (
     group_advantages,
     importance_weights,
     logprobs_from_logits,
+    loss_count,
     offpolicy_metrics,
     policy_loss,
     rejection_mask,
@@ -85,7 +86,7 @@ CASES = {
     "rs upper zero": (lambda: rejection_mask(X, M, level="token", upper=0.0), "upper must be > 0"),
     "rs upper none": (
         lambda: rejection_mask(X, M, level="token", upper=None),
-        "upper must be a finite number",
+        "upper is required with a level",
     ),
     "rs lower negative": (
         lambda: rejection_mask(X, M, level="token", upper=2.0, lower=-1.0),
@@ -100,6 +101,11 @@ CASES = {
         "veto must be > 0",
     ),
     "rs level": (lambda: rejection_mask(X, M, level="tok", upper=2.0), "level"),
+    "rs nothing to reject": (lambda: rejection_mask(X, M), r"needs a level \(with upper\) or a veto"),
+    "rs bounds without level": (
+        lambda: rejection_mask(X, M, upper=2.0, veto=0.1),
+        "upper and lower need a level",
+    ),
     # offpolicy_metrics
     "rollout integer": (
         lambda: offpolicy_metrics(torch.zeros(2, 3, dtype=torch.long), X, M),
@@ -136,6 +142,22 @@ CASES = {
         r"values must be a \[B, T\]",
     ),
     "aggregate agg": (lambda: aggregate_loss(X, M, "mean"), "agg"),
+    "norm without its constant": (
+        lambda: policy_loss(X, X, X, M, agg="seq-mean-token-sum-norm"),
+        "needs its constant denominator",
+    ),
+    "denominator zero": (
+        lambda: aggregate_loss(X, M, "token-mean", denominator=0.0),
+        "denominator must be > 0",
+    ),
+    "denominator nan": (
+        lambda: policy_loss(X, X, X, M, denominator=torch.tensor(float("nan"))),
+        "denominator must be a finite number",
+    ),
+    "count of the norm": (
+        lambda: loss_count(M, "seq-mean-token-sum-norm"),
+        "divides by a constant",
+    ),
     # logprobs_from_logits
     "logits integer": (
         lambda: logprobs_from_logits(torch.zeros(2, 5, dtype=torch.long), TARGETS[0]),

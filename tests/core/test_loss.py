@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sdp_cli.core.loss import aggregate_loss, policy_loss
+from sdp_cli.core.loss import AGGREGATIONS, aggregate_loss, loss_count, policy_loss
 
 LN = math.log
 NAN, INF = float("nan"), float("inf")
@@ -106,25 +106,98 @@ AGG_MASK = t64([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
         ("token-mean", 10 / 4),  # Σℓ / 4 valid tokens
         ("seq-mean-token-sum", (6 + 4) / 2),  # mean over the 2 non-empty rows of row sums
         ("seq-mean-token-mean", (2 + 4) / 2),  # mean over rows of row means
-        ("seq-mean-token-sum-norm", (6 + 4) / (2 * 3)),  # Σ row sums / (n_seq · T), T = 3
     ],
 )
 def test_aggregations(agg, expected):
     assert aggregate_loss(AGG_VALUES, AGG_MASK, agg).item() == pytest.approx(expected)
 
 
+def test_seq_mean_token_sum_norm_divides_the_sum_of_row_sums_by_its_constant():
+    # (6 + 4) / 8: no row count, no padded width (T = 3 here) in the denominator
+    loss = aggregate_loss(AGG_VALUES, AGG_MASK, "seq-mean-token-sum-norm", denominator=8.0)
+    assert loss.item() == pytest.approx(10 / 8)
+
+
+def test_the_norm_constant_ignores_prompt_columns_and_other_rows():
+    # The same two responses behind 2 or 37 masked prompt columns, and with a third row of
+    # zero loss (a zero-advantage group): the loss stays (6 + 4) / 8 in every case.
+    def padded(prefix, extra_row=False):
+        rows = [[0.0] * prefix + [1.0, 2.0, 3.0], [0.0] * prefix + [4.0, 0.0, 0.0]]
+        mask = [[0] * prefix + [1, 1, 1], [0] * prefix + [1, 0, 0]]
+        if extra_row:
+            rows.append([0.0] * prefix + [0.0, 0.0, 0.0])
+            mask.append([0] * prefix + [1, 1, 1])
+        return t64(rows), t64(mask)
+
+    for prefix, extra in ((2, False), (37, False), (2, True)):
+        values, mask = padded(prefix, extra)
+        loss = aggregate_loss(values, mask, "seq-mean-token-sum-norm", denominator=8.0)
+        assert loss.item() == pytest.approx(10 / 8), (prefix, extra)
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected"),
+    [
+        ("token-mean", 10 / 5),  # Σℓ = 10 over the 5 tokens of the whole minibatch
+        ("seq-mean-token-sum", 10 / 5),  # row sums 6 + 4 over 5 rows
+        ("seq-mean-token-mean", 6 / 5),  # row means 2 + 4 over 5 rows
+    ],
+)
+def test_a_given_denominator_replaces_the_batch_count(agg, expected):
+    loss = aggregate_loss(AGG_VALUES, AGG_MASK, agg, denominator=torch.tensor(5.0))
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_loss_count_is_tokens_or_non_empty_rows():
+    assert loss_count(AGG_MASK, "token-mean").item() == 4.0  # 3 + 1 valid tokens
+    assert loss_count(AGG_MASK, "seq-mean-token-sum").item() == 2.0  # the empty row is not a row
+    assert loss_count(AGG_MASK, "seq-mean-token-mean").item() == 2.0
+    assert loss_count(AGG_MASK[2:], "token-mean").item() == 0.0  # no floor: shards add up
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_shards_with_the_global_denominator_add_up_to_the_whole(agg):
+    # Data-parallel invariant (docs/math.md §5.2): split the rows into shards, give every
+    # shard the count of the whole (the sum of the shards' counts), and the shard losses and
+    # their gradients sum to the loss and gradient of the whole batch.
+    gen = torch.Generator().manual_seed(5)
+    lp = torch.randn(5, 4, generator=gen, dtype=torch.float64) * 0.3
+    prox = torch.randn(5, 4, generator=gen, dtype=torch.float64) * 0.3
+    adv = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    mask = t64([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
+
+    def loss_of(rows, denominator):
+        x = lp[rows].clone().requires_grad_(True)
+        loss, _ = policy_loss(
+            x, prox[rows], adv[rows], mask[rows], agg=agg, denominator=denominator
+        )
+        loss.backward()
+        return loss, x.grad
+
+    norm = agg == "seq-mean-token-sum-norm"
+    everything = [0, 1, 2, 3, 4]
+    whole, whole_grad = loss_of(everything, 9.0 if norm else None)
+    shards = [[0, 2, 4], [1, 3]]
+    total = 9.0 if norm else sum(loss_count(mask[rows], agg) for rows in shards)
+    parts = [loss_of(rows, total) for rows in shards]
+    assert sum(p[0] for p in parts).item() == pytest.approx(whole.item(), rel=1e-12)
+    grad = torch.zeros_like(lp)
+    for rows, (_, g) in zip(shards, parts):
+        grad[rows] = g
+    torch.testing.assert_close(grad, whole_grad, rtol=1e-12, atol=1e-15)
+
+
 def test_policy_loss_uses_the_same_aggregation():
     # reinforce with A = −1 and lp = value gives ℓ = value; compare to aggregate_loss
     lp = t64([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = t64([[1, 1, 1], [1, 0, 0]])
-    for agg in (
-        "token-mean",
-        "seq-mean-token-sum",
-        "seq-mean-token-mean",
-        "seq-mean-token-sum-norm",
-    ):
-        loss, _ = policy_loss(lp, lp, -torch.ones_like(lp), mask, agg=agg, loss_type="reinforce")
-        assert loss.item() == pytest.approx(aggregate_loss(lp, mask, agg).item()), agg
+    for agg in AGGREGATIONS:
+        denominator = 6.0 if agg == "seq-mean-token-sum-norm" else None
+        loss, _ = policy_loss(
+            lp, lp, -torch.ones_like(lp), mask, agg=agg, loss_type="reinforce", denominator=denominator
+        )
+        expected = aggregate_loss(lp, mask, agg, denominator=denominator)
+        assert loss.item() == pytest.approx(expected.item()), agg
 
 
 def test_all_masked_batch_gives_zero_loss_with_a_gradient_path():

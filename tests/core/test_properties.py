@@ -89,11 +89,26 @@ def test_rejection_mask_is_a_sub_mask_and_ignores_padding(b, level, upper, veto)
     assert torch.equal(new, again) and metrics == metrics_again
 
 
+@given(batches(scale=8.0), st.sampled_from([1e-4, 1e-2, 0.5]))
+def test_veto_alone_is_verls_formula(b, veto):
+    # verl (Gen A): mask · ¬any_t(valid_t ∧ lr_t < log veto), written out directly
+    lr, mask = b["a"], b["mask"]
+    catastrophic = (lr < math.log(veto)) & mask
+    expected = mask & ~catastrophic.any(-1, keepdim=True)
+    new, _ = rejection_mask(lr, mask, veto=veto)
+    assert torch.equal(new, expected)
+    assert torch.equal(rejection_mask(dirty(lr, b), mask, veto=veto)[0], expected)
+
+
 @given(batches(scale=1.0))
 def test_offpolicy_metrics_ignore_padding(b):
     metrics = offpolicy_metrics(b["a"] - 3, b["b"] - 3, b["mask"])
     assert all(math.isfinite(v) for v in metrics.values())
     assert metrics == offpolicy_metrics(dirty(b["a"] - 3, b), dirty(b["b"] - 3, b), b["mask"])
+
+
+#: the constant denominator of seq-mean-token-sum-norm in these tests
+NORM = 7.0
 
 
 def closed_form(lp, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_type):
@@ -117,7 +132,7 @@ def closed_form(lp, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_ty
         return loss.sum(-1).sum() / n_seq
     if agg == "seq-mean-token-mean":
         return (loss.sum(-1) / rows.clamp_min(1)).sum() / n_seq
-    return loss.sum() / (n_seq * mask.shape[-1])
+    return loss.sum() / NORM
 
 
 @given(
@@ -142,6 +157,7 @@ def test_policy_loss_gradient_matches_closed_form_in_float64(
         "dual_clip": dual_clip,
         "agg": agg,
         "loss_type": loss_type,
+        "denominator": NORM if agg == "seq-mean-token-sum-norm" else None,
     }
     loss, _ = policy_loss(ours, prox, adv, mask, weights=w, **kwargs)
     expected = closed_form(ref, prox, adv, mask, w, clip, clip_high, dual_clip, agg, loss_type)
@@ -165,6 +181,7 @@ def test_masked_and_zero_weight_tokens_get_exactly_zero_gradient(b, agg, loss_ty
         agg=agg,
         loss_type=loss_type,
         dual_clip=dual_clip,
+        denominator=NORM if agg == "seq-mean-token-sum-norm" else None,
     )
     loss.backward()
     assert loss.dtype == b["a"].dtype and clean.grad.dtype == b["a"].dtype
@@ -181,6 +198,7 @@ def test_masked_and_zero_weight_tokens_get_exactly_zero_gradient(b, agg, loss_ty
         agg=agg,
         loss_type=loss_type,
         dual_clip=dual_clip,
+        denominator=NORM if agg == "seq-mean-token-sum-norm" else None,
     )
     loss2.backward()
     assert torch.equal(loss, loss2) and metrics == metrics2

@@ -136,3 +136,18 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="kl_coef must be >= 0"):
         regularizer_loss(lp, mask, ref_logprobs=ref, kl_coef=-1.0)
     assert set(KL_TYPES) == {"k1", "k2", "k3", "low_var_kl"}
+
+
+def test_an_explicit_denominator_replaces_the_batch_count():
+    # data-parallel shards divide by the whole minibatch's count; Dr.GRPO by its constant
+    lp, ref, ent, mask = _batch()
+    _, metrics = regularizer_loss(lp, mask, ref_logprobs=ref, entropy=ent, kl_type="k2", denominator=10.0)
+    # k2 at the valid tokens: ½ln²2, 0, ½ln²2, 0 → sum ln²2, over 10
+    assert metrics["kl_ref"] == pytest.approx(LN2**2 / 10)
+    # entropy sum 1 + 2 + 3 + 4 = 10, over 10
+    assert metrics["entropy"] == pytest.approx(1.0)
+    _, metrics = regularizer_loss(
+        lp, mask, entropy=ent, agg="seq-mean-token-sum-norm", denominator=4.0
+    )
+    # row sums 3 and 7, over the constant 4
+    assert metrics["entropy"] == pytest.approx(2.5)

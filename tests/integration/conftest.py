@@ -4,10 +4,14 @@ The server runs in its own virtualenv, named by ``SDP_VLLM_PYTHON``; without it 
 here is skipped. The model is a tiny Qwen2 with *tied* embeddings (the layout whose CPU reload
 needs sdp's worker extension) and a character tokenizer, built here with transformers and
 tokenizers. Versions 1.. are the same model with independent noise added to every weight.
+Every version's generation_config.json asks for greedy-like sampling (``SAMPLING_DEFAULTS``),
+as real models' configs set top_p/top_k: a server may apply them to requests that leave them
+out, so every test here also checks that sdp's requests override them.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +19,16 @@ import pytest
 
 N_VERSIONS = 8
 PROMPT = "12+34="
+#: sampling defaults in every version's generation_config.json; top_k = 1 alone would make all
+#: samples of a prompt one greedy string
+SAMPLING_DEFAULTS = {
+    "do_sample": True,
+    "temperature": 0.3,
+    "top_k": 1,
+    "top_p": 0.3,
+    "min_p": 0.5,
+    "repetition_penalty": 1.8,
+}
 
 
 def _build_versions(root: Path) -> list[Path]:
@@ -66,6 +80,8 @@ def _build_versions(root: Path) -> list[Path]:
         directory = root / f"v{version}"
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
+        generation = directory / "generation_config.json"
+        generation.write_text(json.dumps({**json.loads(generation.read_text()), **SAMPLING_DEFAULTS}))
         dirs.append(directory)
     return dirs
 

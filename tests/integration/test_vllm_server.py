@@ -66,6 +66,32 @@ def test_generation_records_logprobs_and_versions(vllm_engine, model_dirs, hf_re
     )
 
 
+def test_the_models_sampling_defaults_do_not_apply_to_sdps_requests(vllm_engine, model_dirs, hf_reference):
+    # generation_config.json of every version sets top_k=1, top_p, min_p, a repetition penalty
+    # and T = 0.3 (conftest.SAMPLING_DEFAULTS); sdp sends T = 1 and neutral values, so samples
+    # of one prompt differ and their logprobs are those of softmax(z) (transformers, fp32)
+    engine = vllm_engine
+    _load(engine, model_dirs, 0)
+    samples = [RolloutSample(prompt_ids=list(PROMPT_IDS)) for _ in range(8)]
+    engine.generate(samples, SamplingParams(max_new_tokens=16, seed=5))
+    assert len({tuple(s.output_ids) for s in samples}) > 1, "all samples greedy: top_k=1 applied"
+    for s in samples:
+        assert s.old_logprobs == pytest.approx(hf_reference(0, s.input_ids, s.prompt_len), abs=1e-3)
+    # What vLLM 0.32 itself does on this route (docs/engines.md): a request that leaves every
+    # sampling parameter out is not sampled with the model's defaults either; sdp does not rely
+    # on that and sends neutral values.
+    server = engine.servers[0]
+    outputs = set()
+    for seed in range(4):
+        body = {
+            "request_id": f"defaults-probe-{seed}",
+            "token_ids": list(PROMPT_IDS),
+            "sampling_params": {"max_tokens": 16, "seed": seed, "ignore_eos": True, "detokenize": False},
+        }
+        outputs.add(tuple(server.http.post("/inference/v1/generate", body)["choices"][0]["token_ids"]))
+    assert len(outputs) > 1, "vLLM applied the model's top_k=1 to the token route"
+
+
 def _run_with_updates(engine, model_dirs) -> tuple[list[RolloutSample], int]:
     """Generate 8 samples while loading versions 1, 2, ... as the rollout loop would: pause,
     recompute pass, update, resume. Returns the samples and the final version."""

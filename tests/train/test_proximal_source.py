@@ -30,8 +30,8 @@ DELTA = -0.25  # negative keeps every reported logprob ≤ 0
 class OffsetEngine(LocalEngine):
     """A local engine whose reported logprobs are all shifted by ``DELTA``."""
 
-    def _tail_logprobs(self, logits, ids, tails):  # scoring and re-prefill
-        return [[lp + DELTA for lp in row] for row in super()._tail_logprobs(logits, ids, tails)]
+    def _target_logprobs(self, logits, targets):  # scoring and re-prefill
+        return [[lp + DELTA for lp in row] for row in super()._target_logprobs(logits, targets)]
 
     def _sample_and_advance(self, batch):  # sampling
         rows = [(s, s.output_len) for s in batch.rows if s is not None]

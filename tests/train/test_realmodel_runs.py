@@ -180,3 +180,36 @@ def test_resume_with_other_lora_settings_is_refused_in_one_line(lora_run, tmp_pa
     assert (run_dir / "overrides.json").read_text() == saved
     cfg, raw = compose_config([f"resume={run_dir}", "train.steps=3"])
     assert run_training(cfg, raw, overrides=["train.steps=3"])["steps"] == 3
+
+
+def test_two_processes_train_lora_in_bf16_with_kl_and_entropy(hf_model, tmp_path):
+    # DDP over the adapters: both ranks end with equal weights (else the run does not finish),
+    # and the KL and entropy metrics are the whole minibatch's (summed over the ranks' shares)
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if shutil.which("torchrun", path=str(torchrun.parent)) is None:
+        pytest.skip("torchrun not installed")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    overrides = [*FAST, f"model.path={hf_model}", *LORA_BF16[:6], "train.steps=2", "train.threads=1", f"run.dir={run_dir}"]
+    cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "sdp_cli", "train", *overrides]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = _events(run_dir)
+    assert events[0]["processes"] == 2 and events[-1]["event"] == "finished"
+    rows = [r for r in _rows(run_dir) if "loss/kl_ref" in r]
+    assert len(rows) == 2 and rows[0]["loss/kl_ref"] == 0.0
+    # one process on the same first batch (same seed, same engine): the first step's entropy,
+    # computed before any update, is the whole minibatch's in both runs (a rank's own share
+    # would be about half of it)
+    single_dir = tmp_path / "single"
+    single = [*overrides[:-1], f"run.dir={single_dir}"]
+    done = subprocess.run([sys.executable, "-m", "sdp_cli", "train", *single], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = [r for r in _rows(single_dir) if "loss/entropy" in r][0]["loss/entropy"]
+    assert rows[0]["loss/entropy"] == pytest.approx(expected, rel=1e-2)

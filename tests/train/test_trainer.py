@@ -1,11 +1,12 @@
 """Trainer invariants on real (tiny) models: equivalent configurations give identical updates."""
 
 import copy
+import math
 
 import pytest
 import torch
 
-from sdp_cli.config.schema import LossConfig, OptimConfig
+from sdp_cli.config.schema import LossConfig, OptimConfig, RejectionConfig
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.train.batch import assemble_batch
@@ -126,3 +127,30 @@ def test_batch_for_another_version_is_refused():
     _set_old_logprobs(groups, model, 1.0)
     with pytest.raises(AssertionError, match="version"):
         trainer.step(assemble_batch(groups, pad_token_id=0, trainer_version=3))
+
+
+def test_behav_kl_has_areal_sign_prox_minus_behav():
+    # every token one version behind, π_behav = π_prox − 0.3: AReaL's behave_approx_kl is
+    # mean(log π_prox − log π_behav) = +0.3, and the weight e^0.3 (segment-wise: π_prox_t := π_prox)
+    model = _model()
+    groups = _groups(version=4)
+    _set_old_logprobs(groups, model, 1.0, shift=-0.3)
+    _, out = _train(model, LossConfig(mode="segment_wise"), groups, version=5, proximal_t_source="trainer")
+    for name in ("decoupled", "segment_wise"):
+        assert out.metrics[f"shadow/{name}/lag1/behav_kl/avg"] == pytest.approx(0.3, abs=1e-5)
+        assert out.metrics[f"shadow/{name}/lag1/behav_imp_weight/avg"] == pytest.approx(math.exp(0.3), abs=1e-5)
+
+
+def test_a_veto_alone_drops_sequences_with_a_catastrophic_token():
+    # loss.rejection.veto without bounds (verl's token veto): rows holding a token whose
+    # π_prox/π_behav < 1e-4 leave the loss; the others stay
+    model = _model()
+    groups = _groups(version=0)
+    _set_old_logprobs(groups, model, 1.0)
+    bad = groups[0].samples[1]
+    bad.old_logprobs[0] += 12.0  # π_behav e^12 × π_prox: lr = −12 < log 1e-4 = −9.21
+    loss = LossConfig(mode="decoupled", rejection=RejectionConfig(veto=1e-4))
+    _, out = _train(model, loss, groups, version=0)
+    dropped = (out.loss_mask.sum(-1) == 0).nonzero().flatten().tolist()
+    assert dropped == [1]  # the second sample of the first group, and only it
+    assert out.metrics["rejection/rollout_rs_veto_fraction"] == pytest.approx(1 / 8)

@@ -3,7 +3,9 @@
 Reproduces the shapes and behaviours the client relies on (research note sglang.md §1–2):
 ``/generate`` with ``input_ids`` and ``return_logprob`` (rows ``[logprob, token_id, null]``,
 the first ``input_token_logprobs`` row null, stop token kept in ``output_ids``, sampled
-logprobs at temperature T and prefill logprobs untempered), abort with partial output,
+logprobs at temperature T and prefill logprobs untempered; sampling parameters a request
+leaves out come from the model's generation_config.json, ``stubs/sampling.py``), abort with
+partial output,
 ``/generate`` blocking while paused, 400 on unknown ``sampling_params`` keys and on a
 duplicate in-flight rid, prefix-matching ``/abort_request``, ``/pause_generation`` (abort),
 ``/continue_generation``, ``/update_weights_from_disk`` with ``weight_version``,
@@ -29,7 +31,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from . import tiny_lm
+from . import sampling, tiny_lm
 
 EOS_ID = 2
 KNOWN_SAMPLING_KEYS = frozenset(
@@ -51,6 +53,8 @@ class StubState:
 
     weights: dict[str, torch.Tensor]
     model_path: str
+    #: sampling defaults from the start-up model's generation_config.json
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     weight_version: str = "default"
     report_spans: bool = True
     api_key: str | None = None
@@ -82,6 +86,7 @@ class SGLangStub:
         self.state = StubState(
             weights=tiny_lm.load_weights(weights_dir),
             model_path=str(weights_dir),
+            generation_defaults=sampling.model_defaults(weights_dir),
             weight_version=weight_version,
             report_spans=report_spans,
             api_key=api_key,
@@ -248,7 +253,8 @@ class _Handler(BaseHTTPRequestHandler):
         input_ids = [int(t) for t in body["input_ids"]]
         rid = body.get("rid") or f"{zlib.crc32(json.dumps(body).encode()):08x}"
         max_new = int(params.get("max_new_tokens", 128))
-        temperature = float(params.get("temperature", 1.0))
+        effective = sampling.effective(params, state.generation_defaults)
+        temperature = float(effective["temperature"])
         stop_ids = set(params.get("stop_token_ids") or [])
         if not params.get("ignore_eos", False):
             stop_ids.add(EOS_ID)
@@ -302,8 +308,13 @@ class _Handler(BaseHTTPRequestHandler):
                         meta["input_token_logprobs"] = _prefill_rows(
                             state.weights, input_ids, start
                         )
-                    logprobs = tiny_lm.next_logprobs(state.weights, input_ids + tokens, temperature)
-                    token = int(torch.multinomial(logprobs.exp(), 1, generator=gen))
+                    context = input_ids + tokens
+                    logits = tiny_lm.logits(state.weights, context)[-1]
+                    # SGLang reports log softmax(z / T); the token is drawn after penalties,
+                    # min_p, top_k and top_p
+                    logprobs = torch.log_softmax(logits / temperature, -1)
+                    drawn = sampling.sampling_logprobs(logits, effective, context, tokens)
+                    token = int(torch.multinomial(drawn.exp(), 1, generator=gen))
                     labels.append(state.weight_version)
                 tokens.append(token)
                 rows_out.append([float(logprobs[token]), token, None])

@@ -1,0 +1,151 @@
+"""Deterministic tiny models, batches and gradient capture for the trainer's loss tests.
+
+Imported by the tests and by ``dist_loss_worker.py`` (the two-process run), so that both build
+bit-identical models and batches from the same seeds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from sdp_cli.config.schema import LossConfig, OptimConfig
+from sdp_cli.models.tiny import build_tiny_model
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.train.batch import TrainBatch, assemble_batch
+from sdp_cli.train.trainer import Trainer
+
+VOCAB = 32
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    return build_tiny_model(
+        VOCAB, seed=seed, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64
+    )
+
+
+def groups(
+    responses: list[list[list[int]]],
+    rewards: list[list[float]],
+    *,
+    prompt_len: int = 4,
+    version: int = 0,
+    seed: int = 0,
+) -> list[RolloutGroup]:
+    """One group per entry of ``responses``; prompts of ``prompt_len`` random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for gid, (outputs, group_rewards) in enumerate(zip(responses, rewards)):
+        samples = []
+        for tokens, reward in zip(outputs, group_rewards):
+            prompt = [1, *torch.randint(3, VOCAB, (prompt_len - 1,), generator=gen).tolist()]
+            sample = RolloutSample(prompt_ids=prompt, group_id=gid)
+            sample.append_tokens(list(tokens), [0.0] * len(tokens), version)
+            sample.finish("length")
+            sample.reward = reward
+            samples.append(sample)
+        out.append(RolloutGroup(gid, samples))
+    return out
+
+
+def random_groups(n_rows: int, *, seed: int = 0, version: int = 0) -> list[RolloutGroup]:
+    """``n_rows`` samples in groups of at most 2, with prompts of 2..6 and responses of 1..5
+    tokens, so that rows differ in length and in their number of valid tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for gid, start in enumerate(range(0, n_rows, 2)):
+        samples = []
+        for _ in range(min(2, n_rows - start)):
+            plen = int(torch.randint(2, 7, (1,), generator=gen))
+            prompt = [1, *torch.randint(3, VOCAB, (plen - 1,), generator=gen).tolist()]
+            sample = RolloutSample(prompt_ids=prompt, group_id=gid)
+            tokens = torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+            sample.append_tokens(tokens.tolist(), [0.0] * len(tokens), version)
+            sample.finish("length")
+            sample.reward = float(torch.rand(1, generator=gen))
+            samples.append(sample)
+        out.append(RolloutGroup(gid, samples))
+    return out
+
+
+def set_old_logprobs(
+    batch_groups: list[RolloutGroup], model: torch.nn.Module, *, noise: float = 0.0, seed: int = 0
+) -> None:
+    """old := the model's own logprobs (+ uniform noise in ±``noise``); π_prox_t := old."""
+    trainer = Trainer(copy.deepcopy(model), loss=LossConfig(), optim=OptimConfig(), temperature=1.0)
+    batch = assemble_batch(batch_groups, pad_token_id=0, trainer_version=0)
+    lp = trainer.logprobs(batch, grad=False)
+    gen = torch.Generator().manual_seed(seed)
+    for i, s in enumerate(batch.samples):
+        start = s.prompt_len - 1
+        values = lp[i, start : start + s.output_len]
+        values = values + noise * (2 * torch.rand(values.shape, generator=gen) - 1)
+        s.old_logprobs[:] = values.tolist()
+        s.proximal_logprobs_t[:] = values.tolist()
+
+
+def batch_of(batch_groups: list[RolloutGroup], version: int = 0) -> TrainBatch:
+    return assemble_batch(copy.deepcopy(batch_groups), pad_token_id=0, trainer_version=version)
+
+
+def capture_gradients(
+    trainer: Trainer, params: list[dict[str, torch.Tensor]] | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Every optimizer step appends the gradients it is about to apply, by parameter name (and
+    to ``params`` the parameters they were computed at)."""
+    grads: list[dict[str, torch.Tensor]] = []
+    named = list(trainer.unwrapped_model().named_parameters())
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+
+    def record(*_: object) -> None:
+        grads.append({name: p.grad.detach().clone() for name, p in named if p.grad is not None})
+        if params is not None:
+            params.append({name: p.detach().clone() for name, p in named})
+
+    inner.register_step_pre_hook(record)
+    return grads
+
+
+#: (name, loss, sequences in the batch, minibatches) of the multi-process gradient test. With
+#: two processes 5 rows in one minibatch split 3/2 with unequal token counts and 3 rows in 3
+#: minibatches leave the second process without a row at every optimizer step; with three,
+#: 4 rows in 2 minibatches leave the third process without a row while the others have one.
+DISTRIBUTED_CASES = [
+    *(
+        (f"{agg}-{rows}x{mbs}", LossConfig(mode="decoupled", agg=agg, weight_cap=1.3, norm_length=6), rows, mbs)
+        for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+        for rows, mbs in ((5, 1), (3, 3), (4, 2))
+    ),
+    (
+        "reinforce-sequence-batchnorm-5x1",
+        LossConfig(mode="decoupled", loss_type="reinforce", is_level="sequence", weight_cap=1.3, batch_normalize=True),
+        5,
+        1,
+    ),
+    (
+        "reinforce-bypass-token-batchnorm-3x3",
+        LossConfig(mode="bypass", loss_type="reinforce", weight_cap=1.3, batch_normalize=True),
+        3,
+        3,
+    ),
+]
+
+
+def distributed_case_gradients(loss: LossConfig, n_rows: int, minibatches: int) -> list[dict[str, torch.Tensor]]:
+    """The gradients of every optimizer step of one trainer step (2 PPO epochs) on a fixed batch,
+    in this process (single or one of several)."""
+    model = tiny_model(seed=1)
+    batch_groups = random_groups(n_rows, seed=2)
+    set_old_logprobs(batch_groups, model, noise=0.5, seed=3)
+    trainer = Trainer(
+        model,
+        loss=loss,
+        optim=OptimConfig(lr=1e-2, grad_clip=None, ppo_epochs=2, minibatches=minibatches),
+        temperature=1.0,
+        seed=4,
+        batch_sequences=n_rows,
+    )
+    grads = capture_gradients(trainer)
+    trainer.step(batch_of(batch_groups))
+    return grads
