@@ -167,13 +167,21 @@ def load_adapters(model: torch.nn.Module, directory: str | Path) -> None:
 
 
 def load_merged(base: torch.nn.Module, directory: str | Path) -> torch.nn.Module:
-    """``base`` (a plain model) with the adapters of ``directory`` merged in (``base`` is used up)."""
+    """``base`` (a plain model) with the adapters of ``directory`` merged in (``base`` is used up).
+
+    The adapter config is JSON and the weights are read with safetensors (``load_adapters``),
+    never through a loader that could fall back to a pickle file."""
     peft = _peft()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            wrapped = peft.PeftModel.from_pretrained(base, str(directory), is_trainable=False)
-    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        config = peft.LoraConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, TypeError) as err:
         first = (str(err).strip().splitlines() or [""])[0]
-        raise UserError(f"{directory}: cannot load its LoRA adapters ({first}); pass adapters saved by sdp train") from None
+        raise UserError(f"{directory}: cannot read its {ADAPTER_CONFIG} ({first}); pass adapters saved by sdp train") from None
+    config.inference_mode = True
+    # the adapters were trained on a base loaded from elsewhere (model.path); this is its copy
+    config.base_model_name_or_path = getattr(base, "name_or_path", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapped = peft.get_peft_model(base, config)
+    load_adapters(wrapped, directory)
     return merge_into_base(wrapped)
