@@ -179,7 +179,7 @@ def load_merged(base: torch.nn.Module, directory: str | Path) -> torch.nn.Module
         raise UserError(f"{directory}: cannot read its {ADAPTER_CONFIG} ({first}); pass adapters saved by sdp train") from None
     config.inference_mode = True
     # the adapters were trained on a base loaded from elsewhere (model.path); this is its copy
-    config.base_model_name_or_path = getattr(base, "name_or_path", None)
+    config.base_model_name_or_path = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         wrapped = peft.get_peft_model(base, config)
