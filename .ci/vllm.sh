@@ -2,7 +2,7 @@
 # Real-engine CI job: vLLM-CPU 0.32.0 in its own virtualenv, then the integration tests.
 #
 # The server's virtualenv (.venv-vllm by default) is separate from sdp's: vLLM pins its own
-# transformers/torch stack. Recipe and pitfalls: shared/research/vllm_cpu.md §1 and §5.
+# transformers/torch stack. Recipe and pitfalls: docs/engines.md "vLLM".
 #   - torch is constrained to the local 2.13.0+cpu wheel ($PIP_FIND_LINKS), never a CUDA build;
 #   - the PyPI torchvision/torchaudio/torchcodec wheels are CUDA builds that crash the server at
 #     import, and triton has no CPU backend: all four are removed after every install.

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from _results import write_results
 
+from sdp_cli.rundir import RunDir
+
 CONFIGS = [
     ("decoupled", 0, ["+preset=decoupled", "rollout.max_head_offpolicyness=0"]),
     ("decoupled", 4, ["+preset=decoupled", "rollout.max_head_offpolicyness=4"]),
@@ -38,7 +40,7 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     env = dict(os.environ, SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"train.steps={steps}", f"run.dir={run_dir}"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    return json.loads((run_dir / "summary.json").read_text())
+    return json.loads(RunDir(run_dir).summary.read_text())
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch
+from sdp_cli.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "sdp_cli" / "data" / "example_batch.safetensors"
@@ -74,7 +75,7 @@ def main() -> None:
         print("running:", " ".join(cmd[2:]), flush=True)
         subprocess.run(cmd, check=True, env=env)
         candidates = []
-        for path in sorted((run_dir / "batches").glob("*.safetensors")):
+        for path in sorted(RunDir(run_dir).batches.glob("*.safetensors")):
             lags, max_lag, spanning = _score(read_batch(path))
             print(f"{path.name}: {lags} distinct lags, max lag {max_lag}, {spanning} multi-segment sequences")
             if max_lag >= 2:

@@ -12,3 +12,15 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class EngineError(UserError, RuntimeError):
+    """An engine failed in a way the user can act on; the message says how (one line).
+
+    Part of the engine contract (``sdp_cli.engine.base``); defined here, with the other errors,
+    so that code the engines depend on (rollout records, the recompute pass, fault injection)
+    can raise it without depending on the engine package."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine (or its server) cannot be reached."""

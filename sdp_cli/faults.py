@@ -84,6 +84,6 @@ def fault_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "raise":
             raise InjectedFault(f"fault injected at {name} (arrival {count})")
-        from sdp_cli.engine.base import EngineError
+        from sdp_cli.errors import EngineError
 
         raise EngineError(f"fault injected at {name} (arrival {count}); the engine failed")

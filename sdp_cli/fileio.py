@@ -1,18 +1,29 @@
-"""Crash-safe file writing shared by every writer in sdp (batches, checkpoints, plots, dumps).
+"""What sdp writes: crash-safe files (batches, checkpoints, plots, dumps), the output files a
+command is asked for, and JSON documents.
 
 A file is written to a temporary sibling, flushed and fsynced, given normal permissions (a new
 file gets 0666 minus the umask, a replaced file keeps its mode — ``mkstemp`` alone would leave it
 owner-only), renamed over the target, and the directory is fsynced so the rename survives a
 crash. A reader therefore sees the old file or the new one, never a partial one.
+
+A command's output files (``--plot``, ``--dump-weights``, ``-o``) go through one
+:class:`OutputPlan`: declared and checked before any work (docs/reliability.md, "Outputs"),
+then written together at the end, all of them or none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
+import shutil
 import stat
 import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sdp_cli.errors import UserError
 
@@ -43,6 +54,12 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def _short(name: str, limit: int = 200) -> str:
+    """``name`` cut to at most ``limit`` UTF-8 bytes, so that a temporary name built from a
+    255-byte name still fits the file system's name limit."""
+    return name.encode()[:limit].decode(errors="ignore")
+
+
 def stage_bytes(path: Path, data: bytes) -> Path:
     """Write ``data`` to a fsynced temporary file next to ``path`` and return it (not yet renamed).
 
@@ -50,7 +67,7 @@ def stage_bytes(path: Path, data: bytes) -> Path:
     """
     path = Path(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{_short(path.name)}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
         raise UserError(
             f"{path}: cannot create a file in {path.parent} ({err.strerror}); check that it exists and is writable"
@@ -95,3 +112,234 @@ def atomic_write_text(path: Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_document(doc: Any) -> str:
+    """``doc`` as indented JSON that every parser accepts (``--json`` of every command): a
+    non-finite number (NaN, ±inf: not JSON) becomes null, "no defined value"."""
+    return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+# ----------------------------------------------------------------------- command outputs
+def file_identity(path: Path) -> tuple[object, ...]:
+    """What makes two spellings one file: the same real path (symlinks, ``./x``, ``d/../x``)
+    or, for an existing file, the same device and inode (hard links)."""
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+    except OSError:
+        return ("path", real)
+    return ("inode", info.st_dev, info.st_ino)
+
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output file: ``path`` as the user gave it (for messages), ``target`` the real path
+    written (symlinks resolved: writing through a link updates the file it points to)."""
+
+    path: Path
+    target: Path
+    option: str
+
+
+class OutputPlan:
+    """The output files of one command, checked before any work and written together.
+
+    ``add`` refuses, each in one line: a name longer than the file system allows; a missing
+    directory (unless ``make_dirs``); a target that exists but is not a regular file (a
+    directory, FIFO, device or socket, also behind a symlink); an input of the command; one
+    file named for two outputs (whatever the spelling, see :func:`file_identity`); an existing
+    file unless ``force`` (or ``replace=True`` for that output); an unwritable directory.
+    ``commit`` re-checks, stages every file, then renames them into place; if any step fails,
+    every output is as it was before (a replaced file is restored from a hard-link backup, or
+    a copy where the file system has no hard links).
+    """
+
+    def __init__(self, *, force: bool = False, inputs: Iterable[Path] = (), make_dirs: bool = False):
+        self.force = force
+        self.make_dirs = make_dirs
+        self._inputs = {file_identity(Path(p)) for p in inputs}
+        self._outputs: list[Output] = []
+        self._replace: dict[Output, bool] = {}
+
+    @property
+    def outputs(self) -> list[Output]:
+        return list(self._outputs)
+
+    def add(self, path: str | os.PathLike[str], option: str, *, replace: bool | None = None) -> Output:
+        """Declare and check one output file (see the class docstring)."""
+        given = Path(path).expanduser()
+        out = Output(given, Path(os.path.realpath(given)), option)
+        self._check(out, replace=True)  # where and what it is; whether it may be replaced: last
+        identity = file_identity(out.target)
+        if identity in self._inputs:
+            raise UserError(f"{given}: is one of the input batches; write {option} to another file")
+        for other in self._outputs:
+            if file_identity(other.target) == identity:
+                raise UserError(
+                    f"{given}: is given for both {other.option} and {option}; pass a different file to each"
+                )
+        replace = self.force if replace is None else replace
+        self._check(out, replace)
+        self._outputs.append(out)
+        self._replace[out] = replace
+        return out
+
+    def _check(self, out: Output, replace: bool) -> None:
+        given, target = out.path, out.target
+        name_max, path_max = _limits(target.parent)
+        too_long = next((part for part in target.parts if len(os.fsencode(part)) > name_max), None)
+        if too_long is not None:
+            raise UserError(
+                f"{given}: file name is {len(os.fsencode(too_long))} bytes, longer than the {name_max} "
+                "this file system allows; choose a shorter name"
+            )
+        if len(os.fsencode(target)) >= path_max:
+            raise UserError(f"{given}: path is longer than the {path_max} bytes the system allows; choose a shorter one")
+        directory = _existing_ancestor(target.parent)
+        if directory != target.parent and not self.make_dirs:
+            raise UserError(f"{given}: directory {target.parent} does not exist; create it first")
+        if not directory.is_dir():
+            raise UserError(f"{given}: {directory} is not a directory; choose another place for {out.option}")
+        try:
+            info = os.stat(target)
+        except FileNotFoundError:
+            info = None
+        except OSError as err:
+            raise UserError(f"{given}: cannot be checked ({err.strerror}); choose another path") from None
+        if info is not None:
+            if not stat.S_ISREG(info.st_mode):
+                kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+                raise UserError(
+                    f"{given}: is {kind}, not a regular file; {out.option} writes a regular file: pass a file path"
+                )
+            if not replace:
+                raise UserError(f"{given}: already exists; pass --force to replace it, or choose another name")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise UserError(f"{given}: directory {directory} is not writable; choose another place")
+
+    def commit(self, contents: Mapping[Output, bytes]) -> list[Path]:
+        """Write every declared output (``contents`` has the bytes of each): all or none.
+        Returns the paths as given."""
+        assert set(contents) == set(self._outputs), "commit() needs the contents of every output"
+        for out in self._outputs:  # time has passed since add(): the targets may have changed
+            self._check(out, self._replace[out])
+        created: list[Path] = []
+        staged: list[tuple[Path, Output]] = []
+        published: list[tuple[Output, Path | None]] = []
+        current = self._outputs[0] if self._outputs else None
+        try:
+            for out in self._outputs:
+                current = out
+                _make_dirs(out.target.parent, created)
+                staged.append((stage_bytes(out.target, contents[out]), out))
+            for tmp, out in staged:
+                current = out
+                published.append((out, _backup(out.target)))
+                try:
+                    os.replace(tmp, out.target)
+                except OSError:
+                    _, backup = published.pop()  # the target is still the old file
+                    if backup is not None:
+                        os.unlink(backup)
+                    raise
+        except UserError as err:  # already names the file and the problem
+            _roll_back(published, staged, created)
+            raise UserError(f"{err}; nothing was written") from None
+        except OSError as err:
+            _roll_back(published, staged, created)
+            raise UserError(
+                f"{current.path if current else '?'}: cannot be written ({err.strerror or err}); nothing was written"
+            ) from None
+        except BaseException:
+            _roll_back(published, staged, created)
+            raise
+        for _, backup in published:
+            if backup is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(backup)
+        for directory in {out.target.parent for out in self._outputs}:
+            fsync_directory(directory)
+        return [out.path for out in self._outputs]
+
+
+def _limits(directory: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the file system holding ``directory`` (255, 4096 if unknown)."""
+    where = _existing_ancestor(directory)
+    try:
+        return os.pathconf(where, "PC_NAME_MAX"), os.pathconf(where, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    while not os.path.lexists(directory) and directory != directory.parent:
+        directory = directory.parent
+    return directory
+
+
+def _make_dirs(directory: Path, created: list[Path]) -> None:
+    """Create ``directory`` and its missing parents, outermost first, appending each to
+    ``created`` as soon as it exists (so that a failure half-way can remove them)."""
+    missing = []
+    while not os.path.lexists(directory):
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except OSError as err:
+            raise UserError(f"{path}: cannot create the directory ({err.strerror})") from None
+        created.append(path)
+
+
+def _backup(target: Path) -> Path | None:
+    """A copy of the file about to be replaced (None if there is none), so that a later failure
+    can put it back: a hard link where the file system has them, else a copy. Raises OSError
+    when neither works; then nothing is replaced."""
+    if not os.path.lexists(target):
+        return None
+    backup = target.parent / f".{_short(target.name)}.{os.getpid()}.bak"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(backup)
+    try:
+        os.link(target, backup)
+    except OSError:
+        shutil.copyfile(target, backup)
+    return backup
+
+
+def _roll_back(published: list[tuple[Output, Path | None]], staged: list[tuple[Path, Output]], created: list[Path]) -> None:
+    """Undo a failed commit: published outputs back to their old content (or removed when
+    they are new), staged files and created directories removed."""
+    for out, backup in reversed(published):
+        with contextlib.suppress(OSError):
+            if backup is not None:
+                os.replace(backup, out.target)
+            else:
+                os.unlink(out.target)
+    for tmp, _ in staged:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):
+            directory.rmdir()

@@ -1,5 +1,7 @@
-"""Atomic writes: whole files or nothing, normal permissions, one-line errors."""
+"""Atomic writes: whole files or nothing, normal permissions, one-line errors; command outputs
+planned, checked and written all or none; strict JSON."""
 
+import json
 import os
 import stat
 
@@ -54,3 +56,100 @@ def test_stage_then_replace(tmp_path):
     assert not target.exists() and tmp.read_bytes() == b"staged" and tmp.parent == tmp_path
     os.replace(tmp, target)
     assert target.read_bytes() == b"staged"
+
+
+# ---------------------------------------------------------------------------- OutputPlan
+def test_a_plan_writes_every_output_and_leaves_no_temporary(tmp_path):
+    plan = fileio.OutputPlan(make_dirs=True)
+    a = plan.add(tmp_path / "a.png", "--plot")
+    b = plan.add(tmp_path / "new" / "dir" / "b.bin", "-o")
+    assert not (tmp_path / "new").exists()  # nothing is created before commit
+    assert plan.commit({a: b"A", b: b"B"}) == [tmp_path / "a.png", tmp_path / "new" / "dir" / "b.bin"]
+    assert (tmp_path / "a.png").read_bytes() == b"A" and (tmp_path / "new" / "dir" / "b.bin").read_bytes() == b"B"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.png", "b.bin", "dir", "new"]
+
+
+def test_a_failed_commit_removes_new_files_and_directories_and_restores_old_ones(tmp_path, monkeypatch):
+    old = tmp_path / "old.bin"
+    old.write_bytes(b"old")
+    plan = fileio.OutputPlan(force=True, make_dirs=True)
+    outs = [plan.add(old, "-o"), plan.add(tmp_path / "d" / "new.bin", "-o"), plan.add(tmp_path / "last.bin", "-o")]
+    real = os.replace
+    calls = []
+
+    def third_fails(src, dst, **kwargs):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        return real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", third_fails)
+    with pytest.raises(UserError, match="last.bin: cannot be written \\(Input/output error\\); nothing was written"):
+        plan.commit(dict(zip(outs, [b"1", b"2", b"3"])))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["old.bin"] and old.read_bytes() == b"old"
+
+
+def test_without_hard_links_the_backup_is_a_copy(tmp_path, monkeypatch):
+    old = tmp_path / "old.bin"
+    old.write_bytes(b"old")
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "Operation not permitted")))
+    plan = fileio.OutputPlan(force=True)
+    a, b = plan.add(old, "-o"), plan.add(tmp_path / "b.bin", "-o")
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: real(src, dst) if dst != b.target else (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(UserError, match="nothing was written"):
+        plan.commit({a: b"new", b: b"b"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.bin"] and old.read_bytes() == b"old"
+
+
+def test_a_target_that_changes_after_it_was_checked_is_refused_at_commit(tmp_path):
+    plan = fileio.OutputPlan()
+    out = plan.add(tmp_path / "x", "--plot")
+    os.mkfifo(tmp_path / "x")  # another process made it a FIFO meanwhile
+    with pytest.raises(UserError, match="x: is a FIFO, not a regular file"):
+        plan.commit({out: b"png"})
+    assert stat.S_ISFIFO((tmp_path / "x").lstat().st_mode)
+
+
+def test_writing_through_a_symlink_updates_the_file_it_points_to(tmp_path):
+    real = tmp_path / "real.png"
+    real.write_bytes(b"old")
+    (tmp_path / "link.png").symlink_to(real)
+    plan = fileio.OutputPlan(force=True)
+    out = plan.add(tmp_path / "link.png", "--plot")
+    plan.commit({out: b"new"})
+    assert (tmp_path / "link.png").is_symlink() and real.read_bytes() == b"new"
+
+
+@pytest.mark.parametrize(
+    "setup, fragment",
+    [
+        (lambda t: t / "missing" / "x", "directory {t}/missing does not exist; create it first"),
+        (lambda t: (t / "f").write_text("") and None or t / "f" / "x", "{t}/f is not a directory"),
+        (lambda t: t, "is a directory, not a regular file"),
+        (lambda t: t / ("n" * 256), "file name is 256 bytes, longer than the 255"),
+    ],
+)
+def test_bad_targets_are_one_line(tmp_path, setup, fragment):
+    with pytest.raises(UserError) as err:
+        fileio.OutputPlan().add(setup(tmp_path), "--plot")
+    assert fragment.format(t=tmp_path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_json_document_is_strict_json_with_null_for_non_finite_numbers():
+    text = fileio.json_document({"a": float("inf"), "b": [float("nan"), 1.5, -float("inf")], "c": {"d": 2}})
+    # json.dumps would have written Infinity and NaN, which JSON parsers refuse
+    assert json.loads(text) == {"a": None, "b": [None, 1.5, None], "c": {"d": 2}}
+    assert "Infinity" not in text and "NaN" not in text
+
+
+def test_a_name_of_the_maximum_length_can_be_written(tmp_path):
+    """255 bytes is a legal name; the temporary sibling's name is shortened to fit too (before,
+    ".<name>.XXXXXXXX.tmp" was over the limit and the write failed)."""
+    name = "é" * 127 + "a"  # 255 bytes in UTF-8, the usual NAME_MAX
+    assert len(name.encode()) == 255
+    fileio.atomic_write_bytes(tmp_path / name, b"x")
+    plan = fileio.OutputPlan(force=True)
+    out = plan.add(tmp_path / name, "--plot")
+    plan.commit({out: b"y"})
+    assert (tmp_path / name).read_bytes() == b"y" and len(list(tmp_path.iterdir())) == 1

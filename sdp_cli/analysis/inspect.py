@@ -1,4 +1,4 @@
-"""Importance weights of saved batches, mode by mode (``sdp inspect-weights``; DESIGN.md §1, §4).
+"""Importance weights of saved batches, mode by mode (``sdp inspect-weights``; docs/design.md §1, §4).
 
 For every correction mode — ``bypass`` (the reference, w ≡ 1), ``decoupled`` (log w = π_prox −
 π_behav), ``segment_wise`` (log w = π_prox_t − π_behav) and the drift-clipped segment-wise weight
@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sdp_cli.choices import IS_LEVELS, MODES
 from sdp_cli.core.metrics import offpolicy_metrics
-from sdp_cli.core.weights import LEVELS, MODES, behavior_log_ratio, drift_log_factor, importance_weights
+from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -90,14 +91,16 @@ class ModeReport:
     tokens, and frac_high/frac_low of raw weights above cap/below floor (of tokens at token level,
     of sequences at the sequence levels); ``masked`` (action mask) is a share of tokens.
     ``per_token[level]`` is the [S, T] weight tensor itself (0 outside the covered tokens).
+    Over zero tokens no statistic is defined: every value in ``weights`` and ``divergence`` is
+    None (n/a), not the 0 a masked mean over nothing would give.
     """
 
     mode: str
     available: bool
     reason: str | None = None
     tokens: int = 0
-    weights: dict[str, dict[str, float]] = field(default_factory=dict)
-    divergence: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    divergence: dict[str, float | None] = field(default_factory=dict)
     per_token: dict[str, Tensor] = field(default_factory=dict, repr=False)
     covered: Tensor | None = field(default=None, repr=False)
 
@@ -174,7 +177,7 @@ class WeightReport:
 
 @dataclass
 class _Stacked:
-    """Response tokens of every batch, right-padded to one [S, T] (DESIGN.md §5 layout)."""
+    """Response tokens of every batch, right-padded to one [S, T] (docs/design.md §5 layout)."""
 
     old: Tensor
     prox: Tensor | None
@@ -212,7 +215,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     t_versions = cat([p.proximal_t_versions for p in padded], -1)
     trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
     # An output token older than the trainer whose π_{v+1} was never computed has no
-    # segment-wise weight (DESIGN.md §2): the trainer drops it from a segment-wise loss.
+    # segment-wise weight (docs/design.md §2): the trainer drops it from a segment-wise loss.
     uncorrectable = mask & (versions < trainer) & (t_versions != versions + 1)
     return _Stacked(
         old=cat([p.old_logprobs for p in padded], 0.0),
@@ -260,7 +263,7 @@ def _mode_report(
     report = ModeReport(mode=mode, available=True, tokens=int(covered.sum()), covered=covered)
     # bypass has no behavioural weight: w ≡ 1, never bounded (the reference row).
     opts = WeightOptions() if mode == "bypass" else options
-    for level in LEVELS:
+    for level in IS_LEVELS:
         weights, metrics = importance_weights(
             log_ratio,
             covered,
@@ -270,8 +273,12 @@ def _mode_report(
             action=opts.action,
             batch_normalize=opts.batch_normalize,
         )
-        report.weights[level] = _weight_stats(metrics)
+        stats = _weight_stats(metrics)
+        report.weights[level] = stats if report.tokens else dict.fromkeys(stats)
         report.per_token[level] = weights
+    if not report.tokens:
+        report.divergence = dict.fromkeys(DIVERGENCES)
+        return report
     divergence = offpolicy_metrics(old, target, covered)
     # + 0.0 turns the −0.0 of an all-zero log ratio (bypass) into 0.0 for display.
     report.divergence = {name: divergence[name] + 0.0 for name in DIVERGENCES}
@@ -416,7 +423,7 @@ def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str
     for name, m in report.modes.items():
         if name == "bypass" or not m.available:
             continue
-        for level in LEVELS:
+        for level in IS_LEVELS:
             tensors[f"{name}.{level}"] = packed(m.per_token[level].to(torch.float32), 0.0)
     metadata = {
         "format": "sdp-weights",

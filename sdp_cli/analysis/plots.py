@@ -12,7 +12,7 @@ import io
 import numpy as np
 
 from sdp_cli.analysis.inspect import WeightReport, dropped_samples, weight_samples
-from sdp_cli.core.weights import LEVELS
+from sdp_cli.choices import IS_LEVELS
 
 _COLORS = {"decoupled": "tab:blue", "segment_wise": "tab:orange", "segment_wise_drift": "tab:green"}
 _BINS = 40
@@ -25,6 +25,10 @@ def _log_bins(arrays: list[np.ndarray]) -> np.ndarray:
     lo, hi = (float(positive.min()), float(positive.max())) if positive.size else (1.0, 1.0)
     lo, hi = min(lo, 1.0) / 1.5, max(hi, 1.0) * 1.5
     return np.logspace(np.log10(lo), np.log10(hi), _BINS + 1)
+
+
+def _stat(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _histogram(ax, values: np.ndarray, bins: np.ndarray, label: str, color: str | None) -> None:
@@ -45,15 +49,15 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
 
     modes = [m for m in ("decoupled", "segment_wise", "segment_wise_drift") if report.modes[m].available]
     dropped = dropped_samples(report)
-    panels = len(LEVELS) + (dropped is not None)
+    panels = len(IS_LEVELS) + (dropped is not None)
     fig = Figure(figsize=(6.0 * 2, 4.2 * ((panels + 1) // 2)), layout="constrained")
     axes = fig.subplots((panels + 1) // 2, 2, squeeze=False).ravel()
-    for ax, level in zip(axes, LEVELS):
+    for ax, level in zip(axes, IS_LEVELS):
         samples = {m: weight_samples(report, m, level).double().numpy() for m in modes}
         bins = _log_bins(list(samples.values()))
         for mode, values in samples.items():
             stats = report.modes[mode].weights[level]
-            label = f"{mode} (std {stats['std']:.3g}, ESS {stats['ess']:.3f})"
+            label = f"{mode} (std {_stat(stats['std'], '.3g')}, ESS {_stat(stats['ess'], '.3f')})"
             _histogram(ax, values, bins, label, _COLORS[mode])
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="bypass (w = 1)")
         ax.set_xscale("log")
@@ -62,7 +66,7 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         ax.set_ylabel("share of tokens")
         ax.legend(fontsize="small")
     if dropped is not None:
-        ax = axes[len(LEVELS)]
+        ax = axes[len(IS_LEVELS)]
         values, lags = (t.double().numpy() for t in dropped)
         by_lag = {int(lag): values[lags == lag] for lag in np.unique(lags)}
         bins = _log_bins(list(by_lag.values()))
@@ -72,7 +76,10 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         ax.set_title(r"factor segment-wise drops, $\pi_c\,/\,\pi_{v+1}$ (1 at lag ≤ 1)")
         ax.set_xlabel(r"$\pi_c\,/\,\pi_{v+1}$ (log scale)")
         ax.set_ylabel("share of the lag's tokens")
-        ax.legend(fontsize="small")
+        if by_lag:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no tokens", transform=ax.transAxes, ha="center")
     for ax in axes[panels:]:
         ax.set_visible(False)
     fig.suptitle(title)

@@ -12,13 +12,67 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from sdp_cli.choices import REMOTE_ENGINE_KINDS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.engine.base import InferenceEngine
 
-REMOTE_ENGINES = ("vllm", "sglang")
+DEVICE_FIX = "use auto, cpu, cuda or cuda:N"
+
+
+def resolve_device(text: str) -> str:
+    """The torch device of ``--device``: ``auto`` is cuda when available, else cpu; a CUDA
+    device must exist on this machine; other device types are refused. One-line UserErrors."""
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise UserError(f"--device {text!r} is not a device; {DEVICE_FIX}") from None
+    if device.type == "cpu":
+        return str(device)
+    if device.type != "cuda":
+        raise UserError(f"--device {text!r} is not supported; {DEVICE_FIX}")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {text}: CUDA is not available on this machine; use --device cpu (or auto)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UserError(
+            f"--device {text}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1}); pick one of them"
+        )
+    return str(device)
+
+
+def check_server_url(url: str) -> str:
+    """``url`` if it is an http(s) URL with a host and a valid port, else a one-line UserError
+    (before any connection attempt, so a typo costs no retries)."""
+
+    def bad(reason: str) -> UserError:
+        return UserError(
+            f"--server {url!r} is not a server URL ({reason}); pass e.g. --server http://127.0.0.1:8000"
+        )
+
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise bad("spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise bad(str(err)) from None
+    if parts.scheme not in ("http", "https"):
+        raise bad("no http:// or https:// scheme")
+    if not parts.hostname:
+        raise bad("no host")
+    if port == 0:
+        raise bad("port 0")
+    if parts.query or parts.fragment:
+        raise bad("a query or fragment")
+    return url
 
 
 def load_version_policy(path: Path, device: str = "cpu") -> Any:
@@ -26,7 +80,8 @@ def load_version_policy(path: Path, device: str = "cpu") -> Any:
     a whole model, or LoRA adapters merged onto the run's base, ``versions/base``
     (sdp_cli/train/policy_setup.py)."""
     from sdp_cli.models.loader import load_policy
-    from sdp_cli.models.lora import VERSION_BASE, is_adapter_dir, load_merged
+    from sdp_cli.models.lora import is_adapter_dir, load_merged
+    from sdp_cli.rundir import VERSION_BASE
 
     if not is_adapter_dir(path):
         return load_policy("hf", path=path, device=device, dtype="auto")
@@ -173,8 +228,10 @@ def connect_remote(kind: str, urls: Sequence[str], temperatures: Iterable[float]
     replaced by each checkpoint in turn: use servers dedicated to this recompute."""
     from sdp_cli.engine.remote import RemoteOptions
 
-    if kind not in REMOTE_ENGINES:
-        raise UserError(f"--engine {kind!r} is not a server engine; use {' or '.join(REMOTE_ENGINES)}")
+    if kind not in REMOTE_ENGINE_KINDS:
+        raise UserError(f"--engine {kind!r} is not a server engine; use {' or '.join(REMOTE_ENGINE_KINDS)}")
+    for url in urls:
+        check_server_url(url)
     other = sorted({t for t in temperatures if t != 1.0})
     if other:
         # neither server temperature-scales prefill logprobs (docs/engines.md)

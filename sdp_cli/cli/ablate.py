@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from sdp_cli.cli.main import app
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
-    from sdp_cli.analysis.ablate import SweepPlan
-    from sdp_cli.analysis.ablate_report import Report
+    from sdp_cli.ablate.report import Report
+    from sdp_cli.ablate.sweep import SweepPlan
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what each correction buys.
 
@@ -86,7 +88,7 @@ def ablate_command(
         _print_report(report, plots=not no_plots)
         return
 
-    from sdp_cli.analysis.ablate import (
+    from sdp_cli.ablate.sweep import (
         plan_sweep,
         prune_checkpoints,
         run_sweep,
@@ -129,28 +131,32 @@ def ablate_command(
 
 def _print_plan(plan: SweepPlan) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     axes = "; ".join(f"{key} ∈ {{{', '.join(values)}}}" for key, values in plan.axes.items())
     counts = ", ".join(
         f"{plan.count(s)} {s}" for s in ("finished", "resumable", "partial", "new") if plan.count(s)
     )
-    console = Console()
-    console.print(f"[bold]sweep[/bold] {plan.sweep} → {plan.sweep_dir}")
+    # names, paths and overrides are escaped: "[", "[/]" or ":smile:" in them stay text
+    console = Console(emoji=False)
+    console.print(f"[bold]sweep[/bold] {escape(plan.sweep)} → {escape(str(plan.sweep_dir))}")
     runs = f"{len(plan.jobs)} run{'s' if len(plan.jobs) != 1 else ''}"
-    console.print(f"  {runs} ({counts}); axes: {axes or 'none'}")
+    console.print(f"  {runs} ({counts}); axes: {escape(axes or 'none')}")
 
 
 def _print_report(directory: Path, *, plots: bool) -> Report:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    from sdp_cli.analysis.ablate_report import TABLES, table_columns, table_rows, write_report
+    from sdp_cli.ablate.report import TABLES, table_columns, table_rows, write_report
 
     result = write_report(directory, plots=plots)
-    console = Console()
+    # paths, run names and cells are escaped: "[", "[/]" or ":smile:" in them stay text
+    console = Console(emoji=False)
     if not console.is_terminal:
-        console = Console(width=200)  # logs keep whole table lines
-    console.print(f"[bold]sdp ablate[/bold] {directory}: mean ± std over seeds", highlight=False)
+        console = Console(width=200, emoji=False)  # logs keep whole table lines
+    console.print(f"[bold]sdp ablate[/bold] {escape(str(directory))}: mean ± std over seeds", highlight=False)
     if result.sweep.common:
         console.print(
             f"overrides shared by every run: {' '.join(result.sweep.common)}",
@@ -158,15 +164,16 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
             markup=False,
         )
     for name, title in TABLES.items():
-        table = Table(*table_columns(result.groups, name), title=title, title_justify="left")
+        columns = [escape(c) for c in table_columns(result.groups, name)]
+        table = Table(*columns, title=title, title_justify="left")
         for cells in table_rows(result.groups, name):
-            table.add_row(*cells)
+            table.add_row(*(escape(c) for c in cells))
         console.print(table)
     if result.unfinished:
         console.print(
             f"{len(result.unfinished)} unfinished runs left out: "
-            + ", ".join(r.name for r in result.unfinished)
+            + escape(", ".join(r.name for r in result.unfinished))
         )
     for path in [result.csv_path, result.markdown_path, *result.plots]:
-        console.print(f"wrote {path}")
+        console.print(f"wrote {escape(str(path))}")
     return result

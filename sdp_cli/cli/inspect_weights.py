@@ -7,21 +7,23 @@ analysis in ``sdp_cli.analysis``; docs/inspect-weights.md explains every column.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.cli.main import app
+from sdp_cli.choices import WEIGHT_ACTIONS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.analysis.inspect import WeightReport
 
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
+
 EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.safetensors"
-ACTIONS = ("truncate", "mask")
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
@@ -77,12 +79,17 @@ def inspect_weights_command(
         "--dump-weights",
         help="Write the per-token weights of every mode and aggregation (safetensors).",
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace existing --plot / --dump-weights files (never an input batch)."
+    ),
 ) -> None:
     _check_options(cap, floor, action, drift_clip)
     paths = _batch_paths(files or [], example)
-    for out in (plot, dump_weights):
-        if out is not None:
-            _check_output(out, paths)
+    from sdp_cli.fileio import OutputPlan
+
+    plan = OutputPlan(force=force, inputs=paths)
+    plot_out = None if plot is None else plan.add(plot, "--plot")
+    dump_out = None if dump_weights is None else plan.add(dump_weights, "--dump-weights")
 
     from sdp_cli.analysis.inspect import WeightOptions, analyse_batches
     from sdp_cli.rollout.batch_file import read_batch
@@ -97,37 +104,42 @@ def inspect_weights_command(
         [analyse_batches([b], [src], options) for b, src in zip(batches, sources)] if per_file else []
     )
 
-    outputs: list[tuple[Path, bytes, str]] = []
-    if plot is not None:
+    contents: dict[Any, bytes] = {}
+    if plot_out is not None:
         from sdp_cli.analysis.plots import weight_histograms
 
         title = f"{_title(report)}\n{_bounds(report)}"
-        outputs.append((plot, weight_histograms(report, title), "weight histograms"))
-    if dump_weights is not None:
+        contents[plot_out] = weight_histograms(report, title)
+    if dump_out is not None:
         from safetensors.torch import save
 
         from sdp_cli.analysis.inspect import dump_tensors
 
         tensors, metadata = dump_tensors(report)
-        outputs.append((dump_weights, save(tensors, metadata=metadata), "per-token weights"))
-    from sdp_cli.fileio import atomic_write_bytes
-
-    for path, data, _ in outputs:
-        atomic_write_bytes(path, data)
+        contents[dump_out] = save(tensors, metadata=metadata)
+    plan.commit(contents)
+    wrote = [
+        (out.path, what)
+        for out, what in ((plot_out, "weight histograms"), (dump_out, "per-token weights"))
+        if out is not None
+    ]
 
     if as_json:
+        from sdp_cli.fileio import json_document
+
         doc = report.to_dict()
         if per_file:
             doc["per_file"] = [r.to_dict() for r in per_file_reports]
-        typer.echo(json.dumps(doc, indent=2))
-        for path, _, what in outputs:
+        typer.echo(json_document(doc))
+        for path, what in wrote:
             typer.echo(f"wrote {what} to {path}", err=True)
         return
 
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console(highlight=False)
+    # paths are escaped where they are printed; emoji codes (":thumbs_up:") in them stay text
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
         # Piped or captured output has no width to fit; 80 columns would truncate the tables.
         console.width = max(console.width, 120)
@@ -135,7 +147,7 @@ def inspect_weights_command(
     for r in per_file_reports:
         console.rule(f"[bold]{escape(r.sources[0])}")
         _render(console, r)
-    for path, _, what in outputs:
+    for path, what in wrote:
         console.print(f"wrote {what} to {escape(str(path))}")
 
 
@@ -143,8 +155,8 @@ def inspect_weights_command(
 def _check_options(cap: float | None, floor: float | None, action: str, drift_clip: float) -> None:
     if math.isnan(drift_clip) or drift_clip < 1:
         raise UserError(f"--drift-clip {drift_clip} must be >= 1 (1 = segment_wise, inf = decoupled); pass e.g. --drift-clip 2")
-    if action not in ACTIONS:
-        raise UserError(f"--action {action!r} is not one of {', '.join(ACTIONS)}; pick one of them")
+    if action not in WEIGHT_ACTIONS:
+        raise UserError(f"--action {action!r} is not one of {', '.join(WEIGHT_ACTIONS)}; pick one of them")
     if cap is not None and not (math.isfinite(cap) and cap > 0):
         raise UserError(f"--cap {cap} must be a finite number > 0; pass e.g. --cap 5")
     if floor is not None and not (math.isfinite(floor) and floor >= 0):
@@ -154,10 +166,14 @@ def _check_options(cap: float | None, floor: float | None, action: str, drift_cl
 
 
 def _batch_paths(files: list[Path], example: bool) -> list[Path]:
-    """Files as given, directories expanded to their *.safetensors (sorted), plus the example."""
+    """Files as given, directories expanded to their *.safetensors (sorted), plus the example;
+    one file given twice (whatever the spelling, also inside a directory given) is refused,
+    since it would be counted twice."""
+    from sdp_cli.fileio import file_identity
+
     paths: list[Path] = []
     for f in files:
-        if f.is_dir():
+        if os.path.isdir(f):
             found = sorted(f.glob("*.safetensors"))
             if not found:
                 raise UserError(
@@ -172,21 +188,19 @@ def _batch_paths(files: list[Path], example: bool) -> list[Path]:
         paths.append(EXAMPLE_BATCH)
     if not paths:
         raise UserError("no batch file given; pass batch files (or a directory of them), or --example")
+    seen: dict[tuple[object, ...], Path] = {}
+    for path in paths:
+        first = seen.setdefault(file_identity(path), path)
+        if first is not path:
+            same = "is given twice" if str(first) == str(path) else f"is the same file as {first}"
+            raise UserError(f"{path}: {same}; pass each batch once")
     return paths
-
-
-def _check_output(out: Path, inputs: list[Path]) -> None:
-    if not out.parent.is_dir():
-        raise UserError(f"{out}: directory {out.parent} does not exist; create it first")
-    if out.is_dir():
-        raise UserError(f"{out}: is a directory; pass a file name")
-    if any(out.resolve() == p.resolve() for p in inputs):
-        raise UserError(f"{out}: is one of the input batches; write the output to another file")
 
 
 # ---------------------------------------------------------------- rendering
 def _fmt(value: float | None) -> str:
-    return "–" if value is None else f"{value:.4g}"
+    """A statistic, or n/a where it is not defined (no tokens, no π_prox)."""
+    return "n/a" if value is None else f"{value:.4g}"
 
 
 def _title(report: WeightReport) -> str:
@@ -249,13 +263,14 @@ def _render(console: Any, report: WeightReport) -> None:
         levels = ["token"] if name == "bypass" else list(m.weights)
         for i, level in enumerate(levels):
             s = m.weights[level]
-            share = s.get("masked", 0.0) if o.action == "mask" else s["frac_high"] + s["frac_low"]
+            high, low = s.get("frac_high"), s.get("frac_low")
+            share = s.get("masked") if o.action == "mask" else None if high is None or low is None else high + low
             weights.add_row(
                 name if i == 0 else "",
                 "any (w ≡ 1)" if name == "bypass" else level,
                 str(m.tokens) if i == 0 else "",
                 *(_fmt(s[k]) for k in stats),
-                *([f"{share:.1%}"] if bounded else []),
+                *(["n/a" if share is None else f"{share:.1%}"] if bounded else []),
                 end_section=i == len(levels) - 1,
             )
     console.print(weights)
@@ -296,7 +311,7 @@ def _render(console: Any, report: WeightReport) -> None:
             *(_fmt(dec.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(sdp.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(dropped.get(k)) for k in ("mean", "std")),
-            "–" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
+            "n/a" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
     console.print(lags)

@@ -1,4 +1,5 @@
-"""The ``sdp`` command. Each sub-command lives in its own module and is registered here.
+"""The ``sdp`` command. Each sub-command lives in its own module, which owns a Typer app with
+that one command; the root app here adds them.
 
 Heavy libraries (torch, transformers, httpx, matplotlib) are imported inside the command
 functions, never at module level, so that ``sdp --help`` stays fast.
@@ -39,8 +40,14 @@ def _root(
 
 
 def _register_commands() -> None:
-    # Imported here so each command module can register itself on `app`.
-    from sdp_cli.cli import commands  # noqa: F401
+    """Add every command module's Typer app to the root app, in the order ``sdp --help`` lists
+    them (once: ``main`` may run many times in one process)."""
+    if app.registered_groups:
+        return
+    from sdp_cli.cli import ablate, inspect_weights, recompute, train
+
+    for module in (train, recompute, inspect_weights, ablate):
+        app.add_typer(module.app)
 
 
 def _fail(message: str, code: int) -> None:

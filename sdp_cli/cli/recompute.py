@@ -4,17 +4,19 @@ batches from per-version checkpoints. Parsing and reporting only; the work is in
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.cli.main import app
+from sdp_cli.choices import ENGINE_KINDS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
     from sdp_cli.analysis.recompute import RecomputeResult
+
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 RECOMPUTE_HELP = """Recompute π_prox_t of saved batches from the run's per-version checkpoints.
 
@@ -59,12 +61,16 @@ def recompute_command(
         help="Score every lagged token under each version v+1 … c: π_prox from version c and a "
         "per-lag report of the factor π_c/π_{v+1} that segment-wise drops.",
     ),
-    output: Path | None = typer.Option(
+    # a str, not a Path: Path() drops the trailing slash that makes "-o new-dir/" a directory
+    output: str | None = typer.Option(
         None,
         "--output",
         "-o",
         metavar="PATH",
         help="Write here instead of in place: a directory, or a file when one batch is given.",
+    ),
+    force: bool = typer.Option(
+        False, "--force", help="Let --output replace existing files (in place needs no --force)."
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Compute and report; write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
@@ -82,25 +88,32 @@ def recompute_command(
         "auto", "--device", metavar="DEVICE", help="Device of the local engine: auto (cuda if available), cpu, cuda, cuda:1 …"
     ),
 ) -> None:
-    from sdp_cli.analysis.recompute import ProximalChoice, RecomputeOptions
+    from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions
 
     servers = list(server or [])
-    if engine not in ("local", "vllm", "sglang"):
+    if engine not in ENGINE_KINDS:
         raise UserError(f"--engine {engine!r} is unknown; choose local, vllm or sglang")
     if engine == "local" and servers:
         raise UserError("--server needs --engine vllm or --engine sglang")
     if engine != "local" and not servers:
         raise UserError(f"--engine {engine} needs the URL of a running server: --server http://host:port")
+    from sdp_cli.analysis.scorers import check_server_url, resolve_device
+
+    for url in servers:
+        check_server_url(url)
+    device = resolve_device(device)
     options = RecomputeOptions(
         proximal=None if proximal is None else ProximalChoice.parse(proximal), exact=exact
     )
-    result = _run(batches, checkpoints, options, output, engine, servers, device, as_json)
+    result = _run(batches, checkpoints, options, output, force, engine, servers, device, as_json)
     if not dry_run:
         from sdp_cli.analysis.recompute import commit
 
         commit(result)
     if as_json:
-        typer.echo(json.dumps({**result.to_dict(), "dry_run": dry_run}, indent=2))
+        from sdp_cli.fileio import json_document
+
+        typer.echo(json_document({**result.to_dict(), "dry_run": dry_run}))
     else:
         _print_report(result, dry_run)
 
@@ -109,7 +122,8 @@ def _run(
     batches: list[Path],
     checkpoints: Path,
     options: Any,
-    output: Path | None,
+    output: str | None,
+    force: bool,
     engine: str,
     servers: list[str],
     device: str,
@@ -123,18 +137,13 @@ def _run(
 
     def make_scorer(saved: Any) -> Any:
         if engine == "local":
-            import torch
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # one progress bar is enough
-
-            target = device
-            if device == "auto":
-                target = "cuda" if torch.cuda.is_available() else "cpu"
-            return LocalScorer(device=target)
+            return LocalScorer(device=device)
         return connect_remote(engine, servers, [b.temperature for b in saved])
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, emoji=False)
     bar = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -161,6 +170,7 @@ def _run(
             make_scorer,
             options,
             output=output,
+            force=force,
             on_plan=on_plan,
             progress=on_progress,
         )
@@ -176,18 +186,20 @@ def _pm(m: Any) -> str:
 
 def _print_report(result: RecomputeResult, dry_run: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
+    # paths and URLs are escaped where they are printed; emoji codes in them stay text
+    console = Console(emoji=False)
     if not console.is_terminal:
-        console = Console(width=160)  # a file or pipe gets whole columns, not truncated ones
+        console = Console(width=160, emoji=False)  # a file or pipe gets whole columns, not truncated ones
     n_tokens = sum(o.proximal_t.tokens for o in result.outcomes)
     choice = result.options.proximal_choice
     what = "π_prox_t" if choice is None else f"π_prox_t and π_prox (from version: {choice.describe()})"
     console.print(
         f"recomputed {what} of {len(result.outcomes)} batch(es), {n_tokens} lagged token(s); "
         f"{sum(w.tokens for w in result.work)} token(s) scored under {len(result.work)} checkpoint(s) "
-        f"by the {result.scorer} in {result.seconds:.1f} s"
+        f"by the {escape(result.scorer)} in {result.seconds:.1f} s"
     )
     if result.work:
         table = Table("version", "scored", "π_prox_t", "π_prox", "sequences", "load s", "score s", box=None)
@@ -209,7 +221,7 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
     table.columns[0].no_wrap = True
     for o in result.outcomes:
         row = [
-            o.source.name,
+            escape(o.source.name),
             str(o.batch.trainer_version),
             str(o.proximal_t.tokens),
             _fmt(o.proximal_t.mean_abs),
@@ -253,4 +265,4 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
         in_place = all(o.target == o.source for o in result.outcomes)
         places = sorted({str(o.target.parent) for o in result.outcomes if o.target is not None})
         where = "in place" if in_place else "to " + ", ".join(places)
-        console.print(f"wrote {len(result.written)} batch file(s) {where}")
+        console.print(f"wrote {len(result.written)} batch file(s) {escape(where)}")

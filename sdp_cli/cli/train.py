@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from sdp_cli.cli.main import app
+#: this module's command; sdp_cli.cli.main adds it to the root app
+app = typer.Typer()
 
 TRAIN_HELP = """Train a policy with asynchronous RL (segment-wise decoupled PPO and friends).
 

@@ -11,22 +11,31 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-MODES = ("bypass", "decoupled", "segment_wise")
-IS_LEVELS = ("token", "sequence", "geometric")
-WEIGHT_ACTIONS = ("truncate", "mask")
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-LOSS_TYPES = ("ppo_clip", "reinforce")
-STALENESS_STRATEGIES = ("standard", "segment_wise")
-RECOMPUTE_POLICIES = ("auto", "always", "never")
-PROXIMAL_T_SOURCES = ("engine", "trainer")
-ENGINE_KINDS = ("local", "vllm", "sglang")
-MODEL_KINDS = ("tiny", "hf")
-TASKS = ("arith1", "arith2", "gsm8k")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
-TRAIN_DTYPES = ("float32", "bfloat16")
+from sdp_cli.choices import (
+    CHARSETS,
+    ENGINE_KINDS,
+    IS_LEVELS,
+    KL_TYPES,
+    LOSS_AGGS,
+    LOSS_TYPES,
+    MODEL_KINDS,
+    MODES,
+    PROXIMAL_T_SOURCES,
+    RECOMPUTE_POLICIES,
+    STALENESS_STRATEGIES,
+    TASKS,
+    TRAIN_DTYPES,
+    WEIGHT_ACTIONS,
+)
+
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CHARSETS = ("arith", "ascii")
+
+#: rollout.temperature bounds (also checked in batch headers): vLLM raises a temperature below
+#: 0.01 to 0.01 (a warning in the server's log), so the logprobs would not be those of the
+#: configured one; above 100 sampling is uniform for any practical logit range: a typo
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
 
 
 @dataclass
@@ -46,7 +55,7 @@ class RejectionConfig:
 
 @dataclass
 class LossConfig:
-    """Off-policy correction and the policy loss (DESIGN.md §4)."""
+    """Off-policy correction and the policy loss (docs/design.md §4)."""
 
     mode: str = "decoupled"
     """bypass | decoupled | segment_wise: which behavioural weight multiplies the PPO loss."""
@@ -90,7 +99,7 @@ class LossConfig:
 
 @dataclass
 class RolloutConfig:
-    """Rollout production, admission and the recompute pass (DESIGN.md §2–3)."""
+    """Rollout production, admission and the recompute pass (docs/design.md §2–3)."""
 
     max_head_offpolicyness: int = 2
     """η: how many versions a rollout may lag; 0 = synchronous on-policy training."""
@@ -103,7 +112,7 @@ class RolloutConfig:
     groups_per_request: int = 8
     """prompt groups the producer sends to the engine in one generate call."""
     temperature: float = 1.0
-    """sampling temperature; the trainer and the recompute pass use the same one."""
+    """sampling temperature in [0.01, 100]; the trainer and the recompute pass use the same one."""
     max_new_tokens: int | None = None
     """response budget; null = the task's default."""
     recompute: str = "auto"
@@ -116,10 +125,11 @@ class RolloutConfig:
 
 @dataclass
 class StalenessConfig:
-    """Consume-time staleness control (group `staleness`)."""
+    """Consume-time staleness control (group `staleness`). The bound η is not here: it is
+    ``rollout.max_head_offpolicyness``, which admission control uses whatever the strategy."""
 
     strategy: str = "standard"
-    """standard (no filtering) | segment_wise (drop samples that break the §2 invariant or lag > η)."""
+    """standard (no filtering) | segment_wise (drop samples that break the invariant of docs/design.md §2, or lag > η = rollout.max_head_offpolicyness)."""
 
 
 @dataclass
@@ -431,6 +441,10 @@ def validate(cfg: SdpConfig) -> None:
     _positive("rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, allow_none=True)
     _positive("rollout.groups_per_request", ro.groups_per_request)
     _positive("rollout.temperature", ro.temperature)
+    if not MIN_TEMPERATURE <= ro.temperature <= MAX_TEMPERATURE:
+        raise ConfigValueError(
+            f"rollout.temperature={ro.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+        )
     _positive("rollout.max_new_tokens", ro.max_new_tokens, allow_none=True)
     _choice("rollout.recompute", ro.recompute, RECOMPUTE_POLICIES)
     _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)

@@ -1,4 +1,4 @@
-"""Pure-torch correction math of sdp (DESIGN.md §4, docs/math.md): no I/O, no config objects.
+"""Pure-torch correction math of sdp (docs/design.md §4, docs/math.md): no I/O, no config objects.
 
 weights      behavioural log ratio per mode, importance weights, rejection masks
 loss         PPO-clip / REINFORCE policy loss and its aggregations

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from sdp_cli.choices import LOSS_AGGS, LOSS_TYPES
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -25,14 +26,6 @@ from sdp_cli.core._masked import (
     to_host,
 )
 
-LOSS_TYPES = ("ppo_clip", "reinforce")
-AGGREGATIONS = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
 
 def loss_count(mask: Tensor, agg: str) -> Tensor:
     """This batch's count in the denominator of ``agg`` (docs/math.md §5.2), before the ≥ 1 floor.
@@ -41,7 +34,7 @@ def loss_count(mask: Tensor, agg: str) -> Tensor:
     0-d float tensor: summed over data-parallel shards it is the count of the whole minibatch.
     seq-mean-token-sum-norm divides by a constant instead and has no count.
     """
-    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("agg", agg, LOSS_AGGS)
     if agg == "seq-mean-token-sum-norm":
         raise ValueError("agg='seq-mean-token-sum-norm' divides by a constant, not by a count")
     check_2d("mask", mask)
@@ -92,7 +85,7 @@ def aggregate_loss(
     """Aggregate any per-token [B, T] loss term exactly as ``policy_loss`` does (docs §5.2)."""
     check_float_tensor("values", values)
     check_2d("values", values)
-    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("agg", agg, LOSS_AGGS)
     _check_denominator(agg, denominator)
     mk = masked(mask, values, "values")
     return _aggregate(torch.where(mk.valid, values, 0.0), mk, agg, denominator)
@@ -147,7 +140,7 @@ def policy_loss(
     if weights is not None:
         check_like("weights", weights, logprobs, "logprobs")
     mk = masked(mask, logprobs, "logprobs")
-    check_choice("agg", agg, AGGREGATIONS)
+    check_choice("agg", agg, LOSS_AGGS)
     check_choice("loss_type", loss_type, LOSS_TYPES)
     _check_denominator(agg, denominator)
     check_number("clip", clip, above=0)

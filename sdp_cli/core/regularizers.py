@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sdp_cli.choices import KL_TYPES
 from sdp_cli.core._masked import LOG_CLAMP, check_choice, check_float_tensor, check_like, check_number
 from sdp_cli.core.loss import aggregate_loss
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 #: bound of the k3 estimate, as in verl (stops one wild token from dominating the loss)
 KL_CLAMP = 10.0
 

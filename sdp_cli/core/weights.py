@@ -1,4 +1,4 @@
-"""Behavioural importance weights and rejection masks (DESIGN.md §4, docs/math.md §1–§3).
+"""Behavioural importance weights and rejection masks (docs/design.md §4, docs/math.md §1–§3).
 
 The three correction modes differ only in the log ratio of the behavioural weight:
 
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from sdp_cli.choices import IS_LEVELS, MODES, WEIGHT_ACTIONS
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -36,15 +37,12 @@ from sdp_cli.core._masked import (
     to_host,
 )
 
-MODES = ("bypass", "decoupled", "segment_wise")
-LEVELS = ("token", "sequence", "geometric")
-ACTIONS = ("truncate", "mask")
-
 
 def drift_log_factor(
     proximal_logprobs: Tensor, proximal_logprobs_t: Tensor, drift_clip: float
 ) -> tuple[Tensor, Tensor]:
-    """The drift factor d = π_prox/π_prox_t in log space, clipped to [−log κ, log κ] (math.md §1.1).
+    """The drift factor d = π_prox/π_prox_t in log space, clipped to [−log κ, log κ]
+    (docs/math.md §1.1).
 
     Returns (log d clipped, clipped): ``clipped`` is True where the clip changed log d. Both are
     detached; callers select valid tokens (padding may hold anything).
@@ -65,7 +63,7 @@ def behavior_log_ratio(
     mode: str,
     drift_clip: float | None = None,
 ) -> Tensor | None:
-    """Log ratio of the behavioural weight for ``mode`` (DESIGN.md §1 table), detached.
+    """Log ratio of the behavioural weight for ``mode`` (docs/design.md §1 table), detached.
 
     decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav;
     bypass: None (no behavioural weight).
@@ -125,7 +123,7 @@ def _any_row(flags: Tensor) -> Tensor:
 def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str) -> Masked:
     check_float_tensor("log_ratio", log_ratio)
     check_2d("log_ratio", log_ratio)
-    check_choice("level", level, LEVELS)
+    check_choice("level", level, IS_LEVELS)
     return masked(mask, log_ratio, "log_ratio")
 
 
@@ -149,7 +147,7 @@ def importance_weights(
     Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
     """
     mk = _check_inputs(log_ratio, mask, level)
-    check_choice("action", action, ACTIONS)
+    check_choice("action", action, WEIGHT_ACTIONS)
     if cap is not None:
         check_number("cap", cap, above=0)
     if floor is not None:

@@ -2,7 +2,7 @@
 
 One model forward runs at a time. Decode steps of concurrent ``generate`` calls take turns in
 FIFO order, one step per turn, so calls interleave at token granularity and none starves.
-``pause`` closes the gate for decode steps and waits for the running one to end (DESIGN.md §2
+``pause`` closes the gate for decode steps and waits for the running one to end (docs/design.md §2
 step 1). Exclusive work of the trainer thread (scoring, weight loading, version changes) does not
 wait for ``resume``, because the recompute pass and the weight swap happen while paused, and it
 goes before queued decode steps.

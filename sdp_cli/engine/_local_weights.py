@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from sdp_cli.engine.base import EngineError
+from sdp_cli.safetensors_layout import LayoutError, check_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,6 +67,10 @@ def read_safetensors_dir(path: Path | str) -> dict[str, torch.Tensor]:
 def _read_file(file: Path) -> dict[str, torch.Tensor]:
     if not file.is_file():
         raise EngineError(f"{file}: shard file not found; {_LAYOUT_HINT}")
+    try:
+        check_file(file)  # names a truncated file as such, before the library reads it
+    except (LayoutError, OSError) as exc:
+        raise EngineError(f"{file}: {exc}; re-save the checkpoint") from None
     try:
         return load_file(file)
     except (OSError, SafetensorError, ValueError) as exc:

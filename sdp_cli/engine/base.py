@@ -1,6 +1,6 @@
 """The contract every inference engine (local, vLLM, SGLang) fulfils.
 
-The async loop and the recompute pass only ever talk to this interface. DESIGN.md §2 gives the
+The async loop and the recompute pass only ever talk to this interface. docs/design.md §2 gives the
 timeline it serves: ``pause`` → recompute pass (``score`` + ``inflight_samples``) →
 ``update_weights`` → ``resume``.
 """
@@ -12,19 +12,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import EngineError, EngineUnavailable
 from sdp_cli.rollout.records import RolloutSample
 
 if TYPE_CHECKING:
     import torch
 
-
-class EngineError(UserError, RuntimeError):
-    """An engine failed in a way the user can act on; the message says how (one line)."""
-
-
-class EngineUnavailable(EngineError):
-    """The engine (or its server) cannot be reached."""
+#: the errors of the contract (defined in sdp_cli/errors.py)
+__all__ = [
+    "EngineError",
+    "EngineUnavailable",
+    "InferenceEngine",
+    "SamplingParams",
+    "WeightUpdate",
+]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class InferenceEngine(abc.ABC):
         ``finish_reason``. Samples may arrive with a partial output (it is continued). While the
         engine is paused, the call blocks with its samples partial; after a weight update it
         re-prefills them under the new weights and records π_prox_t for the tokens whose
-        version is the new version − 1 (DESIGN.md §2 step 4).
+        version is the new version − 1 (docs/design.md §2 step 4).
         """
 
     @abc.abstractmethod

@@ -4,7 +4,7 @@ Why not ``model.generate()``: its generation config silently reshapes the distri
 by default, repetition penalties, …), so the logprobs a trainer needs would not be those of the
 distribution the tokens were drawn from. Here every token is drawn from softmax(logits / T) over
 the full vocabulary and its exact logprob log_softmax(logits / T)[token] is recorded together
-with the engine version that produced it (DESIGN.md §1, §6).
+with the engine version that produced it (docs/design.md §1, §6).
 
 Concurrency: each ``generate`` call decodes its own samples as one left-padded batch with its own
 KV cache. Concurrent calls take turns on the model one decode step at a time (``StepGate``), so
@@ -13,7 +13,7 @@ Fusing would mean merging KV caches of different lengths, which depends on each 
 cache layout (sliding-window and linear-attention layers), while one cache per call works for
 any ``*ForCausalLM``. For throughput, pass many samples per call.
 
-Weight updates (DESIGN.md §2): ``pause`` stops every call at a token boundary; ``update_weights``
+Weight updates (docs/design.md §2): ``pause`` stops every call at a token boundary; ``update_weights``
 swaps the weights and bumps a weight epoch; at its next turn a call whose cache predates the epoch
 re-prefills prompt + partial output under the new weights, takes π_prox_t for its tokens of
 version new − 1 from that same forward (step 4), and decodes on with the fresh cache. Tokens of
@@ -149,7 +149,7 @@ class LocalEngine(InferenceEngine):
     def update_weights(self, update: WeightUpdate) -> None:
         """Load new weights while paused; the version becomes ``update.version``.
 
-        DESIGN.md §2 step 3. In-flight calls re-prefill under the new weights at their next turn
+        docs/design.md §2 step 3. In-flight calls re-prefill under the new weights at their next turn
         after ``resume``.
         """
         if not self.is_paused():
@@ -278,7 +278,7 @@ class LocalEngine(InferenceEngine):
         """(Re-)build the KV cache of prompt + output so far under the loaded weights.
 
         The same forward gives log π_v(token) of the tokens already generated; tokens of version
-        v − 1 without a π_prox_t from version v take it (DESIGN.md §2 step 4). Samples with the
+        v − 1 without a π_prox_t from version v take it (docs/design.md §2 step 4). Samples with the
         same prompt share its forward.
         """
         version = self._version
@@ -450,6 +450,6 @@ class LocalEngine(InferenceEngine):
             dtype=torch.long,
             device=self.device,
         )
-        # the formula the trainer uses (DESIGN.md §4), chunked so big vocabularies fit in memory
+        # the formula the trainer uses (docs/design.md §4), chunked so big vocabularies fit in memory
         rows = logprobs_from_logits(logits[:, :span], padded, temperature=self.temperature).tolist()
         return [row[: len(t)] for row, t in zip(rows, targets, strict=True)]

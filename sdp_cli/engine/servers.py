@@ -1,5 +1,4 @@
-"""Launching and stopping inference servers (vLLM, SGLang), and building a remote engine
-from the run config.
+"""Launching and stopping inference servers (vLLM, SGLang).
 
 sdp can run the server itself, typically from another virtualenv (the server's Python is
 configurable), or attach to one that is already running. A launched server writes its output
@@ -18,12 +17,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from sdp_cli.engine.base import EngineUnavailable, InferenceEngine
-from sdp_cli.errors import UserError
+from sdp_cli.engine.base import EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -178,79 +175,3 @@ class ManagedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def build_remote_engine(cfg: Any, policy: Any, run_dir: Path) -> InferenceEngine:
-    """``engine=vllm|sglang`` from the run config (``EngineConfig`` in sdp_cli/config/schema.py).
-
-    With ``engine.urls`` the engine attaches to those servers; otherwise, with
-    ``engine.launch``, it saves the policy to ``<run_dir>/weights/launch`` and starts one
-    server on it, logging to ``<run_dir>/logs``. The engine starts at version 0; a resumed run
-    declares its version with ``set_version``.
-    """
-    from sdp_cli.engine.http import HttpOptions
-    from sdp_cli.engine.remote import RemoteOptions
-
-    engine_cfg = cfg.engine
-    api_key = None
-    if engine_cfg.api_key_env:
-        api_key = os.environ.get(engine_cfg.api_key_env)
-        if not api_key:
-            raise UserError(
-                f"engine.api_key_env={engine_cfg.api_key_env}, but that environment variable is empty; "
-                "export the key in it or unset engine.api_key_env"
-            )
-    options = RemoteOptions(
-        temperature=float(cfg.rollout.temperature),
-        allow_temperature_mismatch=bool(engine_cfg.allow_temperature_mismatch),
-        reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
-        http=HttpOptions(
-            request_timeout_s=float(engine_cfg.request_timeout_s),
-            max_retries=int(engine_cfg.retries),
-            api_key=api_key,
-        ),
-    )
-    kind = engine_cfg.kind
-    if kind not in ("vllm", "sglang"):
-        raise UserError(f"engine.kind={kind!r} is not a remote engine; use vllm or sglang")
-    if engine_cfg.urls:
-        if kind == "vllm":
-            from sdp_cli.engine.vllm import VLLMEngine
-
-            return VLLMEngine(
-                list(engine_cfg.urls), options, reload_method=engine_cfg.reload_method or "reload_weights"
-            )
-        from sdp_cli.engine.sglang import SGLangEngine
-
-        return SGLangEngine(list(engine_cfg.urls), options)
-    if not engine_cfg.launch:
-        raise UserError(
-            f"engine={kind} has no engine.urls and engine.launch=false; give the server URLs or set engine.launch=true"
-        )
-    from sdp_cli.models.loader import save_policy
-
-    model_dir = save_policy(policy, Path(run_dir) / "weights" / "launch")
-    log_dir = Path(run_dir) / "logs"
-    common = dict(
-        model=str(model_dir),
-        python=engine_cfg.python,
-        host=engine_cfg.host,
-        port=int(engine_cfg.port),
-        dtype=engine_cfg.dtype,
-        extra_args=tuple(engine_cfg.extra_args),
-        env=dict(engine_cfg.env),
-        startup_timeout_s=float(engine_cfg.startup_timeout_s),
-    )
-    if kind == "vllm":
-        from sdp_cli.engine.vllm import VLLMEngine, VLLMLaunchConfig
-
-        launch = VLLMLaunchConfig(
-            **common,
-            max_model_len=engine_cfg.max_model_len,
-            enforce_eager=bool(engine_cfg.enforce_eager),
-            cpu_kv_cache_gib=engine_cfg.cpu_kv_cache_gib,
-        )
-        return VLLMEngine.launch(launch, log_dir, options)
-    from sdp_cli.engine.sglang import SGLangEngine, SGLangLaunchConfig
-
-    return SGLangEngine.launch(SGLangLaunchConfig(**common), log_dir, options)

@@ -1,6 +1,6 @@
 """``engine=sglang``: client for SGLang's native HTTP API (0.5.6 – 0.5.23).
 
-Routes used (research note sglang.md §1): ``POST /generate`` with ``input_ids`` and
+Routes used (docs/engines.md "SGLang"): ``POST /generate`` with ``input_ids`` and
 ``return_logprob``; ``/pause_generation`` (mode abort) and ``/continue_generation``;
 ``/update_weights_from_disk`` with ``weight_version`` and ``flush_cache``;
 ``/update_weight_version``; ``/get_model_info``; ``/health_generate`` for readiness.
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.remote import (
-    RemoteEngine,
-    RemoteOptions,
-    RemoteServer,
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
+from sdp_cli.engine.servers import LaunchSpec, free_port
+from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
     as_logprob,
@@ -36,7 +36,6 @@ from sdp_cli.engine.remote import (
     malformed,
     version_label,
 )
-from sdp_cli.engine.servers import LaunchSpec, free_port
 
 GENERATE = "/generate"
 #: sampling parameters at the values that leave softmax(z / T) unchanged (top_k -1: all tokens)
@@ -222,7 +221,7 @@ class SGLangEngine(RemoteEngine):
     def _server_score(
         self, server: RemoteServer, sequence: list[int], start: int
     ) -> tuple[list[float], str | None]:
-        # max_new_tokens = 0 makes a prefill-only request (research note §2).
+        # max_new_tokens = 0 makes a prefill-only request (docs/engines.md "SGLang").
         body = {
             "input_ids": sequence,
             "sampling_params": {

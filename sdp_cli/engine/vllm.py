@@ -1,6 +1,6 @@
 """``engine=vllm``: client for vLLM's OpenAI-compatible server in development mode.
 
-Routes used (vLLM 0.32, research note vllm_cpu.md §4): token-in/token-out generation
+Routes used (vLLM 0.32, docs/engines.md "vLLM"): token-in/token-out generation
 ``POST /inference/v1/generate`` (needs ``--enable-scale-out``; it reports per-token
 ``weight_versions`` spans and ``prompt_logprobs``), and the development routes
 (``VLLM_SERVER_DEV_MODE=1``) ``/abort_requests``, ``/pause``, ``/resume``, ``/is_paused``,
@@ -11,8 +11,8 @@ restarted server reports, docs/reliability.md).
 Alignment of ``prompt_logprobs``: entry 0 is null and entry i is {token id: log p(x_i | x_<i)}.
 Weights are reloaded from a safetensors directory by the worker method ``reload_weights``, or
 by sdp's extension ``reload_weights_cpu`` (``vllm_ext.py``), which also fixes tied-embedding
-models on the CPU backend. The prefix cache is reset after every reload (it is not
-invalidated by a reload, research note §4d pitfall 1).
+models on the CPU backend. The prefix cache is reset after every reload, which does not
+invalidate it (docs/engines.md "vLLM").
 
 Every request sends neutral values for the sampling parameters vLLM can take from the model's
 generation_config.json (``--generation-config auto``; 0.32 applies them on its OpenAI routes,
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.remote import (
-    RemoteEngine,
-    RemoteOptions,
-    RemoteServer,
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
     as_logprob,
@@ -41,7 +41,6 @@ from sdp_cli.engine.remote import (
     malformed,
     new_request_id,
 )
-from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
 
 GENERATE = "/inference/v1/generate"
 #: the worker extension as the server imports it (copied next to the server log at launch)
@@ -298,7 +297,7 @@ class VLLMEngine(RemoteEngine):
 
     def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
         timeout = self.options.http.admin_timeout_s
-        # Reloading while decoding corrupts the running requests (research note §4d pitfall 2).
+        # Reloading while decoding corrupts the running requests (docs/engines.md "vLLM").
         server.http.post("/pause", params={"mode": "abort"}, timeout=timeout)
         try:
             answer = server.http.post(

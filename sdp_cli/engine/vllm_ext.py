@@ -4,7 +4,7 @@ This module runs inside the vLLM server's worker processes, in the server's own 
 so it may import only the standard library and vllm. sdp copies it next to the server's logs
 and passes ``--worker-extension-cls sdp_vllm_ext.SdpWorkerExtension`` (see ``servers.py``).
 
-Why it exists (research note vllm_cpu.md §4d): the CPU backend packs each linear layer's weight
+Why it exists (docs/engines.md "vLLM"): the CPU backend packs each linear layer's weight
 into a oneDNN handle at load time. ``Worker.reload_weights`` re-packs every layer whose weight
 is in the checkpoint, but a model with tied embeddings has no ``lm_head.weight`` there, so the
 head keeps computing logits with the *old* embedding. Re-dispatching the head after the reload

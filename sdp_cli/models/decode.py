@@ -1,7 +1,7 @@
 """Greedy decoding with a KV cache, for evaluation.
 
 Not ``generate()``: its generation_config defaults (top-k 50 when sampling, repetition settings
-read from the checkpoint) differ between models (research/feasibility.md §1). Prompts are
+read from the checkpoint) differ between models and transformers versions. Prompts are
 left-padded in a batch; position ids come from the attention mask so that padding does not shift
 positions, which makes a batched decode equal to decoding each prompt alone.
 """

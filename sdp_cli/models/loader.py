@@ -18,15 +18,16 @@ from typing import Any
 
 import torch
 
+from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
+from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
 
-KINDS = ("tiny", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -97,7 +98,7 @@ def load_policy(
             _check_charset_covers(task_obj, charset)
         policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir)
     else:
-        raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(KINDS)}")
+        raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
     policy.model.to(device=device, dtype=DTYPES.get(dtype))
     return policy
 
@@ -149,6 +150,7 @@ def _tiny_policy(
 
 def load_hf_policy(path: str | Path) -> Policy:
     """A local Hugging Face causal-LM directory with its tokenizer (safetensors weights only)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory = Path(path).expanduser()
@@ -169,10 +171,16 @@ def load_hf_policy(path: str | Path) -> Policy:
             f"model directory {directory} has no tokenizer files; "
             "save the tokenizer into it with tokenizer.save_pretrained"
         )
+    try:  # a truncated or corrupt weight file is named here, not by the library's traceback
+        check_directory(directory)
+    except (LayoutError, OSError) as err:
+        raise UserError(
+            f"model directory {directory}: {err}; copy or save the model again (save_pretrained)"
+        ) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
         raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
     eos_id = tokenizer.eos_token_id

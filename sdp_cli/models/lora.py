@@ -27,8 +27,6 @@ EXTRA_HINT = "pip install 'sdp-cli[lora]'"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NAME = "default"
-#: the directory next to a run's adapter version checkpoints that holds their base model
-VERSION_BASE = "base"
 
 
 def _peft() -> Any:
@@ -119,9 +117,10 @@ def merge_into_base(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A plain copy of ``model`` with merged weights (for an engine; ``model`` is untouched)."""
-    return merge_into_base(copy.deepcopy(model))
+def merged_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A plain copy of ``model`` with merged weights, cast to ``dtype`` (an engine's own copy;
+    ``model`` is untouched)."""
+    return merge_into_base(copy.deepcopy(model)).to(dtype)
 
 
 def save_adapters(model: torch.nn.Module, directory: str | Path) -> Path:

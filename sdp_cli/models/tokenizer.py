@@ -4,7 +4,7 @@ One id per character (``add_special_tokens=False``); with special tokens on (the
 what vLLM does with a text prompt) the encoding is ``<s>`` followed by one id per character.
 The tokenizer is a ``tokenizers`` WordLevel model behind a split-into-characters pre-tokenizer and
 a ``Fuse`` decoder, wrapped in ``PreTrainedTokenizerFast`` so that ``save_pretrained`` writes a
-directory ``AutoTokenizer`` and vLLM can read (research/vllm_cpu.md §2). Characters outside the
+directory that ``AutoTokenizer`` and vLLM both read. Characters outside the
 charset encode to ``<unk>``. Special tokens are never parsed out of text: they enter only as ids.
 """
 

@@ -1,17 +1,18 @@
-"""Saved training batches: one safetensors file per batch (DESIGN.md §5, docs/batch-format.md).
+"""Saved training batches: one safetensors file per batch (docs/design.md §5, docs/batch-format.md).
 
 Packed 1-D tensors over the prompt + output tokens of every sequence, delimited by
 ``cu_seqlens``; index t of every per-token tensor refers to token t. Prompt tokens have
-version −1, zero logprobs/advantages and ``loss_mask`` 0. The reader never unpickles: it refuses
-pickles and ``torch.save`` archives by their first bytes, checks the header length before
-parsing, and validates dtypes, shapes, offsets, finiteness and version ranges. Every problem is a
-``BatchFormatError`` with one line "<path>: <problem>; <fix>".
+version −1, zero logprobs/advantages and ``loss_mask`` 0. The reader never unpickles: a file
+is taken for safetensors by its own structure first, and only otherwise refused as a pickle or
+``torch.save`` archive by its first bytes; the header length is checked before parsing, the
+file is copied into memory once (a map of a file that another process shrinks would SIGBUS),
+and dtypes, shapes, offsets, every integer's range (bounded by the file's own sizes), the
+log-prob range and the metadata numbers are validated (the header part in ``batch_header``).
+Every problem is a ``BatchFormatError`` with one line "<path>: <problem>; <fix>".
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,64 +22,38 @@ from typing import Any
 import torch
 
 from sdp_cli import __version__
+from sdp_cli.choices import MODES
+from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_bytes
+from sdp_cli.rollout.batch_header import (
+    ENTRY_DTYPES,
+    FIX_RECREATE,
+    FORMAT_TAG,
+    FORMAT_VERSION,
+    REQUIRED_TENSORS,
+    BatchFormatError,
+    check_entries,
+    parse_header,
+    parse_metadata,
+    read_file,
+)
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 
-FORMAT_TAG = "sdp-batch"
-FORMAT_VERSION = 1
-#: a header longer than this is refused before it is read: a real one is a few kB, and parsing
-#: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
-MAX_HEADER_BYTES = 1024 * 1024
-MODES = ("bypass", "decoupled", "segment_wise")
+#: the largest trainer version: exact in float64 and JSON, and v + 1 never overflows int64
+MAX_TRAINER_VERSION = 2**53 - 1
+#: token ids are int32 in every engine sdp drives (vocabularies are far smaller)
+MAX_TOKEN_ID = 2**31 - 1
+#: the lowest log-prob accepted (docs/batch-format.md): a logit gap of 1000 at the lowest
+#: temperature, 0.01; float32 keeps two decimals there, and sums of such values stay finite
+LOGPROB_FLOOR = -1e5
 
-REQUIRED_TENSORS = (
-    "input_ids",
-    "cu_seqlens",
-    "prompt_lens",
-    "old_logprobs",
-    "versions",
-    "proximal_logprobs_t",
-    "proximal_t_versions",
-)
 OPTIONAL_TOKEN_FLOATS = ("proximal_logprobs", "logprobs", "advantages")
 TOKEN_FLOATS = ("old_logprobs", "proximal_logprobs_t", *OPTIONAL_TOKEN_FLOATS)
+LOGPROBS = ("old_logprobs", "proximal_logprobs_t", "proximal_logprobs", "logprobs")
 OPTIONAL_TENSORS = (*OPTIONAL_TOKEN_FLOATS, "rewards", "loss_mask")
-DTYPES: dict[str, torch.dtype] = {
-    "input_ids": torch.int64,
-    "cu_seqlens": torch.int64,
-    "prompt_lens": torch.int64,
-    "versions": torch.int64,
-    "proximal_t_versions": torch.int64,
-    "old_logprobs": torch.float32,
-    "proximal_logprobs_t": torch.float32,
-    "proximal_logprobs": torch.float32,
-    "logprobs": torch.float32,
-    "advantages": torch.float32,
-    "rewards": torch.float32,
-    "loss_mask": torch.uint8,
-}
-#: safetensors header dtype names and element sizes of the dtypes above
-_ST_DTYPES = {torch.int64: ("I64", 8), torch.float32: ("F32", 4), torch.uint8: ("U8", 1)}
-METADATA_KEYS = (
-    "format",
-    "format_version",
-    "trainer_version",
-    "temperature",
-    "model",
-    "mode",
-    "sdp_version",
-)
-
-FIX_RECREATE = "re-create it with `sdp train train.save_batches=true`"
-FIX_NOT_OURS = "pass a batch file written by sdp (see docs/batch-format.md)"
-
-
-class BatchFormatError(UserError):
-    """A batch file (or an in-memory batch about to be written) is malformed."""
-
-    def __init__(self, where: str, problem: str, fix: str = FIX_RECREATE):
-        super().__init__(f"{where}: {problem}; {fix}")
+_TORCH_DTYPES = {"I64": torch.int64, "F32": torch.float32, "U8": torch.uint8}
+DTYPES: dict[str, torch.dtype] = {name: _TORCH_DTYPES[st] for name, (st, _) in ENTRY_DTYPES.items()}
 
 
 @dataclass(eq=False)
@@ -298,10 +273,10 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
 
     if batch.mode not in MODES:
         fail(f"mode {batch.mode!r} is not one of {', '.join(MODES)}")
-    if batch.trainer_version < 0:
-        fail(f"trainer_version is {batch.trainer_version}, must be >= 0")
-    if not (math.isfinite(batch.temperature) and batch.temperature > 0):
-        fail(f"temperature is {batch.temperature}, must be a finite number > 0")
+    if not 0 <= batch.trainer_version <= MAX_TRAINER_VERSION:
+        fail(f"trainer_version {batch.trainer_version} is outside [0, {MAX_TRAINER_VERSION}]")
+    if not MIN_TEMPERATURE <= batch.temperature <= MAX_TEMPERATURE:  # also refuses NaN
+        fail(f"temperature {batch.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]")
     tensors = batch.tensors()
     for name, tensor in tensors.items():
         if tensor.dtype != DTYPES[name]:
@@ -316,6 +291,12 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
         want = expected_len.get(name, n)
         if tensor.numel() != want:
             fail(f"tensor {name} has {tensor.numel()} entries, expected {want}")
+    # Bounded first, so the differences below cannot wrap around int64.
+    for name, values, high in (("cu_seqlens", batch.cu_seqlens, n), ("input_ids", batch.input_ids, MAX_TOKEN_ID)):
+        bad = (values < 0) | (values > high)
+        if bool(bad.any()):
+            i = _first(bad)
+            fail(f"{name}[{i}] = {int(values[i])} is outside [0, {high}]")
     cu = batch.cu_seqlens
     if int(cu[0]) != 0:
         fail(f"cu_seqlens starts at {int(cu[0])}, must start at 0")
@@ -358,6 +339,16 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
             fail(
                 f"{name} of prompt {where_token(t)} is {tensor[t].item()}, prompt tokens must have {prompt_value}"
             )
+    for name in LOGPROBS:
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        bad = ~is_prompt & ((tensor > 0) | (tensor < LOGPROB_FLOOR))
+        if bool(bad.any()):
+            t = _first(bad)
+            value = float(tensor[t])
+            limit = "must be <= 0" if value > 0 else f"below the floor {LOGPROB_FLOOR:g}"
+            fail(f"{name} of output {where_token(t)} is {value:.6g}, {limit} (a log-probability)")
     v, pv, c = batch.versions, batch.proximal_t_versions, batch.trainer_version
     bad = ~is_prompt & ((v < 0) | (v > c))
     if bool(bad.any()):
@@ -395,165 +386,20 @@ def write_batch(path: str | os.PathLike[str], batch: SavedBatch) -> Path:
 
 
 # ------------------------------------------------------------------------- reading
-def _refuse_foreign(where: str, head: bytes) -> None:
-    """Refuse zip archives (``torch.save``) and pickles by their magic bytes, unread."""
-    if head.startswith(b"PK\x03\x04"):
-        raise BatchFormatError(
-            where, "is a zip archive (a torch.save file?), not a safetensors file", FIX_NOT_OURS
-        )
-    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
-        raise BatchFormatError(where, "is a Python pickle, which sdp never loads", FIX_NOT_OURS)
-
-
-def _read_header(where: str, path: Path) -> tuple[dict[str, Any], int]:
-    """(parsed header JSON, bytes of tensor data after it), sizes checked before parsing."""
-    try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise BatchFormatError(where, "is not a regular file", "pass the path of a batch file")
-        with open(path, "rb") as f:
-            head = f.read(8)
-            _refuse_foreign(where, head)
-            if len(head) < 8:
-                raise BatchFormatError(
-                    where, f"is truncated: {len(head)} bytes, shorter than the 8-byte header length"
-                )
-            header_len = int.from_bytes(head, "little")
-            if header_len > MAX_HEADER_BYTES:
-                raise BatchFormatError(
-                    where,
-                    f"header length {header_len} exceeds the {MAX_HEADER_BYTES // 2**20} MB limit "
-                    "(not a safetensors file, or corrupt)",
-                    FIX_NOT_OURS,
-                )
-            if 8 + header_len > size:
-                raise BatchFormatError(
-                    where,
-                    f"is truncated: the header claims {header_len} bytes but {size - 8} follow",
-                )
-            raw = f.read(header_len)
-    except FileNotFoundError:
-        raise BatchFormatError(where, "file not found", "check the path") from None
-    except PermissionError:
-        raise BatchFormatError(where, "permission denied", "check the file's permissions") from None
-    except IsADirectoryError:
-        raise BatchFormatError(where, "is a directory", "pass the path of a batch file") from None
-    except OSError as err:
-        raise BatchFormatError(
-            where, f"cannot be read ({err.strerror or err})", "check the file"
-        ) from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise BatchFormatError(
-            where, "header is not valid JSON (not a safetensors file, or corrupt)"
-        ) from None
-    if not isinstance(header, dict):
-        raise BatchFormatError(where, "header is not a JSON object")
-    return header, size - 8 - header_len
-
-
-def _parse_metadata(where: str, header: dict[str, Any]) -> dict[str, Any]:
-    meta = header.pop("__metadata__", None)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_TAG:
-        tag = meta.get("format") if isinstance(meta, dict) else None
-        raise BatchFormatError(
-            where, f"format tag is {tag!r}, expected {FORMAT_TAG!r}: not an sdp batch", FIX_NOT_OURS
-        )
-    missing = [k for k in METADATA_KEYS if k not in meta]
-    if missing:
-        raise BatchFormatError(where, f"metadata lacks {', '.join(missing)}")
-    not_str = sorted(k for k, v in meta.items() if not isinstance(v, str))
-    if not_str:
-        raise BatchFormatError(where, f"metadata value of {not_str[0]!r} is not a string")
-    try:
-        version = int(meta["format_version"])
-    except ValueError:
-        raise BatchFormatError(
-            where, f"format_version {meta['format_version']!r} is not an integer"
-        ) from None
-    if version > FORMAT_VERSION:
-        raise BatchFormatError(
-            where,
-            f"format version {version} is newer than this sdp reads ({FORMAT_VERSION})",
-            "upgrade sdp",
-        )
-    if version != FORMAT_VERSION:
-        raise BatchFormatError(
-            where, f"format version {version} is not supported (expected {FORMAT_VERSION})"
-        )
-    try:
-        trainer_version = int(meta["trainer_version"])
-        temperature = float(meta["temperature"])
-    except ValueError:
-        raise BatchFormatError(
-            where, "trainer_version or temperature in the metadata is not a number"
-        ) from None
-    return {
-        "trainer_version": trainer_version,
-        "temperature": temperature,
-        "model": meta["model"],
-        "mode": meta["mode"],
-        "sdp_version": meta["sdp_version"],
-    }
-
-
-def _check_entries(where: str, header: dict[str, Any], data_len: int) -> None:
-    """Names, dtypes, 1-D shapes and byte ranges of the tensor entries, before any data is read."""
-    unknown = sorted(set(header) - set(DTYPES))
-    if unknown:
-        raise BatchFormatError(where, f"unexpected tensor {unknown[0]!r}")
-    missing = [n for n in REQUIRED_TENSORS if n not in header]
-    if missing:
-        raise BatchFormatError(where, f"missing required tensor(s) {', '.join(missing)}")
-    for name, entry in header.items():
-        st_dtype, itemsize = _ST_DTYPES[DTYPES[name]]
-        if not isinstance(entry, dict):
-            raise BatchFormatError(where, f"header entry of tensor {name} is not an object")
-        if entry.get("dtype") != st_dtype:
-            raise BatchFormatError(
-                where, f"tensor {name} has dtype {entry.get('dtype')}, expected {st_dtype}"
-            )
-        shape = entry.get("shape")
-        if not (
-            isinstance(shape, list)
-            and len(shape) == 1
-            and isinstance(shape[0], int)
-            and shape[0] >= 0
-        ):
-            raise BatchFormatError(where, f"tensor {name} has shape {shape}, expected 1-D")
-        offsets = entry.get("data_offsets")
-        if not (
-            isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)
-        ):
-            raise BatchFormatError(where, f"tensor {name} has malformed data_offsets {offsets}")
-        begin, end = offsets
-        if not 0 <= begin <= end or end - begin != shape[0] * itemsize:
-            raise BatchFormatError(
-                where, f"tensor {name} has data_offsets {offsets} inconsistent with its shape"
-            )
-        if end > data_len:
-            raise BatchFormatError(
-                where,
-                f"is truncated: tensor {name} ends at data byte {end} but only {data_len} bytes follow the header",
-            )
-
-
 def read_batch(path: str | os.PathLike[str]) -> SavedBatch:
     """Read and validate a batch file; any problem raises ``BatchFormatError`` (one line)."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     target = Path(path)
     where = str(target)
-    header, data_len = _read_header(where, target)
-    meta = _parse_metadata(where, header)
-    _check_entries(where, header, data_len)
+    data, header_len = read_file(where, target)
+    header, data_len = parse_header(where, data, header_len)
+    meta = parse_metadata(where, header)
+    check_entries(where, header, data_len)
     try:
-        tensors = load_file(target)
-    except (SafetensorError, OSError) as err:
+        tensors = load(data)
+    except (SafetensorError, ValueError) as err:
         problem = " ".join(str(err).split())
         raise BatchFormatError(where, f"safetensors cannot load it ({problem})") from None
     batch = SavedBatch(

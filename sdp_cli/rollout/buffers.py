@@ -1,9 +1,9 @@
-"""Thread-safe containers between the rollout producers and the trainer (DESIGN.md §3).
+"""Thread-safe containers between the rollout producers and the trainer (docs/design.md §3).
 
 ``RolloutQueue`` holds finished rollouts in arrival order (producers put, the loop moves them to
 the cache); ``RolloutCache`` holds rollouts waiting to be taken as a training batch. Both may be
 inspected without being consumed (``snapshot`` / ``get_all``) so that the recompute pass of
-DESIGN.md §2 can patch every sample the system holds while generation is paused.
+docs/design.md §2 can patch every sample the system holds while generation is paused.
 
 Items are opaque to both containers: a ``RolloutSample`` or a ``RolloutGroup`` (one rollout).
 """

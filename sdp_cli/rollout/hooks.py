@@ -1,4 +1,4 @@
-"""Pause/resume hooks around the engine (DESIGN.md §2 step 5).
+"""Pause/resume hooks around the engine (docs/design.md §2 step 5).
 
 ``PauseController.pause()`` runs pre-pause hooks → ``engine.pause()`` → post-pause hooks;
 ``resume()`` runs pre-resume hooks → ``engine.resume()`` → post-resume hooks. Hooks take no

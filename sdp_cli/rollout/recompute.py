@@ -1,4 +1,4 @@
-"""The recompute pass of DESIGN.md §2 step 2: π_prox_t for the tokens whose window closes now.
+"""The recompute pass of docs/design.md §2 step 2: π_prox_t for the tokens whose window closes now.
 
 With the engine paused at version c (weights c still loaded), every output token with
 ``versions[t] == c − 1`` whose ``proximal_t_versions[t] != c`` is scored under weights c, so it
@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable, Iterator, MutableSequence, Seque
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from sdp_cli.engine.base import EngineError, InferenceEngine
+from sdp_cli.errors import EngineError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
+from sdp_cli.rollout.scoring import ScoringEngine
 
 Item = RolloutSample | RolloutGroup
 
@@ -127,7 +128,7 @@ def _make_job(
 class ProximalRecomputer:
     """Writes π_prox_t = log π_c(token) for the version c − 1 tokens of every held sample."""
 
-    def __init__(self, engine: InferenceEngine, *, max_tokens_per_call: int = 32768):
+    def __init__(self, engine: ScoringEngine, *, max_tokens_per_call: int = 32768):
         if max_tokens_per_call < 1:
             raise ValueError(f"max_tokens_per_call must be >= 1, got {max_tokens_per_call}")
         self.engine = engine

@@ -6,7 +6,7 @@ logprobs or versions here; the batch file format adds them back with version -1)
 Ownership: a sample is mutated by one party at a time. The engine appends tokens while it
 generates; the recompute pass patches ``proximal_logprobs_t`` only while generation is paused;
 the trainer reads it after it has been taken out of the cache. The pause protocol
-(DESIGN.md §2) is what makes this exclusive, so the record itself holds no lock.
+(docs/design.md §2) is what makes this exclusive, so the record itself holds no lock.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
-FINISH_REASONS = ("stop", "length")
+from sdp_cli.choices import FINISH_REASONS
 
 _sample_ids = itertools.count()
 

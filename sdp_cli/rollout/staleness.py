@@ -1,6 +1,7 @@
-"""Admission control: how many rollouts may start now (DESIGN.md §3, AReaL's rule).
+"""Admission control: how many rollouts may start now (docs/design.md §3, AReaL's rule).
 
-With η = ``max_staleness``, B = ``consumer_batch_size`` and v the current version::
+With η = ``max_head_offpolicyness`` (the config key ``rollout.max_head_offpolicyness``),
+B = ``consumer_batch_size`` and v the current version::
 
     staleness_capacity = (η + v + 1)·B − (accepted + running)
     adjusted           = modifiers applied in registration order to staleness_capacity
@@ -87,8 +88,9 @@ class FilteredSamplesCapacityModifier(CapacityModifier):
     Semantics: ``credit`` rises by ``count`` on :meth:`on_samples_filtered` and
     :meth:`modify_capacity` returns ``base + credit``. The credit is *not* touched when rollouts
     are admitted or batches consumed — the dropped rollouts stay inside ``accepted`` for good,
-    so a credit that decayed there would take their slots away again (the fork's deadlock,
-    research/areal.md §0.3). It falls only through :meth:`on_capacity_consumed`, which the
+    so a credit that decayed there would take their slots away again (the deadlock of the
+    AReaL fork this design started from, which decremented the credit on every consumed batch).
+    It falls only through :meth:`on_capacity_consumed`, which the
     manager calls when its counters stop counting those rollouts. Thread-safe.
     """
 
@@ -154,14 +156,14 @@ class StalenessManager:
         self,
         max_concurrent_rollouts: int,
         consumer_batch_size: int,
-        max_staleness: int,
+        max_head_offpolicyness: int,
         version_provider: Callable[[], int],
     ):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_head_offpolicyness < 0:
+            raise ValueError(f"max_head_offpolicyness must be >= 0, got {max_head_offpolicyness}")
         self.max_concurrent_rollouts = max(1, int(max_concurrent_rollouts))
         self.consumer_batch_size = max(1, int(consumer_batch_size))
-        self.max_staleness = int(max_staleness)
+        self.max_head_offpolicyness = int(max_head_offpolicyness)
         self._version_provider = version_provider
         self._lock = threading.Lock()
         self._stat = RolloutStat()
@@ -262,7 +264,7 @@ class StalenessManager:
     def _capacity_locked(self) -> int:
         version = int(self._version_provider())
         stat = self._stat
-        staleness = (self.max_staleness + version + 1) * self.consumer_batch_size - (
+        staleness = (self.max_head_offpolicyness + version + 1) * self.consumer_batch_size - (
             stat.accepted + stat.running
         )
         snapshot = RolloutStat(**asdict(stat))
@@ -272,7 +274,7 @@ class StalenessManager:
 
     def get_pending_limit(self) -> int:
         """Inputs worth keeping enqueued ahead of submission: (η + 1)·B."""
-        return (self.max_staleness + 1) * self.consumer_batch_size
+        return (self.max_head_offpolicyness + 1) * self.consumer_batch_size
 
     def get_stats(self) -> RolloutStat:
         """A consistent copy of the counters."""

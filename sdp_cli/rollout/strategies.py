@@ -1,4 +1,4 @@
-"""Consume-time staleness control (DESIGN.md §2–3): which rollouts are too stale to train on.
+"""Consume-time staleness control (docs/design.md §2–3): which rollouts are too stale to train on.
 
 A strategy is asked about a rollout in three places: before it is enqueued
 (:meth:`~StalenessControlStrategy.filter_before_enqueue`), when the version changes
@@ -43,7 +43,9 @@ def _check_lengths(sample: RolloutSample) -> int:
     return n
 
 
-def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str | None:
+def _segment_wise_sample_reason(
+    sample: RolloutSample, c: int, max_head_offpolicyness: int
+) -> str | None:
     n = _check_lengths(sample)
     if n == 0:
         return None
@@ -53,8 +55,8 @@ def _segment_wise_sample_reason(sample: RolloutSample, c: int, eta: int) -> str 
         return f"sample {sid}: holds a token of version {newest} > current version {c}"
     if oldest < 0:
         return f"sample {sid}: holds a token of negative version {oldest}"
-    if c - oldest > eta:
-        return f"sample {sid}: head lags {c - oldest} versions > η = {eta}"
+    if c - oldest > max_head_offpolicyness:
+        return f"sample {sid}: head lags {c - oldest} versions > η = {max_head_offpolicyness}"
     for t in range(n):
         v, pv = sample.versions[t], sample.proximal_t_versions[t]
         if v <= c - 2 and pv != v + 1:
@@ -90,7 +92,7 @@ def segment_wise_stale_reason(
 
 
 def check_segment_wise_invariant(sample: Item, current_version: int) -> str | None:
-    """The strict invariant of DESIGN.md §2 at trainer version c, checked after the trainer's
+    """The strict invariant of docs/design.md §2 at trainer version c, checked after the trainer's
     fill of π_prox_t for version c−1 tokens; a one-line reason, or ``None`` if it holds.
 
     Every output token with v < c has ``proximal_t_versions == v + 1``; every token with

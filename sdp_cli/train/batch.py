@@ -148,7 +148,7 @@ def fill_one_step_proximal(batch: TrainBatch, proximal_logprobs: torch.Tensor) -
 
 
 def segment_wise_violation(batch: TrainBatch) -> str | None:
-    """The strict DESIGN.md §2 invariant on a batch, or a one-line reason it fails."""
+    """The strict docs/design.md §2 invariant on a batch, or a one-line reason it fails."""
     c = batch.trainer_version
     valid = batch.mask > 0
     stale = valid & (batch.versions < c)

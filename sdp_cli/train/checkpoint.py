@@ -37,9 +37,9 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
+from sdp_cli.rundir import LATEST, STEP_GLOB, step_name
 
 MANIFEST = "manifest.json"
-LATEST = "latest"
 FORMAT = "sdp-checkpoint"
 FORMAT_VERSION = 1
 
@@ -117,7 +117,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step-{step:06d}"
+    name = step_name(step)
     final = root / name
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
@@ -169,7 +169,7 @@ def _step_of(path: Path) -> int | None:
 def _prune(root: Path, step: int, keep: int) -> None:
     """Delete checkpoints older than ``step`` beyond the newest ``keep − 1`` complete ones."""
     older = sorted(
-        ((n, p) for p in root.glob("step-*") if p.is_dir() and (n := _step_of(p)) is not None and n < step),
+        ((n, p) for p in root.glob(STEP_GLOB) if p.is_dir() and (n := _step_of(p)) is not None and n < step),
         reverse=True,
     )
     # A directory is renamed into place only after its manifest is written: complete.
@@ -202,7 +202,7 @@ def find_latest(root: Path) -> Path | None:
     """
     if not root.is_dir():
         return None
-    for path in sorted(root.glob("step-*"), reverse=True):
+    for path in sorted(root.glob(STEP_GLOB), reverse=True):
         if path.is_dir() and _is_valid(path):
             return path
     return None
@@ -231,7 +231,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
 def remove_stale_temporaries(root: Path) -> int:
     """Delete leftovers of checkpoint writes that were killed midway; returns how many."""
     removed = 0
-    for tmp in root.glob(".tmp-step-*") if root.is_dir() else []:
+    for tmp in root.glob(f".tmp-{STEP_GLOB}") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
         removed += 1
     return removed

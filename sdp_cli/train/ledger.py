@@ -38,7 +38,6 @@ from typing import Any
 
 from sdp_cli.fileio import fsync_directory
 
-LEDGER = "ledger.jsonl"
 EVENTS = ("consumed", "dropped", "rejected", "abandoned")
 
 

@@ -5,7 +5,7 @@ generate G responses per prompt on the engine (tokens tagged with the engine ver
 them and hand each finished group to the queue (segment-wise: filtered before enqueue).
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
-step, then push the new weights following DESIGN.md §2: pause (hooks) → recompute pass with the
+step, then push the new weights following docs/design.md §2: pause (hooks) → recompute pass with the
 old weights still loaded → load the new weights → purge stale queue items → resume (hooks).
 
 Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
@@ -180,7 +180,7 @@ class AsyncLoop:
         self.manager = StalenessManager(
             max_concurrent_rollouts=ro.max_concurrent_rollouts or 2 * ro.batch_groups,
             consumer_batch_size=ro.batch_groups,
-            max_staleness=ro.max_head_offpolicyness,
+            max_head_offpolicyness=ro.max_head_offpolicyness,
             version_provider=lambda: self._version,
         )
         self.filtered_capacity = FilteredSamplesCapacityModifier()
@@ -505,7 +505,7 @@ class AsyncLoop:
             raise LoopStopped("stopped")
 
     def _push(self) -> dict[str, float]:
-        """DESIGN.md §2: pause → recompute (old weights) → load new weights → purge → resume.
+        """docs/design.md §2: pause → recompute (old weights) → load new weights → purge → resume.
 
         The producer usually ran the recompute pass already (``_recompute_ahead``); this one
         scores whatever is left, including the producer's partial samples.

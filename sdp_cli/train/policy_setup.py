@@ -17,6 +17,9 @@ adapters under LoRA (the base is rebuilt from the config on resume); version che
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,15 +27,7 @@ import torch
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
-from sdp_cli.models.lora import (
-    VERSION_BASE,
-    apply_lora,
-    is_adapter_dir,
-    is_lora,
-    load_adapters,
-    merged_copy,
-    save_adapters,
-)
+from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,12 +42,12 @@ def load_for_training(
     load: Callable[[Path | None], Any],
     *,
     checkpoint_policy: Path | None = None,
-    versions_dir: Path | None = None,
+    version_base: Path | None = None,
 ) -> tuple[Any, torch.nn.Module | None]:
     """The trainable policy and the frozen KL reference (or None). ``load(path)`` loads the
     configured policy (``path=None``) or a saved whole model; ``checkpoint_policy`` is the policy
-    directory of the checkpoint a resume starts from. With ``versions_dir`` (rank 0 keeping
-    version checkpoints) a LoRA run writes its base there once."""
+    directory of the checkpoint a resume starts from. With ``version_base`` (``versions/base``,
+    rank 0 keeping version checkpoints) a LoRA run writes its base there once."""
     lora = cfg.model.lora.r > 0
     if checkpoint_policy is not None and is_adapter_dir(checkpoint_policy) != lora:
         saved = "LoRA adapters" if is_adapter_dir(checkpoint_policy) else "a whole model"
@@ -61,14 +56,26 @@ def load_for_training(
             "resume with the model.lora settings the run was started with"
         )
     policy = load(None if lora else checkpoint_policy)
-    if lora and versions_dir is not None and not (versions_dir / VERSION_BASE / "config.json").is_file():
-        from sdp_cli.models import save_policy
-
-        save_policy(policy, versions_dir / VERSION_BASE, dtype=engine_dtype(cfg))
+    if lora and version_base is not None and not version_base.is_dir():
+        _save_base(policy, version_base, engine_dtype(cfg))
     initial = (lambda: load(None)) if checkpoint_policy is not None else None
     reference = build_reference(policy, cfg, load_initial=initial)
     prepare_policy(policy, cfg, adapters=checkpoint_policy if lora else None)
     return policy, reference
+
+
+def _save_base(policy: Any, target: Path, dtype: torch.dtype) -> None:
+    """Write the LoRA base once, whole or not at all: into a temporary sibling renamed into
+    place (named ``.v…`` so that crash recovery removes a torn one, sdp_cli/train/recovery.py)."""
+    from sdp_cli.models import save_policy
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".v-base-", dir=target.parent))
+    try:
+        save_policy(policy, tmp / "model", dtype=dtype)
+        os.rename(tmp / "model", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def save_checkpoint_policy(policy: Any, directory: Path) -> None:
@@ -131,6 +138,3 @@ def build_reference(
     return model.to(DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
 
 
-def engine_model(policy: Any, cfg: SdpConfig) -> torch.nn.Module:
-    """The local engine's own copy of the policy: merged under LoRA, in ``engine_dtype``."""
-    return merged_copy(policy.model).to(engine_dtype(cfg)).eval()

@@ -142,8 +142,8 @@ class Progress:
         elif step % self.every == 0 or step == self.total:
             done = step - self.start_step
             elapsed = time.monotonic() - self.started
-            eta = elapsed / done * (self.total - step) if done else float("nan")
-            print(f"step {step}/{self.total}  {info}  elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
+            remaining = elapsed / done * (self.total - step) if done else float("nan")
+            print(f"step {step}/{self.total}  {info}  elapsed {elapsed:.0f}s  eta {remaining:.0f}s", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._rich is not None:

@@ -1,16 +1,7 @@
-"""``sdp train`` end to end: run directory, components, the async loop, checkpoints, summary.
+"""``sdp train`` end to end: components, the async loop, checkpoints, summary.
 
-Run directory (``runs/<timestamp>-<mode>-<task>/``):
-    config.yaml        the resolved config
-    overrides.json     the command-line overrides (``resume`` re-composes from them)
-    metrics.jsonl      one line per step
-    events.jsonl       start / resume / crashes / checkpoints / stops / end
-    ledger.jsonl       the fate of every rollout group (sdp_cli/train/ledger.py)
-    tensorboard/       TensorBoard event files
-    checkpoints/       atomic, validated checkpoints (see checkpoint.py)
-    batches/           training batches in the sdp batch format (train.save_batches=true)
-    versions/          weights of every version (train.keep_version_checkpoints=true)
-    summary.json       final numbers of the run
+The run directory (``runs/<timestamp>-<mode>-<task>/``) is laid out by ``sdp_cli.rundir.RunDir``;
+creating it and tidying it after a crash is ``sdp_cli.train.recovery``.
 """
 
 from __future__ import annotations
@@ -23,7 +14,6 @@ import shutil
 import sys
 import time
 import traceback
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +21,21 @@ import torch
 
 from sdp_cli.config.compose import compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
+from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.engine.factory import build_engine
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.rundir import VERSION_GLOB, RunDir
 from sdp_cli.tasks import Task, build_task
 from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import LEDGER, LedgerLog
+from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
+from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
 from sdp_cli.train.trainer import Trainer
 
@@ -71,37 +64,6 @@ def _resolve_threads(cfg: SdpConfig) -> int:
     # Rollouts and training overlap when η > 0: give each worker its own core(s) so the two
     # threads run in parallel instead of fighting over one intra-op pool.
     return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
-
-
-#: events that end a session; a resume after any other last event follows a crash
-END_EVENTS = ("stopped", "interrupted", "finished")
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Cut a last line that a crash left without its newline (append-only JSON-lines logs)."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
-
-
-def _last_event(path: Path) -> dict[str, Any] | None:
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return json.loads(lines[-1]) if lines else None
-
-
-def make_run_dir(cfg: SdpConfig) -> Path:
-    if cfg.run.dir:
-        path = Path(cfg.run.dir)
-    else:
-        name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.loss.mode}-{cfg.task.name}"
-        path = Path(cfg.run.root) / name
-    if path.exists() and any(path.iterdir()):
-        raise UserError(f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def build_task_from(cfg: SdpConfig) -> Task:
@@ -139,26 +101,6 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
     )
 
 
-def build_engine(cfg: SdpConfig, policy: Any, run_dir: Path, *, device: Any = "cpu") -> InferenceEngine:
-    if cfg.engine.kind == "local":
-        from sdp_cli.engine.local import LocalEngine
-
-        from sdp_cli.train.policy_setup import engine_model
-
-        return LocalEngine(
-            engine_model(policy, cfg),
-            temperature=cfg.rollout.temperature,
-            eos_token_id=policy.eos_token_id,
-            pad_token_id=policy.pad_token_id,
-            max_batch_size=cfg.engine.max_batch_size,
-            seed=cfg.seed,
-            device=device,
-        )
-    from sdp_cli.engine.servers import build_remote_engine
-
-    return build_remote_engine(cfg, policy, run_dir)
-
-
 # ---------------------------------------------------------------------- run
 class TrainingRun:
     """One ``sdp train`` invocation (fresh or resumed)."""
@@ -168,7 +110,7 @@ class TrainingRun:
         cfg: SdpConfig,
         raw: Any,
         overrides: list[str],
-        run_dir: Path,
+        run_dir: RunDir,
         *,
         resuming: bool,
         coordinator: Coordinator,
@@ -179,9 +121,8 @@ class TrainingRun:
         self.run_dir = run_dir
         self.resuming = resuming
         self.coordinator = coordinator
-        self.ckpt_root = run_dir / "checkpoints"
         # only rank 0 writes to the run directory
-        self.events = EventLog(run_dir / "events.jsonl") if coordinator.is_main else None
+        self.events = EventLog(run_dir.events) if coordinator.is_main else None
 
     # -- setup --------------------------------------------------------------
     def setup(self) -> None:
@@ -196,11 +137,11 @@ class TrainingRun:
         checkpoint = None
         if self.resuming:
             if self.coordinator.is_main:
-                ckpt.remove_stale_temporaries(self.ckpt_root)
-                self._recover_files()
-            found = ckpt.find_latest(self.ckpt_root)
+                ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
+                recover_after_crash(self.run_dir, self.events)
+            found = ckpt.find_latest(self.run_dir.checkpoints)
             if found is None:
-                raise UserError(f"{self.run_dir}: no complete checkpoint to resume from; start a new run instead")
+                raise UserError(f"{self.run_dir.path}: no complete checkpoint to resume from; start a new run instead")
             checkpoint = ckpt.read_checkpoint(found)
 
         self.task = build_task_from(cfg)
@@ -211,7 +152,7 @@ class TrainingRun:
                 cfg,
                 lambda path: load_policy_from(cfg, self.task, path=path),
                 checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
-                versions_dir=self.run_dir / "versions" if keep_versions else None,
+                version_base=self.run_dir.version_base if keep_versions else None,
             )
         )
         stop_ids = (int(self.policy.eos_token_id),)
@@ -258,7 +199,7 @@ class TrainingRun:
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(
-            self.run_dir / LEDGER,
+            self.run_dir.ledger,
             truncate_to=checkpoint.state["loop"].get("ledger_offset") if checkpoint else 0,
         )
         self.loop = AsyncLoop(
@@ -295,24 +236,11 @@ class TrainingRun:
                 self._save_version(0)
 
         start_step = self.start_step
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=start_step if checkpoint else None)
+        self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
         self.tensorboard = TensorBoardLog(
-            self.run_dir / "tensorboard" if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
+            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
         )
         self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
-
-    def _recover_files(self) -> None:
-        """Before a resume: cut lines a crash tore, say in the events that the last session
-        crashed, and delete weight directories whose writing was killed."""
-        events, metrics = self.run_dir / "events.jsonl", self.run_dir / "metrics.jsonl"
-        _drop_torn_line(events)
-        _drop_torn_line(metrics)
-        last = _last_event(events)
-        if last is not None and last.get("event") not in END_EVENTS:
-            self.events.write("crashed", last_event=last.get("event"), last_event_time=last.get("time"))
-        for parent in (self.run_dir / "weights", self.run_dir / "versions"):
-            for tmp in parent.glob(".v*") if parent.is_dir() else []:
-                shutil.rmtree(tmp, ignore_errors=True)
 
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
@@ -322,7 +250,7 @@ class TrainingRun:
         if self.cfg.engine.kind == "local" or not self.cfg.engine.urls:
             self.engine.set_version(version)
             return
-        target = self.run_dir / "weights" / f"v{version:06d}"
+        target = self.run_dir.weights_of(version)
         self._save_policy(target)
         self.engine.pause()
         try:
@@ -336,9 +264,9 @@ class TrainingRun:
             self._save_version(version)
         if self.cfg.engine.kind == "local":
             return WeightUpdate(version=version, state_dict=self.trainer.weights())
-        target = self.run_dir / "weights" / f"v{version:06d}"
+        target = self.run_dir.weights_of(version)
         self._save_policy(target)
-        for old in sorted((self.run_dir / "weights").glob("v*"))[:-2]:
+        for old in sorted(self.run_dir.weights.glob(VERSION_GLOB))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(version=version, path=target)
 
@@ -348,7 +276,7 @@ class TrainingRun:
         save_policy(self.policy, directory)
 
     def _save_version(self, version: int) -> None:
-        save_version(self.policy, self.cfg, self.run_dir / "versions" / f"v{version:06d}")
+        save_version(self.policy, self.cfg, self.run_dir.version(version))
 
     # -- per step -----------------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
@@ -371,7 +299,7 @@ class TrainingRun:
         from sdp_cli.train.batch_io import write_train_batch
 
         write_train_batch(
-            self.run_dir / "batches" / f"step-{record.step:06d}.safetensors",
+            self.run_dir.batch(record.step),
             record.batch,
             record.output,
             temperature=self.cfg.rollout.temperature,
@@ -388,7 +316,7 @@ class TrainingRun:
             "torch_rng": torch.get_rng_state().tolist(),
         }
         path = ckpt.write_checkpoint(
-            self.ckpt_root,
+            self.run_dir.checkpoints,
             step,
             save_policy=lambda directory: save_checkpoint_policy(self.policy, directory),
             optimizer_state=self.trainer.optimizer.state_dict() if self.cfg.train.save_optimizer else None,
@@ -436,7 +364,7 @@ class TrainingRun:
             self.events.write(
                 "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
             )
-            where = f"; resume with: sdp train resume={self.run_dir}" if path or step else ""
+            where = f"; resume with: sdp train resume={self.run_dir.path}" if path or step else ""
             raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
         except KeyboardInterrupt:
             step = self.loop.state.step
@@ -454,7 +382,7 @@ class TrainingRun:
         wall = time.perf_counter() - t0
         acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
-        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
         self.ledger.close()
@@ -478,7 +406,7 @@ class TrainingRun:
         self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
     ) -> dict[str, Any]:
         """Run totals plus this session's rates (``wall_seconds`` covers this session only)."""
-        rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        rows = [json.loads(line) for line in self.run_dir.metrics.read_text().splitlines() if line]
         rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
         window = min(50, max(1, len(rewards) // 2))
         counters = self.loop.state.counters
@@ -486,7 +414,7 @@ class TrainingRun:
         session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
         session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
         return {
-            "run_dir": str(self.run_dir),
+            "run_dir": str(self.run_dir.path),
             "steps": self.loop.state.step,
             "mode": self.cfg.loss.mode,
             "staleness": self.cfg.staleness.strategy,
@@ -508,16 +436,6 @@ class TrainingRun:
             "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
             "counters": counters.to_dict(),
         }
-
-
-def _read_overrides(path: Path) -> list[str]:
-    try:
-        overrides = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{path} cannot be read ({err}); it must hold the JSON list sdp wrote there") from None
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise UserError(f"{path} is not a JSON list of overrides; restore the one sdp wrote there")
-    return overrides
 
 
 def _preflight(cfg: SdpConfig) -> None:
@@ -546,28 +464,30 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
     # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
     deferred: list[tuple[Path, str]] = []
     if cfg.resume:
-        run_dir = Path(cfg.resume)
-        saved = run_dir / "overrides.json"
+        run_dir = RunDir(Path(cfg.resume))
+        saved = run_dir.overrides
         if not saved.is_file():
-            raise UserError(f"{run_dir}: not an sdp run directory (no overrides.json); pass the run directory to resume=")
-        original = _read_overrides(saved)
+            raise UserError(
+                f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
+            )
+        original = read_overrides(saved)
         extra = [o for o in overrides if not o.startswith("resume=")]
-        cfg, raw = compose_config([*original, *extra, f"resume={run_dir}"])
+        cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"])
         _preflight(cfg)
         if extra:
             deferred.append((saved, json.dumps([*original, *extra])))
         resuming = True
     else:
         _preflight(cfg)
-        run_dir = make_run_dir(cfg) if coordinator.is_main else None
-        run_dir = Path(coordinator.broadcast_json(str(run_dir) if run_dir else None))
+        created = make_run_dir(cfg) if coordinator.is_main else None
+        run_dir = RunDir(Path(coordinator.broadcast_json(str(created.path) if created else None)))
         if coordinator.is_main:
-            atomic_write_text(run_dir / "overrides.json", json.dumps(overrides))
+            atomic_write_text(run_dir.overrides, json.dumps(overrides))
         resuming = False
     if resuming:
-        deferred.append((run_dir / "config.yaml", to_yaml(raw)))
+        deferred.append((run_dir.config, to_yaml(raw)))
     elif coordinator.is_main:
-        atomic_write_text(run_dir / "config.yaml", to_yaml(raw))
+        atomic_write_text(run_dir.config, to_yaml(raw))
     run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator)
     run.setup()
     if coordinator.is_main:

@@ -1,6 +1,6 @@
 """The PPO trainer: one optimisation step per consumed batch, math delegated to ``sdp_cli.core``.
 
-Per step (DESIGN.md §1, §4):
+Per step (docs/design.md §1, §4):
 1. π_prox: a no-grad forward of the current weights at the rollout temperature (not in bypass).
 2. π_prox_t of stale tokens was scored by the engine (the loop's recompute passes); only with
    ``rollout.proximal_t_source=trainer`` do tokens one version behind take π_prox_t := π_prox here
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.core.loss import loss_count, policy_loss
@@ -105,8 +106,8 @@ class Trainer:
         from accelerate import Accelerator
 
         assert track_proximal_t or loss.mode != "segment_wise", "segment_wise trains on π_prox_t: track it"
-        assert proximal_t_source in ("engine", "trainer"), f"unknown proximal_t_source {proximal_t_source!r}"
-        assert dtype in ("float32", "bfloat16"), f"unsupported training dtype {dtype}"
+        assert proximal_t_source in PROXIMAL_T_SOURCES, f"unknown proximal_t_source {proximal_t_source!r}"
+        assert dtype in TRAIN_DTYPES, f"unsupported training dtype {dtype}"
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )

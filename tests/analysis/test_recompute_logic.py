@@ -12,7 +12,11 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
+from sdp_cli.analysis.checkpoints import MissingCheckpoints, find_checkpoints, format_versions
+from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions, make_plan, token_requests
 import sdp_cli.analysis.scorers as scorers
+from sdp_cli import fileio
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch, write_batch
 
@@ -107,14 +111,14 @@ def hand(tmp_path):
 
 # ------------------------------------------------------------------------ version logic
 def test_token_requests_default_rescoring_under_the_next_version():
-    requests = rc.token_requests(make_batch(3, SEQS), None, exact=False)
+    requests = token_requests(make_batch(3, SEQS), None, exact=False)
     got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
     # version-v tokens (v < 3) go to v + 1; version-3 tokens (6, 8, 9) and prompts to none
     assert got == {1: [2, 3], 2: [4, 13], 3: [5, 14]}
 
 
 def test_token_requests_exact_chain_and_proximal():
-    requests = rc.token_requests(make_batch(3, SEQS), 3, exact=True)
+    requests = token_requests(make_batch(3, SEQS), 3, exact=True)
     got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
     # chain: every lagged token under each of v+1 … 3; π_prox: every output token under 3
     assert got == {1: [2, 3], 2: [2, 3, 4, 13], 3: [2, 3, 4, 5, 6, 8, 9, 13, 14]}
@@ -122,7 +126,7 @@ def test_token_requests_exact_chain_and_proximal():
 
 def test_plan_jobs_cover_each_sequence_once_per_version():
     batch = make_batch(3, SEQS)
-    plan = rc.make_plan([(Path("b"), batch)], rc.RecomputeOptions(), range(0, 4))
+    plan = make_plan([(Path("b"), batch)], RecomputeOptions(), range(0, 4))
     jobs = {
         k: [(j.sequence, j.start, j.targets.tolist()) for j in js] for (k, t), js in plan.jobs.items()
     }
@@ -192,7 +196,7 @@ def test_each_version_loaded_once_across_batches_and_temperatures_grouped(tmp_pa
 def test_packs_respect_the_token_budget(hand):
     path, run = hand
     scorer = FakeScorer()
-    rc.recompute([path], run, lambda b: scorer, rc.RecomputeOptions(max_tokens_per_call=5))
+    rc.recompute([path], run, lambda b: scorer, RecomputeOptions(max_tokens_per_call=5))
     # version 2 prefills A[0:5] (5 tokens) and C[10:14] (4 tokens): 9 > 5, so two calls, the
     # shorter first; version 1 has one 4-token prefill
     assert [(v, [n for n, _ in seqs]) for v, _, seqs in scorer.calls] == [
@@ -221,7 +225,7 @@ def test_proximal_trainer_latest_and_fixed(hand):
     path, run = hand
     for text, version in (("trainer", 3), ("latest", 3), ("1", 1)):
         result = rc.recompute(
-            [path], run, lambda b: FakeScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice.parse(text))
+            [path], run, lambda b: FakeScorer(), RecomputeOptions(proximal=ProximalChoice.parse(text))
         )
         prox = result.outcomes[0].batch.proximal_logprobs
         assert result.outcomes[0].proximal_version == version
@@ -237,7 +241,7 @@ def test_latest_is_the_newest_checkpoint(hand):
     path, run = hand
     (run / "versions" / "v000007").mkdir()
     result = rc.recompute(
-        [path], run, lambda b: FakeScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice(latest=True))
+        [path], run, lambda b: FakeScorer(), RecomputeOptions(proximal=ProximalChoice(latest=True))
     )
     assert result.outcomes[0].proximal_version == 7
 
@@ -245,13 +249,13 @@ def test_latest_is_the_newest_checkpoint(hand):
 @pytest.mark.parametrize("text", ["", "v3", "-1", "newest", "1.5"])
 def test_proximal_choice_rejects_garbage(text):
     with pytest.raises(UserError, match="--proximal"):
-        rc.ProximalChoice.parse(text)
+        ProximalChoice.parse(text)
 
 
 def test_exact_with_another_proximal_version_is_refused():
     with pytest.raises(UserError, match="--exact"):
-        rc.RecomputeOptions(proximal=rc.ProximalChoice(version=2), exact=True)
-    assert rc.RecomputeOptions(proximal=rc.ProximalChoice(), exact=True).proximal_choice == rc.ProximalChoice()
+        RecomputeOptions(proximal=ProximalChoice(version=2), exact=True)
+    assert RecomputeOptions(proximal=ProximalChoice(), exact=True).proximal_choice == ProximalChoice()
 
 
 # ------------------------------------------------------------------- exact decomposition
@@ -261,7 +265,7 @@ def test_exact_decomposition_by_hand(tmp_path):
     path = tmp_path / "b.safetensors"
     write_batch(path, batch)
     version_dirs(tmp_path / "versions", range(0, 4))
-    result = rc.recompute([path], tmp_path, lambda b: FakeScorer(), rc.RecomputeOptions(exact=True))
+    result = rc.recompute([path], tmp_path, lambda b: FakeScorer(), RecomputeOptions(exact=True))
     lags = {d.lag: d for d in result.lags}
     assert sorted(lags) == [1, 2, 3]
     # lag 3: token 2 only (v0, position 2): chain old = −0.25, π1 = −1.002, π2 = −2.002, π3 = −3.002
@@ -294,7 +298,7 @@ def test_find_checkpoints_in_a_run_or_a_versions_directory(tmp_path):
     (tmp_path / "run" / "versions" / "notes").mkdir()
     (tmp_path / "run" / "versions" / "v000003").write_text("a file, not a checkpoint")
     for root in (tmp_path / "run", tmp_path / "run" / "versions"):
-        found = rc.find_checkpoints(root)
+        found = find_checkpoints(root)
         assert sorted(found) == [0, 2, 12] and found[12].name == "v000012"
 
 
@@ -302,14 +306,14 @@ def test_two_directories_for_one_version_are_refused(tmp_path):
     version_dirs(tmp_path, [12])
     (tmp_path / "v12").mkdir()
     with pytest.raises(UserError, match="two directories for version 12"):
-        rc.find_checkpoints(tmp_path)
+        find_checkpoints(tmp_path)
 
 
 def test_missing_checkpoints_name_the_versions_and_the_fix(hand):
     path, run = hand
     for v in (1, 2):
         (run / "versions" / f"v{v:06d}").rmdir()
-    with pytest.raises(rc.MissingCheckpoints) as err:
+    with pytest.raises(MissingCheckpoints) as err:
         rc.recompute([path], run, lambda b: pytest.fail("no scorer before the check"))
     message = str(err.value)
     assert "version(s) 1–2 are missing" in message and "it has 0, 3" in message
@@ -323,35 +327,35 @@ def test_missing_checkpoint_directory(tmp_path, hand):
 
 
 def test_format_versions():
-    assert rc.format_versions([5, 1, 2, 3, 9, 10]) == "1–3, 5, 9–10"
-    assert rc.format_versions([]) == ""
+    assert format_versions([5, 1, 2, 3, 9, 10]) == "1–3, 5, 9–10"
+    assert format_versions([]) == ""
 
 
 # ------------------------------------------------------------------------------ targets
 def test_targets_in_place_directory_and_single_file(tmp_path):
     a, b = tmp_path / "x" / "a.safetensors", tmp_path / "y" / "b.safetensors"
-    assert rc.resolve_targets([a, b], None) == [a, b]
-    assert rc.resolve_targets([a, b], tmp_path / "out") == [tmp_path / "out" / a.name, tmp_path / "out" / b.name]
-    assert rc.resolve_targets([a], tmp_path / "one.safetensors") == [tmp_path / "one.safetensors"]
-    assert rc.resolve_targets([a], f"{tmp_path}/dir/") == [tmp_path / "dir" / a.name]
+    assert resolve_targets([a, b], None) == [a, b]
+    assert resolve_targets([a, b], tmp_path / "out") == [tmp_path / "out" / a.name, tmp_path / "out" / b.name]
+    assert resolve_targets([a], tmp_path / "one.safetensors") == [tmp_path / "one.safetensors"]
+    assert resolve_targets([a], f"{tmp_path}/dir/") == [tmp_path / "dir" / a.name]
     with pytest.raises(UserError, match="both be written"):
-        rc.resolve_targets([a, tmp_path / "z" / "a.safetensors"], tmp_path / "out")
+        resolve_targets([a, tmp_path / "z" / "a.safetensors"], tmp_path / "out")
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match="is a file"):
-        rc.resolve_targets([a, b], tmp_path / "file")
+        resolve_targets([a, b], tmp_path / "file")
 
 
 def test_a_directory_argument_expands_and_duplicates_are_refused(tmp_path):
     for name in ("step-2.safetensors", "step-1.safetensors"):
         write_batch(tmp_path / name, make_batch(0, [(1, [0], None)]))
     (tmp_path / "notes.txt").write_text("")
-    files = rc.expand_batch_paths([tmp_path])
+    files = expand_batch_paths([tmp_path])
     assert [f.name for f in files] == ["step-1.safetensors", "step-2.safetensors"]
     with pytest.raises(UserError, match="given twice"):
-        rc.expand_batch_paths([tmp_path, tmp_path / "step-1.safetensors"])
+        expand_batch_paths([tmp_path, tmp_path / "step-1.safetensors"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no \\*.safetensors"):
-        rc.expand_batch_paths([tmp_path / "empty"])
+        expand_batch_paths([tmp_path / "empty"])
 
 
 # ------------------------------------------------------------------------------- commit
@@ -381,7 +385,7 @@ def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
     paths, before = _two_batches(tmp_path)
     result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
     calls = []
-    real_stage = rc.stage_bytes
+    real_stage = fileio.stage_bytes
 
     def failing_stage(path, data):
         calls.append(path)
@@ -389,14 +393,16 @@ def test_a_failure_while_staging_leaves_every_file_old(tmp_path, monkeypatch):
             raise UserError(f"{path}: cannot be written (No space left on device); free some space")
         return real_stage(path, data)
 
-    monkeypatch.setattr(rc, "stage_bytes", failing_stage)
+    monkeypatch.setattr(fileio, "stage_bytes", failing_stage)
     with pytest.raises(UserError, match="No space left"):
         rc.commit(result)
     assert all(p.read_bytes() == before[p] for p in paths)
     assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
 
 
-def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch):
+def test_a_failing_rename_leaves_every_file_old(tmp_path, monkeypatch):
+    """The first batch is renamed into place, the second rename fails: the first gets its old
+    bytes back (all or none, fileio.OutputPlan)."""
     paths, before = _two_batches(tmp_path)
     result = rc.recompute(paths, tmp_path, lambda b: FakeScorer())
     real_replace = os.replace
@@ -406,11 +412,12 @@ def test_a_failing_rename_reports_which_files_were_written(tmp_path, monkeypatch
             raise OSError(30, "Read-only file system")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(rc.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(UserError) as err:
         rc.commit(result)
-    assert "1 of 2 batches were written" in str(err.value) and "\n" not in str(err.value)
-    assert paths[0].read_bytes() != before[paths[0]] and paths[1].read_bytes() == before[paths[1]]
+    assert "Read-only file system" in str(err.value) and "nothing was written" in str(err.value)
+    assert "\n" not in str(err.value)
+    assert all(p.read_bytes() == before[p] for p in paths)
     assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
 
 
@@ -427,7 +434,7 @@ def test_report_dict_is_json_ready(hand):
     import json
 
     path, run = hand
-    result = rc.recompute([path], run, lambda b: FakeScorer(), rc.RecomputeOptions(exact=True))
+    result = rc.recompute([path], run, lambda b: FakeScorer(), RecomputeOptions(exact=True))
     data = json.loads(json.dumps(result.to_dict()))
     assert data["batches"][0]["proximal_t"]["tokens"] == 6
     assert [v["version"] for v in data["versions"]] == [1, 2, 3]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions
 import sdp_cli.analysis.scorers as scorers
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.errors import UserError
@@ -114,7 +115,7 @@ def batches(tmp_path_factory):
 def exact_result(checkpoints, batches):
     root, _, _ = checkpoints
     paths, _ = batches
-    return rc.recompute(paths, root, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(exact=True))
+    return rc.recompute(paths, root, lambda b: scorers.LocalScorer(), RecomputeOptions(exact=True))
 
 
 def test_proximal_t_is_the_next_versions_logprob_at_the_batch_temperature(checkpoints, batches, exact_result):
@@ -173,7 +174,7 @@ def test_each_checkpoint_is_loaded_once(checkpoints, batches, monkeypatch):
     scorer = scorers.LocalScorer()
     real_load = scorer.load
     monkeypatch.setattr(scorer, "load", lambda v, p: (loads.append(v), real_load(v, p)))
-    rc.recompute(paths, root, lambda b: scorer, rc.RecomputeOptions(exact=True))
+    rc.recompute(paths, root, lambda b: scorer, RecomputeOptions(exact=True))
     assert loads == [1, 2, 3]
 
 
@@ -189,7 +190,7 @@ def test_engine_scorer_loading_from_disk_agrees_with_the_local_scorer(checkpoint
     )
     at_07 = [p for p, b in zip(paths, made) if b.temperature == 0.7]
     result = rc.recompute(
-        at_07, root, lambda b: scorers.EngineScorer(engine, "local engine from disk"), rc.RecomputeOptions(exact=True)
+        at_07, root, lambda b: scorers.EngineScorer(engine, "local engine from disk"), RecomputeOptions(exact=True)
     )
     local = [o for o in exact_result.outcomes if o.batch.temperature == 0.7]
     for a, b in zip(result.outcomes, local, strict=True):
@@ -217,7 +218,7 @@ def test_token_outside_the_checkpoints_vocabulary(checkpoints, tmp_path):
     path = tmp_path / "b.safetensors"
     write_batch(path, batch)
     with pytest.raises(UserError) as err:
-        rc.recompute([path], root, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(proximal=rc.ProximalChoice()))
+        rc.recompute([path], root, lambda b: scorers.LocalScorer(), RecomputeOptions(proximal=ProximalChoice()))
     assert "token id 500, outside the vocabulary [0, 32)" in str(err.value) and "\n" not in str(err.value)
 
 

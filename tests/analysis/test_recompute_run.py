@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
+from sdp_cli.analysis.checkpoints import MissingCheckpoints
+from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions
 import sdp_cli.analysis.scorers as scorers
 from sdp_cli.rollout.batch_file import read_batch, write_batch
 
@@ -71,7 +73,7 @@ def test_correct_batches_change_nothing_and_proximal_matches_the_trainer(run_dir
         [run_dir / "batches"],
         run_dir,
         lambda b: scorers.LocalScorer(),
-        rc.RecomputeOptions(proximal=rc.ProximalChoice.parse("trainer")),
+        RecomputeOptions(proximal=ProximalChoice.parse("trainer")),
     )
     assert sum(o.proximal_t.tokens for o in result.outcomes) > 0
     for outcome in result.outcomes:
@@ -136,7 +138,7 @@ def test_corrupted_batches_are_restored_in_place(run_dir, originals, copy_of_bat
 
 
 def test_exact_chain_is_consistent_with_the_files(run_dir, originals):
-    result = rc.recompute([run_dir / "batches"], run_dir, lambda b: scorers.LocalScorer(), rc.RecomputeOptions(exact=True))
+    result = rc.recompute([run_dir / "batches"], run_dir, lambda b: scorers.LocalScorer(), RecomputeOptions(exact=True))
     lags = {d.lag: d for d in result.lags}
     assert max(lags) >= 2
     # what inspect-weights reads from the files: dropped = π_prox − π_prox_t on loss-mask tokens
@@ -163,5 +165,5 @@ def test_exact_chain_is_consistent_with_the_files(run_dir, originals):
 
 def test_a_missing_version_is_named(run_dir, tmp_path):
     shutil.copytree(run_dir / "versions", tmp_path / "versions", ignore=shutil.ignore_patterns("v000002"))
-    with pytest.raises(rc.MissingCheckpoints, match=r"version\(s\) 2 are missing"):
+    with pytest.raises(MissingCheckpoints, match=r"version\(s\) 2 are missing"):
         rc.recompute([run_dir / "batches"], tmp_path, lambda b: pytest.fail("checked before loading"))

@@ -132,7 +132,7 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             steps = _batch_weights(run_dir)
             assert len(steps) == summary["steps"] == 6
             assert (row["n"], row["seeds"]) == ("1", "0")
-            for short, index in (("dec", 0), ("sdp", 1)):
+            for short, index in (("dec", 0), ("segment_wise", 1)):
                 tokens = np.concatenate([s[index] for s in steps])
                 # population std over every response token of the run
                 assert float(row[f"w_{short}_std_mean"]) == pytest.approx(
@@ -294,3 +294,20 @@ def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
     assert _finished_state(smoke) == settled
     assert list((smoke.dir / "runs").glob("*/checkpoints")) == []
     assert len(list((smoke.dir / "runs").glob("*/metrics.jsonl"))) == 6
+
+
+MARKUP = "sweep x [/] [bold] :thumbs_up:"  # "[/]" was a MarkupError, "[bold]" would be applied
+
+
+def test_a_path_with_rich_markup_is_printed_as_it_is(smoke, tmp_path, capsys):
+    """The plan (--dry-run) and the report print the directory literally, not as markup
+    ("[/]" spans two path components: a directory "sweep x [" holding "] [bold] :thumbs_up:")."""
+    code, out, err = run_main(["ablate", "smoke", "--dry-run", "--dir", str(tmp_path / MARKUP / "new")], capsys)
+    assert code == 0, err
+    assert str(tmp_path / MARKUP / "new") in " ".join(out.split())  # rich may wrap a long path
+    copy = tmp_path / MARKUP
+    shutil.copytree(smoke.dir, copy, ignore=shutil.ignore_patterns("checkpoints", "plots"), dirs_exist_ok=True)
+    code, out, err = run_main(["ablate", "--report", str(copy), "--no-plots"], capsys)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert f"sdp ablate {copy}:" in flat and f"wrote {copy / 'summary.csv'}" in flat and "👍" not in out

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import stat
 import subprocess
 import sys
 import time
@@ -219,3 +221,209 @@ def test_the_command_process_on_the_example(tmp_path):
     # The acceptance bound (< 5 s on 2 cores) is measured and reported separately; here only a
     # generous bound that still catches a pathological slowdown on a loaded CI machine.
     assert elapsed < 60
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN, Infinity and -Infinity (Python accepts them; JSON does not)."""
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_is_valid_even_when_a_statistic_is_not_finite(monkeypatch, capsys):
+    """A statistic that overflows (a KL of inf, a NaN) is printed as null, never as the
+    Infinity/NaN tokens that json.dumps writes by default and JSON parsers reject."""
+    import sdp_cli.analysis.inspect as inspect_module
+
+    real = inspect_module.offpolicy_metrics
+
+    def overflowing(*args, **kwargs):
+        return {**real(*args, **kwargs), "kl": float("inf"), "k3_kl": float("-inf"), "chi2_seq": float("nan")}
+
+    monkeypatch.setattr(inspect_module, "offpolicy_metrics", overflowing)
+    code, out, err = run_main(["inspect-weights", "--example", "--json", "--per-file"], capsys)
+    assert code == 0, err
+    doc = _strict_json(out)
+    for d in (doc, doc["per_file"][0]):
+        divergence = d["modes"]["decoupled"]["divergence"]
+        assert divergence["kl"] is None and divergence["k3_kl"] is None and divergence["chi2_seq"] is None
+        assert divergence["chi2_token"] is not None  # finite values are kept as they are
+
+
+# ------------------------------------------------------------------ outputs never clobber
+def _special_file(kind: str, path):
+    """A FIFO, a character device (a /dev/null twin, made with mknod: needs root) or a directory."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs root")
+    else:
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("option", ["--plot", "--dump-weights"])
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "symlink to a fifo"])
+def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path, option, kind, capsys):
+    """Before, --plot over a device node replaced the node with a regular file (as root)."""
+    if kind == "symlink to a fifo":
+        _special_file("fifo", tmp_path / "fifo")
+        target = tmp_path / "link"
+        target.symlink_to(tmp_path / "fifo")
+    else:
+        target = _special_file(kind, tmp_path / "special")
+    before = sorted((p.name, p.lstat().st_mode, p.lstat().st_ino) for p in tmp_path.iterdir())
+    code, out, err = run_main(["inspect-weights", "--example", option, str(target), "--force"], capsys)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert line.startswith(f"error: {target}: ") and "not a regular file" in line, line
+    assert sorted((p.name, p.lstat().st_mode, p.lstat().st_ino) for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("option", ["--plot", "--dump-weights"])
+def test_an_existing_file_is_replaced_only_with_force(tmp_path, option, capsys):
+    """Here the existing file is a training batch of another step: before, it was silently
+    overwritten with a PNG or a weight dump."""
+    other_batch = write_batch(tmp_path / "step-000013.safetensors", read_batch(EXAMPLE_BATCH))
+    before = other_batch.read_bytes()
+    code, _, err = run_main(["inspect-weights", "--example", option, str(other_batch)], capsys)
+    assert code == 2
+    line = one_error_line(err)
+    assert f"{other_batch}: already exists; pass --force to replace it" in line, line
+    assert other_batch.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [other_batch.name]
+    code, _, err = run_main(["inspect-weights", "--example", option, str(other_batch), "--force"], capsys)
+    assert code == 0, err
+    assert other_batch.read_bytes() != before and [p.name for p in tmp_path.iterdir()] == [other_batch.name]
+
+
+@pytest.mark.parametrize("spelling", ["same", "./", "symlink", "hard link", "dir/.."])
+def test_one_file_for_two_outputs_is_refused(tmp_path, monkeypatch, spelling, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    first = "w.out"
+    second = {"same": "w.out", "./": "./w.out", "symlink": "link.out", "hard link": "hard.out", "dir/..": "dir/../w.out"}[spelling]
+    if spelling in ("symlink", "hard link"):
+        (tmp_path / first).write_bytes(b"old")  # a link needs an existing file, so --force
+        if spelling == "symlink":
+            (tmp_path / second).symlink_to(tmp_path / first)
+        else:
+            os.link(tmp_path / first, tmp_path / second)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    code, _, err = run_main(["inspect-weights", "--example", "--plot", first, "--dump-weights", second, "--force"], capsys)
+    assert code == 2
+    line = one_error_line(err)
+    assert "is given for both --plot and --dump-weights" in line, line
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_a_file_name_too_long_for_the_file_system_is_one_line(tmp_path, capsys):
+    name = "w" * 300 + ".png"  # NAME_MAX is 255 bytes on Linux file systems
+    code, _, err = run_main(["inspect-weights", "--example", "--plot", str(tmp_path / name)], capsys)
+    assert code == 2
+    line = one_error_line(err)
+    assert "file name is 304 bytes, longer than the 255 this file system allows" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failure_after_the_first_output_leaves_no_output(tmp_path, monkeypatch, capsys):
+    """The plot is renamed into place, then the dump's rename fails (a full disk, a race): the
+    plot is taken back, and a replaced file gets its old content back (--force)."""
+    old_dump = tmp_path / "w.safetensors"
+    old_dump.write_bytes(b"old dump")
+    real_replace = os.replace
+    calls = []
+
+    def second_rename_fails(src, dst, **kwargs):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    argv = ["inspect-weights", "--example", "--plot", str(tmp_path / "w.png"), "--dump-weights", str(old_dump), "--force"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert "No space left on device" in line and "nothing was written" in line, line
+    assert [p.name for p in tmp_path.iterdir()] == ["w.safetensors"] and old_dump.read_bytes() == b"old dump"
+
+
+# ------------------------------------------------------------------ small wrong results
+@pytest.mark.parametrize("spelling", ["same path", "./ spelling", "symlink", "hard link", "file and its directory"])
+def test_one_batch_given_twice_is_refused_not_counted_twice(tmp_path, monkeypatch, spelling, capsys):
+    """Before, `inspect-weights b b` reported 2 batches and doubled every count."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    write_batch(tmp_path / "d" / "b.safetensors", read_batch(EXAMPLE_BATCH))
+    second = {
+        "same path": "d/b.safetensors",
+        "./ spelling": "./d/b.safetensors",
+        "symlink": "link.safetensors",
+        "hard link": "hard.safetensors",
+        "file and its directory": "d",
+    }[spelling]
+    if spelling == "symlink":
+        (tmp_path / second).symlink_to(tmp_path / "d" / "b.safetensors")
+    elif spelling == "hard link":
+        os.link(tmp_path / "d" / "b.safetensors", tmp_path / second)
+    code, out, err = run_main(["inspect-weights", "d/b.safetensors", second], capsys)
+    assert code == 2 and out == ""
+    line = one_error_line(err)
+    assert "; pass each batch once" in line and ("is given twice" in line or "is the same file as d/b.safetensors" in line), line
+
+
+def _prompt_only_batch(path):
+    """Two sequences that are prompt only: valid, but with zero response tokens."""
+    from sdp_cli.rollout.batch_file import SavedBatch
+    from sdp_cli.rollout.records import RolloutSample
+
+    samples = [RolloutSample(prompt_ids=[1, 2, 3]), RolloutSample(prompt_ids=[4, 5])]
+    batch = SavedBatch.from_samples(samples, trainer_version=3, temperature=1.0, model="m", mode="segment_wise")
+    return write_batch(path, batch)
+
+
+def _fully_masked_batch(path):
+    """The example batch with loss_mask 0 everywhere: it has outputs, but none enters the loss."""
+    batch = read_batch(EXAMPLE_BATCH)
+    batch.loss_mask = batch.loss_mask * 0
+    return write_batch(path, batch)
+
+
+@pytest.mark.parametrize("make", [_prompt_only_batch, _fully_masked_batch], ids=["prompt only", "loss_mask all 0"])
+def test_a_batch_without_response_tokens_reports_no_statistics(tmp_path, make, capsys):
+    """Before, the bypass mean over zero tokens was reported as 0 (a masked mean with its
+    denominator clamped), and ESS, min and max as 0 too: numbers for tokens that do not exist."""
+    path = make(tmp_path / "b.safetensors")
+    code, out, err = run_main(["inspect-weights", str(path), "--json"], capsys)
+    assert code == 0, err
+    doc = _strict_json(out)
+    assert doc["tokens"] == 0
+    for name in ("bypass", "segment_wise"):
+        mode = doc["modes"][name]
+        assert mode["tokens"] == 0
+        for level, stats in mode["weights"].items():
+            assert all(stats[k] is None for k in ("mean", "std", "min", "max", "ess")), (name, level, stats)
+        assert all(value is None for value in mode["divergence"].values()), (name, mode["divergence"])
+    code, out, err = run_main(["inspect-weights", str(path), "--plot", str(tmp_path / "w.png")], capsys)
+    assert code == 0, err
+    bypass_row = next(line for line in out.splitlines() if line.strip().startswith("bypass"))
+    assert bypass_row.split()[-5:] == ["n/a"] * 5, bypass_row  # mean std min max ESS
+
+
+def test_paths_with_rich_markup_are_printed_as_they_are(tmp_path, capsys):
+    """A directory "b [" holding "] [bold] :thumbs_up:…": the paths contain "[/]" with no tag
+    open (a MarkupError traceback), "[bold]" (a style rich would apply and hide) and an emoji code."""
+    directory = tmp_path / "b ["
+    directory.mkdir()
+    batch = write_batch(directory / "] [bold] :thumbs_up:.safetensors", read_batch(EXAMPLE_BATCH))
+    plot = directory / "] [bold] :thumbs_up:.png"
+    code, out, err = run_main(["inspect-weights", str(batch), "--per-file", "--plot", str(plot)], capsys)
+    assert code == 0, err
+    flat = " ".join(out.split())  # rich may wrap a long path
+    assert str(batch) in flat and f"wrote weight histograms to {plot}" in flat
+    assert "👍" not in out  # :thumbs_up: stays text

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -183,4 +186,175 @@ def test_bad_options_are_one_line(run_dir, batches, args, fragment, capsys):
     files, before = batches
     code, _, err = run_main(["recompute", files[1], "-c", run_dir, *args], capsys)
     assert_one_line_error(code, err, fragment)
+    assert unchanged(files, before)
+
+
+def test_json_is_valid_even_when_a_statistic_is_not_finite(run_dir, batches, monkeypatch, capsys):
+    """E[π_c/π_{v+1}] = mean(exp(dropped)) overflows when two checkpoints disagree by more than
+    ~88 nats on a token; the report then prints null there, never Infinity (not JSON)."""
+    import sdp_cli.analysis.recompute as recompute_module
+
+    real = recompute_module.exact_decomposition
+
+    def overflowing(*args, **kwargs):
+        lags = real(*args, **kwargs)
+        for lag in lags:
+            lag.dropped_ratio_mean = float("inf")
+        return lags
+
+    monkeypatch.setattr(recompute_module, "exact_decomposition", overflowing)
+    files, _ = batches
+    code, out, err = run_main(["recompute", files[3], "-c", run_dir, "--exact", "--dry-run", "--json"], capsys)
+    assert code == 0, err
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    doc = json.loads(out, parse_constant=refuse)
+    assert doc["lags"] and all(lag["dropped_ratio_mean"] is None for lag in doc["lags"])
+
+
+# ------------------------------------------------------------------ outputs never clobber
+def test_an_existing_output_is_replaced_only_with_force(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    target = tmp_path / "keep.safetensors"
+    target.write_bytes(files[0].read_bytes())  # another batch the user keeps there
+    kept = target.read_bytes()
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", target], capsys)
+    assert_one_line_error(code, err, f"{target}: already exists; pass --force to replace it")
+    assert target.read_bytes() == kept and unchanged(files, before)
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", target, "--force"], capsys)
+    assert code == 0, err
+    assert read_batch(target).trainer_version == 2
+
+
+def test_an_output_directory_holding_a_batch_of_that_name_needs_force(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / files[1].name).write_bytes(b"someone else's file")
+    code, _, err = run_main(["recompute", *files, "-c", run_dir, "-o", out], capsys)
+    assert_one_line_error(code, err, f"{out / files[1].name}: already exists; pass --force")
+    assert [p.name for p in out.iterdir()] == [files[1].name] and unchanged(files, before)
+
+
+def test_an_output_that_is_not_a_regular_file_is_refused(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", fifo, "--force"], capsys)
+    assert_one_line_error(code, err, f"{fifo}: is a FIFO, not a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and unchanged(files, before)
+
+
+def test_a_failing_rename_leaves_every_output_as_it_was(run_dir, batches, tmp_path, monkeypatch, capsys):
+    """Four batches in place: the third rename fails, so the first two are put back (in place,
+    the old batches are the backups) and nothing changed. Before, the first two stayed new."""
+    files, _ = batches
+    originals = {p: read_batch(p) for p in files}
+    for p in files:  # make the recompute change every file
+        b = originals[p]
+        lagged = (b.versions >= 0) & (b.versions < b.trainer_version)
+        write_batch(p, dataclasses.replace(b, proximal_logprobs_t=torch.where(lagged, b.old_logprobs, b.proximal_logprobs_t)))
+    before = {p: p.read_bytes() for p in files}
+    real_replace = os.replace
+    renames = []
+
+    def third_batch_fails(src, dst, **kwargs):
+        if str(dst).endswith(".safetensors") and not os.path.basename(str(dst)).startswith("."):
+            renames.append(dst)
+            if len(renames) == 3:
+                raise OSError(5, "Input/output error")
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", third_batch_fails)
+    code, _, err = run_main(["recompute", *files, "-c", run_dir], capsys)
+    assert_one_line_error(code, err, "Input/output error", "nothing was written")
+    assert unchanged(files, before)
+
+
+def test_a_too_long_output_name_is_one_line(run_dir, batches, tmp_path, capsys):
+    files, before = batches
+    target = tmp_path / ("b" * 300 + ".safetensors")
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", target], capsys)
+    assert_one_line_error(code, err, "longer than the 255 this file system allows")
+    assert list(tmp_path.iterdir()) == [files[0].parent] and unchanged(files, before)
+
+
+def test_paths_with_rich_markup_are_printed_as_they_are(run_dir, batches, tmp_path, capsys):
+    """Paths holding "[/]" with no tag open (a MarkupError traceback; here across two path
+    components), "[bold]" (a style rich would apply and hide) and an emoji code are printed as
+    they are."""
+    files, _ = batches
+    out_dir = tmp_path / "o [" / "] :thumbs_up:"
+    source = files[0].parent / "[bold] [x] :thumbs_up:.safetensors"
+    files[2].rename(source)
+    code, out, err = run_main(["recompute", source, "-c", run_dir, "-o", f"{out_dir}/"], capsys)
+    assert code == 0, err
+    assert source.name in out and f"wrote 1 batch file(s) to {out_dir}" in out
+    assert "👍" not in out
+
+
+def test_a_trailing_slash_makes_the_output_a_directory_even_for_one_batch(run_dir, batches, tmp_path, capsys):
+    """Before, typer turned "-o new/" into Path("new"), so one batch was written to a file
+    named "new" (docs/recompute.md: a trailing slash means a directory)."""
+    files, _ = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "-o", f"{tmp_path / 'new'}/"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "new").is_dir() and read_batch(tmp_path / "new" / files[2].name).trainer_version == 2
+
+
+@pytest.mark.parametrize(
+    "device, fragment",
+    [
+        ("bogus", "--device 'bogus' is not a device; use auto, cpu, cuda or cuda:N"),
+        ("meta", "--device 'meta' is not supported; use auto, cpu, cuda or cuda:N"),
+        ("cuda:x", "--device 'cuda:x' is not a device"),
+    ],
+)
+def test_a_bad_device_is_one_line(run_dir, batches, device, fragment, capsys):
+    files, before = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", device], capsys)
+    assert_one_line_error(code, err, fragment)
+    assert unchanged(files, before)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:99"])
+def test_a_missing_cuda_device_is_one_line(run_dir, batches, device, monkeypatch, capsys):
+    """Without CUDA (this machine's torch is CPU-only) and, simulated, with one GPU."""
+    import torch
+
+    files, before = batches
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", device], capsys)
+    if torch.cuda.is_available():
+        assert code == 0 or "CUDA device" in err
+    else:
+        assert_one_line_error(code, err, f"--device {device}: CUDA is not available", "use --device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run_main(["recompute", files[2], "-c", run_dir, "--device", "cuda:99"], capsys)
+    assert_one_line_error(code, err, "--device cuda:99: this machine has 1 CUDA device(s) (cuda:0 to cuda:0)")
+    assert unchanged(files, before)
+
+
+@pytest.mark.parametrize(
+    "url, fragment",
+    [
+        ("localhost:8000", "no http:// or https:// scheme"),
+        ("ftp://host:8000", "no http:// or https:// scheme"),
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("http://host:99999", "Port out of range 0-65535"),
+        ("http://host:0", "port 0"),
+        ("http://host:port", "Port could not be cast to integer value"),
+        ("http://", "no host"),
+        ("http://a b:8000", "spaces or control characters"),
+        ("http://host:8000/?x=1", "a query or fragment"),
+    ],
+)
+def test_a_malformed_server_url_is_one_line_and_immediate(run_dir, batches, url, fragment, capsys):
+    files, before = batches
+    started = time.perf_counter()
+    code, _, err = run_main(["recompute", files[1], "-c", run_dir, "--engine", "vllm", "--server", url], capsys)
+    assert_one_line_error(code, err, f"--server {url!r} is not a server URL", fragment)
+    assert time.perf_counter() - started < 5, "refused before any connection attempt (and its retries)"
     assert unchanged(files, before)

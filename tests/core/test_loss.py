@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from sdp_cli.core.loss import AGGREGATIONS, aggregate_loss, loss_count, policy_loss
+from sdp_cli.choices import LOSS_AGGS
+from sdp_cli.core.loss import aggregate_loss, loss_count, policy_loss
 
 LN = math.log
 NAN, INF = float("nan"), float("inf")
@@ -155,7 +156,7 @@ def test_loss_count_is_tokens_or_non_empty_rows():
     assert loss_count(AGG_MASK[2:], "token-mean").item() == 0.0  # no floor: shards add up
 
 
-@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("agg", LOSS_AGGS)
 def test_shards_with_the_global_denominator_add_up_to_the_whole(agg):
     # Data-parallel invariant (docs/math.md §5.2): split the rows into shards, give every
     # shard the count of the whole (the sum of the shards' counts), and the shard losses and
@@ -191,7 +192,7 @@ def test_policy_loss_uses_the_same_aggregation():
     # reinforce with A = −1 and lp = value gives ℓ = value; compare to aggregate_loss
     lp = t64([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = t64([[1, 1, 1], [1, 0, 0]])
-    for agg in AGGREGATIONS:
+    for agg in LOSS_AGGS:
         denominator = 6.0 if agg == "seq-mean-token-sum-norm" else None
         loss, _ = policy_loss(
             lp, lp, -torch.ones_like(lp), mask, agg=agg, loss_type="reinforce", denominator=denominator

@@ -65,7 +65,7 @@ def test_weights_are_finite_nonnegative_and_ignore_padding(b, level, bound, acti
     assert 0.0 <= metrics["rollout_is_eff_sample_size"] <= 1.0 + 1e-6
     if not normalize and action == "truncate" and b["mask"].any():
         # the bounds as the tensor dtype stores them (1.1 in float32 is 1.10000002), with an
-        # ulp of slack: padding is filled with the rounded mean (sdp_cli/core/_masked.extremes)
+        # ulp of slack: padding is filled with the rounded mean (``sdp_cli.core._masked.extremes``)
         dtype = b["a"].dtype
         low = torch.nextafter(torch.tensor(floor or 0.0, dtype=dtype), torch.tensor(-math.inf, dtype=dtype))
         high = torch.nextafter(torch.tensor(cap or math.inf, dtype=dtype), torch.tensor(math.inf, dtype=dtype))

@@ -1,7 +1,7 @@
 """LocalEngine: exact logprobs, full-softmax sampling, stops, scoring and weight loading.
 
 The reference everywhere is how a trainer computes logprobs: one full forward of the unpadded
-sequence, log_softmax(logits / T) gathered at the next tokens (DESIGN.md §4). It shares no code
+sequence, log_softmax(logits / T) gathered at the next tokens (docs/design.md §4). It shares no code
 with the engine's padded, KV-cached loop.
 """
 
@@ -286,7 +286,7 @@ def test_weight_update_errors_leave_the_engine_unchanged(tmp_path):
     cases = [
         (WeightUpdate(version=1, path=tmp_path / "nowhere"), "nowhere: weight directory not found"),
         (WeightUpdate(version=1, path=tmp_path / "empty"), "empty: no model.safetensors"),
-        (WeightUpdate(version=1, path=broken), "broken/model.safetensors: not a readable"),
+        (WeightUpdate(version=1, path=broken), "broken/model.safetensors: is truncated: its header claims 16 bytes but 12 follow"),
         (WeightUpdate(version=1, state_dict=missing_key), "1 missing .e.g. model.norm.weight"),
         (WeightUpdate(version=1, state_dict={**state, "extra": torch.zeros(1)}), "1 unexpected"),
         (WeightUpdate(version=1, state_dict=wrong_shape), "wrong shape"),

@@ -1,4 +1,4 @@
-"""LocalEngine across weight updates mid-generation (DESIGN.md §2) and under concurrent callers.
+"""LocalEngine across weight updates mid-generation (docs/design.md §2) and under concurrent callers.
 
 Pauses are driven deterministically: the engine's step callback runs in the generating thread
 after each decode step, so it can pause at an exact step and hand control to the test thread
@@ -39,7 +39,7 @@ def perturb_(model: torch.nn.Module, seed: int) -> None:
 
 def check_versions_and_proximal(samples, states, temperature):
     """Every token: old_logprobs from its version's weights. π_prox_t from version + 1's weights
-    for every version the sample outlived (an update reached it in flight: DESIGN.md §2 steps 2
+    for every version the sample outlived (an update reached it in flight: docs/design.md §2 steps 2
     and 4); tokens of its last version were never in flight across an update and keep
     π_prox_t = π_behav."""
     worst_old = worst_prox = 0.0
@@ -177,7 +177,7 @@ def test_resume_without_update_neither_reprefills_nor_patches():
 
 
 def test_engine_patches_only_new_minus_one_and_keeps_the_recompute_pass_values():
-    """Two updates in one pause, with the recompute pass (DESIGN.md §2 step 2) in between:
+    """Two updates in one pause, with the recompute pass (docs/design.md §2 step 2) in between:
     tokens of version 0 get π_1 from the pass, the engine must not overwrite them at resume."""
     model = tiny_model()
     trainer = tiny_model()

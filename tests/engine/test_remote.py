@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.engine.remote import RemoteEngine, RemoteOptions, Segment, expand_spans, request_seed
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.wire import Segment, expand_spans, request_seed
 from sdp_cli.rollout.records import RolloutSample
 
 from .stubs import tiny_lm
@@ -149,8 +151,6 @@ def test_http_options_are_validated(bad):
 
 # ------------------------------------------------------------------------------ parsing
 def test_spans_must_tile_the_output():
-    from sdp_cli.engine.remote import RemoteServer
-
     server = RemoteServer(HttpServer("http://x.invalid", HttpOptions()))
     spans = [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 5}]
     assert expand_spans(server, "/g", spans, 5) == ["1", "1", "2", "2", "2"]
@@ -317,7 +317,7 @@ class MemoryEngine(RemoteEngine):
     def _trainer_cycle(self):
         self.pause()
         loaded = self.get_version()
-        for s in self.inflight_samples():  # DESIGN.md §2 step 2
+        for s in self.inflight_samples():  # docs/design.md §2 step 2
             idx = [
                 t
                 for t in range(s.output_len)
@@ -349,7 +349,7 @@ def version_dirs(tmp_path_factory):
     budget=st.integers(1, 12),
 )
 def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedule, budget):
-    """DESIGN.md §2 invariant: every token of version v below the final version has π_prox_t
+    """docs/design.md §2 invariant: every token of version v below the final version has π_prox_t
     from version v+1 (computed here directly from those weights); the others keep π_behav."""
     engine = MemoryEngine(version_dirs, schedule)
     sample = RolloutSample(prompt_ids=[3, 1, 4])

@@ -167,7 +167,7 @@ def test_prefill_scores_equal_sampled_logprobs_at_temperature_one(stub):
 
 # ------------------------------------------------------------- abort / resume / versions
 def _recompute_pass(engine, weights_loaded_version: int) -> None:
-    """DESIGN.md §2 step 2, as the rollout loop does it: score tokens of version v-1 under v."""
+    """docs/design.md §2 step 2, as the rollout loop does it: score tokens of version v-1 under v."""
     v = weights_loaded_version
     todo = []
     for s in engine.inflight_samples():
@@ -563,8 +563,8 @@ def test_api_key_is_sent_and_never_logged(weight_dirs, caplog):
 
 # -------------------------------------------------------------------------- temperature
 def test_temperature_other_than_one_is_refused_with_sglangs_reason(stub):
-    # SGLang scales its sampled logprobs by 1/T but not its prefill ones (research note
-    # sglang.md §2): the scores, hence π_prox_t, would not match old_logprobs
+    # SGLang scales its sampled logprobs by 1/T but not its prefill ones (docs/engines.md
+    # "Temperature"): the scores, hence π_prox_t, would not match old_logprobs
     with pytest.raises(
         EngineError,
         match=r"temperature=0.7: SGLang's sampled-token logprobs are log softmax\(z / T\) but its "
@@ -635,7 +635,7 @@ def test_one_seed_gives_distinct_and_reproducible_samples(stub):
 
 # ----------------------------------------------------------------- from the run config
 def _run_cfg(**engine):
-    """The fields of the run config that build_remote_engine reads (schema.EngineConfig)."""
+    """The fields of the run config that build_engine reads for a server (schema.EngineConfig)."""
     from types import SimpleNamespace
 
     defaults = dict(
@@ -651,12 +651,12 @@ def _run_cfg(**engine):
 def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(
     weight_dirs, tmp_path, monkeypatch
 ):
-    from sdp_cli.engine.servers import build_remote_engine
+    from sdp_cli.engine.factory import build_engine
 
     monkeypatch.setenv("SDP_TEST_SGLANG_KEY", "sk-env-42")
     with sglang_stub.SGLangStub(weight_dirs[0], api_key="sk-env-42") as stub:
         cfg = _run_cfg(urls=[stub.url], api_key_env="SDP_TEST_SGLANG_KEY", retries=2)
-        with build_remote_engine(cfg, policy=None, run_dir=tmp_path) as engine:
+        with build_engine(cfg, policy=None, run_dir=tmp_path) as engine:
             assert isinstance(engine, SGLangEngine) and engine.options.http.max_retries == 2
             samples = _samples(PROMPTS[:1])
             engine.generate(samples, SamplingParams(max_new_tokens=2))
@@ -671,18 +671,18 @@ def test_build_from_the_run_config_attaches_with_the_key_from_the_environment(
             "engine.api_key_env=SDP_TEST_UNSET_KEY, but that environment variable is empty",
         ),
         ({"launch": False}, "has no engine.urls and engine.launch=false"),
-        ({"kind": "local"}, "engine.kind='local' is not a remote engine"),
+        ({"kind": "tgi"}, "engine.kind='tgi' is not an engine; choose one of local, vllm, sglang"),
     ],
 )
 def test_build_from_the_run_config_refuses_bad_settings(
     tmp_path, monkeypatch, engine_fields, message
 ):
-    from sdp_cli.engine.servers import build_remote_engine
+    from sdp_cli.engine.factory import build_engine
     from sdp_cli.errors import UserError
 
     monkeypatch.delenv("SDP_TEST_UNSET_KEY", raising=False)
     with pytest.raises(UserError, match=message):
-        build_remote_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
+        build_engine(_run_cfg(**engine_fields), policy=None, run_dir=tmp_path)
 
 
 # ------------------------------------------------- the stub keeps SGLang's documented rules
@@ -723,10 +723,10 @@ def test_stub_blocks_generate_while_paused(stub):
 def test_a_request_admitted_just_before_pause_is_waited_for(stub, weight_dirs, monkeypatch):
     """The request id is registered in the same step that admits the request, so a pause()
     that starts right after admission cannot miss it (it would run through the update)."""
-    import sdp_cli.engine.remote as remote
+    import sdp_cli.engine.remote_server as remote_server
 
     entered, release = threading.Event(), threading.Event()
-    original = remote.new_request_id
+    original = remote_server.new_request_id
     calls = []
 
     def slow_first_id() -> str:
@@ -736,7 +736,7 @@ def test_a_request_admitted_just_before_pause_is_waited_for(stub, weight_dirs, m
             release.wait()  # the producer thread is descheduled right at admission
         return original()
 
-    monkeypatch.setattr(remote, "new_request_id", slow_first_id)
+    monkeypatch.setattr(remote_server, "new_request_id", slow_first_id)
     stub.set_hold(2)
     with _engine(stub) as engine:
         samples = _samples(PROMPTS[:1])

@@ -10,7 +10,8 @@ import pytest
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable, SamplingParams
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.engine.remote import RemoteOptions, RemoteServer
+from sdp_cli.engine.remote import RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import free_port
 from sdp_cli.engine.vllm import (
     EXTENSION_CLASS,
@@ -151,7 +152,7 @@ def test_unreachable_server_names_the_address_and_the_fix():
 
 def test_temperature_other_than_one_is_refused_before_connecting_with_vllms_reason():
     # vLLM's raw logprobs are unscaled for sampled and prompt tokens alike: its scores do match
-    # its sampled logprobs (research note vllm_cpu.md §4b); what is wrong is that neither is the
+    # its sampled logprobs (docs/engines.md "vLLM"); what is wrong is that neither is the
     # distribution softmax(z / T) the tokens were drawn from
     with pytest.raises(EngineError) as err:
         VLLMEngine(["http://127.0.0.1:9"], RemoteOptions(temperature=0.8))

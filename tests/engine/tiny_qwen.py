@@ -1,6 +1,6 @@
 """The tiny Qwen2 model of the LocalEngine tests and their reference: how a trainer computes
 logprobs, one full forward of the unpadded sequence and log_softmax(logits / T) gathered at the
-next tokens (DESIGN.md §4). It shares no code with the engine's padded, KV-cached loop."""
+next tokens (docs/design.md §4). It shares no code with the engine's padded, KV-cached loop."""
 
 from __future__ import annotations
 

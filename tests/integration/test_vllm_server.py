@@ -30,7 +30,7 @@ def _load(engine: VLLMEngine, model_dirs, version: int) -> None:
 
 
 def _recompute_pass(engine, samples, loaded: int) -> None:
-    """DESIGN.md §2 step 2: tokens of version loaded-1 without π_prox_t are scored now."""
+    """docs/design.md §2 step 2: tokens of version loaded-1 without π_prox_t are scored now."""
     todo = []
     for s in samples:
         idx = [
@@ -58,7 +58,7 @@ def test_generation_records_logprobs_and_versions(vllm_engine, model_dirs, hf_re
     for s, scored in zip(samples, scores):
         assert (s.output_len, s.finish_reason) == (24, "length")
         assert s.versions == [0] * 24 and s.proximal_logprobs_t == s.old_logprobs
-        # the server's prefill reproduces its sampled logprobs (research note: bit-exact)
+        # the server's prefill reproduces its sampled logprobs (docs/engines.md "vLLM": bit-exact)
         assert scored == pytest.approx(s.old_logprobs, abs=1e-5)
         assert scored == pytest.approx(hf_reference(0, s.input_ids, s.prompt_len), abs=1e-3)
     assert len({tuple(s.output_ids) for s in samples}) > 1, (
@@ -184,7 +184,7 @@ def test_tied_embedding_reload_needs_the_extension(vllm_engine, model_dirs, hf_r
     _load(engine, model_dirs, 0)
     try:
         # vLLM's own reload re-packs every layer in the checkpoint; the tied head is not there,
-        # so logits keep using the embedding of version 0 (research note §4d)
+        # so logits keep using the embedding of version 0 (docs/engines.md "vLLM")
         engine.reload_method = "reload_weights"
         _load(engine, model_dirs, 3)
         (plain,) = engine.score([sequence], [1])

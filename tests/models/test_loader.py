@@ -101,6 +101,11 @@ def test_greedy_accuracy_matches_a_per_item_reference():
         ("bin_only", "only .bin (pickle) weights"),
         ("no_tokenizer", "has no tokenizer files"),
         ("bad_config", "cannot load model directory"),
+        ("weights cut in half", "model.safetensors is truncated: tensor"),
+        ("weights cut to 4 bytes", "model.safetensors is truncated: 4 bytes"),
+        ("weights cut inside the header", "model.safetensors is truncated: its header claims"),
+        ("weights with trailing bytes", "model.safetensors has 8 bytes after its last tensor"),
+        ("header length of 2^40", "model.safetensors has a header length of 1099511627776 bytes"),
     ],
 )
 def test_bad_hf_directories_are_one_line_user_errors(policy, tmp_path, setup, fragment):
@@ -118,6 +123,19 @@ def test_bad_hf_directories_are_one_line_user_errors(policy, tmp_path, setup, fr
             (directory / name).unlink()
     elif setup == "bad_config":
         (directory / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    elif setup.startswith(("weights", "header")):
+        weights = directory / "model.safetensors"
+        data = weights.read_bytes()
+        # before: a SafetensorError traceback from transformers' loader
+        weights.write_bytes(
+            {
+                "weights cut in half": data[: len(data) // 2],
+                "weights cut to 4 bytes": data[:4],
+                "weights cut inside the header": data[:100],
+                "weights with trailing bytes": data + bytes(8),
+                "header length of 2^40": (2**40).to_bytes(8, "little") + data[8:],
+            }[setup]
+        )
     with pytest.raises(UserError) as err:
         load_policy("hf", path=directory)
     message = str(err.value)

@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sdp_cli.rundir import RunDir
 from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import LEDGER, Audit, audit
+from sdp_cli.train.ledger import Audit, audit
 
 from ..fast_run import FAST
 GROUP_SIZE = 4
@@ -57,11 +58,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "metrics.jsonl")
+    return read_jsonl(RunDir(run_dir).metrics)
 
 
 def events(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "events.jsonl")
+    return read_jsonl(RunDir(run_dir).events)
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -120,7 +121,7 @@ def check_finished_run(run_dir: Path, steps: int, *, optimizer_steps_per_step: i
     assert counts == {float(steps * optimizer_steps_per_step)}, f"optimizer steps {counts}"
     assert checkpoint.state["trainer"]["version"] == steps
 
-    result = audit(run_dir / LEDGER, checkpoint.state["loop"], GROUP_SIZE)
+    result = audit(RunDir(run_dir).ledger, checkpoint.state["loop"], GROUP_SIZE)
     assert result.ok, (
         f"ledger: lost {result.lost}, duplicated {result.duplicated}, bad sample counts "
         f"{result.bad_sample_counts}, counters {result.counter_mismatches}"

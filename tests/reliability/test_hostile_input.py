@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import shutil
 import struct
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save, save_file
 
@@ -31,7 +32,8 @@ from sdp_cli.cli.main import main
 from sdp_cli.config.compose import compose_config
 from sdp_cli.config.schema import field_docs
 from sdp_cli.errors import UserError
-from sdp_cli.rollout.batch_file import MAX_HEADER_BYTES, BatchFormatError, read_batch
+from sdp_cli.rollout.batch_file import BatchFormatError, read_batch
+from sdp_cli.rollout.batch_header import MAX_HEADER_BYTES
 
 from . import report
 from .harness import error_line
@@ -73,6 +75,61 @@ def _cu_not_increasing(t, m):
 
 def _newer_format(t, m):
     m["format_version"] = "99"
+
+
+def _cu_wraps_int64(t, m):
+    # differences stay positive in int64: 2^62 − 0, (−2^63 + 100) − 2^62 → 2^62 + 100,
+    # 34 − (−2^63 + 100) → 2^63 − 66; unbounded, this was SIGSEGV (inspect) and SIGFPE (recompute)
+    t["cu_seqlens"][1] = 2**62
+    t["cu_seqlens"][2] = -(2**63) + 100
+
+
+def _trainer_version_2_70(t, m):
+    m["trainer_version"] = str(2**70)
+
+
+def _positive_logprob(t, m):
+    t["old_logprobs"][t["versions"] >= 0] = 0.5
+
+
+def _logprob_near_float_min(t, m):
+    t["proximal_logprobs"][t["versions"] >= 0] = -3e38
+
+
+def _tiny_temperature(t, m):
+    m["temperature"] = "1e-300"
+
+
+def _token_id_negative(t, m):
+    t["input_ids"][3] = -5
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _existing(path: Path) -> Path:
+    path.write_bytes(EXAMPLE.read_bytes())  # a training batch the user keeps
+    return path
+
+
+def _hard_link(tmp: Path) -> Path:
+    os.link(_copy_example(tmp), tmp / "alias.safetensors")
+    return tmp / "alias.safetensors"
+
+
+def _versions_with_a_truncated_one(tmp: Path) -> Path:
+    """v000008 and v000009 (the versions the example batch needs), v000008's weights cut in half."""
+    from sdp_cli.models import load_policy, save_policy
+
+    policy = load_policy("tiny", task="arith1", warm_start_steps=0, hidden_size=32, num_layers=1,
+                         num_heads=2, num_kv_heads=2, intermediate_size=64)  # fmt: skip
+    for version in (8, 9):
+        save_policy(policy, tmp / "run" / "versions" / f"v{version:06d}")
+    weights = tmp / "run" / "versions" / "v000008" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return tmp / "run"
 
 
 def _run_dir(tmp: Path, overrides: str) -> Path:
@@ -153,6 +210,56 @@ MALFORMED = [
      "cu_seqlens is not strictly increasing"),
     ("inspect-weights: newer format version",
      lambda t: ["inspect-weights", str(_edited_batch(t / "v.safetensors", _newer_format))], "upgrade sdp"),
+    ("inspect-weights: cu_seqlens wrap int64",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "w.safetensors", _cu_wraps_int64))],
+     "cu_seqlens[1] = 4611686018427387904 is outside [0, 695]"),
+    ("recompute: cu_seqlens wrap int64",
+     lambda t: ["recompute", str(_edited_batch(t / "w.safetensors", _cu_wraps_int64)), "-c", str(t)],
+     "cu_seqlens[1] = 4611686018427387904 is outside [0, 695]"),
+    ("inspect-weights: trainer_version 2^70",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "v.safetensors", _trainer_version_2_70))],
+     "trainer_version 1180591620717411303424 is outside"),
+    ("inspect-weights: log-probs above 0, --json",
+     lambda t: ["inspect-weights", "--json", str(_edited_batch(t / "p.safetensors", _positive_logprob))],
+     "is 0.5, must be <= 0"),
+    ("inspect-weights: log-probs near -3e38, --json",
+     lambda t: ["inspect-weights", "--json", str(_edited_batch(t / "p.safetensors", _logprob_near_float_min))],
+     "below the floor -100000"),
+    ("inspect-weights: temperature 1e-300 in the header",
+     lambda t: ["inspect-weights", str(_edited_batch(t / "t.safetensors", _tiny_temperature))],
+     "temperature 1e-300 is outside [0.01, 100]"),
+    ("recompute: negative token id",
+     lambda t: ["recompute", str(_edited_batch(t / "i.safetensors", _token_id_negative)), "-c", str(t)],
+     "input_ids[3] = -5 is outside"),
+    ("train: temperature 1e-300", lambda t: ["train", "rollout.temperature=1e-300"],
+     "rollout.temperature=1e-300 is outside [0.01, 100]"),
+    ("inspect-weights: --plot over a FIFO", lambda t: ["inspect-weights", "--example", "--plot", str(_fifo(t / "f"))],
+     "is a FIFO, not a regular file"),
+    ("inspect-weights: --dump-weights over a training batch, no --force",
+     lambda t: ["inspect-weights", "--example", "--dump-weights", str(_existing(t / "step-000013.safetensors"))],
+     "already exists; pass --force to replace it"),
+    ("inspect-weights: --plot and --dump-weights one file (x and ./x)",
+     lambda t: ["inspect-weights", "--example", "--plot", f"{t}/w.out", "--dump-weights", f"{t}/./w.out"],
+     "is given for both --plot and --dump-weights"),
+    ("inspect-weights: --plot name of 300 characters",
+     lambda t: ["inspect-weights", "--example", "--plot", f"{t}/{'p' * 300}.png"], "longer than the 255"),
+    ("inspect-weights: one batch twice (a file and its hard link)",
+     lambda t: ["inspect-weights", str(_copy_example(t)), str(_hard_link(t))], "is the same file as"),
+    ("recompute: -o over an existing file, no --force",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(t), "-o", str(_existing(t / "kept.safetensors"))],
+     "already exists; pass --force"),
+    ("recompute: -o a FIFO",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(t), "-o", str(_fifo(t / "f")), "--force"],
+     "is a FIFO, not a regular file"),
+    ("recompute: a version's model.safetensors truncated",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", str(_versions_with_a_truncated_one(t)), "--dry-run"],
+     "v000008: model.safetensors is truncated"),
+    ("inspect-weights: batch name of 300 characters",
+     lambda t: ["inspect-weights", f"{t}/{'b' * 300}.safetensors"], "File name too long"),
+    ("recompute: batch name of 300 characters",
+     lambda t: ["recompute", f"{t}/{'b' * 300}.safetensors", "-c", str(t)], "longer than the 255"),
+    ("recompute: --checkpoints name of 300 characters",
+     lambda t: ["recompute", str(_copy_example(t)), "-c", f"{t}/{'c' * 300}"], "File name too long"),
     ("inspect-weights: directory without batches", lambda t: ["inspect-weights", str(_empty_dir(t))],
      "holds no *.safetensors"),
     ("recompute: no --checkpoints", lambda t: ["recompute", str(EXAMPLE)], "Missing option '--checkpoints'"),
@@ -217,6 +324,7 @@ def test_malformed_input_is_one_line_nonzero_and_writes_nothing(
     inputs = tmp_path / "in"
     inputs.mkdir()
     argv = build(inputs)
+    capsys.readouterr()  # what building the input printed is not the command's output
     work = tmp_path / "work"  # the working directory: runs/ would appear here
     work.mkdir()
     monkeypatch.chdir(work)
@@ -325,6 +433,82 @@ def test_fuzzed_batch_files_are_read_or_refused_in_one_line(tmp_path, content):
     except BatchFormatError as err:
         assert "\n" not in str(err) and str(err).startswith(str(path))
     assert time.perf_counter() - started < 2.0, "the reader took too long"
+
+
+INT64_EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**53 - 1, 2**53, 2**62, 2**63 - 1, -(2**63), -(2**62)]
+_INT64 = st.one_of(st.sampled_from(INT64_EDGES), st.integers(-(2**63), 2**63 - 1), st.integers(-3, 800))
+_METADATA_NUMBERS = st.one_of(
+    st.sampled_from([*map(str, INT64_EDGES), str(2**64), str(2**70), "1e-300", "1e309", "5e-324", "-0",
+                     "nan", "-inf", "1_0", " 1", "+1", "\u0661", "0x10", "", "9" * 5000]),
+    st.integers(-(2**80), 2**80).map(str), st.floats().map(repr), st.text(max_size=8),
+)  # fmt: skip
+_INT_TENSORS = ("cu_seqlens", "prompt_lens", "versions", "proximal_t_versions", "input_ids")
+_FLOAT_TENSORS = ("old_logprobs", "proximal_logprobs_t", "proximal_logprobs", "advantages", "rewards")
+_INT64_WRAP = 2**64
+
+
+def _wrap(x: int) -> int:
+    return (x + 2**63) % _INT64_WRAP - 2**63
+
+
+@st.composite
+def _wrapping_cu_seqlens(draw, n: int, entries: int):
+    """cu_seqlens from 0 to ``n`` whose differences are all positive in int64 arithmetic, with
+    values far outside [0, n] (they wrap around)."""
+    cu = [0]
+    for _ in range(entries - 3):
+        cu.append(_wrap(cu[-1] + draw(st.integers(1, 2**63 - 1))))
+    # the last two steps: to a value v with v − cu[-1] > 0 and n − v > 0, both wrapped
+    v = draw(st.integers(n + 1 - 2**63, n - 1))
+    assume(0 < _wrap(v - cu[-1]) and 0 < _wrap(n - v))
+    return torch.tensor([*cu, v, n], dtype=torch.int64)
+
+
+@st.composite
+def _hostile_numbers(draw):
+    """The example batch with 1–4 numbers replaced: int64 entries by edge values or any int64,
+    log-probs and rewards by any float32, metadata numbers by arbitrary strings, or cu_seqlens
+    by a sequence whose differences are all positive in wrapping int64 arithmetic."""
+    tensors, meta = _example_tensors()
+    for _ in range(draw(st.integers(1, 4))):
+        what = draw(st.sampled_from(["metadata", "wrapping cu_seqlens", "int", "float"]))
+        if what == "int":
+            name = draw(st.sampled_from(_INT_TENSORS))
+            tensors[name][draw(st.integers(0, tensors[name].numel() - 1))] = draw(_INT64)
+        elif what == "float":
+            name = draw(st.sampled_from(_FLOAT_TENSORS))
+            tensors[name][draw(st.integers(0, tensors[name].numel() - 1))] = draw(st.floats(width=32))
+        elif what == "metadata":
+            meta[draw(st.sampled_from(["trainer_version", "temperature"]))] = draw(_METADATA_NUMBERS)
+        else:
+            cu = tensors["cu_seqlens"]
+            tensors["cu_seqlens"] = draw(_wrapping_cu_seqlens(int(cu[-1]), cu.numel()))
+    return tensors, meta
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_hostile_numbers())
+def test_fuzzed_header_and_tensor_numbers_are_read_or_refused_in_one_line(tmp_path, case):
+    """Whatever the numbers, the reader accepts the batch or refuses it in one line; an accepted
+    batch can be analysed (the layout, padding and every statistic) and its --json report is
+    strict JSON. A crash here (SIGSEGV, SIGFPE, OverflowError) fails the whole session."""
+    from sdp_cli.analysis.inspect import analyse_batches
+    from sdp_cli.fileio import json_document
+
+    tensors, meta = case
+    path = tmp_path / "numbers.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    try:
+        batch = read_batch(path)
+    except BatchFormatError as err:
+        assert "\n" not in str(err) and str(err).startswith(str(path))
+        return
+    report = analyse_batches([batch], [str(path)])
+
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    json.loads(json_document(report.to_dict()), parse_constant=refuse)
 
 
 KEYS = [key for key, _, _ in field_docs()]
@@ -466,3 +650,23 @@ def test_a_torch_save_file_is_refused_unread(tmp_path, monkeypatch):
         with pytest.raises(BatchFormatError):
             read_batch(path)
     assert save({"x": torch.zeros(1)})  # the safetensors writer itself is untouched
+
+
+def test_truncated_weights_are_one_line_in_every_reader(tmp_path, monkeypatch, capsys):
+    """A model.safetensors cut short: the local engine's weight reader, the policy loader behind
+    `sdp train model=hf` and recompute's scorers (the MALFORMED case above) each name the file
+    and say it is truncated. (`sdp train` still creates its run directory first: issue 13
+    item 8, another change.)"""
+    from sdp_cli.engine._local_weights import read_safetensors_dir
+    from sdp_cli.engine.base import EngineError
+
+    run = _versions_with_a_truncated_one(tmp_path)
+    broken = run / "versions" / "v000008"
+    with pytest.raises(EngineError, match="model.safetensors: is truncated: tensor") as err:
+        read_safetensors_dir(broken)
+    assert "\n" not in str(err.value)
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)
+    code, err_text = _run_main(["train", "model=hf", f"model.path={broken}", "train.steps=1"], capsys)
+    assert code == 2
+    assert "model.safetensors is truncated" in error_line(err_text)

@@ -1,16 +1,22 @@
-"""Saved batches (DESIGN.md §5): round trip, padded view, atomic writes, and malformed files
+"""Saved batches (docs/design.md §5): round trip, padded view, atomic writes, and malformed files
 refused with one clear line each."""
 
+import dataclasses
 import json
 import os
 import pickle
+import random
 import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from sdp_cli.errors import UserError
 from sdp_cli.rollout import batch_file
@@ -396,3 +402,153 @@ def test_a_pickle_is_never_unpickled(tmp_path):
     with pytest.raises(BatchFormatError, match="Python pickle"):
         read_batch(path)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ hostile numbers
+def three_sequences():
+    """Three sequences packed by hand: [1, 2 | 3, 4, 5], [7 | 8], [9 | 10]: N = 9, cu = [0, 5, 7, 9]."""
+    a, b = two_samples()
+    c = RolloutSample(prompt_ids=[9])
+    c.append_tokens([10], [-0.5], 1)
+    return SavedBatch.from_samples(
+        [a, b, c], trainer_version=1, temperature=1.0, model="m", mode="segment_wise"
+    )
+
+
+def write_tensors(path, batch, overrides=None, metadata=None):
+    save_file({**batch.tensors(), **(overrides or {})}, path, metadata={**batch.metadata(), **(metadata or {})})
+    return path
+
+
+HOSTILE_NUMBERS = {
+    # every difference is positive in int64 arithmetic: 2^62 − 0; (−2^63 + 100) − 2^62 wraps to
+    # 2^62 + 100; 9 − (−2^63 + 100) wraps to 2^63 − 91. Unbounded, the token layout asked
+    # repeat_interleave for 2^62 copies and the process died with SIGSEGV.
+    "cu_seqlens wraps int64": (
+        {"cu_seqlens": torch.tensor([0, 2**62, -(2**63) + 100, 9])},
+        {},
+        "cu_seqlens[1] = 4611686018427387904 is outside [0, 9]",
+    ),
+    "cu_seqlens negative": (
+        {"cu_seqlens": torch.tensor([0, -3, 5, 9])},
+        {},
+        "cu_seqlens[1] = -3 is outside [0, 9]",
+    ),
+    "trainer_version 2^70": ({}, {"trainer_version": str(2**70)}, "trainer_version 1180591620717411303424 is outside [0, 9007199254740991]"),
+    "trainer_version with a sign": ({}, {"trainer_version": "+1"}, "trainer_version '+1' is not a plain decimal integer"),
+    "trainer_version in other digits": ({}, {"trainer_version": "١"}, "trainer_version '١' is not a plain decimal integer"),
+    "temperature 1e-300": ({}, {"temperature": "1e-300"}, "temperature 1e-300 is outside [0.01, 100]"),
+    "temperature 1e6": ({}, {"temperature": "1e6"}, "temperature 1000000.0 is outside [0.01, 100]"),
+    "temperature inf": ({}, {"temperature": "inf"}, "temperature inf is outside [0.01, 100]"),
+    "log-prob above 0": (
+        {"old_logprobs": torch.tensor([0, 0, -0.5, 0.25, -1, 0, -0.125, 0, -0.5])},
+        {},
+        "old_logprobs of output token 3 (sequence 0) is 0.25, must be <= 0",
+    ),
+    "log-prob near -3e38": (
+        {"proximal_logprobs_t": torch.tensor([0, 0, -0.4, -0.25, -1, 0, -3e38, 0, -0.5])},
+        {},
+        "proximal_logprobs_t of output token 6 (sequence 1) is -3e+38, below the floor -100000",
+    ),
+    "token id negative": (
+        {"input_ids": torch.tensor([1, 2, 3, 4, 5, 7, -8, 9, 10])},
+        {},
+        "input_ids[6] = -8 is outside [0, 2147483647]",
+    ),
+    "token id past int32": (
+        {"input_ids": torch.tensor([1, 2, 3, 4, 5, 7, 2**40, 9, 10])},
+        {},
+        "input_ids[6] = 1099511627776 is outside [0, 2147483647]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_NUMBERS))
+def test_hostile_numbers_are_refused_in_one_line(tmp_path, case):
+    overrides, metadata, expected = HOSTILE_NUMBERS[case]
+    path = write_tensors(tmp_path / "bad.safetensors", three_sequences(), overrides, metadata)
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    assert expected in message, message
+
+
+def test_the_limits_themselves_are_accepted(tmp_path):
+    """The bounds are inclusive: log-prob 0 and the floor, temperature 0.01 and 100, token id
+    2^31 − 1 and trainer version 2^53 − 1 (with every output token at that version)."""
+    batch = three_sequences()
+    out = batch.versions >= 0
+    big = 2**53 - 1
+    overrides = {
+        "old_logprobs": torch.where(out, torch.tensor([0.0, 0, -1e5, 0, -0.5, 0, -0.125, 0, -0.5]), 0.0),
+        "proximal_logprobs_t": torch.where(out, torch.tensor([0.0, 0, -1e5, 0, -0.5, 0, -0.125, 0, -0.5]), 0.0),
+        "input_ids": torch.tensor([1, 2, 3, 4, 5, 7, 2**31 - 1, 9, 10]),
+        "versions": torch.where(out, big, -1),
+        "proximal_t_versions": torch.where(out, big, -1),
+    }
+    for temperature in ("0.01", "100.0"):
+        path = write_tensors(
+            tmp_path / "edge.safetensors", batch, overrides, {"temperature": temperature, "trainer_version": str(big)}
+        )
+        back = read_batch(path)
+        assert back.trainer_version == big and back.temperature == float(temperature)
+        assert float(back.old_logprobs.min()) == -1e5 and float(back.old_logprobs.max()) == 0.0
+
+
+def _batch_with_header_length(tmp_path, target: int) -> Path:
+    """A valid batch whose 8-byte header length is ``target``: the shortest header sdp writes
+    (required tensors only) is 624 bytes; the model name is lengthened one character at a time
+    (safetensors pads the header to a multiple of 8)."""
+    base = dataclasses.replace(good_batch(), rewards=None, loss_mask=None, mode="bypass")  # 624 bytes
+    for n in range(1, 4000):
+        batch = dataclasses.replace(base, model="m" * n)
+        length = struct.unpack("<Q", save(batch.tensors(), metadata=batch.metadata())[:8])[0]
+        if length >= target:
+            assert length == target, f"cannot reach a header of {target} bytes (got {length})"
+            return write_batch(tmp_path / f"h{target}.safetensors", batch)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("length", [640, 896, 1152, 1408])
+def test_a_valid_batch_whose_header_length_looks_like_a_pickle_is_read(tmp_path, length):
+    """640 = 0x280, 896 = 0x380, 1152 = 0x480, 1408 = 0x580: the file starts with 0x80 and a
+    pickle protocol byte 2–5, yet it is a well-formed safetensors batch."""
+    path = _batch_with_header_length(tmp_path, length)
+    assert path.read_bytes()[0] == 0x80 and 2 <= path.read_bytes()[1] <= 5
+    assert read_batch(path).model.startswith("m")
+
+
+def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
+    """Another process rewrites a 6.6 MB batch in place (the same inode), cutting it to half its
+    length at random moments, while it is read 100 times: each read gives the batch or one
+    BatchFormatError line, never SIGBUS (a memory map of a file that shrinks under it; before
+    the reader copied the file, 3 of 3 runs of this test died that way)."""
+    sample = RolloutSample(prompt_ids=[1])
+    sample.append_tokens([3] * 200_000, [-0.5] * 200_000, 0)
+    batch = SavedBatch.from_samples([sample], trainer_version=0, temperature=1.0, model="m", mode="bypass")
+    path = write_batch(tmp_path / "b.safetensors", batch)
+    data = path.read_bytes()
+    reader = (
+        "import sys\n"
+        "from sdp_cli.rollout.batch_file import BatchFormatError, read_batch\n"
+        "ok = bad = 0\n"
+        "for _ in range(100):\n"
+        "    try:\n"
+        "        read_batch(sys.argv[1]); ok += 1\n"
+        "    except BatchFormatError as err:\n"
+        "        assert '\\n' not in str(err); bad += 1\n"
+        "print(ok, bad)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", reader, str(path)], stdout=subprocess.PIPE, text=True)
+    rng = random.Random(0)
+    while proc.poll() is None:
+        with open(path, "r+b") as f:
+            f.write(data)
+        time.sleep(rng.random() * 0.02)
+        with open(path, "r+b") as f:
+            f.truncate(len(data) // 2)
+    out = proc.stdout.read()
+    assert proc.returncode == 0, f"the reader died with {proc.returncode} ({out!r})"
+    ok, bad = map(int, out.split())
+    assert ok + bad == 100 and ok > 0, (ok, bad)

@@ -46,8 +46,8 @@ class RecordingStrategy(SegmentWiseStrategy):
 
 
 class ForkDecayingCredit(CapacityModifier):
-    """The fork's FilteredSamplesCapacityModifier (research/areal.md §0.3): the credit is
-    decremented whenever the trainer consumes a batch, although the dropped rollouts are still
+    """The FilteredSamplesCapacityModifier of the AReaL fork this design started from: the credit
+    is decremented whenever the trainer consumes a batch, although the dropped rollouts are still
     counted in ``accepted``. Used only to show that it loses capacity."""
 
     def __init__(self):

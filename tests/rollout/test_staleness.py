@@ -1,4 +1,4 @@
-"""StalenessManager and FilteredSamplesCapacityModifier: admission formula (DESIGN.md §3),
+"""StalenessManager and FilteredSamplesCapacityModifier: admission formula (docs/design.md §3),
 modifier order and the concurrency cap, exact return of dropped slots, checkpoint state."""
 
 import json
@@ -40,7 +40,7 @@ def test_admission_formula_hand_computed():
     mgr = StalenessManager(
         max_concurrent_rollouts=100,
         consumer_batch_size=4,
-        max_staleness=1,
+        max_head_offpolicyness=1,
         version_provider=version,
     )
     # (η + v + 1)·B − (accepted + running) = (1 + 0 + 1)·4 − 0 = 8; concurrency 100 − 0
@@ -67,7 +67,7 @@ def test_concurrency_limit_and_its_floor_of_one():
     mgr = StalenessManager(
         max_concurrent_rollouts=2,
         consumer_batch_size=8,
-        max_staleness=4,
+        max_head_offpolicyness=4,
         version_provider=Version(0),
     )
     assert mgr.get_capacity() == 2  # min(2 − 0, 5·8)
@@ -77,7 +77,7 @@ def test_concurrency_limit_and_its_floor_of_one():
     zero = StalenessManager(
         max_concurrent_rollouts=0,
         consumer_batch_size=0,
-        max_staleness=0,
+        max_head_offpolicyness=0,
         version_provider=Version(0),
     )
     # max(1, 0) = 1 concurrent; B = max(1, 0) = 1 → (0 + 0 + 1)·1 = 1
@@ -249,7 +249,7 @@ def test_concurrent_try_submit_never_overshoots():
     mgr = StalenessManager(
         max_concurrent_rollouts=7,
         consumer_batch_size=5,
-        max_staleness=0,
+        max_head_offpolicyness=0,
         version_provider=Version(0),
     )
     for _ in range(200):

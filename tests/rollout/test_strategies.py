@@ -1,4 +1,4 @@
-"""Staleness strategies: the segment-wise rule (DESIGN.md §2 as resolved in issue #3), the strict
+"""Staleness strategies: the segment-wise rule (docs/design.md §2 as resolved in issue #3), the strict
 invariant, drop counting and the factory."""
 
 import json
@@ -129,7 +129,7 @@ def histories(draw):
 
 
 def build(versions, c, window_used):
-    """Apply the DESIGN.md §2 timeline: a token of version v gets π_{v+1} iff its window was used
+    """Apply the docs/design.md §2 timeline: a token of version v gets π_{v+1} iff its window was used
     and weights v+1 have existed (v + 1 ≤ c)."""
     s = make(versions)
     for t, v in enumerate(versions):

@@ -1,6 +1,6 @@
 """An in-process HTTP server that answers like SGLang 0.5.x, backed by ``tiny_lm``.
 
-Reproduces the shapes and behaviours the client relies on (research note sglang.md §1–2):
+Reproduces the shapes and behaviours the client relies on (docs/engines.md "SGLang"):
 ``/generate`` with ``input_ids`` and ``return_logprob`` (rows ``[logprob, token_id, null]``,
 the first ``input_token_logprobs`` row null, stop token kept in ``output_ids``, sampled
 logprobs at temperature T and prefill logprobs untempered; sampling parameters a request
@@ -429,7 +429,7 @@ def _prefill_rows(
     weights: dict[str, torch.Tensor], input_ids: list[int], start: int
 ) -> list[list[Any]]:
     """``input_token_logprobs`` from position ``start``: row 0 is always null, row k scores
-    position start + k (research note sglang.md §2)."""
+    position start + k (docs/engines.md "SGLang")."""
     scored = tiny_lm.score(weights, input_ids, 1)
     return [[None, input_ids[start], None]] + [
         [scored[p - 1], input_ids[p], None] for p in range(start + 1, len(input_ids))

@@ -1,5 +1,5 @@
 """An in-process HTTP server that answers ``POST /inference/v1/generate`` like vLLM 0.32, backed
-by ``tiny_lm`` (research note vllm_cpu.md §4): ``choices[0].token_ids``, raw sampled logprobs
+by ``tiny_lm`` (docs/engines.md "vLLM"): ``choices[0].token_ids``, raw sampled logprobs
 (log softmax(z), unscaled by T: ``--logprobs-mode raw_logprobs``), ``weight_versions`` spans and
 ``prompt_logprobs`` (entry 0 null, entry i keyed by the token id). Sampling parameters a
 request leaves out come from the model's generation_config.json (``stubs/sampling.py``).

@@ -16,11 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.ablate_report import GroupRow
+from sdp_cli.ablate.records import Curves, GroupRow
 
 #: (metric prefix, line style, legend name) of the decoupled and the segment-wise weight
-WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("sdp", "--", "π_{v+1}/π_behav"))
-Curves = dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]
+WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("segment_wise", "--", "π_{v+1}/π_behav"))
 
 
 def _pyplot() -> Any:
@@ -37,7 +36,7 @@ def _series(groups: Sequence[GroupRow]) -> dict[str, list[GroupRow]]:
     out: dict[str, list[GroupRow]] = {}
     for g in groups:
         out.setdefault(g.label, []).append(g)
-    return {label: sorted(rows, key=lambda g: g.eta) for label, rows in sorted(out.items())}
+    return {label: sorted(rows, key=lambda g: g.max_head_offpolicyness) for label, rows in sorted(out.items())}
 
 
 def _dodge(index: int, count: int) -> float:
@@ -56,7 +55,7 @@ def _line(
 ) -> None:
     """Mean ± seed std of ``key`` vs η; ``nonnegative`` stops the lower bar at 0 (a std)."""
     points = [
-        (g.eta + offset, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None
+        (g.max_head_offpolicyness + offset, g.mean[key], g.std[key] or 0.0) for g in rows if g.mean[key] is not None
     ]
     if not points:
         return
@@ -65,9 +64,8 @@ def _line(
     ax.errorbar(xs, ys, yerr=[below, es], marker="o", markersize=4, capsize=3, **style)
 
 
-def _eta_axis(ax: Any, groups: Sequence[GroupRow]) -> None:
-    etas = sorted({g.eta for g in groups})
-    ax.set_xticks(etas)
+def _offpolicyness_axis(ax: Any, groups: Sequence[GroupRow]) -> None:
+    ax.set_xticks(sorted({g.max_head_offpolicyness for g in groups}))
     ax.set_xlabel("η (max_head_offpolicyness)")
     ax.grid(alpha=0.3)
 
@@ -104,13 +102,13 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
     ax_ess.set_ylabel("ESS fraction (mean over steps)")
     ax_ess.set_ylim(top=1.01)
     for ax in (ax_std, ax_ess):
-        _eta_axis(ax, groups)
+        _offpolicyness_axis(ax, groups)
     ax_ess.legend(fontsize=7, loc="lower left")
     fig.suptitle("Behavioural weights measured on the same tokens (colour: training mode)")
     return _save(fig, path)
 
 
-def _two_metrics_vs_eta(
+def _two_metrics_vs_offpolicyness(
     groups: Sequence[GroupRow], path: Path, left: tuple[str, str], right: tuple[str, str]
 ) -> Path:
     """Two panels side by side, each one metric (key, axis label) vs η per mode."""
@@ -122,14 +120,14 @@ def _two_metrics_vs_eta(
         for i, (name, rows) in enumerate(series.items()):
             _line(ax, rows, key, _dodge(i, len(series)), color=colours[name], label=name)
         ax.set_ylabel(label)
-        _eta_axis(ax, groups)
+        _offpolicyness_axis(ax, groups)
     axes[0].legend(fontsize=8)
     return _save(fig, path)
 
 
 def plot_rewards(groups: Sequence[GroupRow], path: Path) -> Path:
     """Final reward and final greedy accuracy vs η per mode."""
-    return _two_metrics_vs_eta(
+    return _two_metrics_vs_offpolicyness(
         groups,
         path,
         ("reward_last", "reward, mean of the last steps"),
@@ -151,17 +149,17 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 def plot_reward_curves(curves: Curves, path: Path) -> Path:
     """One panel per η: reward per step of every mode (moving average, ± std band)."""
     plt = _pyplot()
-    etas = sorted({eta for _, eta, _ in curves})
+    bounds = sorted({bound for _, bound, _ in curves})
     labels = sorted({" ".join([mode, *extra]) for mode, _, extra in curves})
     colours = _colours(labels)
-    cols = min(len(etas), 3)
-    rows = -(-len(etas) // cols)
+    cols = min(len(bounds), 3)
+    rows = -(-len(bounds) // cols)
     fig, axes = plt.subplots(
         rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True
     )
-    for ax, eta in zip(axes.flat, etas):
-        for (mode, g_eta, extra), (steps, means, stds) in sorted(curves.items()):
-            if g_eta != eta or not steps:
+    for ax, bound in zip(axes.flat, bounds):
+        for (mode, group_bound, extra), (steps, means, stds) in sorted(curves.items()):
+            if group_bound != bound or not steps:
                 continue
             window = max(1, len(steps) // 10)
             mean = _smooth(means, window)
@@ -175,10 +173,10 @@ def plot_reward_curves(curves: Curves, path: Path) -> Path:
                 color=colours[label],
                 alpha=0.15,
             )
-        ax.set_title(f"η = {eta}")
+        ax.set_title(f"η = {bound}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(etas) :]:
+    for ax in axes.flat[len(bounds) :]:
         ax.axis("off")
     axes.flat[0].set_ylabel("reward (moving average)")
     axes.flat[0].legend(fontsize=7)
@@ -187,7 +185,7 @@ def plot_reward_curves(curves: Curves, path: Path) -> Path:
 
 def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     """Generated tokens/s and training steps/s vs η per mode."""
-    return _two_metrics_vs_eta(
+    return _two_metrics_vs_offpolicyness(
         groups,
         path,
         ("tokens_per_s", "generated tokens / s"),

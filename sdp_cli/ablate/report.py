@@ -1,23 +1,23 @@
 """Aggregate a sweep's run directories: per-run numbers, per-group mean ± std, CSV, Markdown.
 
-Reads only ``<sweep>/runs/*/`` (``overrides.json``, ``config.yaml``, ``summary.json``,
-``metrics.jsonl``), so it works the same for a sweep that ran on a cluster. A run belongs to the
-group of its overrides minus the seed; groups are shown by mode, η and any other swept key.
+Runs are read by ``sdp_cli.ablate.records``. A run belongs to the group of its overrides minus the
+seed; groups are shown by mode, η and any other swept key.
 
 Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``:
-- ``w_{dec,sdp}_std``: the population std of the raw shadow weight over every response token of
+- ``w_{dec,segment_wise}_std``: the population std of the raw shadow weight over every response token of
   the run, pooled exactly from the per-step token count n_i, mean μ_i and std σ_i:
   σ² = Σ n_i (σ_i² + μ_i²) / N − μ², μ = Σ n_i μ_i / N.
-- ``w_{dec,sdp}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
+- ``w_{dec,segment_wise}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
   (the probe's measure; std is dominated by a few huge ratios, ESS is not).
-- ``w_{dec,sdp}_max``: the largest raw weight of the run.
+- ``w_{dec,segment_wise}_max``: the largest raw weight of the run.
 - ``lag``: mean over steps of the mean token lag c − v; ``kl``: mean of ``offpolicy/kl``
   (π_behav vs π_prox); ``ppo_kl``: mean of ``loss/ppo_kl`` (how far each update moves).
 - ``filtered``: groups dropped by the staleness strategy / groups generated.
 - ``wall_s``: the training loop's time, Σ over steps of ``time/{wait,train,push}_s``;
   ``tokens_per_s`` = the last ``throughput/tokens_generated_total`` / ``wall_s``; ``steps_per_s``
-  and ``recompute_share`` (Σ ``time/recompute_s`` + ``time/recompute_ahead_s`` / ``wall_s``) likewise. Summed per step rather
-  than taken from summary.json, so a resumed run counts the time of both sessions.
+  and ``recompute_share`` (Σ ``time/recompute_s`` + ``time/recompute_ahead_s`` / ``wall_s``)
+  likewise. Summed per step rather than taken from summary.json, so a resumed run counts the time
+  of both sessions.
 - from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end.
 """
 
@@ -25,24 +25,21 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.ablate import (
-    ETA_KEY,
-    MODE_KEY,
-    RUNS_SUBDIR,
-    SEED_KEY,
-    SWEEP_GROUP,
-    split_override,
+from sdp_cli.ablate.records import (
+    SHADOWS,
+    Curves,
+    GroupKey,
+    GroupRow,
+    RunRecord,
+    Sweep,
+    load_sweep,
 )
-from sdp_cli.errors import UserError
-
-SHADOWS = {"dec": "decoupled", "sdp": "segment_wise"}
 
 
 @dataclass(frozen=True)
@@ -75,8 +72,8 @@ METRICS: tuple[Metric, ...] = (
         "weights",
     ),
     Metric(
-        "w_sdp_std",
-        "std sdp",
+        "w_segment_wise_std",
+        "std seg",
         "pooled std of the segment-wise weight π_{v+1}/π_behav",
         ".3f",
         "weights",
@@ -89,14 +86,16 @@ METRICS: tuple[Metric, ...] = (
         "weights",
     ),
     Metric(
-        "w_sdp_ess",
-        "ESS sdp",
+        "w_segment_wise_ess",
+        "ESS seg",
         "mean per-step ESS fraction of the segment-wise weight",
         ".3f",
         "weights",
     ),
     Metric("w_dec_max", "max dec", "largest decoupled weight", ".1f", "weights"),
-    Metric("w_sdp_max", "max sdp", "largest segment-wise weight", ".1f", "weights"),
+    Metric(
+        "w_segment_wise_max", "max seg", "largest segment-wise weight", ".1f", "weights"
+    ),
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
     Metric(
@@ -129,154 +128,6 @@ METRICS: tuple[Metric, ...] = (
         "outcome",
     ),
 )
-
-
-@dataclass
-class RunRecord:
-    """One run directory of a sweep, as read from disk."""
-
-    name: str
-    run_dir: Path
-    mode: str
-    eta: int
-    seed: int
-    extra: tuple[str, ...]
-    summary: dict[str, Any] | None
-    rows: list[dict[str, Any]]
-
-    @property
-    def finished(self) -> bool:
-        return self.summary is not None
-
-    @property
-    def group(self) -> tuple[str, int, tuple[str, ...]]:
-        return (self.mode, self.eta, self.extra)
-
-
-@dataclass
-class GroupRow:
-    """Mean, sample std (None for n = 1) and count of every metric over the seeds of a group."""
-
-    mode: str
-    eta: int
-    extra: tuple[str, ...]
-    seeds: list[int]
-    mean: dict[str, float | None] = field(default_factory=dict)
-    std: dict[str, float | None] = field(default_factory=dict)
-    count: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def n(self) -> int:
-        return len(self.seeds)
-
-    @property
-    def label(self) -> str:
-        return " ".join([self.mode, *self.extra])
-
-
-# ------------------------------------------------------------------ reading
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(
-            f"{path}: cannot read ({err}); re-run the sweep to rewrite this run"
-        ) from None
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The per-step rows of ``metrics.jsonl`` (rows with a reward; eval-only rows skipped).
-
-    A run killed mid-write leaves a torn last line, which is skipped (resuming rewrites it);
-    a bad line anywhere else means the file is not what sdp train wrote.
-    """
-    rows = []
-    if not path.is_file():
-        return rows
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-    for index, (number, line) in enumerate(lines):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            if index == len(lines) - 1:
-                break
-            raise UserError(
-                f"{path}:{number}: not JSON; not a metrics file of sdp train, "
-                "delete the run and re-run the sweep"
-            ) from None
-        if row.get("reward/mean") is not None:
-            rows.append(row)
-    return rows
-
-
-def read_run(run_dir: Path) -> RunRecord:
-    """A run directory of a sweep (finished or not)."""
-    overrides = _read_json(run_dir / "overrides.json")
-    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        raise UserError(
-            f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate"
-        )
-    import yaml
-
-    config = (
-        yaml.safe_load((run_dir / "config.yaml").read_text())
-        if (run_dir / "config.yaml").is_file()
-        else None
-    )
-    if not isinstance(config, dict):
-        raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
-    extra = []
-    for override in overrides:
-        key, value = split_override(override)
-        if key in (MODE_KEY, ETA_KEY, SEED_KEY) or key.lstrip("+~") in (
-            SWEEP_GROUP,
-            "run.dir",
-            "resume",
-        ):
-            continue
-        extra.append(f"{key.lstrip('+~')}={value}")
-    summary_path = run_dir / "summary.json"
-    return RunRecord(
-        name=run_dir.name,
-        run_dir=run_dir,
-        mode=str(config["loss"]["mode"]),
-        eta=int(config["rollout"]["max_head_offpolicyness"]),
-        seed=int(config["seed"]),
-        extra=tuple(sorted(extra)),
-        summary=_read_json(summary_path) if summary_path.is_file() else None,
-        rows=read_metrics(run_dir / "metrics.jsonl"),
-    )
-
-
-@dataclass
-class Sweep:
-    """The runs of a sweep directory; ``common`` holds the overrides every run shares, which
-    are removed from each run's ``extra`` (so ``extra`` is what tells groups apart)."""
-
-    records: list[RunRecord]
-    common: tuple[str, ...]
-
-
-def load_sweep(sweep_dir: Path) -> Sweep:
-    """Every run directory under ``<sweep_dir>/runs`` (sorted by mode, η, extra, seed)."""
-    runs_dir = Path(sweep_dir) / RUNS_SUBDIR
-    if not runs_dir.is_dir():
-        raise UserError(
-            f"{sweep_dir}: no {RUNS_SUBDIR}/ directory; pass the directory of an sdp ablate sweep"
-        )
-    records = [
-        read_run(d)
-        for d in sorted(runs_dir.iterdir())
-        if d.is_dir() and (d / "overrides.json").is_file()
-    ]
-    if not records:
-        raise UserError(f"{runs_dir}: no runs yet; start the sweep with sdp ablate")
-    common = set.intersection(*(set(r.extra) for r in records))
-    for record in records:
-        record.extra = tuple(e for e in record.extra if e not in common)
-    return Sweep(
-        sorted(records, key=lambda r: (r.mode, r.eta, r.extra, r.seed)), tuple(sorted(common))
-    )
 
 
 # ------------------------------------------------------------------- maths
@@ -354,13 +205,13 @@ def _std(values: Sequence[float]) -> float | None:
 
 def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
     """One row per (mode, η, other swept values) over the finished runs: mean, std, n."""
-    groups: dict[tuple[str, int, tuple[str, ...]], list[RunRecord]] = {}
+    groups: dict[GroupKey, list[RunRecord]] = {}
     for record in records:
         if record.finished:
             groups.setdefault(record.group, []).append(record)
     out = []
-    for (mode, eta, extra), members in sorted(groups.items()):
-        row = GroupRow(mode, eta, extra, sorted(r.seed for r in members))
+    for (mode, bound, extra), members in sorted(groups.items()):
+        row = GroupRow(mode, bound, extra, sorted(r.seed for r in members))
         per_run = [run_metrics(r) for r in members]
         for metric in METRICS:
             values = [float(m[metric.key]) for m in per_run if m[metric.key] is not None]
@@ -371,13 +222,11 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
     return out
 
 
-def reward_curves(
-    records: Sequence[RunRecord],
-) -> dict[tuple[str, int, tuple[str, ...]], tuple[list[int], list[float], list[float]]]:
+def reward_curves(records: Sequence[RunRecord]) -> Curves:
     """Per group: steps, mean reward over the seeds per step, its sample std (0 for one seed).
 
     Only steps every finished run of the group reached are kept."""
-    by_group: dict[tuple[str, int, tuple[str, ...]], list[dict[int, float]]] = {}
+    by_group: dict[GroupKey, list[dict[int, float]]] = {}
     for record in records:
         if record.finished:
             curve = {int(r["step"]): float(r["reward/mean"]) for r in record.rows}
@@ -423,7 +272,7 @@ def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
     with_extra = any(g.extra for g in groups)
     rows = []
     for g in groups:
-        cells = [g.mode, str(g.eta), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
+        cells = [g.mode, str(g.max_head_offpolicyness), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
         cells += [_cell(g.mean[m.key], g.std[m.key], m.fmt) for m in _metrics_of(table)]
         rows.append(cells)
     return rows
@@ -448,7 +297,7 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
     writer.writerow(
         [
             "mode",
-            "eta",
+            "eta",  # η = rollout.max_head_offpolicyness
             "other",
             "seeds",
             "n",
@@ -456,7 +305,7 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
         ]
     )
     for g in groups:
-        cells: list[Any] = [g.mode, g.eta, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
+        cells: list[Any] = [g.mode, g.max_head_offpolicyness, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
         for m in METRICS:
             cells += [_num(g.mean[m.key]), _num(g.std[m.key]), g.count[m.key]]
         writer.writerow(cells)
@@ -500,7 +349,7 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     )
     written: list[Path] = []
     if plots and groups:
-        from sdp_cli.analysis.ablate_plots import write_plots
+        from sdp_cli.ablate.plots import write_plots
 
         written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots")
     return Report(groups, sweep, csv_path, md_path, written)

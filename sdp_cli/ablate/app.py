@@ -1,8 +1,8 @@
 """The Hydra app behind ``sdp ablate``: one job = one ``sdp train`` run of the sweep.
 
-``python -m sdp_cli.analysis.ablate_app --multirun +ablate=default hydra.sweep.dir=DIR`` runs a
+``python -m sdp_cli.ablate.app --multirun +ablate=default hydra.sweep.dir=DIR`` runs a
 sweep with Hydra's launcher of choice; ``sdp ablate`` plans, validates and starts exactly this
-command (see ``sdp_cli.analysis.ablate``). The composed config is the ordinary sdp run config;
+command (see ``sdp_cli.ablate.sweep``). The composed config is the ordinary sdp run config;
 the job itself re-composes it from its overrides, as ``sdp train`` would, so that every run
 directory records a complete ``sdp train`` recipe.
 """
@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from sdp_cli.analysis.ablate import run_job
+from sdp_cli.ablate.sweep import run_job
 from sdp_cli.config.schema import SdpConfig
 
 ConfigStore.instance().store(name="sdp_schema", node=SdpConfig)

@@ -16,7 +16,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdp_cli.analysis.ablate import (
+from sdp_cli.ablate.sweep import (
     FINISHED,
     NEW,
     PARTIAL,
@@ -25,11 +25,10 @@ from sdp_cli.analysis.ablate import (
     run_name,
     run_state,
 )
-from sdp_cli.analysis.ablate_report import (
+from sdp_cli.ablate.records import load_sweep, read_metrics
+from sdp_cli.ablate.report import (
     aggregate,
-    load_sweep,
     pooled_std,
-    read_metrics,
     reward_curves,
     to_csv,
     to_markdown,
@@ -345,19 +344,13 @@ def test_aggregate_by_hand(fake_sweep):
     assert [r.name for r in sweep.records if not r.finished] == ["decoupled-eta2-seed2"]
     assert sweep.common == ()  # +ablate=smoke is not an override the report keeps
     bypass, dec = aggregate(sweep.records)
-    assert (bypass.mode, bypass.eta, bypass.n, dec.mode, dec.eta, dec.seeds) == (
-        "bypass",
-        0,
-        1,
-        "decoupled",
-        2,
-        [0, 1],
-    )
+    assert (bypass.mode, bypass.max_head_offpolicyness, bypass.n) == ("bypass", 0, 1)
+    assert (dec.mode, dec.max_head_offpolicyness, dec.seeds) == ("decoupled", 2, [0, 1])
     # weight std per run 1 and √(8/3) (see the fixture); mean and sample std over the two seeds
     s1, s2 = 1.0, math.sqrt(8 / 3)
     assert dec.mean["w_dec_std"] == pytest.approx((s1 + s2) / 2)
     assert dec.std["w_dec_std"] == pytest.approx(abs(s1 - s2) / math.sqrt(2))
-    assert dec.mean["w_sdp_std"] == pytest.approx((s1 + s2) / 2)
+    assert dec.mean["w_segment_wise_std"] == pytest.approx((s1 + s2) / 2)
     # ESS: per run the mean over steps, (0.9+0.7)/2 = 0.8 and (0.6+0.8)/2 = 0.7 → 0.75 ± 0.1/√2
     assert dec.mean["w_dec_ess"] == pytest.approx(0.75)
     assert dec.std["w_dec_ess"] == pytest.approx(0.1 / math.sqrt(2))
@@ -395,6 +388,9 @@ def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
         abs(1 - math.sqrt(8 / 3)) / math.sqrt(2)
     )
     assert rows[0]["reward_last_std"] == "" and rows[0]["ppo_kl_mean"] == ""
+    # the segment-wise weight's columns say so ("sdp" is the program's name, not a weight)
+    assert float(rows[1]["w_segment_wise_max_mean"]) == pytest.approx(3.5)
+    assert not any("sdp" in column for column in rows[0])
     md = to_markdown(groups)
     assert "| decoupled | 2 | 2 | 1.50 ± 0.00 |" in md
     assert "| 0.500 ± 0.354 |" in md  # reward 0.5 ± 0.5/√2

@@ -10,7 +10,7 @@ directory is a complete recipe for ``sdp train``.
 ``plan_sweep`` expands the axes exactly as Hydra's ``BasicSweeper`` does (command-line values
 replace an axis of the same key), composes every value of every axis and every run that already
 exists, and classifies each run directory, all before anything starts. ``run_sweep`` then starts
-``python -m sdp_cli.analysis.ablate_app --multirun ...`` in a subprocess; the configured launcher
+``python -m sdp_cli.ablate.app --multirun ...`` in a subprocess; the configured launcher
 (``hydra/launcher=basic|joblib|submitit_slurm|ray``) executes the jobs and each job calls
 ``run_job``, which skips a finished run (``summary.json`` present), resumes an interrupted one
 from its latest checkpoint, or trains a new one. Re-running the same command therefore never
@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir
 
 SWEEP_GROUP = "ablate"
-APP_MODULE = "sdp_cli.analysis.ablate_app"
+APP_MODULE = "sdp_cli.ablate.app"
 RUNS_SUBDIR = "runs"
 #: the sdp config keys a sweep owns: one run directory per job, never resumed by hand
 MANAGED_KEYS = ("run.dir", "run.root", "run.name", "resume")
 MODE_KEY = "+preset"
-ETA_KEY = "rollout.max_head_offpolicyness"
+MAX_HEAD_OFFPOLICYNESS_KEY = "rollout.max_head_offpolicyness"
 SEED_KEY = "seed"
 _MAX_NAME = 120
 # what stays in a run name: characters Hydra accepts unquoted in `resume=<dir>` (no '=' or ',')
@@ -70,7 +71,7 @@ def run_name(overrides: Sequence[str]) -> str:
     ``optim.lr=3e-4`` adds ``optim.lr@3e-4``; a name longer than 120 characters is cut and
     suffixed with a hash of the whole.
     """
-    mode = eta = seed = None
+    mode = offpolicyness = seed = None
     others = []
     for override in overrides:
         key, value = split_override(override)
@@ -79,13 +80,13 @@ def run_name(overrides: Sequence[str]) -> str:
             continue
         if key == MODE_KEY:
             mode = value
-        elif key == ETA_KEY:
-            eta = f"eta{value}"
+        elif key == MAX_HEAD_OFFPOLICYNESS_KEY:
+            offpolicyness = f"eta{value}"
         elif key == SEED_KEY:
             seed = f"seed{value}"
         else:
             others.append(f"{bare}@{value}")
-    parts = [p for p in (mode, eta, *sorted(others), seed) if p is not None]
+    parts = [p for p in (mode, offpolicyness, *sorted(others), seed) if p is not None]
     name = _UNSAFE.sub("_", "-".join(parts)) or "run"
     if len(name) > _MAX_NAME:
         digest = hashlib.sha256(name.encode()).hexdigest()[:12]
@@ -97,13 +98,14 @@ def run_name(overrides: Sequence[str]) -> str:
 def run_state(run_dir: Path) -> str:
     """``finished`` (summary.json), ``resumable`` (a complete checkpoint), ``partial`` (started,
     nothing to resume from) or ``new``."""
-    if (run_dir / "summary.json").is_file():
+    layout = RunDir(run_dir)
+    if layout.finished:
         return FINISHED
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return NEW
     from sdp_cli.train import checkpoint as ckpt
 
-    return RESUMABLE if ckpt.find_latest(run_dir / "checkpoints") is not None else PARTIAL
+    return RESUMABLE if ckpt.find_latest(layout.checkpoints) is not None else PARTIAL
 
 
 # ------------------------------------------------------------------ sweeps
@@ -243,7 +245,7 @@ def _first_difference(old: Any, new: Any, prefix: str = "") -> str | None:
 
 
 def _check_same_config(run_dir: Path, planned_yaml: str) -> None:
-    saved = run_dir / "config.yaml"
+    saved = RunDir(run_dir).config
     if not saved.is_file():
         return
     diff = _first_difference(_comparable(saved.read_text()), _comparable(planned_yaml))
@@ -400,7 +402,7 @@ def prune_checkpoints(plan: SweepPlan) -> int:
     results stay). Returns the number of run directories pruned."""
     pruned = 0
     for job in plan.jobs:
-        folder = job.run_dir / "checkpoints"
+        folder = RunDir(job.run_dir).checkpoints
         if run_state(job.run_dir) == FINISHED and folder.is_dir():
             shutil.rmtree(folder)
             pruned += 1

@@ -1,0 +1,175 @@
+"""The runs of a sweep directory as read from disk, and the per-group rows the report computes.
+
+Reads only ``<sweep>/runs/*/`` (``overrides.json``, ``config.yaml``, ``summary.json``,
+``metrics.jsonl``), so it works the same for a sweep that ran on a cluster and for the run
+directories of any earlier sdp version: the metric names it reads (``shadow/<mode>/rollout_is_*``,
+``staleness/*``, ``time/*``, ``throughput/*``) are those every sdp train run has written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.ablate.sweep import (
+    MAX_HEAD_OFFPOLICYNESS_KEY,
+    MODE_KEY,
+    RUNS_SUBDIR,
+    SEED_KEY,
+    SWEEP_GROUP,
+    split_override,
+)
+from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir
+
+#: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
+SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise"}
+#: a group: (mode, η = max_head_offpolicyness, the other swept values)
+GroupKey = tuple[str, int, tuple[str, ...]]
+#: per group: steps, mean reward per step over the seeds, its sample std
+Curves = dict[GroupKey, tuple[list[int], list[float], list[float]]]
+
+
+@dataclass
+class RunRecord:
+    """One run directory of a sweep, as read from disk."""
+
+    name: str
+    run_dir: Path
+    mode: str
+    max_head_offpolicyness: int
+    seed: int
+    extra: tuple[str, ...]
+    summary: dict[str, Any] | None
+    rows: list[dict[str, Any]]
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None
+
+    @property
+    def group(self) -> GroupKey:
+        return (self.mode, self.max_head_offpolicyness, self.extra)
+
+
+@dataclass
+class GroupRow:
+    """Mean, sample std (None for n = 1) and count of every metric over the seeds of a group."""
+
+    mode: str
+    max_head_offpolicyness: int
+    extra: tuple[str, ...]
+    seeds: list[int]
+    mean: dict[str, float | None] = field(default_factory=dict)
+    std: dict[str, float | None] = field(default_factory=dict)
+    count: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.mode, *self.extra])
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"{path}: cannot read ({err}); re-run the sweep to rewrite this run"
+        ) from None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The per-step rows of ``metrics.jsonl`` (rows with a reward; eval-only rows skipped).
+
+    A run killed mid-write leaves a torn last line, which is skipped (resuming rewrites it);
+    a bad line anywhere else means the file is not what sdp train wrote.
+    """
+    rows = []
+    if not path.is_file():
+        return rows
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    for index, (number, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if index == len(lines) - 1:
+                break
+            raise UserError(
+                f"{path}:{number}: not JSON; not a metrics file of sdp train, "
+                "delete the run and re-run the sweep"
+            ) from None
+        if row.get("reward/mean") is not None:
+            rows.append(row)
+    return rows
+
+
+def read_run(run_dir: Path) -> RunRecord:
+    """A run directory of a sweep (finished or not)."""
+    layout = RunDir(run_dir)
+    overrides = _read_json(layout.overrides)
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(
+            f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate"
+        )
+    import yaml
+
+    config = yaml.safe_load(layout.config.read_text()) if layout.config.is_file() else None
+    if not isinstance(config, dict):
+        raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
+    extra = []
+    for override in overrides:
+        key, value = split_override(override)
+        if key in (MODE_KEY, MAX_HEAD_OFFPOLICYNESS_KEY, SEED_KEY) or key.lstrip("+~") in (
+            SWEEP_GROUP,
+            "run.dir",
+            "resume",
+        ):
+            continue
+        extra.append(f"{key.lstrip('+~')}={value}")
+    return RunRecord(
+        name=run_dir.name,
+        run_dir=run_dir,
+        mode=str(config["loss"]["mode"]),
+        max_head_offpolicyness=int(config["rollout"]["max_head_offpolicyness"]),
+        seed=int(config["seed"]),
+        extra=tuple(sorted(extra)),
+        summary=_read_json(layout.summary) if layout.finished else None,
+        rows=read_metrics(layout.metrics),
+    )
+
+
+@dataclass
+class Sweep:
+    """The runs of a sweep directory; ``common`` holds the overrides every run shares, which
+    are removed from each run's ``extra`` (so ``extra`` is what tells groups apart)."""
+
+    records: list[RunRecord]
+    common: tuple[str, ...]
+
+
+def load_sweep(sweep_dir: Path) -> Sweep:
+    """Every run directory under ``<sweep_dir>/runs`` (sorted by mode, η, extra, seed)."""
+    runs_dir = Path(sweep_dir) / RUNS_SUBDIR
+    if not runs_dir.is_dir():
+        raise UserError(
+            f"{sweep_dir}: no {RUNS_SUBDIR}/ directory; pass the directory of an sdp ablate sweep"
+        )
+    records = [
+        read_run(d)
+        for d in sorted(runs_dir.iterdir())
+        if d.is_dir() and RunDir(d).overrides.is_file()
+    ]
+    if not records:
+        raise UserError(f"{runs_dir}: no runs yet; start the sweep with sdp ablate")
+    common = set.intersection(*(set(r.extra) for r in records))
+    for record in records:
+        record.extra = tuple(e for e in record.extra if e not in common)
+    return Sweep(
+        sorted(records, key=lambda r: (r.mode, r.max_head_offpolicyness, r.extra, r.seed)), tuple(sorted(common))
+    )

@@ -1,0 +1,96 @@
+"""The exact multi-step decomposition of the decoupled weight (docs/recompute.md "The exact
+decomposition"): per lag ℓ = c − v, log π_c/π_behav as the sum of its one-step factors, and the
+part segment-wise drops, log π_c/π_{v+1}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sdp_cli.analysis.recompute_plan import output_mask
+from sdp_cli.rollout.batch_file import SavedBatch
+
+
+@dataclass
+class Moments:
+    """Mean, standard deviation (population), mean |x| and max |x| of a set of values."""
+
+    mean: float
+    std: float
+    mean_abs: float
+    max_abs: float
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> Moments:
+        x = x.double()
+        return cls(
+            float(x.mean()),
+            float(x.std(correction=0)),
+            float(x.abs().mean()),
+            float(x.abs().max()),
+        )
+
+
+@dataclass
+class LagDecomposition:
+    """The exact chain over the loss-mask tokens of one lag ℓ = c − v ≥ 1, all batches together.
+
+    log π_c/π_behav = Σ_{j=0}^{ℓ−1} log π_{v+j+1}/π_{v+j} with π_v := π_behav (the sampled
+    logprob). Segment-wise keeps j = 0 and drops the rest, log π_c/π_{v+1}.
+
+    Attributes:
+        lag: ℓ.
+        tokens: loss-mask output tokens with this lag.
+        segment_wise: log π_{v+1}/π_behav, the segment-wise log weight.
+        decoupled: log π_c/π_behav, the full (decoupled) log weight.
+        dropped: log π_c/π_{v+1}, the factor segment-wise drops (0 for ℓ = 1).
+        dropped_ratio_mean: mean of π_c/π_{v+1} = exp(dropped) over the tokens.
+        step_means: ℓ entries, mean of log π_{v+j+1}/π_{v+j} for j = 0 … ℓ−1; they sum to
+            ``decoupled.mean`` and entries 1 … ℓ−1 to ``dropped.mean``.
+    """
+
+    lag: int
+    tokens: int
+    segment_wise: Moments
+    decoupled: Moments
+    dropped: Moments
+    dropped_ratio_mean: float
+    step_means: list[float] = field(default_factory=list)
+
+
+def exact_decomposition(
+    batches: Sequence[SavedBatch], scores: Sequence[dict[int, torch.Tensor]]
+) -> list[LagDecomposition]:
+    """Per lag, the chain of one-step log ratios of the loss-mask tokens (needs the scores of
+    every version v+1 … c for each token, as planned with ``exact``)."""
+    # per lag: rows of [log π_behav, log π_{v+1}, …, log π_c], one row per token
+    chains: dict[int, list[torch.Tensor]] = {}
+    for batch, batch_scores in zip(batches, scores, strict=True):
+        c = batch.trainer_version
+        keep = output_mask(batch) & batch.effective_loss_mask().bool() & (batch.versions < c)
+        for v in sorted(set(batch.versions[keep].tolist())):
+            mask = keep & (batch.versions == v)
+            columns = [batch.old_logprobs[mask]] + [batch_scores[k][mask] for k in range(v + 1, c + 1)]
+            chain = torch.stack(columns, dim=1).double()
+            assert not bool(chain.isnan().any()), f"the chain of version {v} tokens was scored fully"
+            chains.setdefault(c - v, []).append(chain)
+    result = []
+    for lag in sorted(chains):
+        chain = torch.cat(chains[lag])
+        steps = chain[:, 1:] - chain[:, :-1]
+        dropped = chain[:, -1] - chain[:, 1]
+        result.append(
+            LagDecomposition(
+                lag=lag,
+                tokens=int(chain.shape[0]),
+                segment_wise=Moments.of(chain[:, 1] - chain[:, 0]),
+                decoupled=Moments.of(chain[:, -1] - chain[:, 0]),
+                dropped=Moments.of(dropped),
+                dropped_ratio_mean=float(dropped.exp().mean()),
+                step_means=[float(x) for x in steps.mean(dim=0)],
+            )
+        )
+    return result

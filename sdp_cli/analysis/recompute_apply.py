@@ -1,0 +1,99 @@
+"""A batch with its recomputed π_prox_t (and π_prox), and what changed (docs/recompute.md).
+
+Lagged output tokens (version v < c) take the score of version v + 1 and the tag v + 1;
+version-c tokens take π_prox_t = π_behav and the tag c (docs/design.md §2, the invariant).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sdp_cli import __version__
+from sdp_cli.analysis.recompute_plan import output_mask
+from sdp_cli.rollout.batch_file import SavedBatch
+
+
+@dataclass
+class DeltaStats:
+    """|new − previous| over the tokens a quantity was recomputed on (None: no previous)."""
+
+    tokens: int = 0
+    mean_abs: float | None = None
+    max_abs: float | None = None
+
+    @classmethod
+    def of(cls, new: torch.Tensor, previous: torch.Tensor | None) -> DeltaStats:
+        if previous is None or new.numel() == 0:
+            return cls(int(new.numel()))
+        delta = (new.double() - previous.double()).abs()
+        return cls(int(new.numel()), float(delta.mean()), float(delta.max()))
+
+
+@dataclass
+class BatchOutcome:
+    """One batch before and after: the new batch, where it goes, and what changed.
+
+    Attributes:
+        proximal_t: |Δ π_prox_t| over the output tokens of version < c (rescored).
+        proximal_t_on_policy: |Δ π_prox_t| over the version-c tokens (reset to π_behav).
+        retagged: output tokens whose ``proximal_t_versions`` changed.
+        proximal: |Δ π_prox| over the output tokens when π_prox was computed (None otherwise);
+            no mean/max when the batch had no π_prox before.
+    """
+
+    source: Path
+    batch: SavedBatch
+    proximal_t: DeltaStats
+    proximal_t_on_policy: DeltaStats
+    retagged: int
+    proximal_version: int | None
+    proximal: DeltaStats | None
+    target: Path | None = None
+
+
+def apply_scores(
+    path: Path, batch: SavedBatch, scores: dict[int, torch.Tensor], proximal_version: int | None
+) -> BatchOutcome:
+    """The batch with π_prox_t (and π_prox) replaced by the scored values (docs/design.md §2)."""
+    out = output_mask(batch)
+    v, c = batch.versions, batch.trainer_version
+    lagged = out & (v < c)
+    on_policy = out & (v == c)
+    prox_t = batch.proximal_logprobs_t.clone()
+    tags = batch.proximal_t_versions.clone()
+    for k in sorted(set((v[lagged] + 1).tolist())):
+        mask = lagged & (v + 1 == k)
+        prox_t[mask] = scores[int(k)][mask]
+    tags[lagged] = v[lagged] + 1
+    prox_t[on_policy] = batch.old_logprobs[on_policy]
+    tags[on_policy] = v[on_policy]
+    assert not bool(prox_t[lagged].isnan().any()), "every lagged token was scored"
+
+    proximal = batch.proximal_logprobs
+    proximal_delta = None
+    if proximal_version is not None:
+        proximal = torch.zeros(batch.num_tokens, dtype=torch.float32)
+        proximal[out] = scores[proximal_version][out]
+        assert not bool(proximal.isnan().any()), "every output token was scored for π_prox"
+        previous = None if batch.proximal_logprobs is None else batch.proximal_logprobs[out]
+        proximal_delta = DeltaStats.of(proximal[out], previous)
+    new = dataclasses.replace(
+        batch,
+        proximal_logprobs_t=prox_t,
+        proximal_t_versions=tags,
+        proximal_logprobs=proximal,
+        sdp_version=__version__,
+    )
+    return BatchOutcome(
+        source=path,
+        batch=new,
+        proximal_t=DeltaStats.of(prox_t[lagged], batch.proximal_logprobs_t[lagged]),
+        proximal_t_on_policy=DeltaStats.of(prox_t[on_policy], batch.proximal_logprobs_t[on_policy]),
+        retagged=int((tags[out] != batch.proximal_t_versions[out]).sum()),
+        proximal_version=proximal_version,
+        proximal=proximal_delta,
+    )

@@ -1,0 +1,43 @@
+"""Every closed set of names sdp accepts, in one place (torch-free, imported by the CLI).
+
+The config schema validates against these tuples, the kernels check their arguments against
+them and the batch reader checks file metadata against them, so a name added here is accepted
+everywhere at once. The order is the order in which help texts and reports list the names.
+"""
+
+from __future__ import annotations
+
+#: correction modes (``loss.mode``; docs/design.md §1)
+MODES = ("bypass", "decoupled", "segment_wise")
+#: aggregation levels of importance weights and rejection sampling (``loss.is_level``,
+#: ``loss.rejection.level``; docs/math.md §2)
+IS_LEVELS = ("token", "sequence", "geometric")
+#: what a weight outside [floor, cap] becomes (``loss.weight_action``; docs/math.md §2)
+WEIGHT_ACTIONS = ("truncate", "mask")
+#: loss aggregations (``loss.agg``; docs/math.md §5.2)
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+#: policy losses (``loss.loss_type``; docs/math.md §5.1)
+LOSS_TYPES = ("ppo_clip", "reinforce")
+#: consume-time staleness strategies (``staleness.strategy``; docs/design.md §3)
+STALENESS_STRATEGIES = ("standard", "segment_wise")
+#: when the engine recompute pass runs (``rollout.recompute``; docs/training.md)
+RECOMPUTE_POLICIES = ("auto", "always", "never")
+#: where π_prox_t of a token one version behind comes from (``rollout.proximal_t_source``;
+#: docs/training.md)
+PROXIMAL_T_SOURCES = ("engine", "trainer")
+#: inference engines (``engine.kind``; docs/engines.md)
+ENGINE_KINDS = ("local", "vllm", "sglang")
+#: the engines that are HTTP servers (``engine.kind``, ``sdp recompute --engine``)
+REMOTE_ENGINE_KINDS = ("vllm", "sglang")
+#: policy models (``model.kind``)
+MODEL_KINDS = ("tiny", "hf")
+#: character sets of the tiny character-level tokenizer (``model.charset``)
+CHARSETS = ("arith", "ascii")
+#: built-in tasks (``task.name``)
+TASKS = ("arith1", "arith2", "gsm8k")
+#: KL-to-reference estimators (``loss.kl_type``; docs/math.md §8)
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+#: training precisions (``train.dtype``; docs/training.md)
+TRAIN_DTYPES = ("float32", "bfloat16")
+#: why a sample stopped generating (a finished rollout record, a server's answer)
+FINISH_REASONS = ("stop", "length")

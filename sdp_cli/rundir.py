@@ -1,0 +1,156 @@
+"""The layout of an ``sdp train`` run directory, in one place (docs/design.md §7).
+
+    config.yaml                 the resolved config
+    overrides.json              the command-line overrides (``resume`` re-composes from them)
+    metrics.jsonl               one line per step
+    events.jsonl                start / resume / crashes / checkpoints / stops / end
+    ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
+    summary.json                final numbers of the run (present once it finished)
+    tensorboard/                TensorBoard event files
+    logs/                       output of a server sdp launched
+    checkpoints/step-000050/    atomic, validated checkpoints (sdp_cli/train/checkpoint.py)
+    checkpoints/latest          the name of the newest one (a hint; validation decides)
+    batches/step-000050.safetensors   training batches (train.save_batches=true)
+    versions/v000012/           the policy of every version (train.keep_version_checkpoints=true;
+                                under LoRA its adapters)
+    versions/base/              under LoRA: the base model the adapters of versions/ belong to
+    weights/v000012/            what a server loads at a weight update (the newest two)
+    weights/launch/             what a launched server starts from
+
+Training writes these paths and ``sdp recompute``, ``sdp ablate`` and the tests read them, all
+through ``RunDir``: no other module spells a file name or a ``%06d`` pattern of the layout.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+#: name of the file in ``checkpoints/`` that names the newest checkpoint
+LATEST = "latest"
+#: glob of the checkpoint directories (and of the saved batches, plus their suffix)
+STEP_GLOB = "step-*"
+#: glob of the version directories in ``versions/`` and ``weights/``
+VERSION_GLOB = "v*"
+#: the directory in ``versions/`` that holds the base model of LoRA adapter versions
+VERSION_BASE = "base"
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+_VERSION_NAME = re.compile(r"^v(\d+)$")
+
+
+def step_name(step: int) -> str:
+    """``50`` → ``step-000050`` (a checkpoint directory, the stem of a saved batch)."""
+    return f"step-{int(step):06d}"
+
+
+def version_name(version: int) -> str:
+    """``12`` → ``v000012`` (a directory in ``versions/`` or ``weights/``)."""
+    return f"v{int(version):06d}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """``step-000050`` → 50; None for any other name."""
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_version_name(name: str) -> int | None:
+    """``v000012`` → 12; None for any other name."""
+    match = _VERSION_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory (nothing is created or read by constructing it)."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def overrides(self) -> Path:
+        return self.path / "overrides.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def ledger(self) -> Path:
+        return self.path / "ledger.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def batches(self) -> Path:
+        return self.path / "batches"
+
+    @property
+    def versions(self) -> Path:
+        return self.path / "versions"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights"
+
+    @property
+    def launch_weights(self) -> Path:
+        return self.weights / "launch"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / step_name(step)
+
+    def batch(self, step: int) -> Path:
+        return self.batches / f"{step_name(step)}.safetensors"
+
+    def version(self, version: int) -> Path:
+        return self.versions / version_name(version)
+
+    @property
+    def version_base(self) -> Path:
+        return self.versions / VERSION_BASE
+
+    def weights_of(self, version: int) -> Path:
+        return self.weights / version_name(version)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run ended normally (it wrote ``summary.json``)."""
+        return self.summary.is_file()
+
+
+def version_dirs(root: Path) -> dict[int, list[Path]]:
+    """Version → the directories under ``root`` named for it (``v000012``; ``v12`` too, so that a
+    caller can refuse two directories of one version). Files and other names are skipped."""
+    found: dict[int, list[Path]] = {}
+    for child in sorted(root.iterdir()):
+        version = parse_version_name(child.name)
+        if version is not None and child.is_dir():
+            found.setdefault(version, []).append(child)
+    return found

@@ -1,0 +1,77 @@
+"""Creating a run directory, reading back its recipe, and tidying it after a crash.
+
+A crash can leave a JSON-lines log with a torn last line, a session that never wrote its end
+event, and weight directories whose writing was killed (``.v*`` temporaries). Before a resume,
+``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
+deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
+(sdp_cli/train/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir
+from sdp_cli.train.reporting import EventLog
+
+#: events that end a session; a resume after any other last event follows a crash
+END_EVENTS = ("stopped", "interrupted", "finished")
+
+
+def make_run_dir(cfg: SdpConfig) -> RunDir:
+    """The new, empty run directory of ``cfg`` (``run.dir``, or ``run.root``/``run.name`` with
+    a timestamped default name); refuses one that already holds files."""
+    if cfg.run.dir:
+        path = Path(cfg.run.dir)
+    else:
+        name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.loss.mode}-{cfg.task.name}"
+        path = Path(cfg.run.root) / name
+    if path.exists() and any(path.iterdir()):
+        raise UserError(f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}")
+    path.mkdir(parents=True, exist_ok=True)
+    return RunDir(path)
+
+
+def read_overrides(path: Path) -> list[str]:
+    """The overrides a run was started with (``overrides.json``), checked to be what sdp wrote."""
+    try:
+        overrides = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} cannot be read ({err}); it must hold the JSON list sdp wrote there") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{path} is not a JSON list of overrides; restore the one sdp wrote there")
+    return overrides
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line that a crash left without its newline (append-only JSON-lines logs)."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as fh:
+            fh.truncate(data.rfind(b"\n") + 1)
+
+
+def _last_event(path: Path) -> dict[str, Any] | None:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]) if lines else None
+
+
+def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
+    """Before a resume: cut lines a crash tore, say in the events that the last session
+    crashed, and delete weight directories whose writing was killed."""
+    _drop_torn_line(run_dir.events)
+    _drop_torn_line(run_dir.metrics)
+    last = _last_event(run_dir.events)
+    if last is not None and last.get("event") not in END_EVENTS:
+        events.write("crashed", last_event=last.get("event"), last_event_time=last.get("time"))
+    for parent in (run_dir.weights, run_dir.versions):
+        for tmp in parent.glob(".v*") if parent.is_dir() else []:
+            shutil.rmtree(tmp, ignore_errors=True)
