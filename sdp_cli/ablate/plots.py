@@ -1,7 +1,10 @@
 """PNG plots of an aggregated sweep (matplotlib with the Agg backend, imported on first use).
 
-- ``weights_vs_eta.png``: std and ESS of both shadow weights vs η, one colour per training mode;
-  solid = decoupled weight π_prox/π_behav, dashed = segment-wise weight π_{v+1}/π_behav.
+- ``weights_vs_eta.png``: std and ESS of the shadow weights vs η, one colour per training mode;
+  solid = decoupled weight π_prox/π_behav, dashed = segment-wise weight π_{v+1}/π_behav,
+  dotted = drift-clipped weight.
+- ``reward_difference_vs_eta.png``: each mode's final reward minus the best other mode's at the
+  same η, with Welch's 95 % interval (``sdp_cli.ablate.stats``).
 - ``reward_vs_eta.png``: final reward and greedy accuracy vs η per mode.
 - ``reward_curves.png``: reward per step (mean over seeds, band = ± std, moving average) per η.
 - ``throughput_vs_eta.png``: generated tokens/s and training steps/s vs η per mode.
@@ -17,9 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.ablate.records import Curves, GroupRow
+from sdp_cli.ablate.stats import ModeComparison
 
-#: (metric prefix, line style, legend name) of the decoupled and the segment-wise weight
-WEIGHT_STYLES = (("dec", "-", "π_prox/π_behav"), ("segment_wise", "--", "π_{v+1}/π_behav"))
+#: (metric prefix, line style, legend name) of the decoupled, segment-wise and drift-clipped weight
+WEIGHT_STYLES = (
+    ("dec", "-", "π_prox/π_behav"),
+    ("segment_wise", "--", "π_{v+1}/π_behav"),
+    ("drift", ":", "π_{v+1}/π_behav·clip(d)"),
+)
 
 
 def _pyplot() -> Any:
@@ -193,12 +201,48 @@ def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     )
 
 
-def write_plots(groups: Sequence[GroupRow], curves: Curves, directory: Path) -> list[Path]:
+def plot_reward_differences(comparisons: Sequence[ModeComparison], path: Path) -> Path:
+    """Each mode's final reward minus the best other mode's vs η, with Welch's 95 % interval."""
+    plt = _pyplot()
+    labels = sorted({" ".join([c.mode, *c.extra]) for c in comparisons})
+    colours = _colours(labels)
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for i, label in enumerate(labels):
+        points = [
+            c
+            for c in comparisons
+            if " ".join([c.mode, *c.extra]) == label and c.comparison is not None
+        ]
+        if not points:
+            continue
+        xs = [c.max_head_offpolicyness + _dodge(i, len(labels)) for c in points]
+        ys = [c.comparison.difference for c in points]
+        low = [y - (c.comparison.low if c.comparison.low is not None else y) for y, c in zip(ys, points)]
+        high = [(c.comparison.high if c.comparison.high is not None else y) - y for y, c in zip(ys, points)]
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=4, capsize=3, color=colours[label], label=label)
+    ax.axhline(0.0, color="black", linewidth=1)
+    ax.set_ylabel("final reward − best other mode (95 % Welch)")
+    ax.set_xticks(sorted({c.max_head_offpolicyness for c in comparisons}))
+    ax.set_xlabel("η (max_head_offpolicyness)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def write_plots(
+    groups: Sequence[GroupRow],
+    curves: Curves,
+    directory: Path,
+    comparisons: Sequence[ModeComparison] = (),
+) -> list[Path]:
     """Write every plot into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    return [
+    paths = [
         plot_weights(groups, directory / "weights_vs_eta.png"),
         plot_rewards(groups, directory / "reward_vs_eta.png"),
         plot_reward_curves(curves, directory / "reward_curves.png"),
         plot_throughput(groups, directory / "throughput_vs_eta.png"),
     ]
+    if any(c.comparison is not None for c in comparisons):
+        paths.append(plot_reward_differences(comparisons, directory / "reward_difference_vs_eta.png"))
+    return paths

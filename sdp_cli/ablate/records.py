@@ -25,7 +25,8 @@ from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
 #: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
-SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise"}
+#: (``drift``: the drift-clipped segment-wise weight, κ = the run's loss.drift_clip or 2)
+SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise", "drift": "segment_wise_drift"}
 #: a group: (mode, η = max_head_offpolicyness, the other swept values)
 GroupKey = tuple[str, int, tuple[str, ...]]
 #: per group: steps, mean reward per step over the seeds, its sample std
@@ -135,13 +136,23 @@ def read_run(run_dir: Path) -> RunRecord:
     return RunRecord(
         name=run_dir.name,
         run_dir=run_dir,
-        mode=str(config["loss"]["mode"]),
+        mode=mode_label(config),
         max_head_offpolicyness=int(config["rollout"]["max_head_offpolicyness"]),
         seed=int(config["seed"]),
         extra=tuple(sorted(extra)),
         summary=_read_json(layout.summary) if layout.finished else None,
         rows=read_metrics(layout.metrics),
     )
+
+
+def mode_label(config: dict[str, Any]) -> str:
+    """The training mode of a run's resolved config: ``loss.mode``, and with a drift clip
+    ``segment_wise_drift(κ=…)`` (docs/math.md §1.1), so that each κ is a mode of its own."""
+    loss = config["loss"]
+    kappa = loss.get("drift_clip")
+    if kappa is None:
+        return str(loss["mode"])
+    return f"{loss['mode']}_drift(κ={float(kappa):g})"
 
 
 @dataclass

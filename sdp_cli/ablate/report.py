@@ -4,12 +4,16 @@ Runs are read by ``sdp_cli.ablate.records``. A run belongs to the group of its o
 seed; groups are shown by mode, η and any other swept key.
 
 Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``:
-- ``w_{dec,segment_wise}_std``: the population std of the raw shadow weight over every response token of
+- ``w_{dec,segment_wise,drift}_std``: the population std of the raw shadow weight over every response token of
   the run, pooled exactly from the per-step token count n_i, mean μ_i and std σ_i:
   σ² = Σ n_i (σ_i² + μ_i²) / N − μ², μ = Σ n_i μ_i / N.
-- ``w_{dec,segment_wise}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
+- ``w_{dec,segment_wise,drift}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
   (the probe's measure; std is dominated by a few huge ratios, ESS is not).
-- ``w_{dec,segment_wise}_max``: the largest raw weight of the run.
+- ``w_{dec,segment_wise,drift}_max``: the largest raw weight of the run. ``drift`` is the
+  drift-clipped weight with κ = the run's ``loss.drift_clip`` (2 where it trains without one);
+  ``drift_clipped``: mean over steps of the share of tokens whose drift factor the clip changed.
+- The comparison (``sdp_cli.ablate.stats.compare_modes``): at every η, each mode's final reward
+  minus that of the best other mode, with Welch's 95 % interval over the seeds.
 - ``lag``: mean over steps of the mean token lag c − v; ``kl``: mean of ``offpolicy/kl``
   (π_behav vs π_prox); ``ppo_kl``: mean of ``loss/ppo_kl`` (how far each update moves).
 - ``filtered``: groups dropped by the staleness strategy / groups generated.
@@ -40,6 +44,7 @@ from sdp_cli.ablate.records import (
     Sweep,
     load_sweep,
 )
+from sdp_cli.ablate.stats import ModeComparison, compare_modes
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,13 @@ METRICS: tuple[Metric, ...] = (
         "weights",
     ),
     Metric(
+        "w_drift_std",
+        "std drift",
+        "pooled std of the drift-clipped weight (π_{v+1}/π_behav)·clip(π_prox/π_{v+1}, 1/κ, κ)",
+        ".3f",
+        "weights",
+    ),
+    Metric(
         "w_dec_ess",
         "ESS dec",
         "mean per-step ESS fraction of the decoupled weight",
@@ -92,9 +104,24 @@ METRICS: tuple[Metric, ...] = (
         ".3f",
         "weights",
     ),
+    Metric(
+        "w_drift_ess",
+        "ESS drift",
+        "mean per-step ESS fraction of the drift-clipped weight (κ = the run's, else 2)",
+        ".3f",
+        "weights",
+    ),
     Metric("w_dec_max", "max dec", "largest decoupled weight", ".1f", "weights"),
     Metric(
         "w_segment_wise_max", "max seg", "largest segment-wise weight", ".1f", "weights"
+    ),
+    Metric("w_drift_max", "max drift", "largest drift-clipped weight", ".1f", "weights"),
+    Metric(
+        "drift_clipped",
+        "κ-clipped",
+        "mean per-step share of tokens whose drift factor π_prox/π_{v+1} the clip changed",
+        ".3f",
+        "weights",
     ),
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
@@ -177,6 +204,7 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         out[f"w_{short}_ess"] = _mean(_values(rows, f"{prefix}eff_sample_size"))
         maxima = _values(rows, f"{prefix}max")
         out[f"w_{short}_max"] = max(maxima) if maxima else None
+    out["drift_clipped"] = _mean(_values(rows, "shadow/segment_wise_drift/drift_clipped_fraction"))
     wall = sum(
         _values(rows, "time/wait_s") + _values(rows, "time/train_s") + _values(rows, "time/push_s")
     )
@@ -278,8 +306,47 @@ def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
     return rows
 
 
+#: what the comparison table compares, and how to read it
+COMPARISON_TITLE = "Final reward against the best other mode at the same η (Welch, 95 %)"
+COMPARISON_NOTE = (
+    "Δ = this mode's mean final reward − that of the mode with the highest mean among the others "
+    "at the same η; the 95 % interval is Welch's t interval over the seeds, and Δ/SE is Δ in "
+    "standard errors. The best other mode is picked on the same data, so for it the interval is "
+    "slightly optimistic. A mode whose interval lies below 0 is worse than the best other mode; "
+    "one whose interval holds 0 ties with it."
+)
+
+
+def comparison_columns(comparisons: Sequence[ModeComparison]) -> list[str]:
+    extra = ["other"] if any(c.extra for c in comparisons) else []
+    return ["η", *extra, "mode", "n", "reward", "best other", "Δ", "95 % interval", "Δ/SE"]
+
+
+def comparison_rows(comparisons: Sequence[ModeComparison]) -> list[list[str]]:
+    with_extra = any(c.extra for c in comparisons)
+    rows = []
+    for c in comparisons:
+        w = c.comparison
+        interval = "n/a" if w is None or w.low is None else f"[{w.low:+.3f}, {w.high:+.3f}]"
+        ratio = "n/a" if w is None or not w.standard_error else f"{w.difference / w.standard_error:+.1f}"
+        rows.append(
+            [
+                str(c.max_head_offpolicyness),
+                *([" ".join(c.extra)] if with_extra else []),
+                c.mode,
+                str(c.n),
+                f"{c.mean:.3f}",
+                c.best_other or "–",
+                "n/a" if w is None else f"{w.difference:+.3f}",
+                interval,
+                ratio,
+            ]
+        )
+    return rows
+
+
 def to_markdown(groups: Sequence[GroupRow]) -> str:
-    """Both tables in GitHub Markdown, each followed by the meaning of its columns."""
+    """Both tables and the comparison in GitHub Markdown, each followed by what it means."""
     parts = []
     for table, title in TABLES.items():
         header = table_columns(groups, table)
@@ -287,7 +354,59 @@ def to_markdown(groups: Sequence[GroupRow]) -> str:
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(groups, table)]
         lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table)]
         parts.append("\n".join(lines))
+    comparisons = compare_modes(groups)
+    if any(c.comparison is not None for c in comparisons):
+        header = comparison_columns(comparisons)
+        lines = [f"### {COMPARISON_TITLE}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in comparison_rows(comparisons)]
+        lines += ["", COMPARISON_NOTE]
+        parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def comparisons_csv(comparisons: Sequence[ModeComparison]) -> str:
+    """The comparison, machine-readable: one row per mode and η."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(
+        ["eta", "other", "mode", "n", "reward_mean", "best_other", "difference", "standard_error", "dof", "low", "high"]
+    )
+    for c in comparisons:
+        w = c.comparison
+        writer.writerow(
+            [
+                c.max_head_offpolicyness,
+                " ".join(c.extra),
+                c.mode,
+                c.n,
+                _num(c.mean),
+                c.best_other or "",
+                *(_num(None if w is None else getattr(w, f)) for f in ("difference", "standard_error", "dof", "low", "high")),
+            ]
+        )
+    return buf.getvalue()
+
+
+def runs_csv(records: Sequence[RunRecord]) -> str:
+    """One row per finished run: its group, seed and every per-run metric (per-seed numbers)."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(["mode", "eta", "other", "seed", "run", *(m.key for m in METRICS)])
+    for record in records:
+        if not record.finished:
+            continue
+        values = run_metrics(record)
+        writer.writerow(
+            [
+                record.mode,
+                record.max_head_offpolicyness,
+                " ".join(record.extra),
+                record.seed,
+                record.name,
+                *(_num(values[m.key]) for m in METRICS),
+            ]
+        )
+    return buf.getvalue()
 
 
 def to_csv(groups: Sequence[GroupRow]) -> str:
@@ -325,6 +444,8 @@ class Report:
     csv_path: Path
     markdown_path: Path
     plots: list[Path]
+    comparisons: list[ModeComparison]
+    extra_paths: list[Path]
 
     @property
     def unfinished(self) -> list[RunRecord]:
@@ -339,6 +460,10 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
     csv_path.write_text(to_csv(groups))
+    comparisons = compare_modes(groups)
+    extra_paths = [sweep_dir / "comparison.csv", sweep_dir / "runs.csv"]
+    extra_paths[0].write_text(comparisons_csv(comparisons))
+    extra_paths[1].write_text(runs_csv(sweep.records))
     common = (
         f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
     )
@@ -351,5 +476,5 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     if plots and groups:
         from sdp_cli.ablate.plots import write_plots
 
-        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots")
-    return Report(groups, sweep, csv_path, md_path, written)
+        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons)
+    return Report(groups, sweep, csv_path, md_path, written, comparisons, extra_paths)

@@ -149,7 +149,16 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
     from rich.markup import escape
     from rich.table import Table
 
-    from sdp_cli.ablate.report import TABLES, table_columns, table_rows, write_report
+    from sdp_cli.ablate.report import (
+        COMPARISON_NOTE,
+        COMPARISON_TITLE,
+        TABLES,
+        comparison_columns,
+        comparison_rows,
+        table_columns,
+        table_rows,
+        write_report,
+    )
 
     result = write_report(directory, plots=plots)
     # paths, run names and cells are escaped: "[", "[/]" or ":smile:" in them stay text
@@ -169,11 +178,18 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
         for cells in table_rows(result.groups, name):
             table.add_row(*(escape(c) for c in cells))
         console.print(table)
+    if any(c.comparison is not None for c in result.comparisons):
+        columns = [escape(c) for c in comparison_columns(result.comparisons)]
+        table = Table(*columns, title=COMPARISON_TITLE, title_justify="left")
+        for cells in comparison_rows(result.comparisons):
+            table.add_row(*(escape(c) for c in cells))
+        console.print(table)
+        console.print(COMPARISON_NOTE, style="dim", markup=False)
     if result.unfinished:
         console.print(
             f"{len(result.unfinished)} unfinished runs left out: "
             + escape(", ".join(r.name for r in result.unfinished))
         )
-    for path in [result.csv_path, result.markdown_path, *result.plots]:
+    for path in [result.csv_path, result.markdown_path, *result.extra_paths, *result.plots]:
         console.print(f"wrote {escape(str(path))}")
     return result

@@ -213,7 +213,7 @@ def test_bad_sweep_input_is_one_line(tmp_path, sweep, overrides, fragment):
 
 
 # -------------------------------------------------------------- aggregation
-def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=()):
+def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=(), drift_clip=None):
     """A run directory as sdp train writes it (only what the report reads)."""
     run_dir = root / "runs" / name
     run_dir.mkdir(parents=True)
@@ -225,7 +225,8 @@ def _fake_run(root, name, *, mode, eta, seed, rows, summary, extra=()):
         *extra,
     ]
     (run_dir / "overrides.json").write_text(json.dumps([*overrides, f"run.dir={run_dir}"]))
-    config = {"seed": seed, "loss": {"mode": mode}, "rollout": {"max_head_offpolicyness": eta}}
+    loss = {"mode": "segment_wise" if drift_clip else mode, "drift_clip": drift_clip}
+    config = {"seed": seed, "loss": loss, "rollout": {"max_head_offpolicyness": eta}}
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
     lines = [json.dumps({"step": i + 1, **row}) for i, row in enumerate(rows)]
     lines.insert(
@@ -453,6 +454,42 @@ def test_report_writes_tables_and_pngs(fake_sweep):
     for path in report.plots:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
     assert [r.name for r in report.unfinished] == ["decoupled-eta2-seed2"]
+
+
+def test_drift_runs_form_their_own_mode_and_are_compared(tmp_path):
+    # decoupled at η = 4: final rewards 0.30, 0.26; drift κ = 2: 0.28, 0.24 (same spread)
+    for seed, (dec, drift) in enumerate([(0.30, 0.28), (0.26, 0.24)]):
+        rows = [_row(0.2, 4.0, 2, 1.0, 0.0, 0.9, 1.0)]
+        rows[0]["shadow/segment_wise_drift/drift_clipped_fraction"] = 0.1 * (seed + 1)
+        _fake_run(tmp_path, f"decoupled-eta4-seed{seed}", mode="decoupled", eta=4, seed=seed,
+                  rows=rows, summary=_summary(dec, 0, 10))
+        _fake_run(tmp_path, f"segment_wise_drift_k2-eta4-seed{seed}", mode="segment_wise_drift_k2",
+                  eta=4, seed=seed, rows=rows, summary=_summary(drift, 0, 10), drift_clip=2.0)
+    report = write_report(tmp_path)
+    assert [g.mode for g in report.groups] == ["decoupled", "segment_wise_drift(κ=2)"]
+    # mean share of κ-clipped tokens over the seeds: (0.1 + 0.2) / 2
+    assert report.groups[1].mean["drift_clipped"] == pytest.approx(0.15)
+    by_mode = {c.mode: c for c in report.comparisons}
+    drift = by_mode["segment_wise_drift(κ=2)"]
+    # Δ = 0.26 − 0.28 = −0.02; each sample variance 2·0.02² = 0.0008, over n = 2 → 0.0004,
+    # so SE = √0.0008 and ν = 0.0008² / (2 · 0.0004² / 1) = 2 (t_{0.975, 2} = 4.3027)
+    assert drift.best_other == "decoupled"
+    assert drift.comparison.difference == pytest.approx(-0.02)
+    assert drift.comparison.standard_error == pytest.approx(math.sqrt(0.0008))
+    assert drift.comparison.dof == pytest.approx(2.0)
+    assert drift.comparison.high == pytest.approx(-0.02 + 4.3027 * math.sqrt(0.0008), abs=1e-4)
+    markdown = report.markdown_path.read_text()
+    assert "Final reward against the best other mode" in markdown and "| 4 | segment_wise_drift(κ=2) |" in markdown
+    table = list(csv.DictReader(io.StringIO((tmp_path / "comparison.csv").read_text())))
+    assert {r["mode"]: float(r["difference"]) for r in table} == pytest.approx(
+        {"decoupled": 0.02, "segment_wise_drift(κ=2)": -0.02}
+    )
+    runs = list(csv.DictReader(io.StringIO((tmp_path / "runs.csv").read_text())))
+    assert sorted((r["mode"], r["seed"], float(r["reward_last"])) for r in runs) == [
+        ("decoupled", "0", 0.30), ("decoupled", "1", 0.26),
+        ("segment_wise_drift(κ=2)", "0", 0.28), ("segment_wise_drift(κ=2)", "1", 0.24),
+    ]
+    assert "reward_difference_vs_eta.png" in [p.name for p in report.plots]
 
 
 def test_a_torn_last_metrics_line_is_skipped_a_bad_middle_line_is_an_error(tmp_path):

@@ -88,11 +88,16 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     pngs = sorted((smoke.dir / "plots").glob("*.png"))
     assert [p.name for p in pngs] == [
         "reward_curves.png",
+        "reward_difference_vs_eta.png",
         "reward_vs_eta.png",
         "throughput_vs_eta.png",
         "weights_vs_eta.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    # one seed: every mode is compared with the best other one, without an interval
+    assert "Final reward against the best other mode" in out
+    comparison = list(csv.DictReader(open(smoke.dir / "comparison.csv")))
+    assert len(comparison) == len(MODES) * len(ETAS) and all(r["low"] == "" for r in comparison)
 
 
 def test_every_run_records_a_complete_sdp_train_recipe(smoke):
