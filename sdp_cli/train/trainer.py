@@ -18,19 +18,17 @@ processes, which DDP's gradient average undoes, so the update equals a single-pr
 weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
 exist, whatever the training mode ("shadow" metrics).
 
-Log-probs come from the model's final hidden states and its output embedding
-(``core.logprobs_from_hidden``), only at response tokens, so no [tokens, vocab] logits tensor
-exists (docs/math.md §6.2); a model whose logits are not hidden·Wᵀ (e.g. logit soft-capping)
-falls back to full logits with a warning. ``dtype="bfloat16"`` runs forward and backward under
-autocast; the optimizer sees float32 parameters. With ``loss.kl_coef > 0`` a reference policy
-(a frozen copy, or the LoRA model with its adapters disabled) scores each batch once, and the
-KL and entropy terms of ``core.regularizers`` join the policy loss (docs/math.md §8).
+Log-probs come from the model's final hidden states and its output embedding, only at response
+tokens, so no [tokens, vocab] logits tensor exists (``train/response_logprobs.py``, docs/math.md
+§6.2). ``dtype="bfloat16"`` runs forward and backward under autocast; the optimizer sees float32
+parameters. With ``loss.kl_coef > 0`` a reference policy (a frozen copy, or the LoRA model with
+its adapters disabled) scores each batch once, and the KL and entropy terms of
+``core.regularizers`` join the policy loss (docs/math.md §8).
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +36,13 @@ import torch
 
 from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
-from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
 from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
+from sdp_cli.train.response_logprobs import ResponseLogprobs
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = 2.0
@@ -127,11 +125,15 @@ class Trainer:
         self.proximal_t_source = proximal_t_source
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         disable_dropout(model)
-        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None
+        self.response_logprobs = ResponseLogprobs(
+            temperature=self.temperature,
+            device=self.accelerator.device,
+            autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+            unwrap=self.accelerator.unwrap_model,
+        )
         self.reference = None
         if reference is not None:
             self.reference = reference.requires_grad_(False).eval().to(self.accelerator.device)
-        self._hidden_path: bool | None = None  # decided at the first forward
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
@@ -155,84 +157,12 @@ class Trainer:
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The training precision as a context: bfloat16 autocast, or nothing for float32."""
-        device_type = self.accelerator.device.type
-        return torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+        return self.response_logprobs.autocast()
 
     def _forward(
         self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [N, L-1] (float32, 0 outside the response) and, ``with_entropy``, the
-        entropy of π at each response token, from one forward of ``model``."""
-        device = self.accelerator.device
-        ids = batch.input_ids.to(device)
-        response = batch.mask.to(device) > 0
-        targets = ids[:, 1:][response]
-        with torch.set_grad_enabled(grad), self.autocast():
-            if self._hidden_path is None:
-                self._hidden_path = self._logits_are_hidden_times_head(model, ids, batch)
-            if self._hidden_path:
-                # logits_to_keep=1: the model makes one position's logits, not [N, L, V]
-                out = model(
-                    input_ids=ids,
-                    attention_mask=batch.attention_mask.to(device),
-                    use_cache=False,
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                )
-                hidden = out.hidden_states[-1][:, :-1][response]
-                head = self._head(model)
-                result = logprobs_from_hidden(
-                    hidden.to(self.autocast_dtype or hidden.dtype),
-                    head.weight,
-                    targets,
-                    bias=head.bias,
-                    temperature=self.temperature,
-                    return_entropy=with_entropy,
-                )
-            else:
-                out = model(input_ids=ids, attention_mask=batch.attention_mask.to(device), use_cache=False)
-                # The logits feed nothing else: backward may store their gradient in place.
-                result = logprobs_from_logits(
-                    out.logits[:, :-1][response],
-                    targets,
-                    temperature=self.temperature,
-                    return_entropy=with_entropy,
-                    inplace_backward=grad,
-                )
-        values, entropy = result if with_entropy else (result, None)
-        zeros = torch.zeros(response.shape, dtype=torch.float32, device=device)
-        logprobs = zeros.masked_scatter(response, values.float())
-        return logprobs, None if entropy is None else zeros.masked_scatter(response, entropy.float())
-
-    @torch.no_grad()
-    def _logits_are_hidden_times_head(self, model: torch.nn.Module, ids: torch.Tensor, batch: TrainBatch) -> bool:
-        """Whether the model's logits are its last hidden state times the output embedding (+
-        bias), checked on the first row; if not (soft-capping, logit scaling), warn once."""
-        out = model(
-            input_ids=ids[:1],
-            attention_mask=batch.attention_mask[:1].to(ids.device),
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=1,
-        )
-        hidden = out.hidden_states[-1][:, -1:] if out.hidden_states else None
-        head = self._head(model)
-        if hidden is None or not isinstance(head, torch.nn.Linear):
-            same = False
-        else:
-            expected, got = head(hidden).float(), out.logits[:, -1:].float()
-            same = bool(torch.allclose(expected, got, rtol=1e-3, atol=1e-3 * float(got.abs().max()) + 1e-5))
-        if not same:
-            warnings.warn(
-                "this model's logits are not its last hidden state times the output embedding "
-                "(e.g. logit soft-capping or scaling); log-probs are computed from full logits, "
-                "which needs [tokens × vocab] memory",
-                stacklevel=3,
-            )
-        return same
-
-    def _head(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(model).get_output_embeddings()
+        return self.response_logprobs.forward(model, batch, grad=grad, with_entropy=with_entropy)
 
     def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log π_ref of the response tokens (no grad, float32 on CPU): the frozen reference, or the

@@ -61,7 +61,7 @@ def test_hidden_path_logprobs_match_full_logits_and_are_zero_outside_the_respons
     batch = _batch()
     trainer = _trainer(copy.deepcopy(model))
     lp = trainer.logprobs(batch, grad=False)
-    assert trainer._hidden_path is True
+    assert trainer.response_logprobs.hidden_path is True
     ref, _ = _naive(model, batch)
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
     assert bool((lp[batch.mask == 0] == 0).all())
@@ -72,7 +72,7 @@ def test_hidden_path_and_full_logits_path_give_the_same_update():
     batch = _batch()
     a = _trainer(copy.deepcopy(model))
     b = _trainer(copy.deepcopy(model))
-    b._hidden_path = False  # force the full-logits fallback
+    b.response_logprobs.hidden_path = False  # force the full-logits fallback
     out_a, out_b = a.step(copy.deepcopy(batch)), b.step(copy.deepcopy(batch))
     assert out_a.metrics["loss/pg_loss"] == pytest.approx(out_b.metrics["loss/pg_loss"], abs=1e-6)
     for x, y in zip(a.weights().values(), b.weights().values()):
@@ -97,7 +97,7 @@ def test_a_model_whose_logits_are_not_hidden_times_head_falls_back_with_a_warnin
     trainer = _trainer(copy.deepcopy(model))
     with pytest.warns(UserWarning, match="not its last hidden state times the output embedding"):
         lp = trainer.logprobs(batch, grad=False)
-    assert trainer._hidden_path is False
+    assert trainer.response_logprobs.hidden_path is False
     ref, _ = _naive(model, batch)  # the scaled logits
     torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
 
