@@ -2,6 +2,7 @@
 
     config.yaml                 the resolved config
     overrides.json              the command-line overrides (``resume`` re-composes from them)
+    config_source.json          --config-dir / --config-name, when given (``resume`` composes with them)
     metrics.jsonl               one line per step
     events.jsonl                start / resume / crashes / checkpoints / stops / end
     ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
@@ -78,6 +79,10 @@ class RunDir:
     @property
     def overrides(self) -> Path:
         return self.path / "overrides.json"
+
+    @property
+    def config_source(self) -> Path:
+        return self.path / "config_source.json"
 
     @property
     def metrics(self) -> Path:

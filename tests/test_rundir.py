@@ -23,6 +23,7 @@ def test_the_layout_is_the_documented_one():
     run = RunDir(Path("r"))
     assert run.config == Path("r/config.yaml")
     assert run.overrides == Path("r/overrides.json")
+    assert run.config_source == Path("r/config_source.json")
     assert (run.metrics, run.events, run.ledger) == (
         Path("r/metrics.jsonl"),
         Path("r/events.jsonl"),

@@ -18,16 +18,25 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from sdp_cli.ablate.sweep import run_job
+from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig
 
 ConfigStore.instance().store(name="sdp_schema", node=SdpConfig)
+
+
+def _source(hydra_cfg: DictConfig) -> ConfigSource:
+    """The user's --config-dir/--config-name this app was started with (``SweepPlan.command``)."""
+    user = [s.path for s in hydra_cfg.runtime.config_sources if s.provider == "command-line"]
+    if not user:
+        return ConfigSource()
+    return ConfigSource(user[0].removeprefix("file://"), hydra_cfg.job.config_name)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://sdp_cli.conf", config_name="config")
 def main(cfg: DictConfig) -> str:
     """Run the job Hydra composed; the sweep directory is ``hydra.sweep.dir``."""
     hydra_cfg = HydraConfig.get()
-    return run_job(Path(hydra_cfg.sweep.dir), list(hydra_cfg.overrides.task))
+    return run_job(Path(hydra_cfg.sweep.dir), list(hydra_cfg.overrides.task), _source(hydra_cfg))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.config.compose import ConfigSource
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
@@ -151,16 +152,21 @@ class SweepPlan:
     job_overrides: list[str]
     hydra_overrides: list[str]
     axes: dict[str, list[str]] = field(default_factory=dict)
+    source: ConfigSource = ConfigSource()
 
     def count(self, state: str) -> int:
         return sum(1 for job in self.jobs if job.state == state)
 
     def command(self) -> list[str]:
         """The multirun command line (run from any working directory)."""
+        source = []
+        if self.source.config_dir is not None:  # the app's jobs read them back (run_job's source)
+            source = ["--config-dir", self.source.config_dir, "--config-name", self.source.config_name]
         return [
             sys.executable,
             "-m",
             APP_MODULE,
+            *source,
             "--multirun",
             f"+{SWEEP_GROUP}={self.sweep}",
             f"hydra.sweep.dir={quote(self.sweep_dir)}",
@@ -186,21 +192,20 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
         ) from None
 
 
-def _sweeper_params(sweep: str, plain: list[str], hydra_overrides: list[str]) -> dict[str, str]:
+def _sweeper_params(
+    sweep: str, plain: list[str], hydra_overrides: list[str], source: ConfigSource
+) -> dict[str, str]:
     """``hydra.sweeper.params`` of the composed sweep (hydra overrides applied)."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.config_store import ConfigStore
+    from hydra import compose
     from omegaconf import OmegaConf
 
-    from sdp_cli.config.compose import CONFIG_MODULE
-    from sdp_cli.config.schema import SdpConfig
+    from sdp_cli.config.compose import hydra_initialized
 
-    ConfigStore.instance().store(name="sdp_schema", node=SdpConfig)
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        with hydra_initialized(source) as search:
             cfg = compose(
-                config_name="config",
-                overrides=[f"+{SWEEP_GROUP}={sweep}", *plain, *hydra_overrides],
+                config_name=source.config_name,
+                overrides=[*search, f"+{SWEEP_GROUP}={sweep}", *plain, *hydra_overrides],
                 return_hydra_config=True,
             )
     except Exception as exc:
@@ -256,11 +261,14 @@ def _check_same_config(run_dir: Path, planned_yaml: str) -> None:
         )
 
 
-def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = None) -> SweepPlan:
+def plan_sweep(
+    sweep: str, overrides: Sequence[str], sweep_dir: Path | None = None, *, source: ConfigSource = ConfigSource()
+) -> SweepPlan:
     """Validate the sweep and every job's config; classify each run directory.
 
     ``overrides``: sdp config overrides (a comma list or ``range(...)`` makes or replaces an axis)
-    and Hydra overrides (``hydra/launcher=joblib``, ``hydra.launcher.n_jobs=2``).
+    and Hydra overrides (``hydra/launcher=joblib``, ``hydra.launcher.n_jobs=2``). ``source``:
+    the user's config directory and primary config (``--config-dir``/``--config-name``).
     """
     from sdp_cli.config.compose import compose_config, to_yaml
 
@@ -287,8 +295,8 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
         str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()
     ]
     # a bad key or value gets sdp train's own message
-    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain])
-    params = _sweeper_params(sweep, plain, hydra_overrides)
+    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain], source=source)
+    params = _sweeper_params(sweep, plain, hydra_overrides, source)
     expanded = _expand(params, [f"+{SWEEP_GROUP}={sweep}", *job_overrides])
 
     root = (sweep_dir or default_sweep_dir(sweep)).expanduser().resolve()
@@ -311,7 +319,7 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
         # composing them finds any bad value; a run that exists must match its planned config.
         if sum(a != b for a, b in zip(job_list, expanded[0], strict=True)) <= 1 or job.state != NEW:
             try:
-                _, raw = compose_config(job.train_overrides())
+                _, raw = compose_config(job.train_overrides(), source=source)
             except UserError as err:
                 raise UserError(f"run {name}: {err}") from None
             _check_same_config(run_dir, to_yaml(raw))
@@ -325,7 +333,7 @@ def plan_sweep(sweep: str, overrides: Sequence[str], sweep_dir: Path | None = No
         for key, o in final.items()
         if o.is_sweep_override()
     }
-    return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes)
+    return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes, source)
 
 
 def run_sweep(plan: SweepPlan) -> int:
@@ -362,7 +370,7 @@ def _outside_hydra() -> Iterator[None]:
         instance.hydra = saved
 
 
-def run_job(sweep_dir: Path, overrides: Sequence[str]) -> str:
+def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = ConfigSource()) -> str:
     """Train (or resume, or skip) the run of one sweep job; returns what happened.
 
     Called inside the Hydra app with the job's task overrides. A run without a complete
@@ -384,8 +392,8 @@ def run_job(sweep_dir: Path, overrides: Sequence[str]) -> str:
     print(f"ablate: {name}: {'resuming' if job.state == RESUMABLE else 'training'}", flush=True)
     try:
         with _outside_hydra():
-            cfg, raw = compose_config(train)
-            run_training(cfg, raw, overrides=train)
+            cfg, raw = compose_config(train, source=source)
+            run_training(cfg, raw, overrides=train, source=source)
     except UserError as err:
         print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)
         return f"failed: {err}"
@@ -416,6 +424,8 @@ def write_plan(plan: SweepPlan) -> Path:
     data = {
         "sweep": plan.sweep,
         "overrides": [*plan.hydra_overrides, *plan.job_overrides],
+        "config_dir": plan.source.config_dir,
+        "config_name": plan.source.config_name,
         "axes": plan.axes,
         "runs": [job.name for job in plan.jobs],
     }

@@ -74,13 +74,27 @@ def ablate_command(
         "--keep-checkpoints",
         help="Keep the checkpoints of finished runs (by default deleted: only resuming uses them).",
     ),
+    config_dir: Path | None = typer.Option(
+        None,
+        "--config-dir",
+        "-cd",
+        help="A directory of your YAML configs, as for sdp train (task=x, +preset=y from DIR/task, DIR/preset).",
+        show_default=False,
+    ),
+    config_name: str | None = typer.Option(
+        None,
+        "--config-name",
+        "-cn",
+        help="A primary config in --config-dir to use instead of sdp's, as for sdp train.",
+        show_default=False,
+    ),
 ) -> None:
     overrides = list(ctx.args)
     if "=" in sweep:  # `sdp ablate seed=0,1`: an override in the sweep's place
         overrides.insert(0, sweep)
         sweep = "default"
     if report is not None:
-        if overrides or directory is not None or jobs is not None or dry_run or keep_checkpoints:
+        if overrides or directory is not None or jobs is not None or dry_run or keep_checkpoints or config_dir or config_name:
             raise UserError(
                 "--report only aggregates an existing sweep; "
                 "drop the sweep name, overrides and other options"
@@ -96,9 +110,11 @@ def ablate_command(
         write_plan,
     )
 
+    from sdp_cli.config.compose import config_source
+
     if jobs is not None:
         overrides.append(f"hydra.launcher.n_jobs={jobs}")
-    plan = plan_sweep(sweep, overrides, directory)
+    plan = plan_sweep(sweep, overrides, directory, source=config_source(config_dir, config_name))
     _print_plan(plan)
     if dry_run:
         return

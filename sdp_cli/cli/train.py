@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from sdp_cli.errors import UserError
 
 #: this module's command; sdp_cli.cli.main adds it to the root app
 app = typer.Typer()
 
 TRAIN_HELP = """Train a policy with asynchronous RL (segment-wise decoupled PPO and friends).
 
-Overrides use Hydra syntax: pick a group option (mode=segment_wise, is_agg=geometric, staleness=segment_wise, engine=vllm, model=hf, task=arith2), add a preset (+preset=segment_wise) or set any key (rollout.max_head_offpolicyness=8 optim.lr=3e-4).
+Overrides use Hydra syntax: pick a group option (mode=segment_wise, is_agg=geometric, staleness=segment_wise, engine=vllm, model=hf, task=arith2), add a preset (+preset=segment_wise) or set any key (rollout.max_head_offpolicyness=8 optim.lr=3e-4). Unknown keys are refused. Your own data, reward function and configs: docs/tasks.md.
 
 [bold]Examples[/bold]
 
   sdp train +preset=segment_wise
 
   sdp train +preset=decoupled rollout.max_head_offpolicyness=8 train.steps=200
+
+  sdp train task=dataset task.path=data.jsonl task.reward=reward.py:score task.eval_fraction=0.1
+
+  sdp train --config-dir conf task=my_task +preset=my_preset --show-prompts 3
 
   sdp train resume=runs/20261121-101500-segment_wise-arith1
 """
@@ -29,10 +37,32 @@ Overrides use Hydra syntax: pick a group option (mode=segment_wise, is_agg=geome
 def train_command(
     ctx: typer.Context,
     print_config: bool = typer.Option(
-        False, "--print-config", "--cfg", help="Print the resolved config as YAML and exit."
+        False, "--print-config", "--cfg", help="Print the resolved config as YAML (and the first prompt of a data task) and exit."
     ),
     help_config: bool = typer.Option(
         False, "--help-config", help="List every config key with its default and meaning, then exit."
+    ),
+    config_dir: Path | None = typer.Option(
+        None,
+        "--config-dir",
+        "-cd",
+        help="A directory of your YAML configs; DIR/task/x.yaml, DIR/preset/y.yaml, ... become options (task=x, +preset=y).",
+        show_default=False,
+    ),
+    config_name: str | None = typer.Option(
+        None,
+        "--config-name",
+        "-cn",
+        help="A primary config in --config-dir to use instead of sdp's; its defaults list starts with `- config`.",
+        show_default=False,
+    ),
+    show_prompts: int | None = typer.Option(
+        None,
+        "--show-prompts",
+        min=1,
+        metavar="N",
+        help="Print the first N training prompts exactly as the model sees them, with token counts, and exit (writes nothing).",
+        show_default=False,
     ),
 ) -> None:
     overrides = list(ctx.args)
@@ -52,13 +82,44 @@ def train_command(
         Console().print(table)
         raise typer.Exit()
 
-    from sdp_cli.config.compose import compose_config, to_yaml
+    from sdp_cli.config.compose import compose_config, config_source, to_yaml
 
-    cfg, raw = compose_config(overrides)
-    if print_config:
-        typer.echo(to_yaml(raw), nl=False)
+    source = config_source(config_dir, config_name)
+    cfg, raw = compose_config(overrides, source=source)
+    if print_config or show_prompts:
+        from sdp_cli.train.task_setup import prompt_comment, show_prompts as render_prompts
+
+        if print_config:
+            typer.echo(to_yaml(raw), nl=False)
+            typer.echo(prompt_comment(cfg), nl=False)
+        if show_prompts:
+            typer.echo(render_prompts(cfg, show_prompts))
         raise typer.Exit()
 
     from sdp_cli.train.run import run_training
 
-    run_training(cfg, raw, overrides=overrides)
+    try:
+        run_training(cfg, raw, overrides=overrides, source=source)
+    except UserError as err:
+        if cfg.run.debug:
+            typer.echo(_details(err), err=True)
+        raise
+
+
+def _details(err: BaseException) -> str:
+    """The traceback behind a one-line error (``run.debug=true``): the user code's own for a
+    reward function, else the first non-UserError cause's."""
+    import traceback
+
+    from sdp_cli.tasks.plugins import RewardError
+
+    chain: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__
+    for cause in chain:
+        if isinstance(cause, RewardError) and cause.details:
+            return cause.details.rstrip()
+    bug = next((c for c in chain if not isinstance(c, UserError)), err)
+    return "".join(traceback.format_exception(bug)).rstrip()

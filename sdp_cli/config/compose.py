@@ -1,19 +1,94 @@
 """Compose a run config through Hydra's compose API and turn every failure into one line.
 
 Hydra's ``@hydra.main`` owns ``sys.argv`` and cannot sit under a Typer sub-command, so sdp
-composes explicitly: schema (ConfigStore) + ``sdp_cli/conf`` groups + command-line overrides.
+composes explicitly: schema (ConfigStore) + ``sdp_cli/conf`` groups + the user's config
+directory (``--config-dir``, its YAML files are more options of the same groups) +
+command-line overrides, checked strictly (``sdp_cli/config/overrides.py``). ``--config-name``
+picks a primary config of the user's directory instead of sdp's ``config``; it builds on sdp's
+by listing ``config`` first in its defaults (docs/tasks.md).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
+from sdp_cli.config.overrides import HELP_HINT, check_overrides, schema_keys, unknown_key_message, unknown_keys
 from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
 from sdp_cli.errors import UserError
 
 CONFIG_MODULE = "sdp_cli.conf"
-HELP_HINT = "run `sdp train --help-config` for every key"
+PRIMARY = "config"
+
+__all__ = [
+    "HELP_HINT",
+    "ConfigSource",
+    "compose_config",
+    "compose_dict",
+    "config_source",
+    "hydra_initialized",
+    "to_config",
+    "to_yaml",
+]
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a run's config comes from: sdp's groups, plus a user directory and primary config."""
+
+    config_dir: str | None = None
+    config_name: str = PRIMARY
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> "ConfigSource":
+        try:
+            data = json.loads(text)
+            return cls(config_dir=data["config_dir"], config_name=str(data["config_name"]))
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{where} is not what sdp wrote there; restore it or start a new run") from None
+
+
+def builtin_dir() -> Path:
+    """sdp's own config groups (``sdp_cli/conf``)."""
+    return Path(str(resources.files(CONFIG_MODULE)))
+
+
+def config_source(config_dir: str | Path | None, config_name: str | None) -> ConfigSource:
+    """The checked ``--config-dir``/``--config-name`` pair (one-line UserError otherwise).
+
+    A user YAML with the name of one of sdp's (``task/arith1.yaml``, ``config.yaml``) is refused:
+    Hydra would silently use only one of the two.
+    """
+    if config_dir is None:
+        if config_name not in (None, PRIMARY):
+            raise UserError(f"--config-name {config_name} needs --config-dir DIR, the directory that holds {config_name}.yaml")
+        return ConfigSource()
+    directory = Path(config_dir).expanduser().resolve()
+    if not directory.is_dir():
+        raise UserError(f"--config-dir {config_dir}: no such directory; pass the directory that holds your YAML configs")
+    if "'" in str(directory) or "," in str(directory):
+        raise UserError(f"--config-dir {directory}: the path may not contain quotes or commas; move or rename it")
+    builtin = builtin_dir()
+    for path in sorted(directory.rglob("*.yaml")):
+        relative = path.relative_to(directory)
+        if (builtin / relative).is_file():
+            group = relative.parent.as_posix()
+            what = "sdp's primary config" if group == "." else f"sdp's {group}={relative.stem}"
+            raise UserError(f"{path} has the name of {what}, so one of the two would be ignored; rename your file")
+    name = config_name or PRIMARY
+    if name != PRIMARY and not (directory / f"{name}.yaml").is_file():
+        found = ", ".join(sorted(p.stem for p in directory.glob("*.yaml"))) or "none"
+        raise UserError(f"--config-name {name}: no {directory / (name + '.yaml')} (primary configs there: {found})")
+    return ConfigSource(str(directory), name)
 
 
 def _register_schema() -> None:
@@ -26,9 +101,29 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in str(text).splitlines() if line.strip()), str(text))
 
 
-def _explain(exc: BaseException) -> str:
-    """A one-line explanation of a Hydra / OmegaConf composition error."""
-    from hydra.errors import MissingConfigException, OverrideParseException
+def _config_file(config_path: str, source: ConfigSource) -> Path | None:
+    """The YAML file behind a config path such as ``task/my_task``."""
+    roots = [Path(source.config_dir)] if source.config_dir else []
+    for root in [*roots, builtin_dir()]:
+        candidate = root / f"{config_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _line_of(path: Path, key: str) -> int | None:
+    """The first line of ``path`` that sets ``key`` (its last dotted part)."""
+    name = re.escape(key.rpartition(".")[2])
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if re.match(rf"\s*['\"]?{name}['\"]?\s*:", line):
+            return number
+    return None
+
+
+def _explain(exc: BaseException, source: ConfigSource) -> str:
+    """A one-line explanation of a Hydra / OmegaConf / YAML composition error."""
+    import yaml
+    from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
     chain: list[BaseException] = []
@@ -36,47 +131,96 @@ def _explain(exc: BaseException) -> str:
     while cur is not None and cur not in chain:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
+    match = re.search(r"In '([^']+)'", str(exc))
+    origin = _config_file(match.group(1), source) if match else None
 
     for err in chain:
+        if isinstance(err, yaml.YAMLError):
+            mark = getattr(err, "problem_mark", None)
+            where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
+            problem = getattr(err, "problem", None) or _first_line(err)
+            context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
+            if context and context_mark is not None:
+                problem += f", {context} at line {context_mark.line + 1}"
+            return f"{where}: not valid YAML ({problem}); fix the file"
         if isinstance(err, MissingConfigException):
-            match = re.search(r"Could not find '([^']+)'", str(err))
-            missing = match.group(1) if match else _first_line(err)
+            found = re.search(r"Could not find '([^']+)'", str(err))
+            missing = found.group(1) if found else _first_line(err)
             group, _, option = missing.rpartition("/")
             options = sorted(getattr(err, "options", None) or [])
             if group and options:
                 return f"{group}={option}: no such option; choose one of {', '.join(options)}"
             return f"config '{missing}' not found ({HELP_HINT})"
-        if isinstance(err, OverrideParseException):
-            return f"cannot parse override: {_first_line(err)} (use key=value, e.g. loss.clip=0.3)"
         if isinstance(err, ConfigKeyError):
-            key = getattr(err, "full_key", None) or _first_line(err)
-            match = re.search(r"Key '([^']+)'", str(err))
-            name = match.group(1) if match else key
-            where = f" under '{err.full_key.rsplit('.', 1)[0]}'" if getattr(err, "full_key", "") and "." in err.full_key else ""
-            return f"unknown config key '{name}'{where}; {HELP_HINT}"
+            key = getattr(err, "full_key", "") or _first_line(err)
+            if origin is None:
+                return unknown_key_message(key)
+            group = match.group(1).rpartition("/")[0] if match else ""
+            if group and key.split(".")[0] == group and group not in schema_keys():
+                return (
+                    f"{origin}: its keys land under '{key.split('.')[0]}.' ({key}); "
+                    "add '# @package _global_' as its first line to set top-level keys"
+                )
+            line = _line_of(origin, key)
+            return f"{origin}{f':{line}' if line else ''}: {unknown_key_message(key)}"
         if isinstance(err, MissingMandatoryValue):
             key = getattr(err, "full_key", "") or "a value"
             return f"{key} must be set, e.g. {key}=..."
         if isinstance(err, ValidationError):
             key = getattr(err, "full_key", "")
-            return f"{key}: {_first_line(err)}" if key else _first_line(err)
+            where = ""
+            if origin is not None:
+                line = _line_of(origin, key) if key else None
+                where = f"{origin}{f':{line}' if line else ''}: "
+            return f"{where}{key}: {_first_line(err)}" if key else f"{where}{_first_line(err)}"
     text = _first_line(exc)
-    match = re.search(r"Could not override '([^']+)'", text)
-    if match:
-        return f"unknown config key '{match.group(1)}'; {HELP_HINT}"
+    found = re.search(r"Could not override '([^']+)'", text)
+    if found:
+        return unknown_key_message(found.group(1))
+    found = re.search(r"An item is already at '([^']+)'", str(exc))
+    if found:
+        return f"+{found.group(1)}: the key exists already; set it without '+': {found.group(1)}=..."
     return text
 
 
-def compose_dict(overrides: list[str], *, config_name: str = "config") -> Any:
-    """Compose the raw ``DictConfig`` (schema-checked keys and types, values not yet validated)."""
-    from hydra import compose, initialize_config_module
+@contextmanager
+def hydra_initialized(source: ConfigSource) -> Iterator[list[str]]:
+    """Hydra's compose API set up for ``source`` (schema registered); yields the search-path
+    override to put first. The primary config is ``source.config_name``: a user primary comes
+    from the user's directory with sdp's groups searched too, else sdp's ``config`` with the
+    user's directory searched too."""
+    from hydra import initialize_config_dir, initialize_config_module
 
     _register_schema()
-    try:
+    if source.config_dir is None:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(overrides))
+            yield []
+    elif source.config_name == PRIMARY:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            yield [f"hydra.searchpath=['file://{source.config_dir}']"]
+    else:
+        with initialize_config_dir(config_dir=source.config_dir, version_base="1.3"):
+            yield [f"hydra.searchpath=['pkg://{CONFIG_MODULE}']"]
+
+
+def compose_dict(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> Any:
+    """Compose the raw ``DictConfig`` (schema-checked keys and types, values not yet validated)."""
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    overrides = check_overrides(list(overrides))
+    try:
+        with hydra_initialized(source) as search:
+            cfg = compose(config_name=source.config_name, overrides=[*search, *overrides])
     except Exception as exc:  # every Hydra/OmegaConf failure becomes one line
-        raise UserError(_explain(exc)) from exc
+        raise UserError(_explain(exc, source)) from exc
+    if OmegaConf.get_type(cfg) is not SdpConfig:
+        primary = Path(source.config_dir or "") / f"{source.config_name}.yaml"
+        raise UserError(f"{primary} does not build on sdp's config; make its first defaults entry `- config`")
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise UserError(unknown_key_message(unknown[0]))
+    return cfg
 
 
 def to_config(cfg: Any) -> SdpConfig:
@@ -86,7 +230,7 @@ def to_config(cfg: Any) -> SdpConfig:
     try:
         obj = OmegaConf.to_object(cfg)
     except Exception as exc:
-        raise UserError(_explain(exc)) from exc
+        raise UserError(_explain(exc, ConfigSource())) from exc
     assert isinstance(obj, SdpConfig), f"composed config is {type(obj).__name__}, not SdpConfig"
     try:
         validate(obj)
@@ -95,9 +239,9 @@ def to_config(cfg: Any) -> SdpConfig:
     return obj
 
 
-def compose_config(overrides: list[str], *, config_name: str = "config") -> tuple[SdpConfig, Any]:
+def compose_config(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> tuple[SdpConfig, Any]:
     """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors."""
-    cfg = compose_dict(overrides, config_name=config_name)
+    cfg = compose_dict(overrides, source=source)
     return to_config(cfg), cfg
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from sdp_cli.choices import (
     CHARSETS,
+    DATA_TASKS,
     ENGINE_KINDS,
     IS_LEVELS,
     KL_TYPES,
@@ -22,6 +23,7 @@ from sdp_cli.choices import (
     MODES,
     PROXIMAL_T_SOURCES,
     RECOMPUTE_POLICIES,
+    REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
     TRAIN_DTYPES,
@@ -285,14 +287,40 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """The RL task (group `task`)."""
+    """The RL task (group `task`); the data keys apply to task=dataset and task=gsm8k (docs/tasks.md)."""
 
     name: str = "arith1"
-    """arith1 | arith2 | gsm8k."""
+    """arith1 | arith2 | gsm8k | dataset (your own data file)."""
     path: str | None = None
-    """gsm8k: a local JSONL or parquet file."""
+    """dataset, gsm8k: the training data, a .jsonl, .json or .parquet file."""
+    prompt_key: str | None = None
+    """record field with the prompt, a string or a list of chat messages; null = prompt (gsm8k: question)."""
+    answer_key: str | None = None
+    """record field with the reference answer (built-in rewards, tiny-model warm start); null = answer."""
     prompt_template: str | None = None
-    """gsm8k: prompt template with {question}; null = the task's default."""
+    """format the prompt from record fields, e.g. 'Q: {question} A:'; null = the prompt field as is."""
+    chat_template: bool = False
+    """render the prompt with the tokenizer's chat template (user message, generation prompt)."""
+    system_prompt: str | None = None
+    """chat_template only: a system message put first."""
+    reward: str | None = None
+    """final_number | boxed | regex | package.module:function | path/to/file.py:function; null = the task's."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments for the reward function, e.g. {pattern: '^\\d+$'} for regex."""
+    require_stop: bool = True
+    """a completion that ran out of tokens scores 0 without calling the reward function."""
+    eval_path: str | None = None
+    """held-out data for greedy evaluation (same format as path)."""
+    eval_fraction: float | None = None
+    """hold out this share of path's records for evaluation (the same records in every run)."""
+    max_prompt_tokens: int | None = None
+    """drop prompts longer than this many tokens (the count of dropped prompts is reported)."""
+    shuffle: bool = True
+    """walk the training data in a new seeded order every epoch; false = file order."""
+    reward_workers: int = 1
+    """reward functions run on this many workers, off the generation path."""
+    reward_pool: str = "thread"
+    """thread | process: where reward functions run (process: no GIL contention, needs picklable results)."""
 
 
 @dataclass
@@ -309,6 +337,8 @@ class RunConfig:
     """write TensorBoard event files."""
     progress: bool = True
     """live progress display in the terminal."""
+    debug: bool = False
+    """print the full traceback of a failure in your code (e.g. a reward function) besides the one line."""
 
 
 def tracks_proximal_t(cfg: "SdpConfig") -> bool:
@@ -526,9 +556,33 @@ def validate(cfg: SdpConfig) -> None:
         raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
     _validate_lora(mdl.lora)
 
-    _choice("task.name", cfg.task.name, TASKS)
-    if cfg.task.name == "gsm8k" and not cfg.task.path:
-        raise ConfigValueError("task=gsm8k needs task.path=/path/to/data.jsonl (or .parquet)")
+    _validate_task(cfg.task)
+
+
+def _validate_task(task: TaskConfig) -> None:
+    _choice("task.name", task.name, TASKS)
+    if task.name not in DATA_TASKS:
+        defaults = TaskConfig()
+        for f in fields(TaskConfig):
+            if f.name not in ("name", "reward_workers", "reward_pool") and getattr(task, f.name) != getattr(defaults, f.name):
+                raise ConfigValueError(
+                    f"task.{f.name} applies to data tasks (task=dataset, task=gsm8k), not task={task.name}; remove it"
+                )
+    elif not task.path:
+        raise ConfigValueError(f"task={task.name} needs task.path=/path/to/data.jsonl (or .json, .parquet)")
+    elif task.name == "dataset" and not task.reward:
+        raise ConfigValueError(
+            "task=dataset needs task.reward=final_number|boxed|regex|package.module:function|path/to/file.py:function"
+        )
+    if task.eval_fraction is not None and not 0 < task.eval_fraction < 1:
+        raise ConfigValueError(f"task.eval_fraction={task.eval_fraction} must be in (0, 1)")
+    if task.eval_fraction is not None and task.eval_path is not None:
+        raise ConfigValueError("set one of task.eval_path and task.eval_fraction, not both")
+    _positive("task.max_prompt_tokens", task.max_prompt_tokens, allow_none=True)
+    _positive("task.reward_workers", task.reward_workers)
+    _choice("task.reward_pool", task.reward_pool, REWARD_POOLS)
+    if task.system_prompt is not None and not task.chat_template:
+        raise ConfigValueError("task.system_prompt is used by the chat template; set task.chat_template=true too")
 
 
 def _validate_lora(lora: LoraConfig) -> None:

@@ -1,12 +1,11 @@
-"""Greedy accuracy of a policy on a task: the mean reward of argmax completions."""
+"""Greedy accuracy of a policy on a task: the mean reward of argmax completions on held-out problems."""
 
 from __future__ import annotations
-
-import random
 
 from sdp_cli.models.decode import greedy_decode
 from sdp_cli.models.policy import Policy
 from sdp_cli.tasks.base import Task
+from sdp_cli.tasks.plugins import to_score
 
 
 def greedy_accuracy(
@@ -17,11 +16,15 @@ def greedy_accuracy(
     seed: int = 0,
     batch_size: int = 64,
     max_new_tokens: int | None = None,
-) -> float:
-    """Mean ``task.reward`` over ``n`` problems drawn with ``random.Random(seed)``, decoding greedily
-    for at most ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_token_id``."""
+) -> float | None:
+    """Mean ``task.reward`` (its score) over up to ``n`` held-out problems,
+    ``task.eval_items(n, seed)`` (never training problems), decoding greedily for at most
+    ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_token_id``; None when
+    the task has no held-out problems."""
     assert n >= 1, f"n must be >= 1, got {n}"
-    items = task.sample(random.Random(seed), n)
+    items = task.eval_items(n, seed)
+    if not items:
+        return None
     decoded = greedy_decode(
         policy.model,
         [policy.encode_prompt(item.prompt) for item in items],
@@ -31,7 +34,7 @@ def greedy_accuracy(
         batch_size=batch_size,
     )
     rewards = [
-        task.reward(policy.decode(result.token_ids), item, stopped=result.stopped)
+        to_score(task.reward(policy.decode(result.token_ids), item, stopped=result.stopped), task.name, item.prompt)[0]
         for item, result in zip(items, decoded)
     ]
     return sum(rewards) / len(rewards)

@@ -1,8 +1,10 @@
-"""Load a policy (a tiny warm-started model or any local Hugging Face directory) and save one.
+"""Load a policy (a tiny warm-started model or a Hugging Face model) and save one.
 
 ``load_policy("tiny", task="arith1")`` builds the tiny Qwen2 of ``sdp_cli.models.tiny`` and warm
 starts it on the task (cached, ``sdp_cli.models.warm_start``). ``load_policy("hf", path=...)``
-loads a local model directory with its tokenizer; nothing is downloaded. ``save_policy`` writes a
+loads a local model directory, or a Hugging Face hub id (``org/name``) whose safetensors weights
+and tokenizer files are downloaded into the Hugging Face cache (``HF_HOME``; nothing is
+downloaded with ``HF_HUB_OFFLINE=1``, the cached snapshot is used). ``save_policy`` writes a
 directory that ``load_policy("hf", ...)`` and a vLLM server can load.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,6 +33,47 @@ from sdp_cli.tasks.base import Task
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+#: `name` or `org/name` as the hub spells repository ids
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+#: what a hub download fetches: configs, safetensors weights, tokenizer and chat-template files
+#: (never pickle weights, never code)
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def is_hub_id(path: str | Path) -> bool:
+    """Whether ``model.path`` names a hub model: no such local path, and shaped like ``org/name``."""
+    text = str(path)
+    return not Path(text).expanduser().exists() and bool(_HUB_ID.match(text)) and ".." not in text
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """The local directory of ``model.path``: the path itself, or a hub id's cached snapshot,
+    downloaded first unless ``HF_HUB_OFFLINE`` is set. One-line UserError when neither works."""
+    if not is_hub_id(path):
+        return Path(path).expanduser()
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    repo = str(path)
+    try:
+        return Path(snapshot_download(repo, allow_patterns=HUB_FILES))
+    except GatedRepoError:
+        raise UserError(f"model.path={repo} is a gated hub model; accept its terms on huggingface.co and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise UserError(
+            f"model.path={repo} is no local directory and no model on the Hugging Face hub "
+            "(or a private one: log in with hf auth login); check the name"
+        ) from None
+    except LocalEntryNotFoundError:
+        if constants.HF_HUB_OFFLINE:
+            raise UserError(
+                f"model.path={repo} is no local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
+                "unset HF_HUB_OFFLINE to download it, or pass a local model directory"
+            ) from None
+        raise UserError(f"model.path={repo}: the Hugging Face hub cannot be reached; check the network or pass a local directory") from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"model.path={repo}: download from the Hugging Face hub failed ({first}); retry or pass a local directory") from None
 
 
 def load_policy(
@@ -67,7 +111,7 @@ def load_policy(
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
     if kind == "hf":
         if path is None:
-            raise UserError("model kind 'hf' needs a path; set model.path to a local Hugging Face model directory")
+            raise UserError("model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)")
         policy = load_hf_policy(path)
     elif kind == "tiny":
         if task is None:
@@ -149,12 +193,18 @@ def _tiny_policy(
 
 
 def load_hf_policy(path: str | Path) -> Policy:
-    """A local Hugging Face causal-LM directory with its tokenizer (safetensors weights only)."""
+    """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
+    directory or a hub id (``resolve_model_dir``)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = Path(path).expanduser()
-    fix = "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
+    directory = resolve_model_dir(path)
+    hub = is_hub_id(path)
+    fix = (
+        f"the hub model {path} needs safetensors weights, config.json and tokenizer files"
+        if hub
+        else "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
+    )
     if not directory.is_dir():
         raise UserError(f"model directory {directory} does not exist; {fix}")
     if not (directory / "config.json").is_file():
@@ -190,7 +240,8 @@ def load_hf_policy(path: str | Path) -> Policy:
     if eos_id is None:
         raise UserError(f"model directory {directory} defines no EOS token; set eos_token in its tokenizer_config.json")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, str(directory.resolve()))
+    name = str(path) if hub else str(directory.resolve())
+    return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, name)
 
 
 def save_policy(policy: Policy, directory: str | Path, *, dtype: torch.dtype | None = None) -> Path:

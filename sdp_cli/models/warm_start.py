@@ -288,8 +288,9 @@ def warm_start(
 ) -> tuple[Path, dict[str, Any]]:
     """The cache entry for these settings, training and writing it first if it does not exist.
 
-    Greedy accuracy (towards ``target`` and the one recorded) is measured on ``eval_n`` problems
-    drawn from a stream separate from the training problems. Returns ``(entry_dir, info)``;
+    Greedy accuracy (towards ``target`` and the one recorded) is measured on at most ``eval_n``
+    of the task's held-out problems (``Task.eval_items``); a data set without a held-out split
+    records none and runs every step. Returns ``(entry_dir, info)``;
     ``entry_dir`` is a Hugging Face model directory with tokenizer.
     """
     assert steps >= 1, f"warm start needs steps >= 1, got {steps}"
@@ -319,16 +320,16 @@ def warm_start(
     model = build_tiny_model(len(tokenizer), seed=seed, **arch)
     policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name=key)
 
-    if task.num_problems is not None:
-        eval_n = min(eval_n, task.num_problems)  # every problem once; repeats add no information
+    eval_n = len(task.eval_items(eval_n, seed + _EVAL_SEED_OFFSET))  # what is measured, for the record
 
-    def accuracy() -> float:
-        return greedy_accuracy(policy, task, eval_n, seed=seed + _EVAL_SEED_OFFSET)
+    def accuracy() -> float | None:
+        # held-out problems (task.eval_items); None for a data set without a held-out split
+        return greedy_accuracy(policy, task, max(eval_n, 1), seed=seed + _EVAL_SEED_OFFSET)
 
     def reached_target(step: int) -> bool:
         value = accuracy()
-        log.info("warm start: step %d greedy accuracy %.3f (target %s)", step, value, target)
-        return value >= target
+        log.info("warm start: step %d greedy accuracy %s (target %s)", step, value, target)
+        return value is not None and value >= target
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -348,7 +349,7 @@ def warm_start(
         "train_seconds": round(train_seconds, 3),
     }
     log.info(
-        "warm start: %s greedy accuracy %.3f after %d steps, %.1f s",
+        "warm start: %s greedy accuracy %s after %d steps, %.1f s",
         task.name,
         final_accuracy,
         len(losses),

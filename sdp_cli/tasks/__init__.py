@@ -5,12 +5,16 @@ Pure Python: importing this package does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
+from sdp_cli.choices import DATA_TASKS
 from sdp_cli.errors import UserError
+from sdp_cli.tasks import gsm8k
 from sdp_cli.tasks.arith import AdditionTask
-from sdp_cli.tasks.base import Task, TaskItem
+from sdp_cli.tasks.base import RewardValue, Task, TaskItem
+from sdp_cli.tasks.dataset import DatasetOptions, DatasetTask
 from sdp_cli.tasks.gsm8k import Gsm8kTask
 
 
@@ -24,18 +28,34 @@ def _arith2(max_new_tokens: int = 5) -> Task:
     return AdditionTask("arith2", 10, 99, max_new_tokens)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arith1": _arith1, "arith2": _arith2, "gsm8k": Gsm8kTask}
+def _gsm8k(**options: Any) -> Task:
+    path = options.pop("path", None) or str(gsm8k.sample_path())
+    return Gsm8kTask(DatasetOptions(path=path, **{**gsm8k.DEFAULTS, **options}))
+
+
+def _dataset(**options: Any) -> Task:
+    return DatasetTask(DatasetOptions(**options))
+
+
+TASKS: dict[str, Callable[..., Task]] = {"arith1": _arith1, "arith2": _arith2, "gsm8k": _gsm8k, "dataset": _dataset}
+
+
+def task_parameters(name: str) -> list[str]:
+    """The keyword arguments ``build_task(name, ...)`` accepts."""
+    if name in DATA_TASKS:
+        return [f.name for f in dataclasses.fields(DatasetOptions)]
+    return list(inspect.signature(TASKS[name]).parameters)
 
 
 def build_task(name: str, **kwargs: Any) -> Task:
     """The task called ``name`` with its parameters, e.g. ``build_task("gsm8k", path="train.jsonl")``.
 
-    Raises UserError (one line) for an unknown name or parameter.
+    Raises UserError (one line) for an unknown name or parameter and for bad data.
     """
     factory = TASKS.get(name)
     if factory is None:
         raise UserError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}")
-    accepted = inspect.signature(factory).parameters
+    accepted = task_parameters(name)
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
         raise UserError(
@@ -46,4 +66,16 @@ def build_task(name: str, **kwargs: Any) -> Task:
     return factory(**kwargs)
 
 
-__all__ = ["AdditionTask", "Gsm8kTask", "TASKS", "Task", "TaskItem", "build_task"]
+__all__ = [
+    "AdditionTask",
+    "DATA_TASKS",
+    "DatasetOptions",
+    "DatasetTask",
+    "Gsm8kTask",
+    "RewardValue",
+    "TASKS",
+    "Task",
+    "TaskItem",
+    "build_task",
+    "task_parameters",
+]

@@ -3,14 +3,22 @@
 Tasks are pure Python (no torch): the rollout loop, the warm start and the evaluation all talk to
 this interface. A completion is the decoded text of the generated tokens *without* the stop token;
 ``stopped`` says whether generation ended on the stop token (True) or ran out of budget (False).
+
+Training problems and held-out problems are disjoint: ``sample``/``stream`` never return a
+problem that ``eval_items`` can return, so evaluation measures problems the policy never
+trained on.
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import random
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Union
+
+#: what a reward returns: a float, or a mapping with a float "score" and other floats to log
+RewardValue = Union[float, Mapping[str, float]]
 
 
 @dataclass(frozen=True)
@@ -40,11 +48,26 @@ class Task(abc.ABC):
 
     @abc.abstractmethod
     def sample(self, rng: random.Random, n: int) -> list[TaskItem]:
-        """Draw ``n`` problems; the same ``rng`` state gives the same problems."""
+        """Draw ``n`` training problems; the same ``rng`` state gives the same problems."""
 
     @abc.abstractmethod
-    def reward(self, completion: str, item: TaskItem, *, stopped: bool) -> float:
-        """Score one completion of ``item.prompt`` (1.0 correct, 0.0 wrong)."""
+    def eval_items(self, n: int, seed: int) -> list[TaskItem]:
+        """At most ``n`` distinct held-out problems (never training ones), chosen by ``seed``;
+        empty when the task has no held-out split."""
+
+    @abc.abstractmethod
+    def reward(self, completion: str, item: TaskItem, *, stopped: bool) -> RewardValue:
+        """Score one completion of ``item.prompt`` (e.g. 1.0 correct, 0.0 wrong)."""
+
+    def stream(self, rng: random.Random, start: int, n: int) -> list[TaskItem]:
+        """Training problems ``start .. start + n - 1`` of a run, in order: a data set walks
+        seeded-shuffled epochs; a generated task draws ``n`` from ``rng``."""
+        return self.sample(rng, n)
+
+    def reward_call(self, completion: str, item: TaskItem, *, stopped: bool) -> Callable[[], RewardValue]:
+        """The reward of one completion as a call without arguments, to run on a worker; a task
+        whose rewards run in a process pool returns one of plain data that pickles cheaply."""
+        return functools.partial(self.reward, completion, item, stopped=stopped)
 
     @abc.abstractmethod
     def params(self) -> dict[str, Any]:
@@ -53,8 +76,12 @@ class Task(abc.ABC):
 
     @property
     def num_problems(self) -> int | None:
-        """How many distinct problems a finite data set holds; None for a generated task."""
+        """How many distinct training problems a finite data set holds; None for a generated task."""
         return None
+
+    def summary(self) -> str:
+        """One line about the task's problems (shown at the start of a run)."""
+        return f"task {self.name}: generated problems"
 
     def sft_example(self, item: TaskItem) -> tuple[str, str]:
         """``(prompt, target)`` for supervised warm start; the loss covers the target and EOS."""

@@ -1,8 +1,10 @@
 """The asynchronous RL loop: a rollout producer thread and the trainer, overlapping.
 
 Producer thread (``_produce``): while the staleness manager grants capacity, sample prompts,
-generate G responses per prompt on the engine (tokens tagged with the engine version), score
-them and hand each finished group to the queue (segment-wise: filtered before enqueue).
+generate G responses per prompt on the engine (tokens tagged with the engine version) and pass
+the finished groups to the reward pool (``sdp_cli/train/rewarding.py``) without waiting for
+their scores; the pool hands each scored group to the queue (segment-wise: filtered before
+enqueue). Until then a group stays in the producer's hands.
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
 step, then push the new weights following docs/design.md §2: pause (hooks) → recompute pass with the
@@ -23,6 +25,7 @@ agree.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -48,6 +51,7 @@ from sdp_cli.rollout.strategies import StalenessControlStrategy, create_stalenes
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.train.batch import TrainBatch, assemble_batch
 from sdp_cli.train.ledger import LedgerLog
+from sdp_cli.train.rewarding import EXTRAS, RewardPool, extra_means
 from sdp_cli.train.trainer import StepOutput, Trainer
 
 logger = logging.getLogger(__name__)
@@ -216,6 +220,9 @@ class AsyncLoop:
         self._ahead = _PassTotals()
         self._at_take = _PassTotals()
         self._prefill_tokens_seen = 0
+        self.rewards = RewardPool(
+            workers=cfg.task.reward_workers, kind=cfg.task.reward_pool, name=f"of task {task.name}"
+        )
 
     # ============================================================ producer side
     def _produce(self) -> None:
@@ -247,13 +254,20 @@ class AsyncLoop:
                     continue
                 consecutive_faults = 0
                 fault_point("producer.generated")
-                self._hand_over(groups)
+                self._score(groups)
         except BaseException as exc:  # surfaced to the trainer thread, which stops the run
-            self._producer_error = exc
-            self._stop.set()
+            self._fail(exc)
         finally:
             with self._capacity_changed:
                 self._capacity_changed.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the run with ``exc`` (the first failure of the producer or the reward pool)."""
+        if self._producer_error is None:
+            self._producer_error = exc
+        self._stop.set()
+        with self._capacity_changed:
+            self._capacity_changed.notify_all()
 
     def _wait_for_capacity(self) -> int:
         with self._capacity_changed:
@@ -276,10 +290,10 @@ class AsyncLoop:
         them at any time before weights c are replaced. Doing it here overlaps the pass with
         training instead of blocking the weight push; the push then only scores what is left
         (``_push``; a pass skips tokens already scored under c). Between two generate calls the
-        producer holds no sample. ``_pass_lock`` keeps the weights loaded for the whole pass;
-        ``_handoff_lock`` is held only to plan and to write, so the trainer takes batches while
-        the engine scores, and the results of samples it took meanwhile are dropped (the
-        take-time pass scores those).
+        producer holds no partial sample (groups still being scored are left to the push's pass).
+        ``_pass_lock`` keeps the weights loaded for the whole pass; ``_handoff_lock`` is held only
+        to plan and to write, so the trainer takes batches while the engine scores, and the
+        results of samples it took meanwhile are dropped (the take-time pass scores those).
         """
         if not self._recompute_due():
             return
@@ -319,7 +333,7 @@ class AsyncLoop:
         return stats, seconds
 
     def _new_groups(self, rng: random.Random, n_groups: int) -> list[RolloutGroup]:
-        items = self.task.sample(rng, n_groups)
+        items = self.task.stream(rng, self.state.next_group_id, n_groups)
         self.state.producer_rng = rng.getstate()
         groups = []
         with self._handoff_lock:
@@ -351,15 +365,40 @@ class AsyncLoop:
         with self._capacity_changed:
             self._capacity_changed.notify_all()
 
+    def _score(self, groups: list[RolloutGroup]) -> None:
+        """Send each finished group's reward calls to the pool; ``_scored`` hands it over."""
+        for group in groups:
+            calls, wheres = [], []
+            for sample in group.samples:
+                completion = self.codec.decode_completion(sample.output_ids)
+                item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
+                calls.append(self.task.reward_call(completion, item, stopped=sample.finish_reason == "stop"))
+                wheres.append(f"a completion of {item.prompt[:60]!r}")
+            self.rewards.submit(calls, wheres, functools.partial(self._scored, group))
+
+    def _scored(
+        self, group: RolloutGroup, results: list[tuple[float, dict[str, float]]] | None, error: BaseException | None
+    ) -> None:
+        """Reward pool callback: store the rewards and hand the group over, or stop the run."""
+        if error is None:
+            assert results is not None and len(results) == len(group.samples), "one reward per sample"
+            try:
+                for sample, (score, extras) in zip(group.samples, results):
+                    sample.reward = score
+                    if extras:
+                        sample.meta[EXTRAS] = extras
+                self._hand_over([group])
+                return
+            except BaseException as exc:
+                error = exc
+        self._fail(error)
+
     def _hand_over(self, groups: list[RolloutGroup]) -> None:
-        """Score finished groups and move them from the producer's hands into the queue."""
+        """Move scored groups from the producer's hands into the queue."""
         with self._handoff_lock:
             version = self._version
             for group in groups:
                 for sample in group.samples:
-                    completion = self.codec.decode_completion(sample.output_ids)
-                    item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
-                    sample.reward = float(self.task.reward(completion, item, stopped=sample.finish_reason == "stop"))
                     self.state.counters.samples_generated += 1
                     self.state.counters.tokens_generated += sample.output_len
                 self._in_hand.pop(group.group_id, None)
@@ -387,8 +426,10 @@ class AsyncLoop:
         self._producer.start()
 
     def stop(self) -> None:
-        """Stop the producer and wait for it (it finishes the generate call it is in)."""
+        """Stop the producer and wait for it (it finishes the generate call it is in); groups
+        still being scored stay in the producer's hands."""
         self._stop.set()
+        self.rewards.close()
         if self.engine.is_paused():
             self.engine.resume()
         with self._capacity_changed:
@@ -439,6 +480,7 @@ class AsyncLoop:
         counters.push_seconds += t3 - t2
         self.state.step += 1
         metrics = dict(output.metrics)
+        metrics.update(extra_means([s.meta.get(EXTRAS) for g in groups for s in g.samples]))
         metrics.update(push_metrics)
         metrics.update(self._loop_metrics())
         metrics.update(self._proximal_t_paths())
@@ -560,7 +602,11 @@ class AsyncLoop:
 
     def _loop_metrics(self) -> dict[str, float]:
         stats = self.manager.get_stats()
+        size = self.task.num_problems
+        # a data set: epochs of prompts drawn for generation (sdp_cli/tasks/dataset.py)
+        epoch = {"data/epoch": self.state.next_group_id / size} if size else {}
         return {
+            **epoch,
             "staleness/capacity": float(self.manager.get_capacity()),
             "staleness/accepted": float(stats.accepted),
             "staleness/running": float(stats.running),

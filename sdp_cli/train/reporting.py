@@ -84,6 +84,7 @@ class Progress:
         ("w mean", "weights/rollout_is_mean", "{:.3f}"),
         ("w std", "weights/rollout_is_std", "{:.3f}"),
         ("filtered", "staleness/filtered_groups_total", "{:.0f}"),
+        ("epoch", "data/epoch", "{:.2f}"),  # data-set tasks only
     )
 
     def __init__(self, total: int, *, start: int = 0, enabled: bool = True, stream: TextIO | None = None):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sdp_cli.config.compose import compose_config, to_yaml
+from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.factory import build_engine
@@ -28,7 +28,8 @@ from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.rundir import VERSION_GLOB, RunDir
-from sdp_cli.tasks import Task, build_task
+from sdp_cli.tasks import Task
+from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
@@ -37,6 +38,7 @@ from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
 from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
 
@@ -66,13 +68,6 @@ def _resolve_threads(cfg: SdpConfig) -> int:
     return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
 
 
-def build_task_from(cfg: SdpConfig) -> Task:
-    kwargs: dict[str, Any] = {}
-    if cfg.task.name == "gsm8k":
-        kwargs["path"] = cfg.task.path
-        if cfg.task.prompt_template is not None:
-            kwargs["prompt_template"] = cfg.task.prompt_template
-    return build_task(cfg.task.name, **kwargs)
 
 
 def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
@@ -114,8 +109,10 @@ class TrainingRun:
         *,
         resuming: bool,
         coordinator: Coordinator,
+        task: Task | None = None,
     ):
         self.cfg = cfg
+        self.task = task
         self.raw = raw
         self.overrides = overrides
         self.run_dir = run_dir
@@ -144,7 +141,8 @@ class TrainingRun:
                 raise UserError(f"{self.run_dir.path}: no complete checkpoint to resume from; start a new run instead")
             checkpoint = ckpt.read_checkpoint(found)
 
-        self.task = build_task_from(cfg)
+        if self.task is None:
+            self.task = prepare_task(cfg)
         keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
         self.policy, reference = self.coordinator.main_first(
@@ -231,7 +229,9 @@ class TrainingRun:
                 optimizer_restarted=checkpoint.state["optimizer"] is None,
             )
         else:
-            self.events.write("started", overrides=self.overrides, processes=self.coordinator.num_processes)
+            self.events.write(
+                "started", overrides=self.overrides, processes=self.coordinator.num_processes, task=self.task.summary()
+            )
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
 
@@ -333,13 +333,16 @@ class TrainingRun:
         self.ledger.sync()
         return snapshot
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int) -> float | None:
+        """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
         cfg = self.cfg
         budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
         with self.trainer.autocast():  # the training precision
             acc = greedy_accuracy(self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget)
+        if acc is None:
+            return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
         self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
@@ -359,7 +362,9 @@ class TrainingRun:
             path = self.checkpoint(step) if step > self.start_step else None
             cause = exc.__cause__
             detail = {}
-            if cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
+            if isinstance(cause, RewardError):  # user code: its own traceback
+                detail["traceback"] = cause.details
+            elif cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
                 detail["traceback"] = "".join(traceback.format_exception(cause))
             self.events.write(
                 "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
@@ -438,22 +443,46 @@ class TrainingRun:
         }
 
 
-def _preflight(cfg: SdpConfig) -> None:
-    """Refuse what is certain to fail before anything is written: input files that do not
-    exist and an API-key variable that is not set."""
-    if cfg.model.kind == "hf" and not Path(cfg.model.path or "").is_dir():
-        raise UserError(f"model.path={cfg.model.path} is not a directory; pass a local Hugging Face model directory")
-    if cfg.task.name == "gsm8k" and not Path(cfg.task.path or "").is_file():
-        raise UserError(f"task.path={cfg.task.path} is not a file; pass a local .jsonl or .parquet file")
+def _preflight(cfg: SdpConfig) -> Task:
+    """Refuse what is certain to fail before anything is written (a model that is neither a
+    directory nor a hub id, bad task data, a reward function that does not import, an API-key
+    variable that is not set) and return the task, ready to sample."""
+    if cfg.model.kind == "hf":
+        from sdp_cli.models.loader import resolve_model_dir
+
+        if not resolve_model_dir(cfg.model.path or "").is_dir():
+            raise UserError(
+                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
+            )
+    task = prepare_task(cfg)
     key_env = cfg.engine.api_key_env
     if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
         raise UserError(
             f"engine.api_key_env={key_env}, but that environment variable is empty; "
             "export the key in it or unset engine.api_key_env"
         )
+    return task
 
 
-def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str, Any] | None:
+def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
+    """The config source a run started with; a different one given at the resume is refused."""
+    path = run_dir.config_source
+    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
+    if given != ConfigSource() and given != saved:
+        raise UserError(
+            f"{run_dir.path} was started with {saved.config_dir or 'no --config-dir'}; "
+            "resume it without --config-dir/--config-name (its own are used)"
+        )
+    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
+        raise UserError(
+            f"{run_dir.path} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume"
+        )
+    return saved
+
+
+def run_training(
+    cfg: SdpConfig, raw: Any, *, overrides: list[str], source: ConfigSource = ConfigSource()
+) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0)."""
     from accelerate import Accelerator
 
@@ -472,27 +501,31 @@ def run_training(cfg: SdpConfig, raw: Any, *, overrides: list[str]) -> dict[str,
             )
         original = read_overrides(saved)
         extra = [o for o in overrides if not o.startswith("resume=")]
-        cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"])
-        _preflight(cfg)
+        source = _resume_source(run_dir, source)
+        cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+        task = _preflight(cfg)
         if extra:
             deferred.append((saved, json.dumps([*original, *extra])))
         resuming = True
     else:
-        _preflight(cfg)
+        task = _preflight(cfg)
         created = make_run_dir(cfg) if coordinator.is_main else None
         run_dir = RunDir(Path(coordinator.broadcast_json(str(created.path) if created else None)))
         if coordinator.is_main:
             atomic_write_text(run_dir.overrides, json.dumps(overrides))
+            if source != ConfigSource():
+                atomic_write_text(run_dir.config_source, source.to_json())
         resuming = False
     if resuming:
         deferred.append((run_dir.config, to_yaml(raw)))
     elif coordinator.is_main:
         atomic_write_text(run_dir.config, to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator)
+    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
     run.setup()
     if coordinator.is_main:
         for path, text in deferred:
             atomic_write_text(path, text)
+        print(task.summary(), file=sys.stderr)
     if not coordinator.is_main:
         run.follow()
         return None

@@ -1,6 +1,5 @@
 """load_policy / save_policy / greedy_accuracy: round trips, one-line errors, lazy imports."""
 
-import random
 import subprocess
 import sys
 
@@ -77,7 +76,7 @@ def test_greedy_accuracy_matches_a_per_item_reference():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
                 proj.weight.mul_(30)
     task = _FirstCharTask("first-char", 0, 99, max_new_tokens=6)
-    items = task.sample(random.Random(3), 40)
+    items = task.eval_items(40, 3)  # greedy accuracy scores held-out problems only
     rewards = []
     for item in items:
         (result,) = greedy_decode(
@@ -146,10 +145,10 @@ def test_bad_hf_directories_are_one_line_user_errors(policy, tmp_path, setup, fr
     ("kwargs", "message"),
     [
         ({"kind": "gguf"}, "unknown model kind 'gguf'; choose one of tiny, hf"),
-        ({"kind": "hf"}, "model kind 'hf' needs a path; set model.path to a local Hugging Face model directory"),
+        ({"kind": "hf"}, "model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)"),
         ({"kind": "tiny"}, "model kind 'tiny' needs a task to warm start on; set task (e.g. arith1)"),
         ({"kind": "tiny", "task": "arith1", "dtype": "fp8"}, "unknown dtype 'fp8'; choose one of float32, bfloat16, float16 or auto"),
-        ({"kind": "tiny", "task": "nope"}, "unknown task 'nope'; choose one of arith1, arith2, gsm8k"),
+        ({"kind": "tiny", "task": "nope"}, "unknown task 'nope'; choose one of arith1, arith2, dataset, gsm8k"),
         ({"kind": "tiny", "task": "arith1", "charset": "emoji", "warm_start_steps": 0}, "unknown charset 'emoji'; choose one of arith, ascii"),
     ],
 )

@@ -260,9 +260,9 @@ def test_unwritable_cache_is_a_user_error(tmp_path):
 def test_gsm8k_warm_start_smoke(tmp_path):
     # Two steps on the shipped word problems: the ascii tokenizer and the long SFT targets go
     # through the same cache path and reload as a Hugging Face directory.
-    task = build_task("gsm8k", max_new_tokens=8)
+    task = build_task("gsm8k", max_new_tokens=8, eval_fraction=0.2)
     entry, info = ws.warm_start(task, cache_dir=tmp_path, eval_n=400, **_settings(charset="ascii", batch_size=4))
-    assert info["eval_n"] == 21  # capped at the number of problems in the file
+    assert info["eval_n"] == 4  # capped at the held-out problems: round(21 * 0.2)
     policy = load_policy("hf", path=entry)
     assert len(policy.tokenizer) == 100 and policy.model.config.vocab_size == 128
     assert info["inputs"]["task"]["file_sha256"] == task.params()["file_sha256"]

@@ -8,7 +8,7 @@ import pytest
 
 from sdp_cli.errors import UserError
 from sdp_cli.tasks import build_task
-from sdp_cli.tasks.gsm8k import load_problems, sample_path
+from sdp_cli.tasks.gsm8k import sample_path
 
 
 def _write_jsonl(path, records):
@@ -84,19 +84,21 @@ def test_params_track_file_content(tmp_path):
 def test_blank_lines_are_skipped(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('\n{"question": "q", "answer": "#### 3"}\n\n')
-    assert load_problems(path) == [("q", "#### 3", "3")]
+    (item,) = build_task("gsm8k", path=path).items
+    assert (item.prompt, item.answer, item.meta["final"]) == ("Question: q\nAnswer: ", "#### 3", "3")
 
 
 @pytest.mark.parametrize(
     ("content", "fragments"),
     [
         ('{"question": "q", "answer": "#### 3"}\n{"question": "q", "answer": \n', ["p.jsonl:2", "not valid JSON"]),
-        ('["q", "#### 3"]\n', ["line 1", "not an object"]),
-        ('{"answer": "#### 3"}\n', ["line 1", "'question'"]),
-        ('{"question": "q", "answer": 3}\n', ["line 1", "'answer'"]),
-        ('{"question": "  ", "answer": "#### 3"}\n', ["line 1", "'question'"]),
-        ('{"question": "q", "answer": "it is 3"}\n', ["line 1", "####"]),
-        ('{"question": "q", "answer": "#### three"}\n', ["line 1", "####"]),
+        ('["q", "#### 3"]\n', ["p.jsonl:1", "must be a JSON object"]),
+        ('{"answer": "#### 3"}\n', ["p.jsonl:1", "{question}", "does not have"]),
+        ('{"question": "q", "answer": 3}\n', ["p.jsonl:1", "'answer'"]),
+        ('{"question": "  ", "answer": "#### 3"}\n', ["p.jsonl:1", "'question'"]),
+        ('{"question": "q", "answer": "it is 3"}\n', ["p.jsonl:1", "####"]),
+        ('{"question": "q", "answer": "#### three"}\n', ["p.jsonl:1", "no number"]),
+        ('{"question": "q"}\n', ["p.jsonl:1", "no field 'answer'"]),
         ("\n\n", ["no records"]),
     ],
 )
@@ -111,12 +113,12 @@ def test_malformed_jsonl_is_a_one_line_user_error(tmp_path, content, fragments):
 def test_missing_file_and_unknown_extension(tmp_path):
     with pytest.raises(UserError) as err:
         build_task("gsm8k", path=tmp_path / "nope.jsonl")
-    _assert_one_line(err.value, "nope.jsonl", "does not exist")
+    _assert_one_line(err.value, "nope.jsonl", "no such file")
     csv = tmp_path / "p.csv"
     csv.write_text("question,answer\n")
     with pytest.raises(UserError) as err:
         build_task("gsm8k", path=csv)
-    _assert_one_line(err.value, "'.csv'", ".jsonl or .parquet")
+    _assert_one_line(err.value, "'.csv'", "use a .jsonl, .json or .parquet file")
 
 
 def test_parquet_round_trip_and_errors(tmp_path):
@@ -131,19 +133,19 @@ def test_parquet_round_trip_and_errors(tmp_path):
     pq.write_table(pa.table({"question": ["q1"]}), no_column)
     with pytest.raises(UserError) as err:
         build_task("gsm8k", path=no_column)
-    _assert_one_line(err.value, "no column 'answer'")
+    _assert_one_line(err.value, "n.parquet row 1", "no field 'answer'")
 
     bad_row = tmp_path / "b.parquet"
     pq.write_table(pa.table({"question": ["q1", None], "answer": ["#### 1", "#### 2"]}), bad_row)
     with pytest.raises(UserError) as err:
         build_task("gsm8k", path=bad_row)
-    _assert_one_line(err.value, "row 2", "'question'")
+    _assert_one_line(err.value, "b.parquet row 2", "'question'")
 
     garbage = tmp_path / "x.parquet"
     garbage.write_bytes(b"not parquet at all")
     with pytest.raises(UserError) as err:
         build_task("gsm8k", path=garbage)
-    _assert_one_line(err.value, "x.parquet", "not a readable parquet file")
+    _assert_one_line(err.value, "x.parquet", "not a parquet file")
 
 
 def test_parquet_without_pyarrow_is_a_user_error(tmp_path, monkeypatch):

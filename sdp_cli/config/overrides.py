@@ -1,0 +1,136 @@
+"""Strict command-line overrides: what ``sdp train`` refuses before and after composing.
+
+Before composing, every override is parsed: a sweep (``-m``, ``a,b``, ``range(...)``) belongs to
+``sdp ablate``; ``~key`` cannot delete a schema key; ``hydra.run.dir`` becomes ``run.dir`` and
+every other ``hydra.*`` key, which ``sdp train`` would silently ignore, is refused. After
+composing, every key of the config must exist in the schema (``sdp_cli/config/schema.py``), so
+``+train.stpes=5`` fails like ``train.stpes=5`` does, naming the nearest valid key. The check
+walks the schema dataclasses, so a key added to the schema is accepted without a list to update.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from sdp_cli.errors import UserError
+
+HELP_HINT = "run `sdp train --help-config` for every key"
+SWEEP_HINT = "sdp train runs one job; sweep with sdp ablate, e.g. `sdp ablate smoke seed=0,1`"
+#: hydra.* keys with an sdp meaning
+HYDRA_EQUIVALENTS = {"hydra.run.dir": "run.dir"}
+
+
+def _parse(overrides: list[str]) -> list[Any]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = []
+    for override in overrides:
+        try:
+            parsed.append(parser.parse_override(override))
+        except Exception as exc:  # Hydra's grammar errors: one line naming the override
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), str(exc))
+            hint = " (quote a value with braces or commas: key=\"'...'\")" if any(c in override for c in "{},[]") else ""
+            raise UserError(f"cannot parse override {override!r}: {first}{hint}; use key=value, e.g. loss.clip=0.3") from None
+    return parsed
+
+
+def check_overrides(overrides: list[str]) -> list[str]:
+    """The overrides ``sdp train`` composes: sweeps, deletions, options and ``hydra.*`` keys
+    without an sdp meaning are refused in one line; ``hydra.run.dir=D`` becomes ``run.dir=D``."""
+    for override in overrides:
+        if override in ("-m", "--multirun"):
+            raise UserError(f"{override}: {SWEEP_HINT}")
+        if override.startswith("-"):
+            raise UserError(f"unknown option {override.partition('=')[0]!r}; see `sdp train --help` (config keys are key=value)")
+    checked = []
+    for override, parsed in zip(overrides, _parse(overrides)):
+        key = parsed.key_or_group
+        if parsed.is_sweep_override():
+            raise UserError(f"{override} is a sweep; {SWEEP_HINT}")
+        if parsed.is_delete():
+            raise UserError(
+                f"{override}: sdp train cannot delete a config key (every key has a default); "
+                f"set it to the value you want instead: {key}=..."
+            )
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            if key in HYDRA_EQUIVALENTS and not parsed.is_add():
+                checked.append(f"{HYDRA_EQUIVALENTS[key]}={override.partition('=')[2]}")
+                continue
+            if key == "hydra.searchpath":
+                raise UserError(f"{override}: add your config directory with --config-dir DIR instead")
+            if key.startswith("hydra/") or key.startswith(("hydra.sweep", "hydra.sweeper", "hydra.launcher")):
+                raise UserError(f"{override} configures a sweep; {SWEEP_HINT}")
+            raise UserError(
+                f"{override} has no effect on sdp train (it does not run through @hydra.main); "
+                "the run directory is run.dir, logging is run.progress/run.tensorboard"
+            )
+        checked.append(override)
+    return checked
+
+
+# ------------------------------------------------------------------ schema keys
+def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema, sections and leaves (``loss``, ``loss.mode``, ...)."""
+    from sdp_cli.config.schema import SdpConfig
+
+    cls = cls or SdpConfig
+    keys: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if is_dataclass(hints[f.name]):
+            keys.extend(schema_keys(hints[f.name], f"{key}."))
+    return keys
+
+
+def nearest_key(key: str) -> str:
+    """The valid key closest to ``key``, preferring keys of the same section."""
+    keys = schema_keys()
+    section = key.rpartition(".")[0]
+    same = [k for k in keys if k.rpartition(".")[0] == section] if section in keys else []
+    return (difflib.get_close_matches(key, same or keys, n=1, cutoff=0.0) or keys)[0]
+
+
+def _mapping_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Schema keys that hold a free-form mapping (``engine.env``, ``task.reward_kwargs``)."""
+    from sdp_cli.config.schema import SdpConfig
+
+    cls = cls or SdpConfig
+    hints = typing.get_type_hints(cls)
+    found: list[str] = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            found.extend(_mapping_keys(hint, f"{prefix}{f.name}."))
+        elif typing.get_origin(hint) is dict:
+            found.append(f"{prefix}{f.name}")
+    return found
+
+
+def unknown_key_message(key: str) -> str:
+    parent = key.rpartition(".")[0]
+    if parent in _mapping_keys():
+        return f"{key}: {parent} is a mapping; add a new key with '+': +{key}=..."
+    return f"unknown config key '{key}'; the nearest valid key is {nearest_key(key)} ({HELP_HINT})"
+
+
+def unknown_keys(cfg: Any, cls: type | None = None, prefix: str = "") -> list[str]:
+    """Dotted keys of a composed DictConfig that the schema does not have."""
+    from sdp_cli.config.schema import SdpConfig
+
+    cls = cls or SdpConfig
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    found: list[str] = []
+    for name in cfg.keys():
+        key = f"{prefix}{name}"
+        if name not in names:
+            found.append(key)
+        elif is_dataclass(hints[name]):  # mappings such as engine.env hold the user's own keys
+            found.extend(unknown_keys(cfg[name], hints[name], f"{key}."))
+    return found

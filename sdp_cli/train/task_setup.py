@@ -1,0 +1,103 @@
+"""The run's task from its config, checked before anything is written, and the prompt preview.
+
+``prepare_task`` reads and checks the data, imports the reward function and, when prompts depend
+on the tokenizer (chat template, ``task.max_prompt_tokens``), renders them with the model's
+tokenizer. ``sdp train`` calls it before it creates the run directory, so bad data, a broken
+reward file or a missing model is one line and nothing written. ``show_prompts`` is the
+``sdp train --show-prompts N`` dry run: the exact prompts the policy will see, with token counts.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.errors import UserError
+from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task
+
+
+def task_kwargs(cfg: SdpConfig) -> dict[str, Any]:
+    """The ``build_task`` arguments of ``cfg.task`` (unset keys keep the task's defaults)."""
+    task = cfg.task
+    if task.name not in DATA_TASKS:
+        return {}
+    kwargs: dict[str, Any] = {
+        "path": task.path,
+        "chat_template": task.chat_template,
+        "reward_kwargs": dict(task.reward_kwargs),
+        "require_stop": task.require_stop,
+        "shuffle": task.shuffle,
+        "seed": cfg.seed,
+    }
+    for key in ("prompt_key", "answer_key", "prompt_template", "system_prompt", "reward", "eval_path",
+                "eval_fraction", "max_prompt_tokens"):  # fmt: skip
+        if getattr(task, key) is not None:
+            kwargs[key] = getattr(task, key)
+    return kwargs
+
+
+def build_task_from(cfg: SdpConfig) -> Task:
+    """The task of the config, data read and checked (prompts not yet tokenizer-rendered)."""
+    return build_task(cfg.task.name, **task_kwargs(cfg))
+
+
+def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
+    """The policy's tokenizer without its weights: a local or hub model's, or the tiny model's."""
+    if cfg.model.kind == "hf":
+        from transformers import AutoTokenizer
+
+        from sdp_cli.models.loader import resolve_model_dir
+
+        directory = resolve_model_dir(cfg.model.path or "")
+        try:
+            return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"cannot load the tokenizer of model.path={cfg.model.path}: {first}") from None
+    from sdp_cli.models.tokenizer import build_tokenizer
+
+    return build_tokenizer(cfg.model.charset or task.charset)
+
+
+def prepare_task(cfg: SdpConfig, *, tokenizer: Any = None) -> Task:
+    """The task, ready to sample: data checked, reward imported, prompts rendered and length
+    filtered with the model's tokenizer where they need one. One-line UserError otherwise."""
+    task = build_task_from(cfg)
+    if isinstance(task, DatasetTask):
+        if task.needs_tokenizer or tokenizer is not None:
+            task.prepare(tokenizer if tokenizer is not None else load_tokenizer(cfg, task))
+        if cfg.model.kind == "tiny" and cfg.model.warm_start_steps != 0:
+            task.require_answers("the tiny model's warm start imitates (or set model.warm_start_steps=0)")
+    return task
+
+
+def show_prompts(cfg: SdpConfig, n: int) -> str:
+    """The first ``n`` training prompts of a run, exactly as tokenized, with token counts."""
+    task = build_task_from(cfg)
+    tokenizer = load_tokenizer(cfg, task)
+    if isinstance(task, DatasetTask):
+        task.prepare(tokenizer)
+    # the loop's producer draws with this generator (sdp_cli/train/loop.py)
+    items = task.stream(random.Random(cfg.seed + 1), 0, n)
+    lines = [task.summary()]
+    for k, item in enumerate(items):
+        ids = tokenizer.encode(item.prompt, add_special_tokens=True)  # as Policy.encode_prompt
+        shown = tokenizer.decode(ids, skip_special_tokens=False)
+        where = f", {task.where(item)}" if isinstance(task, DatasetTask) else ""
+        lines.append(f"--- prompt {k} ({len(ids)} tokens{where}) ---")
+        lines.append(shown)
+    return "\n".join(lines)
+
+
+def prompt_comment(cfg: SdpConfig) -> str:
+    """``--print-config``'s addition for a data task: its first training prompt as rendered,
+    as YAML comments so the output stays valid YAML ("" for generated tasks)."""
+    if cfg.task.name not in DATA_TASKS:
+        return ""
+    task = prepare_task(cfg)
+    assert isinstance(task, DatasetTask), f"data task {cfg.task.name} is not a DatasetTask"
+    (item,) = task.stream(random.Random(cfg.seed + 1), 0, 1)
+    lines = [f"# first training prompt ({task.where(item)}), rendered:"]
+    lines += [f"#   {line}" for line in item.prompt.split("\n")]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,84 @@
+"""model.path as a Hugging Face hub id, tested offline: a hub-cache layout
+(hub/models--org--name/snapshots/<rev>/..., refs/main) in a temporary HF_HOME holds a tiny model
+sdp wrote itself; with HF_HUB_OFFLINE=1 sdp loads it from there and never reaches the network.
+huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when imported, so each check is a subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdp_cli.models import load_policy, save_policy
+
+from ..fast_run import FAST
+
+REPO = "sdp-test/tiny-arith"
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hf_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("hf_home")
+    cache = home / "hub" / f"models--{REPO.replace('/', '--')}"
+    policy = load_policy("tiny", task="arith1", warm_start_steps=0, hidden_size=32, num_layers=1,
+                         num_heads=2, num_kv_heads=2, intermediate_size=64)  # fmt: skip
+    save_policy(policy, cache / "snapshots" / REVISION)
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(REVISION)
+    return home
+
+
+def _env(hf_home: Path, tmp_path: Path) -> dict[str, str]:
+    repo_root = Path(__file__).resolve().parents[2]
+    return {
+        **os.environ,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "SDP_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": os.pathsep.join([str(repo_root), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot(hf_home, tmp_path):
+    code = f"from sdp_cli.models.loader import resolve_model_dir; print(resolve_model_dir({REPO!r}))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(hf_home, tmp_path), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == hf_home / "hub" / "models--sdp-test--tiny-arith" / "snapshots" / REVISION
+
+
+def test_sdp_train_runs_a_hub_model_offline(hf_home, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*FAST, "model=hf", f"model.path={REPO}", "train.steps=2", "train.save_batches=true", f"run.dir={run_dir}"]
+    done = subprocess.run([sys.executable, "-m", "sdp_cli", "train", *args], env=_env(hf_home, tmp_path),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    from sdp_cli.rollout.batch_file import read_batch
+
+    assert read_batch(run_dir / "batches" / "step-000001.safetensors").model == REPO  # named by its hub id
+
+
+def test_an_uncached_hub_id_offline_is_one_line_and_writes_nothing(hf_home, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([sys.executable, "-m", "sdp_cli", "train", "model=hf", "model.path=sdp-test/not-cached"],
+                          env=_env(hf_home, tmp_path), cwd=work, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: model.path=sdp-test/not-cached is no local directory and not in the Hugging Face cache, "
+        "and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or pass a local model directory"
+    )
+    assert list(work.iterdir()) == []
+
+
+def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hf_home, tmp_path, monkeypatch):
+    from sdp_cli.models.loader import is_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    assert is_hub_id(REPO)
+    (tmp_path / "sdp-test" / "tiny-arith").mkdir(parents=True)
+    assert not is_hub_id(REPO)
+    assert not is_hub_id("./model") and not is_hub_id("/abs/model") and not is_hub_id("../x/y")

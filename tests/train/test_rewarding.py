@@ -1,0 +1,231 @@
+"""Rewards run off the generation path (issue 14): the producer starts its next generate call
+while a group's reward is still being computed, errors in reward code stop the run in one line,
+and extra reward keys become reward/<key> means. A fake engine and task keep it deterministic."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.base import InferenceEngine
+from sdp_cli.tasks.base import Task, TaskItem
+from sdp_cli.tasks.plugins import RewardError
+from sdp_cli.train.loop import AsyncLoop
+from sdp_cli.train.rewarding import RewardPool, extra_means
+
+
+class CountingEngine(InferenceEngine):
+    """Answers every sample with one token; counts generate calls."""
+
+    temperature = 1.0
+
+    def __init__(self):
+        self.calls = 0
+        self.called = threading.Condition()
+
+    def get_version(self):
+        return 0
+
+    def set_version(self, version):
+        pass
+
+    def generate(self, samples, params):
+        for sample in samples:
+            sample.append_tokens([7], [-0.5], 0)
+            sample.finish_reason = "stop"
+        with self.called:
+            self.calls += 1
+            self.called.notify_all()
+
+    def pause(self):
+        pass
+
+    def resume(self):
+        pass
+
+    def is_paused(self):
+        return False
+
+    def update_weights(self, update):
+        pass
+
+    def score(self, sequences, starts):
+        return [[0.0] * (len(s) - k) for s, k in zip(sequences, starts)]
+
+    def inflight_samples(self):
+        return []
+
+
+class GatedTask(Task):
+    """Each reward waits until ``gate`` opens, then returns ``value``."""
+
+    name = "gated"
+    charset = "arith"
+    max_new_tokens = 1
+
+    def __init__(self, value=1.0):
+        self.gate = threading.Event()
+        self.value = value
+
+    def sample(self, rng, n):
+        return [TaskItem(prompt=f"{rng.randint(0, 9)}=", answer="1") for _ in range(n)]
+
+    def eval_items(self, n, seed):
+        return []
+
+    def reward(self, completion, item, *, stopped):
+        assert self.gate.wait(timeout=30), "the test never opened the gate"
+        return self.value
+
+    def params(self):
+        return {}
+
+
+class Codec:
+    def encode_prompt(self, text):
+        return [1, 2]
+
+    def decode_completion(self, token_ids):
+        return "x"
+
+
+def _loop(task, **task_keys):
+    cfg = SdpConfig()
+    cfg.rollout.batch_groups = 1
+    cfg.rollout.group_size = 2
+    cfg.rollout.groups_per_request = 1
+    for key, value in task_keys.items():
+        setattr(cfg.task, key, value)
+    engine = CountingEngine()
+    loop = AsyncLoop(
+        cfg,
+        engine=engine,
+        trainer=None,
+        task=task,
+        codec=Codec(),
+        pad_token_id=0,
+        stop_token_ids=(2,),
+        max_new_tokens=1,
+        push_weights=lambda version: None,
+    )
+    return loop, engine
+
+
+def test_generation_goes_on_while_a_reward_is_computed():
+    task = GatedTask()
+    loop, engine = _loop(task)
+    loop.start()
+    try:
+        # Every reward blocks until the gate opens. Scored inline, the producer would be stuck
+        # in the first group's reward and never call generate a second time.
+        with engine.called:
+            assert engine.called.wait_for(lambda: engine.calls >= 2, timeout=10), (
+                f"generate was called {engine.calls} time(s) while the first reward was running"
+            )
+        assert loop.queue.qsize() == 0  # nothing is handed over before it is scored
+        in_hand = len(loop._in_hand)
+        assert in_hand >= 2  # the groups being scored are still the producer's
+        task.gate.set()
+        deadline = time.monotonic() + 10
+        while loop.queue.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        scored = loop.queue.snapshot()
+        assert len(scored) >= 2 and all(s.reward == 1.0 for g in scored for s in g.samples)
+    finally:
+        task.gate.set()
+        loop.stop()
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_failing_reward_stops_the_loop_with_its_one_line(kind):
+    class Failing(GatedTask):
+        def reward_call(self, completion, item, *, stopped):
+            return _raise_value_error
+
+    task = Failing()
+    loop, engine = _loop(task, reward_pool=kind)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 60
+        while loop._producer_error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(loop._producer_error, ValueError)
+        assert str(loop._producer_error) == "no such number"
+        assert loop.queue.qsize() == 0
+    finally:
+        loop.stop()
+
+
+def _raise_value_error():
+    raise ValueError("no such number")
+
+
+def _nan():
+    return float("nan")
+
+
+def test_a_non_finite_reward_is_an_error():
+    results = []
+    pool = RewardPool(name="of task gated")
+    pool.submit([_nan], ["record 3"], lambda r, e: results.append((r, e)))
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.close()
+    (result, error), = results
+    assert result is None and isinstance(error, RewardError)
+    assert str(error) == "reward function of task gated returned nan as its score for record 3; rewards must be finite"
+
+
+def _with_mean():
+    return {"score": 1.0, "mean": 2.0}
+
+
+def test_an_extra_key_sdp_logs_itself_is_refused():
+    results = []
+    pool = RewardPool(name="f")
+    pool.submit([_with_mean], ["record 0"], lambda r, e: results.append(e))
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.close()
+    assert "returned the key 'mean', which sdp logs itself as reward/mean" in str(results[0])
+
+
+def test_extra_means_average_over_the_samples_that_report_a_key():
+    # format: (1 + 0 + 1) / 3 = 0.667; length: only two samples report it, (4 + 6) / 2 = 5
+    means = extra_means([{"format": 1.0, "length": 4.0}, {"format": 0.0}, None, {"format": 1.0, "length": 6.0}])
+    assert means == pytest.approx({"reward/format": 2 / 3, "reward/length": 5.0})
+    assert extra_means([None, {}]) == {}
+
+
+def test_one_worker_hands_groups_over_in_generation_order():
+    order = []
+    pool = RewardPool(workers=1)
+    done = threading.Event()
+
+    def record(i):
+        def callback(results, error):
+            order.append(i)
+            if len(order) == 20:
+                done.set()
+
+        return callback
+
+    for i in range(20):
+        pool.submit([lambda: random.random()], ["r"], record(i))
+    assert done.wait(10)
+    pool.close()
+    assert order == list(range(20))
+
+
+def test_work_submitted_after_close_is_dropped_silently():
+    # the producer may finish a generate call after the loop stopped: its groups stay in hand
+    pool = RewardPool()
+    pool.close()
+    reported = []
+    pool.submit([lambda: 1.0], ["r"], lambda r, e: reported.append((r, e)))
+    time.sleep(0.1)
+    assert reported == []
