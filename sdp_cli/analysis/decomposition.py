@@ -1,10 +1,12 @@
 """The exact multi-step decomposition of the decoupled weight (docs/recompute.md "The exact
 decomposition"): per lag ℓ = c − v, log π_c/π_behav as the sum of its one-step factors, and the
-part segment-wise drops, log π_c/π_{v+1}.
+part segment-wise drops, log π_c/π_{v+1}: its distribution, and how much of it a drift clip κ
+keeps (docs/math.md §1.1: the drift-clipped weight keeps clamp(log π_c/π_{v+1}, ±log κ)).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,6 +36,41 @@ class Moments:
         )
 
 
+#: quantiles of the dropped factor π_c/π_{v+1} reported per lag
+DROPPED_QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+#: the drift clips whose effect is reported by default (the κ values `sdp ablate` sweeps)
+DEFAULT_DRIFT_CLIPS = (1.5, 2.0, 4.0)
+
+
+@dataclass
+class DriftKept:
+    """What the drift clip κ keeps of the dropped factor d = π_c/π_{v+1} over a lag's tokens.
+
+    Attributes:
+        kappa: κ.
+        tokens_unclipped: share of tokens whose d lies inside [1/κ, κ] (kept whole).
+        log_kept: Σ |clamp(log d, ±log κ)| / Σ |log d|, the share of the factor's log mass the
+            clipped weight keeps (1 when d ≡ 1).
+    """
+
+    kappa: float
+    tokens_unclipped: float
+    log_kept: float
+
+
+def drift_kept(dropped_log: torch.Tensor, kappa: float) -> DriftKept:
+    """``DriftKept`` of κ for the log dropped factors ``dropped_log`` (one per token)."""
+    bound = math.log(kappa)
+    inside = dropped_log.abs() <= bound
+    total = float(dropped_log.abs().sum())
+    kept = float(dropped_log.clamp(-bound, bound).abs().sum())
+    return DriftKept(
+        kappa=float(kappa),
+        tokens_unclipped=float(inside.double().mean()) if dropped_log.numel() else 1.0,
+        log_kept=kept / total if total > 0 else 1.0,
+    )
+
+
 @dataclass
 class LagDecomposition:
     """The exact chain over the loss-mask tokens of one lag ℓ = c − v ≥ 1, all batches together.
@@ -50,6 +87,8 @@ class LagDecomposition:
         dropped_ratio_mean: mean of π_c/π_{v+1} = exp(dropped) over the tokens.
         step_means: ℓ entries, mean of log π_{v+j+1}/π_{v+j} for j = 0 … ℓ−1; they sum to
             ``decoupled.mean`` and entries 1 … ℓ−1 to ``dropped.mean``.
+        dropped_quantiles: quantile (``DROPPED_QUANTILES``, as "q0.01" …) → π_c/π_{v+1}.
+        drift_kept: per drift clip κ, what the clipped weight keeps of the dropped factor.
     """
 
     lag: int
@@ -59,13 +98,18 @@ class LagDecomposition:
     dropped: Moments
     dropped_ratio_mean: float
     step_means: list[float] = field(default_factory=list)
+    dropped_quantiles: dict[str, float] = field(default_factory=dict)
+    drift_kept: list[DriftKept] = field(default_factory=list)
 
 
 def exact_decomposition(
-    batches: Sequence[SavedBatch], scores: Sequence[dict[int, torch.Tensor]]
+    batches: Sequence[SavedBatch],
+    scores: Sequence[dict[int, torch.Tensor]],
+    drift_clips: Sequence[float] = DEFAULT_DRIFT_CLIPS,
 ) -> list[LagDecomposition]:
     """Per lag, the chain of one-step log ratios of the loss-mask tokens (needs the scores of
-    every version v+1 … c for each token, as planned with ``exact``)."""
+    every version v+1 … c for each token, as planned with ``exact``), the distribution of the
+    dropped factor and what each drift clip in ``drift_clips`` keeps of it."""
     # per lag: rows of [log π_behav, log π_{v+1}, …, log π_c], one row per token
     chains: dict[int, list[torch.Tensor]] = {}
     for batch, batch_scores in zip(batches, scores, strict=True):
@@ -91,6 +135,10 @@ def exact_decomposition(
                 dropped=Moments.of(dropped),
                 dropped_ratio_mean=float(dropped.exp().mean()),
                 step_means=[float(x) for x in steps.mean(dim=0)],
+                dropped_quantiles={
+                    f"q{q:g}": float(torch.quantile(dropped, q).exp()) for q in DROPPED_QUANTILES
+                },
+                drift_kept=[drift_kept(dropped, kappa) for kappa in drift_clips],
             )
         )
     return result

@@ -142,7 +142,11 @@ def recompute(
     ]
     for outcome, out in zip(outcomes, planned, strict=True):
         outcome.target = out.path
-    lags = exact_decomposition([b for _, b in batches], scores) if options.exact else None
+    lags = (
+        exact_decomposition([b for _, b in batches], scores, options.drift_clips)
+        if options.exact
+        else None
+    )
     return RecomputeResult(
         outcomes=outcomes,
         work=work,

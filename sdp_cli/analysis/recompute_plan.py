@@ -73,11 +73,13 @@ class RecomputeOptions:
         exact: score the full chain v + 1 … c of every lagged token; implies π_prox under the
             trainer version c.
         max_tokens_per_call: prefill tokens per scoring call (a longer sequence goes alone).
+        drift_clips: with ``exact``, the κ values whose effect on the dropped factor is reported.
     """
 
     proximal: ProximalChoice | None = None
     exact: bool = False
     max_tokens_per_call: int = 16384
+    drift_clips: tuple[float, ...] = (1.5, 2.0, 4.0)
 
     def __post_init__(self) -> None:
         if self.exact and self.proximal not in (None, ProximalChoice()):

@@ -4,6 +4,8 @@ batches from per-version checkpoints. Parsing and reporting only; the work is in
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,13 @@ def recompute_command(
         help="Score every lagged token under each version v+1 … c: π_prox from version c and a "
         "per-lag report of the factor π_c/π_{v+1} that segment-wise drops.",
     ),
+    drift_clip: list[float] | None = typer.Option(
+        None,
+        "--drift-clip",
+        metavar="KAPPA",
+        help="With --exact: report what a drift clip κ keeps of the dropped factor (repeatable; "
+        "default 1.5, 2 and 4).",
+    ),
     # a str, not a Path: Path() drops the trailing slash that makes "-o new-dir/" a directory
     output: str | None = typer.Option(
         None,
@@ -102,8 +111,16 @@ def recompute_command(
     for url in servers:
         check_server_url(url)
     device = resolve_device(device)
+    kappas = tuple(drift_clip or (1.5, 2.0, 4.0))
+    bad = next((k for k in kappas if math.isnan(k) or k < 1), None)
+    if bad is not None:
+        raise UserError(f"--drift-clip {bad} must be >= 1 (1 = segment-wise, inf = decoupled); pass e.g. --drift-clip 2")
+    if drift_clip and not exact:
+        raise UserError("--drift-clip reports on the exact decomposition; add --exact")
     options = RecomputeOptions(
-        proximal=None if proximal is None else ProximalChoice.parse(proximal), exact=exact
+        proximal=None if proximal is None else ProximalChoice.parse(proximal),
+        exact=exact,
+        drift_clips=kappas,
     )
     result = _run(batches, checkpoints, options, output, force, engine, servers, device, as_json)
     if not dry_run:
@@ -251,6 +268,21 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
                 _pm(d.dropped),
                 f"{d.dropped.max_abs:.1e}",
                 f"{d.dropped_ratio_mean:.4f}",
+            )
+        console.print(table)
+        kappas = [k.kappa for k in result.lags[0].drift_kept]
+        table = Table(
+            "lag",
+            *(f"π_c/π_{{v+1}} {name}" for name in ("p1", "p10", "p50", "p90", "p99")),
+            *(f"κ={k:g} kept" for k in kappas),
+            title="the dropped factor and what a drift clip κ keeps of it (tokens inside [1/κ, κ] / share of Σ|log|)",
+            box=None,
+        )
+        for d in result.lags:
+            table.add_row(
+                str(d.lag),
+                *(f"{v:.3g}" for v in d.dropped_quantiles.values()),
+                *(f"{k.tokens_unclipped:.0%} / {k.log_kept:.0%}" for k in d.drift_kept),
             )
         console.print(table)
         longest = max(d.lag for d in result.lags)

@@ -180,6 +180,8 @@ def test_server_engines_refuse_other_temperatures(run_dir, batches, tmp_path, ca
         (["--engine", "tgi"], "--engine 'tgi' is unknown"),
         (["--proximal", "soon"], "--proximal 'soon' is not a version"),
         (["--exact", "--proximal", "1"], "--exact computes π_prox under each batch's trainer version"),
+        (["--drift-clip", "2"], "--drift-clip reports on the exact decomposition; add --exact"),
+        (["--exact", "--drift-clip", "0.5"], "--drift-clip 0.5 must be >= 1"),
     ],
 )
 def test_bad_options_are_one_line(run_dir, batches, args, fragment, capsys):
