@@ -125,3 +125,12 @@ def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     for parent in (run_dir.weights, run_dir.versions):
         for tmp in parent.glob(".v*") if parent.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def started_here(run_dir: RunDir) -> bool:
+    """Whether a session of sdp train started in ``run_dir`` (its events say so): such a run,
+    killed before its first checkpoint, is started over by a resume."""
+    if not run_dir.events.is_file():
+        return False
+    with run_dir.events.open(errors="replace") as fh:
+        return any('"event": "started"' in line for line in fh)

@@ -13,31 +13,31 @@ import random
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
+from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.factory import build_engine
-from sdp_cli.errors import Interrupted, UserError, describe_os_error
+from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
-from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides, recover_after_crash
+from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
+from sdp_cli.train.recovery import recover_after_crash, started_here
+from sdp_cli.train.session_end import SessionEnd, summary_line
+from sdp_cli.train.start import RunStart, open_run
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
@@ -98,7 +98,7 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
 
 
 # ---------------------------------------------------------------------- run
-class TrainingRun:
+class TrainingRun(SessionEnd):
     """One ``sdp train`` invocation (fresh or resumed)."""
 
     def __init__(
@@ -145,15 +145,26 @@ class TrainingRun:
                 ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
                 recover_after_crash(self.run_dir, self.events)
             found = ckpt.find_latest(self.run_dir.checkpoints)
-            if found is None:
+            if found is not None:
+                checkpoint = ckpt.read_checkpoint(found)
+            elif not started_here(self.run_dir):
                 raise UserError(f"{self.run_dir.path}: no complete checkpoint to resume from; start a new run instead")
-            checkpoint = ckpt.read_checkpoint(found)
+            elif self.coordinator.is_main:  # killed or stopped before its first checkpoint
+                print(f"note: {self.run_dir.path} has no complete checkpoint yet; starting it over", file=sys.stderr)
+        # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
+        over = self.resuming and checkpoint is None
 
         if self.task is None:
             self.task = prepare_task(cfg)
+        keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
-        self.policy = self.coordinator.main_first(
-            lambda: load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
+        self.policy, reference = self.coordinator.main_first(
+            lambda: load_for_training(
+                cfg,
+                lambda path: load_policy_from(cfg, self.task, path=path),
+                checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
+                version_base=self.run_dir.version_base if keep_versions else None,
+            )
         )
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
@@ -169,6 +180,8 @@ class TrainingRun:
             proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
             batch_sequences=cfg.rollout.batch_groups * cfg.rollout.group_size,
+            dtype=cfg.train.dtype,
+            reference=reference,
         )
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
@@ -176,9 +189,16 @@ class TrainingRun:
         self.start_step = 0
         if checkpoint is not None:
             state = checkpoint.state
-            self.trainer.optimizer.load_state_dict(
-                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
-            )
+            if state["optimizer"] is not None:
+                self.trainer.optimizer.load_state_dict(
+                    ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+                )
+            else:  # train.save_optimizer=false (docs/training.md, "Checkpoints and resume")
+                print(
+                    f"warning: {checkpoint.path.name} holds no optimizer state (train.save_optimizer=false); "
+                    "AdamW restarts from zero moments",
+                    file=sys.stderr,
+                )
             self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
             torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
             self.trainer.version = int(state["trainer"]["version"])
@@ -217,19 +237,28 @@ class TrainingRun:
         if checkpoint is not None:
             self.loop.restore(checkpoint.state["loop"])
             self.events.write(
-                "resumed", step=self.start_step, version=self.trainer.version, checkpoint=str(checkpoint.path)
+                "resumed",
+                step=self.start_step,
+                version=self.trainer.version,
+                checkpoint=str(checkpoint.path),
+                optimizer_restarted=checkpoint.state["optimizer"] is None,
             )
         else:
             self.events.write(
-                "started", overrides=self.overrides, processes=self.coordinator.num_processes, task=self.task.summary()
+                "started",
+                overrides=self.overrides,
+                processes=self.coordinator.num_processes,
+                task=self.task.summary(),
+                **({"note": "no complete checkpoint: started over"} if over else {}),
             )
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
 
         start_step = self.start_step
-        self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
+        cut = checkpoint is not None or over
+        self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if cut else None)
         self.tensorboard = TensorBoardLog(
-            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
+            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if cut else None
         )
         self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
 
@@ -267,7 +296,7 @@ class TrainingRun:
         save_policy(self.policy, directory)
 
     def _save_version(self, version: int) -> None:
-        self._save_policy(self.run_dir.version(version))
+        save_version(self.policy, self.cfg, self.run_dir.version(version))
 
     # -- per step -----------------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
@@ -309,9 +338,10 @@ class TrainingRun:
         path = ckpt.write_checkpoint(
             self.run_dir.checkpoints,
             step,
-            save_policy=self._save_policy,
-            optimizer_state=self.trainer.optimizer.state_dict(),
+            save_policy=lambda directory: save_checkpoint_policy(self.policy, directory),
+            optimizer_state=self.trainer.optimizer.state_dict() if self.cfg.train.save_optimizer else None,
             state={"trainer": trainer_state, "loop": self._snapshot()},
+            keep=self.cfg.train.keep_checkpoints,
         )
         self._last_checkpoint = (step, path)
         self.events.write("checkpoint", step=step, path=str(path))
@@ -327,7 +357,10 @@ class TrainingRun:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
-        acc = greedy_accuracy(self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7)
+        cfg = self.cfg
+        budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
+        with self.trainer.autocast():  # the training precision
+            acc = greedy_accuracy(self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget)
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
@@ -367,97 +400,6 @@ class TrainingRun:
         self._close_logs()
         return summary
 
-    def _end_session(self) -> bool:
-        """Close the display and the engine, release the other ranks; whether all weights agree."""
-        self.close()
-        self.coordinator.send_batch(None)
-        return self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
-
-    def close(self, *, abort: bool = False) -> None:
-        """Stop what this session started that outlives it (a launched server); idempotent.
-        ``abort``: the process is about to end, the logs are closed too."""
-        if getattr(self, "progress", None) is not None:
-            self.progress.close()
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
-        if abort:
-            self._close_logs()
-
-    def _close_logs(self) -> None:
-        for log in ("metrics", "ledger", "tensorboard", "events"):
-            if getattr(self, log, None) is not None:
-                getattr(self, log).close()
-
-    def _checkpoint_at_stop(self, step: int) -> tuple[Path | None, str | None]:
-        """The checkpoint of ``step`` (written now unless it exists): (path, None), or
-        (None, why not) when it cannot be written (a full disk)."""
-        if step == self.start_step and self._last_checkpoint is None:
-            return None, None  # a fresh run that never stepped: a resume starts it over
-        try:
-            return self.checkpoint(step), None
-        except OSError as err:
-            return None, describe_os_error(err)
-
-    def _last_complete_step(self) -> int | None:
-        found = ckpt.find_latest(self.run_dir.checkpoints)
-        return None if found is None else ckpt.step_of(found)
-
-    def _interrupted(self) -> Interrupted:
-        """The end of a session stopped by a signal, at a step boundary."""
-        step = self.loop.state.step
-        name = self.stop_request.name
-        path, problem = self._checkpoint_at_stop(step)
-        self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
-        self._close_logs()
-        where = f"resume with: sdp train resume={self.run_dir.path}"
-        if problem:
-            last = self._last_complete_step()
-            where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
-        return Interrupted(f"stopped at step {step} ({name}); {where}", 128 + int(self.stop_request.signum))
-
-    def _stopped(self, exc: BaseException) -> UserError:
-        """The end of a session stopped by an engine fault, a failed producer or a full disk."""
-        step = self.loop.state.step
-        path, problem = self._checkpoint_at_stop(step) if step > self.start_step else (None, None)
-        cause = exc.__cause__
-        detail: dict[str, Any] = {}
-        if isinstance(cause, RewardError):  # user code: its own traceback
-            detail["traceback"] = cause.details
-        elif cause is not None and not isinstance(cause, (UserError, OSError)):  # a bug: keep its trace
-            detail["traceback"] = "".join(traceback.format_exception(cause))
-        reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-        self._event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
-        self._close_logs()
-        last = self._last_complete_step()
-        where = f"; resume with: sdp train resume={self.run_dir.path}" if last is not None or step else ""
-        if problem:
-            where = f"; its checkpoint could not be written ({problem}){where} (from step {last or 0})"
-        error = UserError(f"training stopped at step {step}: {reason}{where}")
-        error.__cause__ = exc
-        return error
-
-    def _event(self, name: str, **fields: Any) -> None:
-        """An end-of-session event; a full disk must not hide the one line that follows."""
-        try:
-            self.events.write(name, **{k: v for k, v in fields.items() if v is not None or k == "checkpoint"})
-        except OSError:
-            pass
-
-    def aborted(self, signum: int) -> Interrupted:
-        """The end of a session aborted by a second Ctrl-C: no checkpoint, the last complete one
-        is the resume point."""
-        step = self.loop.state.step if self.loop is not None else self.start_step
-        last = self._last_complete_step()
-        self._event("aborted", step=step, signal=signal_name(signum), resume_step=last)
-        self.close(abort=True)
-        start = f"from step {last}, the last complete checkpoint" if last is not None else "it starts over: no checkpoint yet"
-        return Interrupted(
-            f"aborted at step {step} (second {signal_name(signum)}); "
-            f"resume with: sdp train resume={self.run_dir.path} ({start})",
-            128 + signum,
-        )
-
     def follow(self) -> None:
         """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
         while (groups := self.coordinator.receive_batch()) is not None:
@@ -469,78 +411,6 @@ class TrainingRun:
             )
             self.trainer.step(batch)
         self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
-
-    def _summary(
-        self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Run totals plus this session's rates (``wall_seconds`` covers this session only)."""
-        rows = [json.loads(line) for line in self.run_dir.metrics.read_text().splitlines() if line]
-        rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
-        window = min(50, max(1, len(rewards) // 2))
-        counters = self.loop.state.counters
-        session_tokens = counters.tokens_generated - session_start["tokens_generated"]
-        session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
-        session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
-        return {
-            "run_dir": str(self.run_dir.path),
-            "steps": self.loop.state.step,
-            "mode": self.cfg.loss.mode,
-            "staleness": self.cfg.staleness.strategy,
-            "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
-            "wall_seconds": wall,
-            "reward_first": sum(rewards[:window]) / window if rewards else None,
-            "reward_last": sum(rewards[-window:]) / window if rewards else None,
-            "reward_window": window,
-            "greedy_accuracy_start": acc_start,
-            "greedy_accuracy_end": acc_end,
-            "tokens_generated": counters.tokens_generated,
-            "session_start_step": self.start_step,
-            "tokens_per_second": session_tokens / wall if wall > 0 else None,
-            "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
-            # time the pass took (mostly in the producer thread, overlapping training) and the
-            # part the trainer waited for at weight pushes
-            "recompute_share": session_recompute / wall if wall > 0 else None,
-            "recompute_blocking_share": session_blocking / wall if wall > 0 else None,
-            "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
-            "counters": counters.to_dict(),
-        }
-
-
-def _preflight(cfg: SdpConfig) -> Task:
-    """Refuse what is certain to fail before anything is written (a model that is neither a
-    directory nor a hub id, bad task data, a reward function that does not import, an API-key
-    variable that is not set) and return the task, ready to sample."""
-    if cfg.model.kind == "hf":
-        from sdp_cli.models.loader import resolve_model_dir
-
-        if not resolve_model_dir(cfg.model.path or "").is_dir():
-            raise UserError(
-                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
-            )
-    task = prepare_task(cfg)
-    key_env = cfg.engine.api_key_env
-    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
-        raise UserError(
-            f"engine.api_key_env={key_env}, but that environment variable is empty; "
-            "export the key in it or unset engine.api_key_env"
-        )
-    return task
-
-
-def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
-    """The config source a run started with; a different one given at the resume is refused."""
-    path = run_dir.config_source
-    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
-    if given != ConfigSource() and given != saved:
-        raise UserError(
-            f"{run_dir.path} was started with {saved.config_dir or 'no --config-dir'}; "
-            "resume it without --config-dir/--config-name (its own are used)"
-        )
-    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
-        raise UserError(
-            f"{run_dir.path} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume"
-        )
-    return saved
 
 
 def run_training(
@@ -575,39 +445,20 @@ def _train(
     coordinator: Coordinator,
     stop: StopRequest,
 ) -> dict[str, Any] | None:
-    owned: OwnedRunDir | None = None
+    start: RunStart | None = None
     run: TrainingRun | None = None
     try:
-        if cfg.resume:
-            run_dir = RunDir(Path(cfg.resume))
-            saved = run_dir.overrides
-            if not saved.is_file():
-                raise UserError(
-                    f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
-                )
-            if coordinator.is_main:
-                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
-            original = read_overrides(saved)
-            extra = [o for o in overrides if not o.startswith("resume=")]
-            source = _resume_source(run_dir, source)
-            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
-            task = _preflight(cfg)
-            if extra and coordinator.is_main:
-                atomic_write_text(saved, json.dumps([*original, *extra]))
-            resuming = True
-        else:
-            task = _preflight(cfg)
-            owned = make_run_dir(cfg) if coordinator.is_main else None
-            run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
-            if coordinator.is_main:
-                atomic_write_text(run_dir.overrides, json.dumps(overrides))
-                if source != ConfigSource():
-                    atomic_write_text(run_dir.config_source, source.to_json())
-            resuming = False
-        if coordinator.is_main:
-            atomic_write_text(run_dir.config, to_yaml(raw))
+        start = open_run(cfg, raw, overrides, source, coordinator)
+        owned = start.owned
         run = TrainingRun(
-            cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, stop_request=stop
+            start.cfg,
+            start.raw,
+            overrides,
+            start.run_dir,
+            resuming=start.resuming,
+            coordinator=coordinator,
+            task=start.task,
+            stop_request=stop,
         )
         try:
             run.setup()
@@ -618,30 +469,19 @@ def _train(
                 run = None
             raise
         if coordinator.is_main:
-            print(task.summary(), file=sys.stderr)
+            for path, text in start.deferred:
+                atomic_write_text(path, text)
+            print(start.task.summary(), file=sys.stderr)
         if not coordinator.is_main:
             run.follow()
             return None
         summary = run.run()
-        print(_summary_line(summary))
+        print(summary_line(summary))
         return summary
     except Abort as abort:
         if run is None:
             raise Interrupted(f"aborted (second {signal_name(abort.signum)}) before training started", 128 + abort.signum) from None
         raise run.aborted(abort.signum) from None
     finally:
-        if owned is not None:
-            owned.lock.release()
-
-
-def _summary_line(summary: dict[str, Any]) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "n/a" if value is None else format(value, spec)
-
-    return (
-        f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
-        f"reward {fmt(summary['reward_first'], '.3f')} → {fmt(summary['reward_last'], '.3f')} "
-        f"(first/last {summary['reward_window']} steps); greedy accuracy "
-        f"{fmt(summary['greedy_accuracy_start'], '.2f')} → {fmt(summary['greedy_accuracy_end'], '.2f')}; "
-        f"run dir {summary['run_dir']}"
-    )
+        if start is not None and start.owned is not None:
+            start.owned.lock.release()

@@ -1,0 +1,117 @@
+"""The start of ``sdp train``: checks before anything is written, then the run directory.
+
+A new run's directory is made and locked only after the model, task data and engine settings
+passed (:func:`preflight`); a resume locks the directory it is given before reading it
+(docs/reliability.md, "One process per directory"). What a resume changes in the directory is
+returned as ``deferred`` writes, made once setup has accepted the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.dirlock import DirectoryLock
+from sdp_cli.errors import UserError
+from sdp_cli.fileio import atomic_write_text
+from sdp_cli.rundir import RunDir
+from sdp_cli.tasks import Task
+from sdp_cli.train.distributed import Coordinator
+from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides
+from sdp_cli.train.task_setup import prepare_task
+
+
+@dataclass
+class RunStart:
+    """A run directory ready for :class:`sdp_cli.train.run.TrainingRun`."""
+
+    cfg: SdpConfig
+    raw: Any
+    run_dir: RunDir
+    task: Task
+    resuming: bool
+    #: the directory and its lock (rank 0 only)
+    owned: OwnedRunDir | None
+    #: (file, text) a resume writes once setup accepted it: a refused resume rewrites nothing
+    deferred: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def open_run(
+    cfg: SdpConfig, raw: Any, overrides: list[str], source: ConfigSource, coordinator: Coordinator
+) -> RunStart:
+    """Lock and read the directory ``resume=`` names, or make and lock a new one."""
+    owned: OwnedRunDir | None = None
+    try:
+        if cfg.resume:
+            run_dir = RunDir(Path(cfg.resume))
+            saved = run_dir.overrides
+            if not saved.is_file():
+                raise UserError(
+                    f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
+                )
+            if coordinator.is_main:
+                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
+            original = read_overrides(saved)
+            extra = [o for o in overrides if not o.startswith("resume=")]
+            source = resume_source(run_dir, source)
+            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+            start = RunStart(cfg, raw, run_dir, preflight(cfg), True, owned)
+            if extra:
+                start.deferred.append((saved, json.dumps([*original, *extra])))
+            start.deferred.append((run_dir.config, to_yaml(raw)))
+            return start
+        task = preflight(cfg)
+        owned = make_run_dir(cfg) if coordinator.is_main else None
+        run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
+        if coordinator.is_main:
+            atomic_write_text(run_dir.overrides, json.dumps(overrides))
+            if source != ConfigSource():
+                atomic_write_text(run_dir.config_source, source.to_json())
+            atomic_write_text(run_dir.config, to_yaml(raw))
+        return RunStart(cfg, raw, run_dir, task, False, owned)
+    except BaseException:
+        if owned is not None:
+            owned.remove() if owned.created else owned.lock.release()
+        raise
+
+
+def preflight(cfg: SdpConfig) -> Task:
+    """Refuse what is certain to fail before anything is written (a model that is neither a
+    directory nor a hub id, bad task data, a reward function that does not import, an API-key
+    variable that is not set) and return the task, ready to sample."""
+    if cfg.model.kind == "hf":
+        from sdp_cli.models.loader import resolve_model_dir
+
+        if not resolve_model_dir(cfg.model.path or "").is_dir():
+            raise UserError(
+                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
+            )
+    task = prepare_task(cfg)
+    key_env = cfg.engine.api_key_env
+    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
+        raise UserError(
+            f"engine.api_key_env={key_env}, but that environment variable is empty; "
+            "export the key in it or unset engine.api_key_env"
+        )
+    return task
+
+
+def resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
+    """The config source a run started with; a different one given at the resume is refused."""
+    path = run_dir.config_source
+    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
+    if given != ConfigSource() and given != saved:
+        raise UserError(
+            f"{run_dir.path} was started with {saved.config_dir or 'no --config-dir'}; "
+            "resume it without --config-dir/--config-name (its own are used)"
+        )
+    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
+        raise UserError(
+            f"{run_dir.path} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume"
+        )
+    return saved
