@@ -440,9 +440,10 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
     except UserError as err:
         print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)
         return f"failed: {err}"
-    except Interrupted as err:  # a signal stops the whole sweep, not just this job
+    except Interrupted as err:  # the sweep's stop marker keeps the next jobs from starting
+        # returned, not raised: a pool launcher (joblib) would kill the other jobs mid-step
         print(f"ablate: {name}: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(err.exit_code) from None
+        return f"interrupted: {err}"
     return "resumed" if job.state == RESUMABLE else "trained"
 
 

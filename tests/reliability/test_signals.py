@@ -269,8 +269,9 @@ def test_sigterm_to_ablate_reaches_its_job_which_stops_with_a_checkpoint(tmp_pat
     stderr = log.read_text()
     assert proc.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
-    last = [line for line in stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("sweep stopped (SIGTERM)") and "run the same command again" in last, last
+    # the jobs' lines and the sweep's may interleave (the jobs' worker processes exit last)
+    line = next((x for x in stderr.splitlines() if x.startswith("sweep stopped (SIGTERM)")), stderr[-3000:])
+    assert "run the same command again" in line, line
     started = [r for r in runs.iterdir() if (r / "events.jsonl").is_file()]
     # the sweep's two parallel jobs stopped; it did not go on to the next ones
     assert 1 <= len(started) <= 2, started
@@ -278,5 +279,25 @@ def test_sigterm_to_ablate_reaches_its_job_which_stops_with_a_checkpoint(tmp_pat
         event = events(run)[-1]
         assert event["event"] == "interrupted" and event["signal"] == "SIGTERM", event
         newest = ckpt.find_latest(RunDir(run).checkpoints)
-        assert newest is not None and newest.name == f"step-{event['step']:06d}", newest
+        if event["step"] == 0:  # stopped before its first step: nothing to keep, a resume starts over
+            assert newest is None, newest
+        else:
+            assert newest is not None and newest.name == f"step-{event['step']:06d}", newest
     assert not (sweep_dir / ".stopping").exists()
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_resume(tmp_path, sdp_cache):
+    """Killed (or stopped) before its first checkpoint, a run used to be a dead end: resume said
+    "start a new run" and a new run said "already exists". Resume starts it over, with a note."""
+    run_dir = tmp_path / "run"
+    steps = 6
+    killed = run_sdp(["train", *FAST, f"run.dir={run_dir}", f"train.steps={steps}"],
+                     sdp_env(sdp_cache, SDP_TEST_FAULTS="kill:loop.batch_taken"))  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert ckpt.find_latest(RunDir(run_dir).checkpoints) is None
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"note: {run_dir} has no complete checkpoint yet; starting it over" in done.stderr
+    check_finished_run(run_dir, steps)
+    started = [e for e in events(run_dir) if e["event"] == "started"]
+    assert started[-1]["note"] == "no complete checkpoint: started over", started
