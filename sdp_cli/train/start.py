@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.schema import EngineConfig, SdpConfig
 from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
@@ -24,6 +24,30 @@ from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides
 from sdp_cli.train.task_setup import prepare_task
+
+
+#: config keys that name a program to start or code to import (docs/reliability.md, "Security defaults")
+PROGRAM_KEYS = ("engine.python", "task.reward")
+
+
+def _program(cfg: SdpConfig, key: str) -> str | None:
+    """The program ``key`` names in ``cfg``, or None when it names none (the default, a built-in)."""
+    if key == "engine.python":
+        return cfg.engine.python if cfg.engine.python != EngineConfig().python else None
+    reward = cfg.task.reward
+    return reward if reward is not None and ":" in reward else None  # module:fn or file.py:fn
+
+
+def refuse_saved_programs(cfg: SdpConfig, given: list[str], run_dir: RunDir) -> None:
+    """A run directory may come from elsewhere: a resume runs a program its files name (through
+    overrides.json, config.yaml or a saved --config-dir) only if the command line names it again."""
+    for key in PROGRAM_KEYS:
+        program = _program(cfg, key)
+        if program is not None and not any(o.lstrip("+~").startswith(f"{key}=") for o in given):
+            raise UserError(
+                f"{run_dir.path}: its saved config sets {key}={program}, which sdp would run; a resume takes "
+                f"programs only from the command line: pass {key}=... again if you trust it"
+            )
 
 
 @dataclass
@@ -60,6 +84,7 @@ def open_run(
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+            refuse_saved_programs(cfg, extra, run_dir)
             start = RunStart(cfg, raw, run_dir, preflight(cfg), True, owned)
             if extra:
                 start.deferred.append((saved, json.dumps([*original, *extra])))

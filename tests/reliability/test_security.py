@@ -79,3 +79,39 @@ def test_the_shared_vllm_server_enforced_its_key_kept_it_out_of_its_log_and_list
     assert log and vllm_server.api_key.encode() not in log
     port = int(url.rsplit(":", 1)[1])
     assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+
+
+@pytest.mark.parametrize("key", ["engine.python", "task.reward"])
+def test_a_resumed_run_directory_never_names_a_program_to_run(key, tmp_path, sdp_cache):
+    """A run directory may come from someone else: its overrides.json must not make `resume`
+    start a program (engine.python) or import code (task.reward=file.py:fn) unless the command
+    line names it again."""
+    import json
+
+    from .harness import FAST, error_line, run_sdp, sdp_env
+
+    run_dir = tmp_path / "run"
+    done = run_sdp(["train", *FAST, f"run.dir={run_dir}", "train.steps=2"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    marker = tmp_path / "ran"
+    if key == "engine.python":
+        program = tmp_path / "evil.sh"
+        program.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+        program.chmod(0o755)
+        planted = ["engine=vllm", f"engine.python={program}"]
+    else:
+        program = tmp_path / "evil.py"
+        program.write_text(f"open({str(marker)!r}, 'w').close()\ndef reward(*a, **k):\n    return 0.0\n")
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+        planted = ["task=dataset", f"task.path={data}", f"task.reward={program}:reward"]
+    overrides = run_dir / "overrides.json"
+    before = json.loads(overrides.read_text())
+    overrides.write_text(json.dumps([*before, *planted]))
+    config = (run_dir / "config.yaml").read_text()
+    done = run_sdp(["train", f"resume={run_dir}", "train.steps=3"], sdp_env(sdp_cache))
+    assert not marker.exists(), f"resume ran {program} named by the run directory's overrides.json"
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = error_line(done.stderr)
+    assert key in line and "command line" in line, line
+    assert (run_dir / "config.yaml").read_text() == config  # a refused resume rewrites nothing
