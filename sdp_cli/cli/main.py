@@ -51,7 +51,9 @@ def _register_commands() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    typer.secho(f"error: {' '.join(message.split())}", err=True, fg=typer.colors.RED)
+    from sdp_cli.redact import redact_urls
+
+    typer.secho(f"error: {' '.join(redact_urls(message).split())}", err=True, fg=typer.colors.RED)
     sys.exit(code)
 
 
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as err:
         _fail(str(err), err.exit_code)
     except Interrupted as err:  # a run stopped on a signal: its line says where and how to go on
-        typer.echo(str(err), err=True)
+        from sdp_cli.redact import redact_urls
+
+        typer.echo(redact_urls(str(err)), err=True)
         sys.exit(err.exit_code)
     sys.exit(code if isinstance(code, int) else 0)

@@ -29,6 +29,7 @@ from sdp_cli.choices import (
     TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
+from sdp_cli.redact import is_loopback
 
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -521,6 +522,11 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.max_batch_size", eng.max_batch_size)
     if not 0 <= eng.port <= 65535:
         raise ConfigValueError(f"engine.port={eng.port} must be in 0..65535")
+    if eng.kind != "local" and not eng.urls and not is_loopback(eng.host) and not eng.api_key_env:
+        raise ConfigValueError(
+            f"engine.host={eng.host} would open the inference server to the network without a key; "
+            "set engine.api_key_env to a variable holding one, or bind to 127.0.0.1"
+        )
     _positive("engine.startup_timeout_s", eng.startup_timeout_s)
     _positive("engine.request_timeout_s", eng.request_timeout_s)
     _positive("engine.retries", eng.retries, strict=False)

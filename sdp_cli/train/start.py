@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from sdp_cli.config.schema import EngineConfig, SdpConfig
 from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.redact import is_loopback, is_redacted, redact_urls
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
@@ -48,6 +50,18 @@ def refuse_saved_programs(cfg: SdpConfig, given: list[str], run_dir: RunDir) -> 
                 f"{run_dir.path}: its saved config sets {key}={program}, which sdp would run; a resume takes "
                 f"programs only from the command line: pass {key}=... again if you trust it"
             )
+
+
+def bind_warning(cfg: SdpConfig) -> str | None:
+    """The warning for a server sdp launches (a remote engine without engine.urls) bound beyond
+    loopback — config validation already requires an API key for it — or None."""
+    host = cfg.engine.host
+    if cfg.engine.kind == "local" or cfg.engine.urls or is_loopback(host):
+        return None
+    return (
+        f"warning: engine.host={host}: the inference server will accept connections from the network "
+        f"(with the key in ${cfg.engine.api_key_env}); use 127.0.0.1 unless other machines must reach it"
+    )
 
 
 @dataclass
@@ -85,19 +99,25 @@ def open_run(
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
             refuse_saved_programs(cfg, extra, run_dir)
+            if any(is_redacted(url) for url in cfg.engine.urls):
+                raise UserError(
+                    f"{run_dir.path}: its engine.urls had credentials, which sdp does not store; "
+                    "pass engine.urls=[...] again on the command line"
+                )
             start = RunStart(cfg, raw, run_dir, preflight(cfg), True, owned)
             if extra:
-                start.deferred.append((saved, json.dumps([*original, *extra])))
-            start.deferred.append((run_dir.config, to_yaml(raw)))
+                start.deferred.append((saved, redact_urls(json.dumps([*original, *extra]))))
+            start.deferred.append((run_dir.config, redact_urls(to_yaml(raw))))
             return start
         task = preflight(cfg)
         owned = make_run_dir(cfg) if coordinator.is_main else None
         run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
         if coordinator.is_main:
-            atomic_write_text(run_dir.overrides, json.dumps(overrides))
+            # credentials in URLs are masked: a resume asks for engine.urls again
+            atomic_write_text(run_dir.overrides, redact_urls(json.dumps(overrides)))
             if source != ConfigSource():
                 atomic_write_text(run_dir.config_source, source.to_json())
-            atomic_write_text(run_dir.config, to_yaml(raw))
+            atomic_write_text(run_dir.config, redact_urls(to_yaml(raw)))
         return RunStart(cfg, raw, run_dir, task, False, owned)
     except BaseException:
         if owned is not None:
@@ -117,6 +137,8 @@ def preflight(cfg: SdpConfig) -> Task:
                 f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
             )
     task = prepare_task(cfg)
+    if (warning := bind_warning(cfg)) is not None:
+        print(warning, file=sys.stderr)
     key_env = cfg.engine.api_key_env
     if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
         raise UserError(

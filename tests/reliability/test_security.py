@@ -115,3 +115,51 @@ def test_a_resumed_run_directory_never_names_a_program_to_run(key, tmp_path, sdp
     line = error_line(done.stderr)
     assert key in line and "command line" in line, line
     assert (run_dir / "config.yaml").read_text() == config  # a refused resume rewrites nothing
+
+
+def test_credentials_in_engine_urls_appear_nowhere(tmp_path, sdp_cache):
+    """`http://user:pw@host` in engine.urls: the password is in no line sdp prints and no file
+    it writes (overrides.json, config.yaml, events), whatever becomes of the run."""
+    from .harness import FAST, assert_no_secret, run_sdp, sdp_env
+
+    secret = "s3cret-pw-7781"
+    run_dir = tmp_path / "run"
+    args = [*FAST, "engine=vllm", f"engine.urls=[http://alice:{secret}@127.0.0.1:9]",
+            "engine.startup_timeout_s=2", "engine.reconnect_timeout_s=2", f"run.dir={run_dir}"]  # fmt: skip
+    done = run_sdp(["train", *args], sdp_env(sdp_cache), timeout=120)
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "alice:***@127.0.0.1:9" in done.stderr or "127.0.0.1:9" in done.stderr, done.stderr[-2000:]
+    assert_no_secret(secret, tmp_path, done.stdout, done.stderr)
+
+
+def test_redaction_of_urls_in_text():
+    from sdp_cli.redact import redact_urls
+
+    # user:password → user:***; a user alone is no secret; URLs without credentials are unchanged
+    text = "cannot reach http://alice:pw@h:8000/v1 and https://tok@h2 or http://h3:1 (x@y.z)"
+    assert redact_urls(text) == "cannot reach http://alice:***@h:8000/v1 and https://***@h2 or http://h3:1 (x@y.z)"
+
+
+def test_a_server_bound_beyond_loopback_needs_an_api_key_and_warns(tmp_path):
+    """engine.host=0.0.0.0 exposes the launched server to the network: refused without an API
+    key (one line), accepted with one but with a warning."""
+    import os
+    import subprocess
+    import sys
+
+    from sdp_cli.train.start import bind_warning
+
+    env = {k: v for k, v in os.environ.items() if k != "SDP_TEST_FAULTS"}
+    cmd = [sys.executable, "-m", "sdp_cli", "train", "engine=vllm", "engine.host=0.0.0.0", f"run.dir={tmp_path / 'r'}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = [x for x in done.stderr.splitlines() if x.strip()]
+    assert len(line) == 1 and "engine.host=0.0.0.0" in line[0] and "engine.api_key_env" in line[0], done.stderr
+    assert not (tmp_path / "r").exists()
+    from sdp_cli.config.compose import compose_config
+
+    cfg, _ = compose_config(["engine=vllm", "engine.host=::", "engine.api_key_env=K"])
+    assert "engine.host=::" in bind_warning(cfg) and "network" in bind_warning(cfg)
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        cfg, _ = compose_config(["engine=vllm", f"engine.host={host}"])
+        assert bind_warning(cfg) is None, host
