@@ -11,7 +11,8 @@ import pytest
 
 from sdp_cli import choices
 from sdp_cli.config.compose import compose_config
-from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.validation import ConfigValueError, validate
 
 PACKAGE = Path(choices.__file__).parent
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.config.compose import compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig, field_docs, validate
+from sdp_cli.config.schema import SdpConfig, field_docs
+from sdp_cli.config.validation import validate
 from sdp_cli.errors import UserError
 
 CONF = Path(__file__).resolve().parents[2] / "sdp_cli" / "conf"
