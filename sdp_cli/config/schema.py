@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+#: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 #: rollout.temperature bounds (also checked in batch headers): vLLM raises a temperature below
 #: 0.01 to 0.01 (a warning in the server's log), so the logprobs would not be those of the
 #: configured one; above 100 sampling is uniform for any practical logit range: a typo
@@ -67,6 +70,12 @@ class LossConfig:
     drift_clip: float | None = None
     """segment_wise only: κ >= 1 multiplies the weight by the drift factor π_prox/π_{v+1} clipped
     into [1/κ, κ] (1 = segment-wise, inf = decoupled); null = off."""
+    kl_coef: float = 0.0
+    """weight of the KL to a frozen reference policy (the initial model); 0 = off, no reference built."""
+    kl_type: str = "low_var_kl"
+    """k1 | k2 | k3 | low_var_kl: the per-token KL estimator (verl's kl_penalty; k3 = low_var_kl)."""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus (entropy of π_θ at the rollout temperature); 0 = off."""
 
 
 @dataclass
@@ -145,6 +154,18 @@ class TrainConfig:
     """prompts in each greedy evaluation."""
     batch_timeout_s: float = 600.0
     """give up (with a resumable checkpoint) if no batch arrives for this long."""
+    dtype: str = "float32"
+    """float32 | bfloat16: bfloat16 computes under autocast with float32 master weights and optimizer
+    state (a LoRA base model is stored in bfloat16); the local engine then runs bfloat16 weights."""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in backward instead of storing them (less memory, ~30% slower)."""
+    save_optimizer: bool = True
+    """store the optimizer state in checkpoints; false makes them ~3× smaller, and a resume restarts
+    the optimizer with a warning."""
+    keep_checkpoints: int = 2
+    """resumable checkpoints kept on disk (the newest ones; the newest complete one is never deleted)."""
+    eval_max_new_tokens: int | None = None
+    """response budget of greedy evaluation; null = the rollout budget."""
 
 
 @dataclass
@@ -198,6 +219,20 @@ class EngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft; install the `lora` extra)."""
+
+    r: int = 0
+    """adapter rank; 0 = full fine-tuning, > 0 trains LoRA adapters only."""
+    alpha: float | None = None
+    """scaling numerator (the update is alpha/r · B·A); null = 2·r."""
+    dropout: float = 0.0
+    """adapter dropout; must stay 0: the trainer runs without dropout (docs/training.md, LoRA)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """names of the linear layers that get adapters (default: attention and MLP of Qwen2/Llama)."""
+
+
+@dataclass
 class ModelConfig:
     """The policy model (group `model`)."""
 
@@ -225,6 +260,8 @@ class ModelConfig:
     """tiny: warm-start batch size; null = the task's default."""
     warm_start_target: float | None = None
     """tiny: stop the warm start early at this greedy accuracy; null = the task's default."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters; off unless lora.r > 0."""
 
 
 @dataclass

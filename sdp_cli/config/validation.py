@@ -12,6 +12,7 @@ from sdp_cli.choices import (
     DATA_TASKS,
     ENGINE_KINDS,
     IS_LEVELS,
+    KL_TYPES,
     LOSS_AGGS,
     LOSS_TYPES,
     MODEL_KINDS,
@@ -21,9 +22,10 @@ from sdp_cli.choices import (
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
+    TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
-from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LossConfig, SdpConfig, TaskConfig
+from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
 
 
 class ConfigValueError(ValueError):
@@ -102,6 +104,9 @@ def validate(cfg: SdpConfig) -> None:
             )
     _positive("loss.norm_length", loss.norm_length, allow_none=True)
     _positive("loss.clip", loss.clip)
+    _positive("loss.kl_coef", loss.kl_coef, strict=False)
+    _choice("loss.kl_type", loss.kl_type, KL_TYPES)
+    _positive("loss.entropy_coef", loss.entropy_coef, strict=False)
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
         raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
@@ -167,6 +172,9 @@ def validate(cfg: SdpConfig) -> None:
     _positive("train.eval_every", tr.eval_every, strict=False)
     _positive("train.eval_samples", tr.eval_samples, strict=False)
     _positive("train.batch_timeout_s", tr.batch_timeout_s)
+    _choice("train.dtype", tr.dtype, TRAIN_DTYPES)
+    _positive("train.keep_checkpoints", tr.keep_checkpoints)
+    _positive("train.eval_max_new_tokens", tr.eval_max_new_tokens, allow_none=True)
 
     eng = cfg.engine
     _choice("engine.kind", eng.kind, ENGINE_KINDS)
@@ -206,6 +214,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("model.warm_start_lr", mdl.warm_start_lr, allow_none=True)
     if mdl.warm_start_target is not None and not 0 < mdl.warm_start_target <= 1:
         raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
+    _validate_lora(mdl.lora)
 
     _validate_task(cfg.task)
 
@@ -234,3 +243,23 @@ def _validate_task(task: TaskConfig) -> None:
     _choice("task.reward_pool", task.reward_pool, REWARD_POOLS)
     if task.system_prompt is not None and not task.chat_template:
         raise ConfigValueError("task.system_prompt is used by the chat template; set task.chat_template=true too")
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    _positive("model.lora.r", lora.r, strict=False)
+    if lora.r == 0:
+        return
+    _positive("model.lora.alpha", lora.alpha, allow_none=True)
+    if lora.dropout != 0:
+        raise ConfigValueError(
+            f"model.lora.dropout={lora.dropout} is not supported: the trainer runs without dropout, "
+            "so that π_θ equals π_prox at equal weights (docs/training.md); leave it at 0"
+        )
+    if not lora.target_modules:
+        raise ConfigValueError("model.lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj]")
+    embeddings = sorted({"lm_head", "embed_tokens"} & set(lora.target_modules))
+    if embeddings:
+        raise ConfigValueError(
+            f"model.lora.target_modules may not include {embeddings[0]}: the embeddings stay frozen "
+            "(log-probs are computed from the output embedding directly); adapt the decoder layers"
+        )
