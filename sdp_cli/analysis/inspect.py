@@ -29,6 +29,7 @@ from torch import Tensor
 
 from sdp_cli.choices import IS_LEVELS, MODES
 from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
@@ -216,7 +217,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
     # An output token older than the trainer whose π_{v+1} was never computed has no
     # segment-wise weight (docs/design.md §2): the trainer drops it from a segment-wise loss.
-    uncorrectable = mask & (versions < trainer) & (t_versions != versions + 1)
+    uncorrectable = lacks_next_version(token_status(versions, t_versions, trainer, mask))
     return _Stacked(
         old=cat([p.old_logprobs for p in padded], 0.0),
         prox=cat([p.proximal_logprobs for p in padded], 0.0) if has_prox else None,  # type: ignore[misc]

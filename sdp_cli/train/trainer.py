@@ -39,6 +39,7 @@ from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
+from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
 from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
@@ -217,7 +218,8 @@ class Trainer:
         if self.track_proximal_t and prox is not None:
             if self.proximal_t_source == "trainer":
                 metrics["recompute/tokens_trainer_fill"] = float(fill_one_step_proximal(batch, prox))
-            uncorrectable = (mask > 0) & (batch.versions < c) & (batch.proximal_t_versions != batch.versions + 1)
+            # after the take-time pass and the fill: stale tokens still without π_{v+1}
+            uncorrectable = lacks_next_version(token_status(batch.versions, batch.proximal_t_versions, c, mask))
             metrics["segment_wise/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(
                 float(mask.sum()), 1.0
             )
