@@ -37,7 +37,7 @@ import torch
 from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
-from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
@@ -427,15 +427,11 @@ class Trainer:
                 out[f"shadow/{name}/{key}"] = raw[key]
             # per-lag breakdown with AReaL's names and signs: behav_kl is its behave_approx_kl,
             # mean(log π_x − log π_behav), the log of the weight (docs/training.md)
-            w = torch.exp(lr.clamp(-20, 20))
-            for lag in sorted(set(int(x) for x in lags.tolist())):
-                sel = valid & ((c - batch.versions) == lag)
-                count = int(sel.sum())
-                ws = w[sel]
-                out[f"shadow/{name}/lag{lag}/tokens"] = float(count)
-                out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = float(ws.mean())
-                out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = float(ws.std(unbiased=False)) if count > 1 else 0.0
-                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float(lr[sel].mean())
+            for lag, stats in lag_weight_stats(lr, valid, c - batch.versions).items():
+                out[f"shadow/{name}/lag{lag}/tokens"] = stats["tokens"]
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = stats["mean"]
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = stats["std"]
+                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = stats["log_mean"]
         return out
 
     # -------------------------------------------------------------- weights I/O
