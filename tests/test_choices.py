@@ -46,6 +46,20 @@ def test_registries_are_keyed_by_the_allowed_names():
     assert set(choices.REMOTE_ENGINE_KINDS) < set(choices.ENGINE_KINDS)
 
 
+def test_the_mode_registry_holds_exactly_the_config_modes():
+    from sdp_cli.core.weights import MODE_WEIGHTS
+
+    # same names, same order (the order of error messages and of the modes' help)
+    assert tuple(MODE_WEIGHTS) == choices.MODES
+    # what the trainer reads of each: bypass trains against π_behav, the others against π_prox;
+    # decoupled's weight reads π_prox, segment_wise's π_prox_t (docs/design.md §1 table)
+    assert {name: (w.anchor, w.needs) for name, w in MODE_WEIGHTS.items()} == {
+        "bypass": ("behav", ()),
+        "decoupled": ("proximal", ("proximal_logprobs",)),
+        "segment_wise": ("proximal", ("proximal_logprobs_t",)),
+    }
+
+
 def test_the_schema_validates_against_the_choices():
     for mode in choices.MODES:
         cfg, _ = compose_config([f"mode={mode}"])  # validated on the way
