@@ -45,6 +45,7 @@ from sdp_cli.ablate.records import (
     load_sweep,
 )
 from sdp_cli.ablate.stats import ModeComparison, compare_modes
+from sdp_cli.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,31 @@ COMPARISON_NOTE = (
 )
 
 
+def comparison_title(against: Sequence[str] = ()) -> str:
+    if not against:
+        return COMPARISON_TITLE
+    return f"Final reward against the better of {', '.join(against)} at the same η (Welch, 95 %)"
+
+
+def comparison_note(against: Sequence[str] = ()) -> str:
+    if not against:
+        return COMPARISON_NOTE
+    return COMPARISON_NOTE.replace(
+        "the mode with the highest mean among the others",
+        f"the mode with the highest mean among {', '.join(against)} (not counting itself)",
+    ).replace("the best other mode", "the better baseline").replace("The best other mode", "The better baseline")
+
+
+def check_against(groups: Sequence[GroupRow], against: Sequence[str]) -> None:
+    """``--against`` must name modes of the sweep, as the report labels them."""
+    modes = sorted({g.mode for g in groups})
+    unknown = [m for m in against if m not in modes]
+    if unknown:
+        raise UserError(
+            f"--against {','.join(unknown)}: no such mode in this sweep; its modes are {', '.join(modes)}"
+        )
+
+
 def comparison_columns(comparisons: Sequence[ModeComparison]) -> list[str]:
     extra = ["other"] if any(c.extra for c in comparisons) else []
     return ["η", *extra, "mode", "n", "reward", "best other", "Δ", "95 % interval", "Δ/SE"]
@@ -345,7 +371,7 @@ def comparison_rows(comparisons: Sequence[ModeComparison]) -> list[list[str]]:
     return rows
 
 
-def to_markdown(groups: Sequence[GroupRow]) -> str:
+def to_markdown(groups: Sequence[GroupRow], against: Sequence[str] = ()) -> str:
     """Both tables and the comparison in GitHub Markdown, each followed by what it means."""
     parts = []
     for table, title in TABLES.items():
@@ -354,12 +380,12 @@ def to_markdown(groups: Sequence[GroupRow]) -> str:
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(groups, table)]
         lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table)]
         parts.append("\n".join(lines))
-    comparisons = compare_modes(groups)
+    comparisons = compare_modes(groups, against=against)
     if any(c.comparison is not None for c in comparisons):
         header = comparison_columns(comparisons)
-        lines = [f"### {COMPARISON_TITLE}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = [f"### {comparison_title(against)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in comparison_rows(comparisons)]
-        lines += ["", COMPARISON_NOTE]
+        lines += ["", comparison_note(against)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
@@ -452,15 +478,17 @@ class Report:
         return [r for r in self.sweep.records if not r.finished]
 
 
-def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
-    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``."""
+def write_report(sweep_dir: Path, *, plots: bool = True, against: Sequence[str] = ()) -> Report:
+    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``.
+    ``against``: compare every mode with the better of these modes only (see ``compare_modes``)."""
     sweep_dir = Path(sweep_dir)
     sweep = load_sweep(sweep_dir)
     groups = aggregate(sweep.records)
+    check_against(groups, against)
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
     csv_path.write_text(to_csv(groups))
-    comparisons = compare_modes(groups)
+    comparisons = compare_modes(groups, against=against)
     extra_paths = [sweep_dir / "comparison.csv", sweep_dir / "runs.csv"]
     extra_paths[0].write_text(comparisons_csv(comparisons))
     extra_paths[1].write_text(runs_csv(sweep.records))
@@ -470,11 +498,11 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     md_path.write_text(
         f"# sdp ablate: {sweep_dir.name}\n\n{common}"
         "mean ± sample std over seeds (n runs per row).\n\n"
-        f"{to_markdown(groups)}"
+        f"{to_markdown(groups, against)}"
     )
     written: list[Path] = []
     if plots and groups:
         from sdp_cli.ablate.plots import write_plots
 
-        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons)
+        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons, against)
     return Report(groups, sweep, csv_path, md_path, written, comparisons, extra_paths)

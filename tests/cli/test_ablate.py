@@ -235,6 +235,10 @@ def test_report_reaggregates_without_running(smoke, capsys):
             "error: /nonexistent/sweep: no runs/ directory",
         ),
         (
+            ["ablate", "smoke", "--against", "decoupled,decoupld"],
+            "error: --against decoupld: no such mode in this sweep; its modes are bypass, decoupled, segment_wise",
+        ),
+        (
             ["ablate", "--report", "x", "seed=1"],
             "error: --report only aggregates an existing sweep",
         ),
