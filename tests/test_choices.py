@@ -2,6 +2,7 @@
 every module agree with it, and no module keeps a copy of one of its tuples."""
 
 import ast
+import json
 import subprocess
 import sys
 from importlib import resources
@@ -103,3 +104,20 @@ def test_choices_imports_nothing_heavy():
     code = "import sys, sdp_cli.choices; print(sorted(m for m in ('torch', 'typer') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_config_knows_the_modes_without_torch_and_agrees_with_the_registry():
+    # without the registry loaded (a fresh process, torch never imported) ...
+    code = (
+        "import sys, json; from sdp_cli.config import modes; from sdp_cli.choices import MODES; "
+        "print(json.dumps([modes.mode_names(), [modes.reads_proximal_t(m) for m in MODES], 'torch' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    names, reads, torch_loaded = json.loads(out.stdout)
+    assert torch_loaded is False
+    # ... and with it: the same names and the same answers (only segment_wise reads π_prox_t)
+    from sdp_cli.config import modes
+    from sdp_cli.core.weights import MODE_WEIGHTS
+
+    assert tuple(names) == modes.mode_names() == tuple(MODE_WEIGHTS) == choices.MODES
+    assert reads == [modes.reads_proximal_t(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from sdp_cli.config.modes import reads_proximal_t
+
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -322,9 +324,10 @@ class RunConfig:
 
 def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     """Whether the run keeps π_prox_t = π_{v+1} for stale tokens: the recompute pass runs
-    (segment_wise needs it; ``rollout.recompute=always`` measures it in other modes)."""
+    (a mode whose weight reads π_prox_t needs it, e.g. segment_wise; ``rollout.recompute=always``
+    measures it in other modes)."""
     return cfg.rollout.recompute == "always" or (
-        cfg.rollout.recompute == "auto" and cfg.loss.mode == "segment_wise"
+        cfg.rollout.recompute == "auto" and reads_proximal_t(cfg.loss.mode)
     )
 
 

@@ -16,7 +16,6 @@ from sdp_cli.choices import (
     LOSS_AGGS,
     LOSS_TYPES,
     MODEL_KINDS,
-    MODES,
     PROXIMAL_T_SOURCES,
     RECOMPUTE_POLICIES,
     REWARD_POOLS,
@@ -25,6 +24,7 @@ from sdp_cli.choices import (
     TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
+from sdp_cli.config.modes import mode_names, reads_proximal_t
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
 
 
@@ -79,7 +79,7 @@ def _check_bypass(loss: LossConfig) -> None:
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
     loss = cfg.loss
-    _choice("loss.mode", loss.mode, MODES)
+    _choice("loss.mode", loss.mode, mode_names())
     _choice("loss.is_level", loss.is_level, IS_LEVELS)
     _choice("loss.weight_action", loss.weight_action, WEIGHT_ACTIONS)
     _choice("loss.agg", loss.agg, LOSS_AGGS)
@@ -145,9 +145,9 @@ def validate(cfg: SdpConfig) -> None:
             "staleness=segment_wise needs π_prox_t, which loss.mode=bypass never uses; "
             "use mode=segment_wise (or +preset=segment_wise)"
         )
-    if ro.recompute == "never" and loss.mode == "segment_wise":
+    if ro.recompute == "never" and reads_proximal_t(loss.mode):
         raise ConfigValueError(
-            "loss.mode=segment_wise needs the recompute pass; set rollout.recompute=auto or always"
+            f"loss.mode={loss.mode} needs the recompute pass; set rollout.recompute=auto or always"
         )
 
     opt = cfg.optim
