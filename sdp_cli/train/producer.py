@@ -190,7 +190,10 @@ class RolloutProducer:
                 ]
                 group = RolloutGroup(group_id=group_id, samples=samples)
                 self.manager.on_rollout_enqueued()
-                self.manager.on_rollout_submitted()
+                # capacity only falls when the producer admits (docs/design.md §3), so what
+                # _wait_for_capacity granted still holds; try_submit checks it atomically anyway
+                admitted = self.manager.try_submit()
+                assert admitted, f"capacity granted for {n_groups} groups fell before group {group_id} was admitted"
                 self._in_hand[group_id] = group
                 groups.append(group)
         return groups

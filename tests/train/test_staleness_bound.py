@@ -50,13 +50,14 @@ def _watched_run(tmp_path, monkeypatch, overrides):
     from sdp_cli.config.compose import compose_config
 
     watch = Watch()
-    submitted, run_step = StalenessManager.on_rollout_submitted, AsyncLoop.run_step
+    try_submit, run_step = StalenessManager.try_submit, AsyncLoop.run_step
 
-    def on_rollout_submitted(self):
-        submitted(self)
+    def checked_submit(self):
+        admitted = try_submit(self)
         with watch.lock:
-            watch.admissions += 1
+            watch.admissions += admitted
         watch.check_manager(self, "after an admission")
+        return admitted
 
     def checked_step(self):
         record = run_step(self)
@@ -66,7 +67,7 @@ def _watched_run(tmp_path, monkeypatch, overrides):
         watch.check_manager(self.manager, f"after step {record.step}")
         return record
 
-    monkeypatch.setattr(StalenessManager, "on_rollout_submitted", on_rollout_submitted)
+    monkeypatch.setattr(StalenessManager, "try_submit", checked_submit)
     monkeypatch.setattr(AsyncLoop, "run_step", checked_step)
     cfg, raw = compose_config([*FAST, f"run.root={tmp_path}/runs", f"train.steps={STEPS}", *overrides])
     summary = run_training(cfg, raw, overrides=[])
