@@ -22,7 +22,7 @@ Every job is one `sdp train` run with the shadow recompute pass on, so both beha
 
 [bold]Examples[/bold]
 
-  sdp ablate                                   # the default sweep (~30 min on 2 CPU cores)
+  sdp ablate                                   # the default sweep (125 runs, ~2 h on 2 CPU cores)
 
   sdp ablate smoke                             # a tiny grid, about a minute
 
@@ -179,16 +179,13 @@ def _print_report(directory: Path, *, plots: bool, against: tuple[str, ...] = ()
     from rich.markup import escape
     from rich.table import Table
 
-    from sdp_cli.ablate.report import (
-        TABLES,
-        comparison_note,
-        comparison_title,
+    from sdp_cli.ablate.comparison import (
         comparison_columns,
+        comparison_note,
         comparison_rows,
-        table_columns,
-        table_rows,
-        write_report,
+        comparison_title,
     )
+    from sdp_cli.ablate.report import TABLES, table_columns, table_rows, write_report
 
     result = write_report(directory, plots=plots, against=against)
     # paths, run names and cells are escaped: "[", "[/]" or ":smile:" in them stay text
