@@ -77,8 +77,15 @@ def _check_bypass(loss: LossConfig) -> None:
         )
 
 
+#: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
+MAX_SEED = 2**62
+
+
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
+    # torch.manual_seed takes an int64, and sdp derives seeds by adding small offsets
+    if not isinstance(cfg.seed, int) or abs(cfg.seed) > MAX_SEED:
+        raise ConfigValueError(f"seed={cfg.seed} must be an integer between -{MAX_SEED} and {MAX_SEED} (2**62)")
     loss = cfg.loss
     _choice("loss.mode", loss.mode, mode_names())
     _choice("loss.is_level", loss.is_level, IS_LEVELS)
