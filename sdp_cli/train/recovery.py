@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +20,8 @@ from typing import Any
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError
-from sdp_cli.rundir import RunDir
+from sdp_cli.rundir import RunDir, step_dirs
+from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.reporting import EventLog
 
 #: events that end a session; a resume after any other last event follows a crash
@@ -134,3 +136,27 @@ def started_here(run_dir: RunDir) -> bool:
         return False
     with run_dir.events.open(errors="replace") as fh:
         return any('"event": "started"' in line for line in fh)
+
+
+def resume_point(run_dir: RunDir, *, speak: bool) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``; None when a resume starts the run over
+    (it started but never checkpointed). Newer checkpoints that fail their checks are skipped
+    with a warning; a run whose every checkpoint fails is refused. ``speak``: print (rank 0)."""
+    found = ckpt.find_latest(run_dir.checkpoints)
+    newest = ckpt.step_of(found) if found is not None else -1
+    damaged = [path.name for step, path in step_dirs(run_dir.checkpoints) if step > newest]
+    if found is None and damaged:
+        raise UserError(
+            f"{run_dir.path}: no checkpoint passes its checks ({', '.join(damaged)}); nothing to resume from"
+        )
+    if found is None and not started_here(run_dir):
+        raise UserError(f"{run_dir.path}: no complete checkpoint to resume from; start a new run instead")
+    if speak and found is None:  # killed or stopped before its first checkpoint
+        print(f"note: {run_dir.path} has no complete checkpoint yet; starting it over", file=sys.stderr)
+    elif speak and damaged:
+        print(
+            f"warning: {run_dir.path}: {', '.join(damaged)} failed its checks (damaged or incomplete); "
+            f"resuming from the older {found.name}",
+            file=sys.stderr,
+        )
+    return found

@@ -35,7 +35,7 @@ from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepReco
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
-from sdp_cli.train.recovery import recover_after_crash, started_here
+from sdp_cli.train.recovery import recover_after_crash, resume_point
 from sdp_cli.train.session_end import SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, open_run
 from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
@@ -144,13 +144,8 @@ class TrainingRun(SessionEnd):
             if self.coordinator.is_main:
                 ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
                 recover_after_crash(self.run_dir, self.events)
-            found = ckpt.find_latest(self.run_dir.checkpoints)
-            if found is not None:
-                checkpoint = ckpt.read_checkpoint(found)
-            elif not started_here(self.run_dir):
-                raise UserError(f"{self.run_dir.path}: no complete checkpoint to resume from; start a new run instead")
-            elif self.coordinator.is_main:  # killed or stopped before its first checkpoint
-                print(f"note: {self.run_dir.path} has no complete checkpoint yet; starting it over", file=sys.stderr)
+            found = resume_point(self.run_dir, speak=self.coordinator.is_main)
+            checkpoint = ckpt.read_checkpoint(found) if found is not None else None
         # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
         over = self.resuming and checkpoint is None
 
