@@ -257,3 +257,21 @@ def test_falling_back_from_a_damaged_newest_checkpoint_says_so(tmp_path, sdp_cac
     assert done.returncode == 2, done.stderr[-2000:]
     line = error_line(done.stderr)
     assert "no checkpoint passes its checks" in line and damaged[-1] in line, line
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_a_stopped_event(tmp_path, sdp_cache):
+    """ENOSPC while a checkpoint is written (the test-only `enospc` action at
+    `checkpoint.optimizer`, every arrival): one line, a `stopped` event, no temporaries, and the
+    run resumes from its last complete checkpoint once there is space."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, f"run.dir={run_dir}", "train.steps=6", "train.checkpoint_every=2"]
+    done = run_sdp(["train", *args], sdp_env(sdp_cache, SDP_TEST_FAULTS="enospc:checkpoint.optimizer"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = error_line(done.stderr, alone=False)
+    assert "No space left on device" in line and f"resume with: sdp train resume={run_dir}" in line, line
+    last = events(run_dir)[-1]
+    assert last["event"] == "stopped" and "No space left on device" in last["reason"], last
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")) if (run_dir / "checkpoints").exists() else True
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 6)
