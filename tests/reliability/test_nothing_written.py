@@ -36,3 +36,29 @@ def test_bad_input_writes_no_run_directory(case, tmp_path, sdp_cache):
     error_line(done.stderr, alone=False)
     left = [str(p) for p in root.rglob("*")] if root.exists() else []
     assert not left, f"{case}: left {json.dumps(left)}"
+
+
+@pytest.mark.parametrize("case", ["a file", "/dev/null", "under /proc", "read-only", "a 300-character run.name"])
+def test_an_impossible_run_directory_is_one_line(case, tmp_path, sdp_cache):
+    """run.dir / run.name that cannot be a run directory: one line, exit 2, no traceback."""
+    import os
+
+    if case == "a file":
+        (tmp_path / "f").write_text("x")
+        where = [f"run.dir={tmp_path / 'f'}"]
+    elif case == "/dev/null":
+        where = ["run.dir=/dev/null"]
+    elif case == "under /proc":
+        where = ["run.dir=/proc/sdp-run"]
+    elif case == "read-only":
+        (tmp_path / "ro").mkdir()
+        os.chmod(tmp_path / "ro", 0o555)
+        if os.access(tmp_path / "ro", os.W_OK):
+            pytest.skip("running as a user that writes into read-only directories (root)")
+        where = [f"run.dir={tmp_path / 'ro' / 'run'}"]
+    else:
+        where = [f"run.root={tmp_path}", "run.name=" + "n" * 300]
+    done = run_sdp(["train", *FAST, *where, "train.steps=2"], sdp_env(sdp_cache), timeout=180)
+    assert done.returncode == 2, (case, done.returncode, done.stderr[-2000:])
+    line = error_line(done.stderr, alone=False)
+    assert "run" in line, line
