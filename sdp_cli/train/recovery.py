@@ -102,13 +102,23 @@ def read_overrides(path: Path) -> list[str]:
 
 
 def _drop_torn_line(path: Path) -> None:
-    """Cut a last line that a crash left without its newline (append-only JSON-lines logs)."""
+    """Cut the tail a crash tore from an append-only JSON-lines log: a last line without its
+    newline, then trailing lines that are not JSON (a half-written line that got its newline,
+    the zeros a lost page leaves). Lines before the tail are left as they are."""
     if not path.is_file():
         return
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
+    keep = data.rfind(b"\n") + 1 if data and not data.endswith(b"\n") else len(data)
+    while keep > 0:
+        start = data.rfind(b"\n", 0, keep - 1) + 1
+        try:
+            json.loads(data[start:keep])
+            break
+        except ValueError:  # also UnicodeDecodeError
+            keep = start
+    if keep != len(data):
         with open(path, "r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
+            fh.truncate(keep)
 
 
 def _last_event(path: Path) -> dict[str, Any] | None:

@@ -275,3 +275,18 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_a_stopped_event(tmp_pat
     done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache))
     assert done.returncode == 0, done.stderr[-3000:]
     check_finished_run(run_dir, 6)
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 99, "ti\n', b"\x00" * 64, b"\x00" * 40 + b"\n", b"not json at all\n"])
+def test_a_non_json_torn_tail_of_events_and_metrics_is_cut_at_resume(tail, tmp_path, sdp_cache):
+    """The last line of events.jsonl or metrics.jsonl that is not JSON (a half-written line
+    with its newline, zeros a lost page left): cut at resume like a line without its newline."""
+    run_dir = tmp_path / "run"
+    done = run_sdp(["train", *FAST, f"run.dir={run_dir}", "train.steps=2"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("events.jsonl", "metrics.jsonl"):
+        with open(run_dir / name, "ab") as fh:
+            fh.write(tail)
+    done = run_sdp(["train", f"resume={run_dir}", "train.steps=4"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 4)
