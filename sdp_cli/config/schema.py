@@ -540,7 +540,7 @@ def _validate_task(task: TaskConfig) -> None:
 
 
 def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every leaf field, read from the source docstrings."""
+    """(dotted key, default as YAML, docstring) for every leaf field, read from the source docstrings."""
     import ast
     import inspect
 
@@ -559,5 +559,14 @@ def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, 
         if is_dataclass(value):
             rows.extend(field_docs(type(value), prefix=f"{key}."))
         else:
-            rows.append((key, repr(value), docs.get(f.name, "")))
+            rows.append((key, yaml_literal(value), docs.get(f.name, "")))
     return rows
+
+
+def yaml_literal(value: Any) -> str:
+    """``value`` as YAML writes it on one line (null, false, [a, b], 0.0001): what a user types
+    in an override or a config file."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
