@@ -25,6 +25,7 @@ from sdp_cli.choices import (
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
+    TRACKERS,
     WEIGHT_ACTIONS,
 )
 
@@ -294,8 +295,14 @@ class RunConfig:
     """run directory name; null = <timestamp>-<mode>-<task>."""
     dir: str | None = None
     """explicit run directory (overrides root/name)."""
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """experiment trackers getting every step's scalars and the config: tensorboard | wandb | mlflow
+    (wandb, mlflow: install the extra of that name; their servers and keys come from their own
+    environment variables)."""
+    project: str = "sdp"
+    """W&B project and MLflow experiment the run logs to."""
     tensorboard: bool = True
-    """write TensorBoard event files."""
+    """false leaves tensorboard out of run.trackers (the older switch; run.trackers=[] does the same)."""
     progress: bool = True
     """live progress display in the terminal."""
     debug: bool = False
@@ -509,6 +516,11 @@ def validate(cfg: SdpConfig) -> None:
     _positive("model.warm_start_lr", mdl.warm_start_lr, allow_none=True)
     if mdl.warm_start_target is not None and not 0 < mdl.warm_start_target <= 1:
         raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
+
+    for name in cfg.run.trackers:
+        _choice("run.trackers", name, TRACKERS)
+    if not cfg.run.project.strip():
+        raise ConfigValueError("run.project is empty; name the W&B project / MLflow experiment (default sdp)")
 
     _validate_task(cfg.task)
 

@@ -1,5 +1,6 @@
-"""Where a run reports: ``metrics.jsonl`` (one line per step), TensorBoard, ``events.jsonl``
-(what happened: start, resume, faults, checkpoints, end) and a live terminal display."""
+"""Where a run reports: ``metrics.jsonl`` (one line per step), ``events.jsonl`` (what happened:
+start, resume, faults, checkpoints, end) and a live terminal display. Experiment trackers
+(TensorBoard, W&B, MLflow) are ``sdp_cli.train.trackers``."""
 
 from __future__ import annotations
 
@@ -51,28 +52,6 @@ class EventLog:
 
     def close(self) -> None:
         self._fh.close()
-
-
-class TensorBoardLog:
-    """Scalars to TensorBoard (``<run>/tensorboard``); a no-op when disabled."""
-
-    def __init__(self, directory: Path | None, *, purge_step: int | None = None):
-        self._writer = None
-        if directory is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
 
 
 class Progress:

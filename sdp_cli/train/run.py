@@ -36,7 +36,8 @@ from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
-from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.reporting import EventLog, MetricsLog, Progress
+from sdp_cli.train.trackers import active_trackers, check_installed, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
@@ -217,8 +218,12 @@ class TrainingRun:
 
         start_step = self.start_step
         self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
-        self.tensorboard = TensorBoardLog(
-            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
+        self.trackers = open_trackers(
+            active_trackers(cfg.run.trackers, cfg.run.tensorboard),
+            self.run_dir,
+            project=cfg.run.project,
+            config=_config_dict(self.raw),
+            resume_step=start_step if checkpoint else None,
         )
         self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
 
@@ -267,7 +272,7 @@ class TrainingRun:
             self._save_batch(record)
         self.metrics.write(record.step, metrics)
         fault_point("run.metrics_written")
-        self.tensorboard.write(record.step, metrics)
+        self.trackers.log(record.step, metrics)
         self.progress.update(record.step, metrics)
         every = cfg.train.checkpoint_every
         if (every and record.step % every == 0) or record.step == cfg.train.steps:
@@ -320,7 +325,7 @@ class TrainingRun:
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
-        self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
+        self.trackers.log(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
         return acc
 
@@ -346,12 +351,14 @@ class TrainingRun:
                 "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
             )
             where = f"; resume with: sdp train resume={self.run_dir.path}" if path or step else ""
+            self.trackers.close(ok=False)
             raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
         except KeyboardInterrupt:
             step = self.loop.state.step
             if step > self.start_step:
                 self.checkpoint(step)
             self.events.write("interrupted", step=step)
+            self.trackers.close(ok=False)
             raise
         finally:
             self.progress.close()
@@ -367,7 +374,7 @@ class TrainingRun:
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
         self.ledger.close()
-        self.tensorboard.close()
+        self.trackers.close()
         self.events.close()
         return summary
 
@@ -430,6 +437,7 @@ def _preflight(cfg: SdpConfig) -> Task:
             raise UserError(
                 f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
             )
+    check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
     task = prepare_task(cfg)
     key_env = cfg.engine.api_key_env
     if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
@@ -438,6 +446,13 @@ def _preflight(cfg: SdpConfig) -> Task:
             "export the key in it or unset engine.api_key_env"
         )
     return task
+
+
+def _config_dict(raw: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what config.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
 
 
 def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
