@@ -16,7 +16,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -95,6 +95,7 @@ def load_policy(
     cache_dir: str | Path | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
 ) -> Policy:
     """The policy of ``kind``.
 
@@ -103,7 +104,8 @@ def load_policy(
     ``warm_start.default_settings(task.name)``; ``warm_start_steps=0`` skips the warm start
     (random init, nothing cached); ``warm_start_target=1.0`` runs every step unless the policy is
     already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
-    warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds.
+    warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds. ``progress``
+    gets a short line at each step of a warm start that is not cached yet.
     """
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -138,7 +140,7 @@ def load_policy(
         charset = charset or task_obj.charset
         if charset != task_obj.charset:
             _check_charset_covers(task_obj, charset)
-        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir)
+        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir, progress)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
     policy.model.to(device=device, dtype=DTYPES[dtype])
@@ -168,6 +170,7 @@ def _tiny_policy(
     target: float | None,
     seed: int,
     cache_dir: str | Path | None,
+    progress: Callable[[str], None] | None,
 ) -> Policy:
     if steps == 0:
         tokenizer = build_tokenizer(charset)
@@ -184,6 +187,7 @@ def _tiny_policy(
         target=target,
         seed=seed,
         cache_dir=cache_dir,
+        progress=progress,
     )
     policy = load_hf_policy(entry)
     policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"

@@ -6,6 +6,7 @@ creating it and tidying it after a crash is ``sdp_cli.train.recovery``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,7 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,7 +37,8 @@ from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
-from sdp_cli.train.reporting import EventLog, MetricsLog, Progress
+from sdp_cli.train.display import Progress, StartDisplay
+from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.trackers import active_trackers, check_installed, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
@@ -70,8 +72,11 @@ def _resolve_threads(cfg: SdpConfig) -> int:
 
 
 
-def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
-    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir)."""
+def load_policy_from(
+    cfg: SdpConfig, task: Task, *, path: Path | None = None, progress: Callable[[str], None] | None = None
+) -> Any:
+    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir);
+    ``progress`` follows a warm start that is not cached yet."""
     from sdp_cli.models import load_policy
 
     if path is not None:
@@ -93,6 +98,7 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
         warm_start_batch=m.warm_start_batch,
         warm_start_target=m.warm_start_target,
         seed=cfg.seed,
+        progress=progress,
     )
 
 
@@ -110,6 +116,7 @@ class TrainingRun:
         resuming: bool,
         coordinator: Coordinator,
         task: Task | None = None,
+        display: StartDisplay | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -120,6 +127,7 @@ class TrainingRun:
         self.coordinator = coordinator
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
+        self.display = display or StartDisplay(enabled=False)
 
     # -- setup --------------------------------------------------------------
     def setup(self) -> None:
@@ -144,9 +152,13 @@ class TrainingRun:
         if self.task is None:
             self.task = prepare_task(cfg)
         # rank 0 first: it may train and cache the warm start, which the others then load
-        self.policy = self.coordinator.main_first(
-            lambda: load_policy_from(cfg, self.task, path=checkpoint.policy_dir if checkpoint else None)
-        )
+        with self.display.phase("loading model") as phase:
+            self.policy = self.coordinator.main_first(
+                lambda: load_policy_from(
+                    cfg, self.task, path=checkpoint.policy_dir if checkpoint else None, progress=phase.update
+                )
+            )
+            phase.result = _describe(self.policy)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -178,7 +190,13 @@ class TrainingRun:
         if not self.coordinator.is_main:
             return
 
-        self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        if cfg.engine.kind == "local":
+            self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        else:
+            how = f"attaching to {len(cfg.engine.urls)} server(s)" if cfg.engine.urls else "starting a server"
+            with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
+                self.engine = build_engine(cfg, self.policy, self.run_dir)
+                phase.result = "ready" if cfg.engine.urls else f"ready (server log in {self.run_dir.logs})"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(
@@ -218,14 +236,16 @@ class TrainingRun:
 
         start_step = self.start_step
         self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
-        self.trackers = open_trackers(
-            active_trackers(cfg.run.trackers, cfg.run.tensorboard),
-            self.run_dir,
-            project=cfg.run.project,
-            config=_config_dict(self.raw),
-            resume_step=start_step if checkpoint else None,
-        )
-        self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
+        names = active_trackers(cfg.run.trackers, cfg.run.tensorboard)
+        remote = [n for n in names if n != "tensorboard"]
+        with self.display.phase(f"starting {', '.join(remote)}") if remote else contextlib.nullcontext():
+            self.trackers = open_trackers(
+                names,
+                self.run_dir,
+                project=cfg.run.project,
+                config=_config_dict(self.raw),
+                resume_step=start_step if checkpoint else None,
+            )
 
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
@@ -317,11 +337,13 @@ class TrainingRun:
         self.ledger.sync()
         return snapshot
 
-    def _evaluate(self, step: int) -> float | None:
+    def _evaluate(self, step: int, progress: Callable[[int, int], None] | None = None) -> float | None:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
-        acc = greedy_accuracy(self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7)
+        acc = greedy_accuracy(
+            self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7, progress=progress
+        )
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
@@ -332,7 +354,8 @@ class TrainingRun:
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
+        self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
@@ -368,7 +391,7 @@ class TrainingRun:
         if not in_sync:
             raise UserError("the training processes ended with different weights; report this as a bug")
         wall = time.perf_counter() - t0
-        acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
+        acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
@@ -377,6 +400,13 @@ class TrainingRun:
         self.trackers.close()
         self.events.close()
         return summary
+
+    def _shown_evaluation(self, title: str, step: int) -> float | None:
+        """``_evaluate`` as a phase of the start display (a long one on a real model)."""
+        with self.display.phase(f"{title} (greedy, held-out prompts)") as phase:
+            acc = self._evaluate(step, progress=lambda done, total: phase.update(f"{done}/{total} prompts"))
+            phase.result = "no held-out prompts" if acc is None else f"greedy accuracy {acc:.2f}"
+        return acc
 
     def follow(self) -> None:
         """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
@@ -448,6 +478,12 @@ def _preflight(cfg: SdpConfig) -> Task:
     return task
 
 
+def _describe(policy: Any) -> str:
+    """``name (N M parameters)`` of a loaded policy, for the start display."""
+    count = sum(p.numel() for p in policy.model.parameters())
+    return f"{policy.name}, {count / 1e6:.1f} M parameters"
+
+
 def _config_dict(raw: Any) -> dict[str, Any]:
     """The resolved config as plain data (what config.yaml holds)."""
     from omegaconf import OmegaConf
@@ -504,12 +540,15 @@ def run_training(
             if source != ConfigSource():
                 atomic_write_text(run_dir.config_source, source.to_json())
         resuming = False
+    display = StartDisplay(enabled=cfg.run.progress and coordinator.is_main)
     if coordinator.is_main:
-        atomic_write_text(run_dir.config, to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
-    run.setup()
-    if coordinator.is_main:
+        display.line(f"{'resuming' if resuming else 'run dir'} {run_dir.path}")
         print(task.summary(), file=sys.stderr)
+        atomic_write_text(run_dir.config, to_yaml(raw))
+    run = TrainingRun(
+        cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, display=display
+    )
+    run.setup()
     if not coordinator.is_main:
         run.follow()
         return None
