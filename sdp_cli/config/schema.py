@@ -224,7 +224,8 @@ class ModelConfig:
     kind: str = "tiny"
     """tiny (built from code + warm start) | hf (a local Hugging Face model directory)."""
     path: str | None = None
-    """hf: the model directory (tokenizer included)."""
+    """hf: the model directory (tokenizer included), a hub id (org/name), or a .gguf file
+    (dequantised to float32; install the gguf extra)."""
     hidden_size: int = 128
     """tiny: hidden size."""
     num_layers: int = 4

@@ -22,6 +22,7 @@ import torch
 
 from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
+from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
@@ -196,10 +197,14 @@ def _tiny_policy(
 
 def load_hf_policy(path: str | Path) -> Policy:
     """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
-    directory or a hub id (``resolve_model_dir``)."""
+    directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
+    dequantised to float32)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if is_gguf(path):
+        model, tokenizer = load_gguf(path)
+        return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
     directory = resolve_model_dir(path)
     hub = is_hub_id(path)
     fix = (
@@ -235,14 +240,18 @@ def load_hf_policy(path: str | Path) -> Policy:
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
         raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
+    return _policy(model, tokenizer, directory, str(path) if hub else str(directory.resolve()))
+
+
+def _policy(model: Any, tokenizer: Any, source: Path, name: str) -> Policy:
+    """The Policy of a loaded model and tokenizer, with the stop and pad ids they define."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         config_eos = model.config.eos_token_id
         eos_id = config_eos[0] if isinstance(config_eos, (list, tuple)) else config_eos
     if eos_id is None:
-        raise UserError(f"model directory {directory} defines no EOS token; set eos_token in its tokenizer_config.json")
+        raise UserError(f"model {source} defines no EOS token; set eos_token in its tokenizer_config.json")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    name = str(path) if hub else str(directory.resolve())
     return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, name)
 
 

@@ -28,6 +28,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.models.gguf import check_gguf_file, dequantised_note, is_gguf
 from sdp_cli.rundir import VERSION_GLOB, RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
@@ -159,6 +160,8 @@ class TrainingRun:
                 )
             )
             phase.result = _describe(self.policy)
+        if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
+            print(dequantised_note(cfg.model.path), file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -460,7 +463,9 @@ def _preflight(cfg: SdpConfig) -> Task:
     """Refuse what is certain to fail before anything is written (a model that is neither a
     directory nor a hub id, bad task data, a reward function that does not import, an API-key
     variable that is not set) and return the task, ready to sample."""
-    if cfg.model.kind == "hf":
+    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
+        check_gguf_file(cfg.model.path)
+    elif cfg.model.kind == "hf":
         from sdp_cli.models.loader import resolve_model_dir
 
         if not resolve_model_dir(cfg.model.path or "").is_dir():
