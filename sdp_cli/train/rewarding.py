@@ -74,7 +74,11 @@ class RewardPool:
         except CancelledError:
             return
         except BrokenProcessPool as err:
-            done(None, UserError(f"a reward worker process died ({err}); a reward function crashed the interpreter"))
+            done(None, UserError(
+                f"a reward worker process died ({err}): a reward function crashed the interpreter, or a "
+                "spawned worker could not import it; give task.reward as package.module:function or "
+                "path/to/file.py:function, or use task.reward_pool=thread"
+            ))
             return
         except BaseException as err:  # the loop stops the run and reports it
             done(None, err)

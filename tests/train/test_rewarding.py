@@ -2,6 +2,7 @@
 while a group's reward is still being computed, errors in reward code stop the run in one line,
 and extra reward keys become reward/<key> means. A fake engine and task keep it deterministic."""
 
+import functools
 import random
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import InferenceEngine
 from sdp_cli.tasks.base import Task, TaskItem
-from sdp_cli.tasks.plugins import RewardError
+from sdp_cli.tasks.plugins import RewardError, call_reward, load_reward
 from sdp_cli.train.loop import AsyncLoop
 from sdp_cli.train.rewarding import RewardPool, extra_means
 
@@ -139,10 +140,16 @@ def test_generation_goes_on_while_a_reward_is_computed():
 
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
-def test_a_failing_reward_stops_the_loop_with_its_one_line(kind):
+def test_a_failing_reward_stops_the_loop_with_its_one_line(kind, tmp_path):
+    # The user's path: a reward function in a file, handed to the pool as plain data
+    # (call_reward + RewardSpec). A spawned worker imports the file itself; a function defined
+    # in this test module could not be imported there.
+    (tmp_path / "judge.py").write_text("def judge(prompt, completion, record):\n    raise ValueError('no such number')\n")
+    spec = load_reward(f"{tmp_path}/judge.py:judge", {}, answer_key="answer")
+
     class Failing(GatedTask):
         def reward_call(self, completion, item, *, stopped):
-            return _raise_value_error
+            return functools.partial(call_reward, spec, item.prompt, completion, {}, "record 0")
 
     task = Failing()
     loop, engine = _loop(task, reward_pool=kind)
@@ -151,15 +158,11 @@ def test_a_failing_reward_stops_the_loop_with_its_one_line(kind):
         deadline = time.monotonic() + 60
         while loop._producer_error is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert isinstance(loop._producer_error, ValueError)
-        assert str(loop._producer_error) == "no such number"
+        assert isinstance(loop._producer_error, RewardError), loop._producer_error
+        assert str(loop._producer_error) == "reward function judge.py:judge failed on record 0: ValueError: no such number"
         assert loop.queue.qsize() == 0
     finally:
         loop.stop()
-
-
-def _raise_value_error():
-    raise ValueError("no such number")
 
 
 def _nan():
