@@ -16,9 +16,17 @@
    mmap/munmap, so the resident set follows live tensors. Forward+backward returns an [N, V]
    logits gradient; "scratch" is the extra memory beyond that output. The row
    ``fwd_bwd inplace`` uses ``inplace_backward=True``, which stores that gradient in the
-   logits' own storage (what the trainer does), so no [N, V] tensor is allocated at all.
+   logits' own storage (what the logits path of the trainer does), so no [N, V] tensor is
+   allocated at all.
+3. Memory of the whole output layer at a Qwen-size vocabulary (V = 151,936, hidden 896 as in
+   Qwen2.5-0.5B, N = 2,048 response tokens), forward + backward from the final hidden states:
+   ``naive`` = h·Wᵀ then log_softmax/gather; ``chunked logits`` = h·Wᵀ then
+   ``logprobs_from_logits(inplace_backward=True)``; ``hidden`` = ``logprobs_from_hidden``
+   (what the trainer does: the logits exist one vocabulary block at a time). Float32, and bfloat16 hidden
+   states with a float32 weight (autocast for the naive row). The weight gradient [V, H] is an
+   output every variant must allocate (544 MiB in float32); it is included in every row.
 
-Run: ``.venv/bin/python bench/loss.py`` (about 20 s on 2 CPU cores).
+Run: ``.venv/bin/python bench/loss.py`` (about 2 minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import torch
 from sdp_cli.core import (
     behavior_log_ratio,
     importance_weights,
+    logprobs_from_hidden,
     logprobs_from_logits,
     offpolicy_metrics,
     policy_loss,
@@ -48,6 +57,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "loss.json"
 CAP, FLOOR, RS_UPPER, VETO = 2.0, 0.5, 1.5, 1e-4
 CLIP, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
 VOCAB, N_TOKENS, TEMPERATURE = 49_152, 4_096, 0.7
+QWEN_VOCAB, QWEN_HIDDEN, HEAD_TOKENS = 151_936, 896, 2_048
 
 
 def make_inputs(batch: int, length: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -238,10 +248,39 @@ def memory_child(variant: str, phase: str) -> None:
     )
 
 
-def measure_memory(variant: str, phase: str, threads: int) -> dict[str, float]:
-    """Run ``memory_child`` in a fresh interpreter (memory is deterministic: one run)."""
+def head_child(variant: str, dtype: str) -> None:
+    """Runs in a fresh process: peak resident memory of the output layer + log-probs, forward and
+    backward, from hidden states [N, H] and an output embedding [V, H] (section 3 above)."""
+    gen = torch.Generator().manual_seed(0)
+    half = dtype == "bfloat16"
+    hidden = torch.randn(HEAD_TOKENS, QWEN_HIDDEN, generator=gen)
+    hidden = (hidden.bfloat16() if half else hidden).requires_grad_(True)
+    # in place: a temporary [V, H] copy would raise the peak measured before the variant runs
+    weight = torch.randn(QWEN_VOCAB, QWEN_HIDDEN, generator=gen).mul_(0.02).requires_grad_(True)
+    targets = torch.randint(0, QWEN_VOCAB, (HEAD_TOKENS,), generator=gen)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    if variant == "hidden":
+        out = logprobs_from_hidden(hidden, weight, targets, temperature=TEMPERATURE)
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+            logits = hidden @ weight.t()
+        if variant == "naive":
+            logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+            out = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        else:
+            out = logprobs_from_logits(logits, targets, temperature=TEMPERATURE, inplace_backward=True)
+    out.sum().backward()
+    elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"extra_bytes": (after - before) * 1024, "seconds": elapsed, "check": out.sum().item()}))
+
+
+def measure_memory(variant: str, phase: str, threads: int, child: str = "--memory-child") -> dict[str, float]:
+    """Run ``memory_child`` (or ``head_child``) in a fresh interpreter (memory is deterministic:
+    one run)."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--threads", str(threads), "--memory-child", variant, phase],
+        [sys.executable, __file__, "--threads", str(threads), child, variant, phase],
         check=True,
         capture_output=True,
         text=True,
@@ -254,6 +293,7 @@ def main() -> None:
     parser.add_argument(
         "--memory-child", nargs=2, metavar=("VARIANT", "PHASE"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--head-child", nargs=2, metavar=("VARIANT", "DTYPE"), help=argparse.SUPPRESS)
     parser.add_argument(
         "--repeats", type=int, default=10, help="timed repeats of the large case (×20 small)"
     )
@@ -266,6 +306,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(*args.memory_child)
+        return
+    if args.head_child:
+        head_child(*args.head_child)
         return
 
     from rich.console import Console
@@ -356,9 +399,31 @@ def main() -> None:
             f"{row['chunked_s']:.2f}",
         )
 
+    head = Table(
+        title=f"output layer + log-probs, fwd+bwd, N={HEAD_TOKENS}, H={QWEN_HIDDEN}, V={QWEN_VOCAB:,} "
+        f"(one [N, V] float32 tensor = {HEAD_TOKENS * QWEN_VOCAB * 4 / 2**20:.0f} MiB)"
+    )
+    for col in ("dtype", "variant", "peak extra [MiB]", "vs naive", "seconds"):
+        head.add_column(col, justify="right")
+    results["memory_head"] = {}
+    for dtype in ("float32", "bfloat16"):
+        rows = {v: measure_memory(v, dtype, args.threads, "--head-child") for v in ("naive", "chunked", "hidden")}
+        for variant, row in rows.items():
+            # bf16 logits round differently from chunk to chunk than in one matmul: loose check
+            assert abs(row["check"] - rows["naive"]["check"]) < 1e-2 * abs(rows["naive"]["check"]), "variants disagree"
+            ratio = row["extra_bytes"] / rows["naive"]["extra_bytes"]
+            results["memory_head"][f"{dtype}_{variant}"] = {
+                "extra_mib": row["extra_bytes"] / 2**20,
+                "ratio_to_naive": ratio,
+                "seconds": row["seconds"],
+            }
+            name = {"chunked": "chunked logits", "hidden": "hidden (trainer)"}.get(variant, variant)
+            head.add_row(dtype, name, f"{row['extra_bytes'] / 2**20:.0f}", f"{ratio:.1%}", f"{row['seconds']:.1f}")
+
     console = Console()
     console.print(speed)
     console.print(memory)
+    console.print(head)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     console.print(f"wrote {RESULTS}")

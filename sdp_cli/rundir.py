@@ -14,7 +14,9 @@
     checkpoints/step-000050/    atomic, validated checkpoints (sdp_cli/train/checkpoint.py)
     checkpoints/latest          the name of the newest one (a hint; validation decides)
     batches/step-000050.safetensors   training batches (train.save_batches=true)
-    versions/v000012/           the policy of every version (train.keep_version_checkpoints=true)
+    versions/v000012/           the policy of every version (train.keep_version_checkpoints=true;
+                                under LoRA its adapters)
+    versions/base/              under LoRA: the base model the adapters of versions/ belong to
     weights/v000012/            what a server loads at a weight update (the newest two)
     weights/launch/             what a launched server starts from
 
@@ -35,6 +37,8 @@ LATEST = "latest"
 STEP_GLOB = "step-*"
 #: glob of the version directories in ``versions/`` and ``weights/``
 VERSION_GLOB = "v*"
+#: the directory in ``versions/`` that holds the base model of LoRA adapter versions
+VERSION_BASE = "base"
 _STEP_NAME = re.compile(r"^step-(\d+)$")
 _VERSION_NAME = re.compile(r"^v(\d+)$")
 
@@ -138,6 +142,10 @@ class RunDir:
 
     def version(self, version: int) -> Path:
         return self.versions / version_name(version)
+
+    @property
+    def version_base(self) -> Path:
+        return self.versions / VERSION_BASE
 
     def weights_of(self, version: int) -> Path:
         return self.weights / version_name(version)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import abc
 import math
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,27 @@ def check_server_url(url: str) -> str:
     return url
 
 
+def load_version_policy(path: Path, device: str = "cpu") -> Any:
+    """The policy of a version checkpoint, in the dtype it was saved in (the one the engine ran):
+    a whole model, or LoRA adapters merged onto the run's base, ``versions/base``
+    (sdp_cli/train/policy_setup.py)."""
+    from sdp_cli.models.loader import load_policy
+    from sdp_cli.models.lora import is_adapter_dir, load_merged
+    from sdp_cli.rundir import VERSION_BASE
+
+    if not is_adapter_dir(path):
+        return load_policy("hf", path=path, device=device, dtype="auto")
+    base = Path(path).parent / VERSION_BASE
+    if not (base / "config.json").is_file():
+        raise UserError(
+            f"{path} holds LoRA adapters but their base model {base} is missing; "
+            "pass the run's whole versions/ directory"
+        )
+    policy = load_policy("hf", path=base, device=device, dtype="auto")
+    policy.model = load_merged(policy.model, path).to(device)
+    return policy
+
+
 class Scorer(abc.ABC):
     """Scores token sequences under one version checkpoint at a time."""
 
@@ -114,10 +137,8 @@ class LocalScorer(Scorer):
         self._path: Path | None = None
 
     def load(self, version: int, path: Path) -> None:
-        from sdp_cli.models.loader import load_policy
-
         self.unload()
-        self._policy = load_policy("hf", path=path, device=self.device)
+        self._policy = load_version_policy(path, self.device)
         self._path = path
 
     def _engine(self, temperature: float) -> Any:
@@ -162,17 +183,30 @@ class LocalScorer(Scorer):
 class EngineScorer(Scorer):
     """Any ``InferenceEngine`` that loads weights from disk (vLLM, SGLang, or the local
     engine): paused once, then ``update_weights(path)`` per version and ``score``. The engine
-    scores at its own temperature only."""
+    scores at its own temperature only. LoRA adapter checkpoints are merged onto their base
+    into a temporary directory first (engines load whole models)."""
 
     def __init__(self, engine: InferenceEngine, description: str):
         self.engine = engine
         self.description = description
+        self._merged: Path | None = None
         engine.pause()
 
     def load(self, version: int, path: Path) -> None:
         from sdp_cli.engine.base import WeightUpdate
+        from sdp_cli.models.loader import save_policy
+        from sdp_cli.models.lora import is_adapter_dir
 
+        self._drop_merged()
+        if is_adapter_dir(path):
+            self._merged = Path(tempfile.mkdtemp(prefix="sdp-merged-"))
+            path = save_policy(load_version_policy(path), self._merged / f"v{version:06d}")
         self.engine.update_weights(WeightUpdate(version=version, path=Path(path).resolve()))
+
+    def _drop_merged(self) -> None:
+        if self._merged is not None:
+            shutil.rmtree(self._merged, ignore_errors=True)
+            self._merged = None
 
     def score(
         self, temperature: float, sequences: Sequence[Sequence[int]], starts: Sequence[int]
@@ -185,6 +219,7 @@ class EngineScorer(Scorer):
         return self.engine.score(sequences, starts)
 
     def close(self) -> None:
+        self._drop_merged()
         self.engine.close()
 
 

@@ -73,7 +73,10 @@ def train_command(
 
         from sdp_cli.config.schema import field_docs
 
-        table = Table("key", "default", "meaning", box=None, show_header=True)
+        table = Table(box=None, show_header=True)
+        table.add_column("key", no_wrap=True)  # a key is copied onto the command line whole
+        table.add_column("default", max_width=12)  # long defaults (lists) wrap, not the meaning
+        table.add_column("meaning")
         for key, default, doc in field_docs():
             table.add_row(key, escape(default), escape(doc))
         Console().print(table)

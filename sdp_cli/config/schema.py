@@ -16,6 +16,7 @@ from sdp_cli.choices import (
     DATA_TASKS,
     ENGINE_KINDS,
     IS_LEVELS,
+    KL_TYPES,
     LOSS_AGGS,
     LOSS_TYPES,
     MODEL_KINDS,
@@ -26,8 +27,12 @@ from sdp_cli.choices import (
     STALENESS_STRATEGIES,
     TASKS,
     TRACKERS,
+    TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
+
+#: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 #: rollout.temperature bounds (also checked in batch headers): vLLM raises a temperature below
 #: 0.01 to 0.01 (a warning in the server's log), so the logprobs would not be those of the
@@ -87,6 +92,12 @@ class LossConfig:
     drift_clip: float | None = None
     """segment_wise only: κ >= 1 multiplies the weight by the drift factor π_prox/π_{v+1} clipped
     into [1/κ, κ] (1 = segment-wise, inf = decoupled); null = off."""
+    kl_coef: float = 0.0
+    """weight of the KL to a frozen reference policy (the initial model); 0 = off, no reference built."""
+    kl_type: str = "low_var_kl"
+    """k1 | k2 | k3 | low_var_kl: the per-token KL estimator (verl's kl_penalty; k3 = low_var_kl)."""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus (entropy of π_θ at the rollout temperature); 0 = off."""
 
 
 @dataclass
@@ -165,6 +176,18 @@ class TrainConfig:
     """prompts in each greedy evaluation."""
     batch_timeout_s: float = 600.0
     """give up (with a resumable checkpoint) if no batch arrives for this long."""
+    dtype: str = "float32"
+    """float32 | bfloat16: bfloat16 computes under autocast with float32 master weights and optimizer
+    state (a LoRA base model is stored in bfloat16); the local engine then runs bfloat16 weights."""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in backward instead of storing them (less memory, ~30% slower)."""
+    save_optimizer: bool = True
+    """store the optimizer state in checkpoints; false makes them ~3× smaller, and a resume restarts
+    the optimizer with a warning."""
+    keep_checkpoints: int = 2
+    """resumable checkpoints kept on disk (the newest ones; the newest complete one is never deleted)."""
+    eval_max_new_tokens: int | None = None
+    """response budget of greedy evaluation; null = the rollout budget."""
 
 
 @dataclass
@@ -218,6 +241,20 @@ class EngineConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft; install the `lora` extra)."""
+
+    r: int = 0
+    """adapter rank; 0 = full fine-tuning, > 0 trains LoRA adapters only."""
+    alpha: float | None = None
+    """scaling numerator (the update is alpha/r · B·A); null = 2·r."""
+    dropout: float = 0.0
+    """adapter dropout; must stay 0: the trainer runs without dropout (docs/training.md, LoRA)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """names of the linear layers that get adapters (default: attention and MLP of Qwen2/Llama)."""
+
+
+@dataclass
 class ModelConfig:
     """The policy model (group `model`)."""
 
@@ -246,6 +283,8 @@ class ModelConfig:
     """tiny: warm-start batch size; null = the task's default."""
     warm_start_target: float | None = None
     """tiny: stop the warm start early at this greedy accuracy; null = the task's default."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters; off unless lora.r > 0."""
 
 
 @dataclass
@@ -413,6 +452,9 @@ def validate(cfg: SdpConfig) -> None:
             )
     _positive("loss.norm_length", loss.norm_length, allow_none=True)
     _positive("loss.clip", loss.clip)
+    _positive("loss.kl_coef", loss.kl_coef, strict=False)
+    _choice("loss.kl_type", loss.kl_type, KL_TYPES)
+    _positive("loss.entropy_coef", loss.entropy_coef, strict=False)
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
         raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
@@ -478,6 +520,9 @@ def validate(cfg: SdpConfig) -> None:
     _positive("train.eval_every", tr.eval_every, strict=False)
     _positive("train.eval_samples", tr.eval_samples, strict=False)
     _positive("train.batch_timeout_s", tr.batch_timeout_s)
+    _choice("train.dtype", tr.dtype, TRAIN_DTYPES)
+    _positive("train.keep_checkpoints", tr.keep_checkpoints)
+    _positive("train.eval_max_new_tokens", tr.eval_max_new_tokens, allow_none=True)
 
     eng = cfg.engine
     _choice("engine.kind", eng.kind, ENGINE_KINDS)
@@ -517,6 +562,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("model.warm_start_lr", mdl.warm_start_lr, allow_none=True)
     if mdl.warm_start_target is not None and not 0 < mdl.warm_start_target <= 1:
         raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
+    _validate_lora(mdl.lora)
 
     for name in cfg.run.trackers:
         _choice("run.trackers", name, TRACKERS)
@@ -550,6 +596,26 @@ def _validate_task(task: TaskConfig) -> None:
     _choice("task.reward_pool", task.reward_pool, REWARD_POOLS)
     if task.system_prompt is not None and not task.chat_template:
         raise ConfigValueError("task.system_prompt is used by the chat template; set task.chat_template=true too")
+
+
+def _validate_lora(lora: LoraConfig) -> None:
+    _positive("model.lora.r", lora.r, strict=False)
+    if lora.r == 0:
+        return
+    _positive("model.lora.alpha", lora.alpha, allow_none=True)
+    if lora.dropout != 0:
+        raise ConfigValueError(
+            f"model.lora.dropout={lora.dropout} is not supported: the trainer runs without dropout, "
+            "so that π_θ equals π_prox at equal weights (docs/training.md); leave it at 0"
+        )
+    if not lora.target_modules:
+        raise ConfigValueError("model.lora.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj]")
+    embeddings = sorted({"lm_head", "embed_tokens"} & set(lora.target_modules))
+    if embeddings:
+        raise ConfigValueError(
+            f"model.lora.target_modules may not include {embeddings[0]}: the embeddings stay frozen "
+            "(log-probs are computed from the output embedding directly); adapt the decoder layers"
+        )
 
 
 def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -11,9 +11,17 @@ into the logits' own storage instead (chunk by chunk, each chunk read before it 
 overwritten), so forward + backward allocate no [N, V] tensor at all. The logits then hold
 the gradient after backward; any other autograd node that saved them fails loudly (torch's
 in-place version check), never silently.
+
+``logprobs_from_hidden`` goes one step further for training: it takes the final hidden states
+and the output embedding and makes the logits itself, one vocabulary block at a time, so no [N, V]
+tensor exists at all — neither the logits nor their gradient (docs/math.md §6.2).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -35,6 +43,58 @@ def _chunks(groups: int, rows: int, chunk_size: int):
     for group in range(groups):
         for start in range(0, rows, chunk_size):
             yield group, slice(start, start + chunk_size)
+
+
+def _chunk_forward(
+    x: Tensor, targets: Tensor, probs: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """log p(target), logsumexp and (with a ``probs`` buffer) H of one chunk x = logits / T.
+
+    Works in place: ``x`` is overwritten (it is a scratch chunk).
+    """
+    target_logit = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # logsumexp(x) = max + log Σ e^{x − max}, computed in place in the scratch.
+    top = x.amax(-1, keepdim=True)
+    shifted = x.sub_(top)
+    exp = torch.exp(shifted, out=probs[: x.shape[0]]) if probs is not None else shifted.exp_()
+    total = exp.sum(-1)
+    lse = total.log() + top.squeeze(-1)
+    entropy = None
+    if probs is not None:
+        # H = log Σ e^s − Σ e^s·s / Σ e^s with s = x − max.
+        entropy = total.log() - torch.linalg.vecdot(exp, shifted) / total
+    return target_logit - lse, lse, entropy
+
+
+def _chunk_backward(
+    work: Tensor,
+    targets: Tensor,
+    log_norm: Tensor,
+    grad_logprobs: Tensor,
+    entropy: Tensor | None,
+    grad_entropy: Tensor | None,
+    probs: Tensor | None,
+    temperature: float,
+    target_grad: Tensor | None = None,
+) -> None:
+    """Turn ``work`` = logits / T of one chunk into ∂(g·log p_y + h·H)/∂logits, in place.
+
+    ``target_grad`` is what the one-hot term adds at ``targets`` (default g; a vocabulary block
+    passes 0 for rows whose target lies in another block).
+    """
+    dtype = work.dtype
+    g_lp = grad_logprobs.to(dtype).unsqueeze(-1)
+    work.sub_(log_norm.unsqueeze(-1))  # work := log p
+    if grad_entropy is not None:
+        assert entropy is not None and probs is not None, "entropy gradient needs H and a buffer"
+        # d/dx [g·log p_y + h·H] = g·(onehot_y − p) − h·p·(log p + H)
+        g_h = grad_entropy.to(dtype).unsqueeze(-1)
+        p = torch.exp(work, out=probs[: work.shape[0]])
+        work.add_(entropy.unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
+    else:
+        work.exp_().mul_(g_lp).neg_()
+    work.scatter_add_(-1, targets.unsqueeze(-1), g_lp if target_grad is None else target_grad.to(dtype).unsqueeze(-1))
+    work.div_(temperature)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -67,18 +127,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             chunk = logits[group, rows]
             x = scratch[: chunk.shape[0]]
             x.copy_(chunk).div_(temperature)  # half precision is widened before dividing
-            target_logit = x.gather(-1, targets[group, rows].unsqueeze(-1)).squeeze(-1)
-            # logsumexp(x) = max + log Σ e^{x − max}, computed in place in the scratch.
-            top = x.amax(-1, keepdim=True)
-            shifted = x.sub_(top)
-            exp = torch.exp(shifted, out=probs[: x.shape[0]]) if with_entropy else shifted.exp_()
-            total = exp.sum(-1)
-            lse = total.log() + top.squeeze(-1)
+            lp, lse, ent = _chunk_forward(x, targets[group, rows], probs)
             log_norm[group, rows] = lse
-            logprobs[group, rows] = target_logit - lse
+            logprobs[group, rows] = lp
             if with_entropy:
-                # H = log Σ e^s − Σ e^s·s / Σ e^s with s = x − max.
-                entropy[group, rows] = total.log() - torch.linalg.vecdot(exp, shifted) / total
+                entropy[group, rows] = ent
         ctx.save_for_backward(logits, targets, log_norm, entropy)
         # Unused outputs then arrive as None in backward instead of as tensors of zeros.
         ctx.set_materialize_grads(False)
@@ -113,21 +166,19 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for group, rows in _chunks(groups, rows_per_group, chunk_size):
             out = grad_logits[group, rows]
             work = out if scratch is None else scratch[: out.shape[0]]
-            g_lp = grad_logprobs[group, rows].unsqueeze(-1)
-            # work := log p = x − logsumexp(x)
             if work.data_ptr() != logits[group, rows].data_ptr():
                 work.copy_(logits[group, rows])
             work.div_(temperature)
-            work.sub_(log_norm[group, rows].unsqueeze(-1))
-            if use_entropy:
-                # d/dx [g_lp·log p_y + g_H·H] = g_lp·(onehot_y − p) − g_H·p·(log p + H)
-                g_h = grad_entropy[group, rows].to(dtype).unsqueeze(-1)
-                p = torch.exp(work, out=probs[: out.shape[0]])
-                work.add_(entropy[group, rows].unsqueeze(-1)).mul_(g_h).add_(g_lp).mul_(p).neg_()
-            else:
-                work.exp_().mul_(g_lp).neg_()
-            work.scatter_add_(-1, targets[group, rows].unsqueeze(-1), g_lp)
-            work.div_(temperature)
+            _chunk_backward(
+                work,
+                targets[group, rows],
+                log_norm[group, rows],
+                grad_logprobs[group, rows],
+                entropy[group, rows] if use_entropy else None,
+                grad_entropy[group, rows] if use_entropy else None,
+                probs,
+                temperature,
+            )
             if scratch is not None:
                 out.copy_(work)
         return grad_logits, None, None, None, None, None
@@ -199,6 +250,220 @@ def logprobs_from_logits(
     logprobs, entropy = _ChunkedLogprobs.apply(
         grouped, grouped_targets, float(temperature), chunk_size, return_entropy, bool(inplace_backward)
     )
+    logprobs = logprobs.reshape(targets.shape)
+    if return_entropy:
+        return logprobs, entropy.reshape(targets.shape)
+    return logprobs
+
+
+#: Elements of one float32 [N, block] scratch in ``logprobs_from_hidden`` (64 MiB).
+HIDDEN_BLOCK_ELEMENTS = 1 << 24
+
+
+class _HiddenLogprobs(torch.autograd.Function):
+    """log p(target) and H of softmax((h·Wᵀ + b) / T), the logits made one vocabulary block at a
+    time (docs/math.md §6.2).
+
+    Forward keeps a running max m, S = Σ e^{x−m} and U = Σ e^{x−m}·(x − m) per row across
+    blocks (an online logsumexp), so lse = m + log S and H = log S − U/S. Backward recomputes
+    each block's logits and turns them into the block's columns of ∂/∂logits, which give ∂W for
+    those vocabulary rows directly and add their share to ∂h.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        temperature: float,
+        block_size: int,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        rows, vocab = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden.dtype)
+        new = functools.partial(torch.zeros, rows, dtype=dtype, device=hidden.device)
+        top, total, spread, target_logit = new().fill_(-math.inf), new(), new(), new()
+        scratch = torch.empty(rows * min(block_size, vocab), dtype=dtype, device=hidden.device)
+        probs = torch.empty_like(scratch) if with_entropy else None
+        for start, x in _blocks(hidden, weight, bias, temperature, block_size, scratch):
+            idx, in_block = _block_targets(targets, start, x.shape[1])
+            target_logit = torch.where(in_block, x.gather(1, idx.unsqueeze(1)).squeeze(1), target_logit)
+            new_top = torch.maximum(top, x.amax(1))
+            scale = torch.exp(top - new_top)  # 0 for the first block (top = −inf)
+            if with_entropy:
+                # U' = scale·(U + (m − m')·S); where S = 0 the product would be (−inf)·0
+                shift = torch.where(total > 0, (top - new_top) * total, 0.0)
+                spread = scale * (spread + shift)
+            x.sub_(new_top.unsqueeze(1))
+            exp = torch.exp(x, out=probs[: x.numel()].view_as(x)) if probs is not None else x.exp_()
+            total = scale * total + exp.sum(1)
+            if with_entropy:
+                spread += torch.linalg.vecdot(exp, x)
+            top = new_top
+        log_norm = top + total.log()
+        logprobs = target_logit - log_norm
+        entropy = total.log() - spread / total if with_entropy else log_norm.new_empty(0)
+        ctx.save_for_backward(hidden, weight, bias, targets, log_norm, entropy)
+        ctx.set_materialize_grads(False)
+        ctx.temperature = temperature
+        ctx.block_size = block_size
+        ctx.with_entropy = with_entropy
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logprobs: Tensor | None, grad_entropy: Tensor | None):
+        hidden, weight, bias, targets, log_norm, entropy = ctx.saved_tensors
+        # backward() may run under autocast; every dtype below is chosen explicitly
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            return _hidden_backward(ctx, hidden, weight, bias, targets, log_norm, entropy, grad_logprobs, grad_entropy)
+
+
+def _hidden_backward(
+    ctx: FunctionCtx,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    log_norm: Tensor,
+    entropy: Tensor,
+    grad_logprobs: Tensor | None,
+    grad_entropy: Tensor | None,
+) -> tuple[Tensor | None, ...]:
+    """Backward of ``_HiddenLogprobs``, block by block: ∂W and ∂b of the block's vocabulary rows
+    are written once; ∂h accumulates in float32."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    dtype = log_norm.dtype
+    grad_logprobs = torch.zeros_like(log_norm) if grad_logprobs is None else grad_logprobs.to(dtype)
+    use_entropy = ctx.with_entropy and grad_entropy is not None
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    grad_hidden = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None
+    grad_bias = torch.empty_like(bias) if need_b else None
+    scratch = torch.empty(rows * min(ctx.block_size, vocab), dtype=dtype, device=hidden.device)
+    probs = torch.empty_like(scratch) if use_entropy else None
+    blocks = _blocks(hidden, weight, bias, ctx.temperature, ctx.block_size, scratch)
+    for start, work in blocks:
+        cols = slice(start, start + work.shape[1])
+        idx, in_block = _block_targets(targets, start, work.shape[1])
+        _chunk_backward(
+            work,
+            idx,
+            log_norm,
+            grad_logprobs,
+            entropy if use_entropy else None,
+            grad_entropy if use_entropy else None,
+            None if probs is None else probs[: work.numel()].view_as(work),
+            ctx.temperature,
+            target_grad=torch.where(in_block, grad_logprobs, 0.0),
+        )
+        # work is now ∂/∂logits of the block; logits = h·W_blockᵀ + b_block
+        grad = work.to(hidden.dtype)
+        if grad_hidden is not None:
+            grad_hidden += grad @ weight[cols].detach().to(hidden.dtype)
+        if grad_weight is not None:
+            grad_weight[cols] = grad.t() @ hidden
+        if grad_bias is not None:
+            grad_bias[cols] = work.sum(0)
+    return (
+        None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+        grad_weight,
+        grad_bias,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+def _blocks(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float, block_size: int, scratch: Tensor
+) -> Iterator[tuple[int, Tensor]]:
+    """(first vocabulary id, x = (h·W_blockᵀ + b_block) / T) of every block, x [N, block] in the
+    compute-dtype ``scratch`` (a flat buffer, so every block's view is contiguous). The matmul
+    runs in ``hidden``'s dtype; W is cast to it one block at a time."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    for start in range(0, vocab, block_size):
+        w = weight[start : start + block_size].detach().to(hidden.dtype)
+        x = scratch[: rows * w.shape[0]].view(rows, w.shape[0])
+        b = None if bias is None else bias[start : start + block_size].detach().to(hidden.dtype)
+        if hidden.dtype == x.dtype:
+            if b is None:
+                torch.mm(hidden, w.t(), out=x)
+            else:
+                torch.addmm(b, hidden, w.t(), out=x)
+        else:  # half precision: the matmul runs in it, the softmax in float32
+            x.copy_(hidden @ w.t() if b is None else torch.addmm(b, hidden, w.t()))
+        yield start, x.div_(temperature)
+
+
+def _block_targets(targets: Tensor, start: int, width: int) -> tuple[Tensor, Tensor]:
+    """Each row's target as a column of the block starting at ``start`` (clamped into it), and
+    whether the target lies in the block at all."""
+    local = targets - start
+    return local.clamp(0, width - 1), (local >= 0) & (local < width)
+
+
+def logprobs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    block_size: int | None = None,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """log softmax((hidden·weightᵀ + bias) / T) at ``targets`` without the logits (docs/math.md §6.2).
+
+    ``hidden`` is [..., H] (the model's final hidden states), ``weight`` the [V, H] output
+    embedding, ``targets`` [...] ids in [0, V). The logits exist one block of ``block_size``
+    vocabulary entries at a time (default: ``HIDDEN_BLOCK_ELEMENTS // N``), in forward and in
+    backward, so no [N, V] tensor is ever allocated. The matmuls run in ``hidden``'s dtype
+    (``weight`` is cast to it block by block), the softmax in float32 for half-precision input;
+    gradients come back in each input's own dtype (∂h accumulated in float32). Returns float32
+    for half-precision hidden states, else their dtype; with ``return_entropy`` also H per token.
+    """
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [..., H] and [V, H] with V > 0"
+        )
+    vocab = weight.shape[0]
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must have shape ({vocab},); got {tuple(bias.shape)}")
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but hidden has shape {tuple(hidden.shape)};"
+            " targets must match hidden without the feature dimension"
+        )
+    check_number("temperature", temperature, above=0)
+    rows = targets.numel()
+    if block_size is None:
+        block_size = max(1, HIDDEN_BLOCK_ELEMENTS // max(rows, 1))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+    if rows and not bool(((targets >= 0) & (targets < vocab)).all()):
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position"
+        )
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    # autocast must not recast inside the blocks: the dtypes above are the contract
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logprobs, entropy = _HiddenLogprobs.apply(
+            flat, weight, bias, targets.reshape(-1).long(), float(temperature), block_size, return_entropy
+        )
     logprobs = logprobs.reshape(targets.shape)
     if return_entropy:
         return logprobs, entropy.reshape(targets.shape)

@@ -7,7 +7,6 @@ imported only when its kind is asked for, and none of them imports this one.
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,13 @@ def build_engine(
 
 def _local_engine(cfg: Any, policy: Any, device: Any) -> InferenceEngine:
     from sdp_cli.engine.local import LocalEngine
+    from sdp_cli.models.loader import DTYPES
+    from sdp_cli.models.lora import merged_copy
 
+    # its own copy, in the training precision and merged under LoRA (docs/training.md,
+    # "Precision and memory")
     return LocalEngine(
-        copy.deepcopy(policy.model),
+        merged_copy(policy.model, DTYPES[cfg.train.dtype]),
         temperature=cfg.rollout.temperature,
         eos_token_id=policy.eos_token_id,
         pad_token_id=policy.pad_token_id,

@@ -10,6 +10,7 @@ directory that ``load_policy("hf", ...)`` and a vLLM server can load.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -105,11 +106,12 @@ def load_policy(
     ``warm_start.default_settings(task.name)``; ``warm_start_steps=0`` skips the warm start
     (random init, nothing cached); ``warm_start_target=1.0`` runs every step unless the policy is
     already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
-    warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds. ``progress``
-    gets a short line at each step of a warm start that is not cached yet.
+    warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds; ``dtype="auto"``
+    keeps the dtype the weights were saved in. ``progress`` gets a short line at each step of a warm
+    start that is not cached yet.
     """
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPES and dtype != "auto":
+        raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
     if kind == "hf":
         if path is None:
             raise UserError("model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)")
@@ -144,7 +146,7 @@ def load_policy(
         policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir, progress)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
-    policy.model.to(device=device, dtype=DTYPES[dtype])
+    policy.model.to(device=device, dtype=DTYPES.get(dtype))
     return policy
 
 
@@ -255,8 +257,11 @@ def _policy(model: Any, tokenizer: Any, source: Path, name: str) -> Policy:
     return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, name)
 
 
-def save_policy(policy: Policy, directory: str | Path) -> Path:
+def save_policy(policy: Policy, directory: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write ``policy`` as a Hugging Face directory (safetensors weights, config, tokenizer).
+
+    A LoRA policy is written merged (``sdp_cli.models.lora.merged_state_dict``): a whole model any
+    engine loads. ``dtype`` casts the weights, and the config's dtype, on the way out.
 
     Files are written to a temporary sibling directory and then moved into ``directory`` one by
     one with ``os.replace``, so a reader (e.g. a server reloading weights) never sees a partly
@@ -269,10 +274,35 @@ def save_policy(policy: Policy, directory: str | Path) -> Path:
         raise UserError(f"cannot create {target} ({err.strerror}); choose a writable directory") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        policy.model.save_pretrained(tmp)
+        _save_model(policy.model, tmp, dtype)
         policy.tokenizer.save_pretrained(tmp)
         for item in sorted(tmp.iterdir()):
             os.replace(item, target / item.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _save_model(model: torch.nn.Module, directory: Path, dtype: torch.dtype | None) -> None:
+    """``save_pretrained`` of the merged weights, cast to ``dtype`` (see ``save_policy``)."""
+    from sdp_cli.models.lora import is_lora, merged_state_dict
+
+    lora = is_lora(model)
+    if not lora and dtype in (None, model.dtype):
+        model.save_pretrained(directory)
+        return
+    state = merged_state_dict(model)
+    if dtype is not None:
+        # one cast per storage, so tied weights stay one tensor (saved once)
+        casts: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        for name, tensor in state.items():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in casts:
+                casts[key] = tensor.to(dtype)
+            state[name] = casts[key]
+    (model.get_base_model() if lora else model).save_pretrained(directory, state_dict=state)
+    if dtype is not None:
+        config_path = directory / "config.json"
+        config = json.loads(config_path.read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        config_path.write_text(json.dumps(config, indent=2) + "\n")

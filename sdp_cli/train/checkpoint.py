@@ -2,8 +2,9 @@
 
 Layout of ``<run>/checkpoints/step-000050/``:
     policy/                 Hugging Face model directory (weights, config, tokenizer)
-    optimizer.safetensors   every optimizer tensor, keyed ``state.<param>.<name>``
-    state.json              optimizer param groups + scalar state, trainer version, RNG states,
+    optimizer.safetensors   every optimizer tensor, keyed ``state.<param>.<name>`` (absent when
+                            the optimizer state is not saved: ``train.save_optimizer=false``)
+    state.json              optimizer param groups + scalar state (or null), trainer version, RNG states,
                             the loop snapshot (counters, staleness manager, queued/cached groups)
     manifest.json           size and sha256 of every file above; written last
 
@@ -13,6 +14,11 @@ accepts a directory only if its manifest matches the files, so a half-written ch
 process was killed mid-write) is never loaded: the previous valid one is used instead. A
 checkpoint renamed into place is complete even if the process died before ``latest`` was
 updated, so the newest valid checkpoint wins over the one ``latest`` names.
+
+Pruning keeps the checkpoint just written plus the newest ``keep − 1`` complete ones older than
+it. Directories numbered above it are left alone: they can only be leftovers of a session that
+crashed after a resume from an earlier checkpoint (they failed validation), and counting them
+would delete the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -99,11 +105,15 @@ def write_checkpoint(
     step: int,
     *,
     save_policy: Callable[[Path], None],
-    optimizer_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None,
     state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically and prune all but the newest ``keep``."""
+    """Write checkpoint ``step`` under ``root`` atomically, then prune older ones (module docstring).
+
+    ``optimizer_state=None`` writes no optimizer state (``state.json`` records null).
+    """
+    assert keep >= 1, f"keep must be >= 1 (the checkpoint just written stays), got {keep}"
     from safetensors.torch import save_file
 
     root.mkdir(parents=True, exist_ok=True)
@@ -113,8 +123,10 @@ def write_checkpoint(
     try:
         save_policy(tmp / "policy")
         fault_point("checkpoint.policy")
-        tensors, opt_rest = flatten_optimizer_state(optimizer_state)
-        save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
+        opt_rest = None
+        if optimizer_state is not None:
+            tensors, opt_rest = flatten_optimizer_state(optimizer_state)
+            save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
         fault_point("checkpoint.optimizer")
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "optimizer": opt_rest, **state}
         (tmp / "state.json").write_text(json.dumps(payload))
@@ -143,9 +155,28 @@ def write_checkpoint(
     fault_point("checkpoint.renamed")
     atomic_write_text(root / LATEST, name + "\n")
     fault_point("checkpoint.latest")
-    for old in sorted(root.glob(STEP_GLOB))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    _prune(root, step, keep)
     return final
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Delete checkpoints older than ``step`` beyond the newest ``keep − 1`` complete ones."""
+    older = sorted(
+        ((n, p) for p in root.glob(STEP_GLOB) if p.is_dir() and (n := _step_of(p)) is not None and n < step),
+        reverse=True,
+    )
+    # A directory is renamed into place only after its manifest is written: complete.
+    kept = [p for _, p in older if (p / MANIFEST).is_file()][: keep - 1]
+    for _, old in older:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_valid(path: Path) -> bool:
@@ -187,7 +218,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
         state = json.loads((path / "state.json").read_text())
         if state.get("format") != FORMAT or not {"trainer", "loop", "optimizer"} <= set(state):
             raise ValueError("state.json is not an sdp checkpoint state")
-        tensors = load_file(str(path / "optimizer.safetensors"))
+        tensors = load_file(str(path / "optimizer.safetensors")) if state["optimizer"] is not None else {}
         return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
     except Exception as err:  # files that match their manifest but were written by something else
         problem = " ".join(str(err).split())[:200]

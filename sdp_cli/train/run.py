@@ -37,6 +37,7 @@ from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
+from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
 from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
 from sdp_cli.train.display import Progress, StartDisplay
 from sdp_cli.train.reporting import EventLog, MetricsLog
@@ -152,11 +153,15 @@ class TrainingRun:
 
         if self.task is None:
             self.task = prepare_task(cfg)
+        keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
         with self.display.phase("loading model") as phase:
-            self.policy = self.coordinator.main_first(
-                lambda: load_policy_from(
-                    cfg, self.task, path=checkpoint.policy_dir if checkpoint else None, progress=phase.update
+            self.policy, reference = self.coordinator.main_first(
+                lambda: load_for_training(
+                    cfg,
+                    lambda path: load_policy_from(cfg, self.task, path=path, progress=phase.update),
+                    checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
+                    version_base=self.run_dir.version_base if keep_versions else None,
                 )
             )
             phase.result = _describe(self.policy)
@@ -176,6 +181,8 @@ class TrainingRun:
             proximal_t_source=cfg.rollout.proximal_t_source,
             accelerator=self.coordinator.accelerator,
             batch_sequences=cfg.rollout.batch_groups * cfg.rollout.group_size,
+            dtype=cfg.train.dtype,
+            reference=reference,
         )
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
@@ -183,9 +190,16 @@ class TrainingRun:
         self.start_step = 0
         if checkpoint is not None:
             state = checkpoint.state
-            self.trainer.optimizer.load_state_dict(
-                ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
-            )
+            if state["optimizer"] is not None:
+                self.trainer.optimizer.load_state_dict(
+                    ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
+                )
+            else:  # train.save_optimizer=false (docs/training.md, "Checkpoints and resume")
+                print(
+                    f"warning: {checkpoint.path.name} holds no optimizer state (train.save_optimizer=false); "
+                    "AdamW restarts from zero moments",
+                    file=sys.stderr,
+                )
             self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
             torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
             self.trainer.version = int(state["trainer"]["version"])
@@ -228,7 +242,11 @@ class TrainingRun:
         if checkpoint is not None:
             self.loop.restore(checkpoint.state["loop"])
             self.events.write(
-                "resumed", step=self.start_step, version=self.trainer.version, checkpoint=str(checkpoint.path)
+                "resumed",
+                step=self.start_step,
+                version=self.trainer.version,
+                checkpoint=str(checkpoint.path),
+                optimizer_restarted=checkpoint.state["optimizer"] is None,
             )
         else:
             self.events.write(
@@ -284,7 +302,7 @@ class TrainingRun:
         save_policy(self.policy, directory)
 
     def _save_version(self, version: int) -> None:
-        self._save_policy(self.run_dir.version(version))
+        save_version(self.policy, self.cfg, self.run_dir.version(version))
 
     # -- per step -----------------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
@@ -326,9 +344,10 @@ class TrainingRun:
         path = ckpt.write_checkpoint(
             self.run_dir.checkpoints,
             step,
-            save_policy=self._save_policy,
-            optimizer_state=self.trainer.optimizer.state_dict(),
+            save_policy=lambda directory: save_checkpoint_policy(self.policy, directory),
+            optimizer_state=self.trainer.optimizer.state_dict() if self.cfg.train.save_optimizer else None,
             state={"trainer": trainer_state, "loop": self._snapshot()},
+            keep=self.cfg.train.keep_checkpoints,
         )
         self._last_checkpoint = (step, path)
         self.events.write("checkpoint", step=step, path=str(path))
@@ -344,9 +363,12 @@ class TrainingRun:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
-        acc = greedy_accuracy(
-            self.policy, self.task, n=self.cfg.train.eval_samples, seed=self.cfg.seed + 7, progress=progress
-        )
+        cfg = self.cfg
+        budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
+        with self.trainer.autocast():  # the training precision
+            acc = greedy_accuracy(
+                self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
+            )
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
@@ -521,6 +543,9 @@ def run_training(
     from sdp_cli.train.distributed import Coordinator
 
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
+    # what a resume changes in the run directory, written only once setup has accepted it, so a
+    # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
+    deferred: list[tuple[Path, str]] = []
     if cfg.resume:
         run_dir = RunDir(Path(cfg.resume))
         saved = run_dir.overrides
@@ -533,8 +558,8 @@ def run_training(
         source = _resume_source(run_dir, source)
         cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
         task = _preflight(cfg)
-        if extra and coordinator.is_main:
-            atomic_write_text(saved, json.dumps([*original, *extra]))
+        if extra:
+            deferred.append((saved, json.dumps([*original, *extra])))
         resuming = True
     else:
         task = _preflight(cfg)
@@ -549,11 +574,17 @@ def run_training(
     if coordinator.is_main:
         display.line(f"{'resuming' if resuming else 'run dir'} {run_dir.path}")
         print(task.summary(), file=sys.stderr)
+    if resuming:
+        deferred.append((run_dir.config, to_yaml(raw)))
+    elif coordinator.is_main:
         atomic_write_text(run_dir.config, to_yaml(raw))
     run = TrainingRun(
         cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, display=display
     )
     run.setup()
+    if coordinator.is_main:
+        for path, text in deferred:
+            atomic_write_text(path, text)
     if not coordinator.is_main:
         run.follow()
         return None

@@ -17,22 +17,32 @@ processes, which DDP's gradient average undoes, so the update equals a single-pr
 (docs/training.md, "Several processes"). Both behavioural
 weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
 exist, whatever the training mode ("shadow" metrics).
+
+Log-probs come from the model's final hidden states and its output embedding, only at response
+tokens, so no [tokens, vocab] logits tensor exists (``train/response_logprobs.py``, docs/math.md
+§6.2). ``dtype="bfloat16"`` runs forward and backward under autocast; the optimizer sees float32
+parameters. With ``loss.kl_coef > 0`` a reference policy (a frozen copy, or the LoRA model with
+its adapters disabled) scores each batch once, and the KL and entropy terms of
+``core.regularizers`` join the policy loss (docs/math.md §8).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from sdp_cli.choices import PROXIMAL_T_SOURCES
+from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
-from sdp_cli.core.logprobs import logprobs_from_logits
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
+from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
+from sdp_cli.train.response_logprobs import ResponseLogprobs
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = 2.0
@@ -83,13 +93,22 @@ class Trainer:
         proximal_t_source: str = "engine",
         accelerator: Any | None = None,
         batch_sequences: int | None = None,
+        dtype: str = "float32",
+        reference: torch.nn.Module | None = None,
     ):
         """``batch_sequences`` (rollout.batch_groups · rollout.group_size) sets, with
-        ``loss.norm_length``, the constant of seq-mean-token-sum-norm (docs/math.md §5.2)."""
+        ``loss.norm_length``, the constant of seq-mean-token-sum-norm (docs/math.md §5.2).
+        ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
+        term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
+        the adapters disabled is the reference). Only parameters that require grad train."""
         from accelerate import Accelerator
 
         assert track_proximal_t or loss.mode != "segment_wise", "segment_wise trains on π_prox_t: track it"
         assert proximal_t_source in PROXIMAL_T_SOURCES, f"unknown proximal_t_source {proximal_t_source!r}"
+        assert dtype in TRAIN_DTYPES, f"unsupported training dtype {dtype}"
+        assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
+            "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
+        )
         self.loss_cfg = loss
         self.optim_cfg = optim
         self.temperature = float(temperature)
@@ -106,8 +125,17 @@ class Trainer:
         self.proximal_t_source = proximal_t_source
         self.accelerator = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         disable_dropout(model)
+        self.response_logprobs = ResponseLogprobs(
+            temperature=self.temperature,
+            device=self.accelerator.device,
+            autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+            unwrap=self.accelerator.unwrap_model,
+        )
+        self.reference = None
+        if reference is not None:
+            self.reference = reference.requires_grad_(False).eval().to(self.accelerator.device)
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
@@ -118,26 +146,59 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward
     def logprobs(self, batch: TrainBatch, *, grad: bool) -> torch.Tensor:
-        """log π_θ of every target token at the rollout temperature, shape [N, L-1].
+        """log π_θ of every response token at the rollout temperature, shape [N, L-1], 0 at
+        prompt and padding positions.
 
         With ``grad`` the result stays on the training device and carries the graph; without it
         it is a detached float32 CPU tensor (π_prox).
         """
-        device = self.accelerator.device
-        with torch.set_grad_enabled(grad):
-            out = self.model(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                use_cache=False,
-            )
-            # The logits feed nothing else: backward may store their gradient in place.
-            logprobs = logprobs_from_logits(
-                out.logits[:, :-1],
-                batch.input_ids[:, 1:].to(device),
-                temperature=self.temperature,
-                inplace_backward=grad,
-            )
+        logprobs, _ = self._forward(self.model, batch, grad=grad, with_entropy=False)
         return logprobs if grad else logprobs.detach().float().cpu()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The training precision as a context: bfloat16 autocast, or nothing for float32."""
+        return self.response_logprobs.autocast()
+
+    def _forward(
+        self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.response_logprobs.forward(model, batch, grad=grad, with_entropy=with_entropy)
+
+    def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π_ref of the response tokens (no grad, float32 on CPU): the frozen reference, or the
+        LoRA model with its adapters disabled."""
+        model = self.reference
+        if model is None:
+            model = self.unwrapped_model()
+            context: contextlib.AbstractContextManager[Any] = model.disable_adapter()
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            logprobs, _ = self._forward(model, batch, grad=False, with_entropy=False)
+        return logprobs.cpu()
+
+    def _regularizers(
+        self,
+        logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        mask: torch.Tensor,
+        reference: torch.Tensor | None,
+        denominator: float | torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """KL-to-reference and entropy terms of one minibatch shard, over the policy loss's
+        denominator (docs/math.md §8)."""
+        cfg = self.loss_cfg
+        return regularizer_loss(
+            logprobs,
+            mask,
+            ref_logprobs=reference,
+            entropy=entropy,
+            kl_coef=cfg.kl_coef,
+            kl_type=cfg.kl_type,
+            entropy_coef=cfg.entropy_coef,
+            agg=cfg.agg,
+            denominator=denominator,
+        )
 
     # --------------------------------------------------------------------- step
     def step(self, batch: TrainBatch) -> StepOutput:
@@ -150,6 +211,7 @@ class Trainer:
 
         need_prox = cfg.mode != "bypass" or self.track_proximal_t
         prox = self.logprobs(batch, grad=False) if need_prox else None
+        reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
         loss_mask = mask
         if self.track_proximal_t and prox is not None:
@@ -205,7 +267,7 @@ class Trainer:
 
         metrics.update(self._diagnostics(batch, prox))
         anchor = prox if cfg.mode != "bypass" else old
-        metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio))
+        metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference))
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 
@@ -216,6 +278,8 @@ class Trainer:
         loss_mask: torch.Tensor,
         weights: torch.Tensor | None,
         log_ratio: torch.Tensor | None,
+        *,
+        reference: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard."""
         cfg, opt = self.loss_cfg, self.optim_cfg
@@ -239,13 +303,14 @@ class Trainer:
                 mb_mask = loss_mask[rows].to(dev)
                 if stand_in:
                     mb_mask = torch.zeros_like(mb_mask)
-                logprobs = self.logprobs(mb, grad=True)
+                logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
                 mb_anchor = anchor[rows].to(dev)
                 if cfg.loss_type == "reinforce":
                     mb_log_ratio = None if log_ratio is None else log_ratio[rows].to(dev)
                     mb_weights = self._reinforce_weights(logprobs, mb_anchor, mb_log_ratio, mb_mask)
                 else:
                     mb_weights = None if weights is None else weights[rows].to(dev)
+                denominator = self._denominator(mb_mask)
                 loss, lmetrics = policy_loss(
                     logprobs,
                     mb_anchor,
@@ -257,14 +322,18 @@ class Trainer:
                     dual_clip=cfg.dual_clip,
                     agg=cfg.agg,
                     loss_type=cfg.loss_type,
-                    denominator=self._denominator(mb_mask),
+                    denominator=denominator,
                 )
+                ref_rows = None if reference is None else reference[rows].to(dev)
+                extra, rmetrics = self._regularizers(logprobs, entropy, mb_mask, ref_rows, denominator)
                 # This process's loss is its share of the minibatch's (the denominator counts
                 # every process's rows); DDP averages the gradients over processes, so ×N
                 # makes that average the gradient of the whole minibatch's loss.
-                acc.backward(loss * acc.num_processes)
+                acc.backward((loss + extra) * acc.num_processes)
                 if acc.num_processes > 1:
                     lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
+                    rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
+                lmetrics.update(rmetrics)
                 if opt.grad_clip is not None:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
                 else:
@@ -372,12 +441,14 @@ class Trainer:
         return self.accelerator.unwrap_model(self.model)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The current weights (detached views; the engine copies them into its own model)."""
-        return {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()}
+        """The weights an engine runs (detached; merged under LoRA, ``models.lora``); the local
+        engine copies them into its own model, casting to its dtype."""
+        return merged_state_dict(self.unwrapped_model())
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "model": self.weights(),
+            # the trained module's own tensors (adapters included), not the merged weights
+            "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "generator": self.generator.get_state(),
             "version": self.version,

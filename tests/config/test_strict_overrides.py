@@ -41,16 +41,17 @@ def test_an_unknown_key_is_refused_naming_the_nearest_valid_key(override, key, n
 
 
 def test_an_added_key_the_schema_lacks_is_refused():
-    # `loss.kl_coef` is not (yet) a schema key: whatever the nearest key, it must not pass
-    message = _refused(["+loss.kl_coef=0.1"])
-    assert "unknown config key 'loss.kl_coef'" in message and "nearest valid key is loss." in message
+    # `loss.kl_target` (an adaptive-KL setting elsewhere) is not a schema key: whatever the
+    # nearest key, it must not pass
+    message = _refused(["+loss.kl_target=0.1"])
+    assert "unknown config key 'loss.kl_target'" in message and "nearest valid key is loss." in message
 
 
 def test_the_check_follows_the_schema_not_a_list(monkeypatch):
-    # a schema that gains loss.kl_coef accepts it, with and without '+'
+    # a schema that gains loss.kl_target accepts it, with and without '+'
     fields = [(f.name, f.type, f) for f in dataclasses.fields(schema.LossConfig)]
     extended = dataclasses.make_dataclass(
-        "LossConfig", [*fields, ("kl_coef", float, dataclasses.field(default=0.0))]
+        "LossConfig", [*fields, ("kl_target", float, dataclasses.field(default=0.0))]
     )
     extended.__module__ = schema.__name__
     sdp_fields = [(f.name, f.type, f) for f in dataclasses.fields(schema.SdpConfig)]
@@ -62,15 +63,15 @@ def test_the_check_follows_the_schema_not_a_list(monkeypatch):
     extended_sdp.__module__ = schema.__name__
     monkeypatch.setattr(schema, "LossConfig", extended)
     monkeypatch.setattr(schema, "SdpConfig", extended_sdp)
-    assert "loss.kl_coef" in schema_keys(extended_sdp)
+    assert "loss.kl_target" in schema_keys(extended_sdp)
     from sdp_cli.config import compose, overrides
 
     monkeypatch.setattr(compose, "SdpConfig", extended_sdp)
     monkeypatch.setattr(compose, "to_config", lambda cfg: cfg)
-    assert overrides.unknown_keys(compose.compose_dict(["loss.kl_coef=0.1"])) == []
-    assert overrides.unknown_keys(compose.compose_dict(["++loss.kl_coef=0.1"])) == []
-    with pytest.raises(UserError, match=r"\+loss.kl_coef: the key exists already; set it without '\+'"):
-        compose.compose_dict(["+loss.kl_coef=0.1"])
+    assert overrides.unknown_keys(compose.compose_dict(["loss.kl_target=0.1"])) == []
+    assert overrides.unknown_keys(compose.compose_dict(["++loss.kl_target=0.1"])) == []
+    with pytest.raises(UserError, match=r"\+loss.kl_target: the key exists already; set it without '\+'"):
+        compose.compose_dict(["+loss.kl_target=0.1"])
 
 
 def test_free_form_mappings_and_group_additions_keep_working():

@@ -1,0 +1,140 @@
+"""What a run trains and serves, made from a loaded policy: precision, LoRA adapters, gradient
+checkpointing, the frozen KL reference and the local engine's copy (docs/training.md,
+"Precision and memory" and "LoRA").
+
+Precision (``train.dtype``): full fine-tuning keeps float32 master weights and AdamW state and
+computes under bfloat16 autocast; a LoRA base never changes, so it is stored in bfloat16 itself
+(its float32 adapters are the only trained weights). The local engine runs a copy in
+``train.dtype``: in bfloat16 it holds the rounded master weights, as a bfloat16 inference server
+loading the pushed weights would, at half the memory and with the CPU's bf16 matmuls.
+
+What is written where: resumable checkpoints hold the master weights (float32), or only the
+adapters under LoRA (the base is rebuilt from the config on resume); version checkpoints
+(``versions/vNNNNNN``, for ``sdp recompute``) hold what the engine ran: the weights in
+``train.dtype``, or under LoRA the adapters plus one copy of the base in ``versions/base``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.errors import UserError
+from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def engine_dtype(cfg: SdpConfig) -> torch.dtype:
+    """The dtype the local engine runs and version checkpoints are written in."""
+    return DTYPES[cfg.train.dtype]
+
+
+def load_for_training(
+    cfg: SdpConfig,
+    load: Callable[[Path | None], Any],
+    *,
+    checkpoint_policy: Path | None = None,
+    version_base: Path | None = None,
+) -> tuple[Any, torch.nn.Module | None]:
+    """The trainable policy and the frozen KL reference (or None). ``load(path)`` loads the
+    configured policy (``path=None``) or a saved whole model; ``checkpoint_policy`` is the policy
+    directory of the checkpoint a resume starts from. With ``version_base`` (``versions/base``,
+    rank 0 keeping version checkpoints) a LoRA run writes its base there once."""
+    lora = cfg.model.lora.r > 0
+    if checkpoint_policy is not None and is_adapter_dir(checkpoint_policy) != lora:
+        saved = "LoRA adapters" if is_adapter_dir(checkpoint_policy) else "a whole model"
+        raise UserError(
+            f"{checkpoint_policy} holds {saved} but model.lora.r={cfg.model.lora.r}; "
+            "resume with the model.lora settings the run was started with"
+        )
+    policy = load(None if lora else checkpoint_policy)
+    if lora and version_base is not None and not version_base.is_dir():
+        _save_base(policy, version_base, engine_dtype(cfg))
+    initial = (lambda: load(None)) if checkpoint_policy is not None else None
+    reference = build_reference(policy, cfg, load_initial=initial)
+    prepare_policy(policy, cfg, adapters=checkpoint_policy if lora else None)
+    return policy, reference
+
+
+def _save_base(policy: Any, target: Path, dtype: torch.dtype) -> None:
+    """Write the LoRA base once, whole or not at all: into a temporary sibling renamed into
+    place (named ``.v…`` so that crash recovery removes a torn one, sdp_cli/train/recovery.py)."""
+    from sdp_cli.models import save_policy
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".v-base-", dir=target.parent))
+    try:
+        save_policy(policy, tmp / "model", dtype=dtype)
+        os.rename(tmp / "model", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_checkpoint_policy(policy: Any, directory: Path) -> None:
+    """The policy part of a resumable checkpoint: master weights, or the adapters under LoRA."""
+    if is_lora(policy.model):
+        save_adapters(policy.model, directory)
+        return
+    from sdp_cli.models import save_policy
+
+    save_policy(policy, directory)
+
+
+def save_version(policy: Any, cfg: SdpConfig, directory: Path) -> None:
+    """A version checkpoint: the weights the engine ran (``engine_dtype``), or the adapters."""
+    if is_lora(policy.model):
+        save_adapters(policy.model, directory)
+        return
+    from sdp_cli.models import save_policy
+
+    save_policy(policy, directory, dtype=engine_dtype(cfg))
+
+
+def prepare_policy(policy: Any, cfg: SdpConfig, *, adapters: Path | None = None) -> Any:
+    """``policy`` made trainable as the config says (in place): LoRA adapters (loaded from
+    ``adapters`` on resume) on a base in ``train.dtype``, and gradient checkpointing."""
+    lora = cfg.model.lora
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(policy.model)
+    if lora.r > 0:
+        policy.model.to(DTYPES[cfg.train.dtype])
+        policy.model = apply_lora(
+            policy.model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
+        )
+        if adapters is not None:
+            load_adapters(policy.model, adapters)
+    return policy
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward. Non-reentrant: the inputs need no gradient, so
+    frozen embeddings (LoRA) work as they are."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the name since transformers 5.x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_reference(
+    policy: Any, cfg: SdpConfig, *, load_initial: Callable[[], Any] | None = None
+) -> torch.nn.Module | None:
+    """The frozen reference policy of the KL term, or None when there is none to build: no KL
+    term, or LoRA (the trainer disables the adapters instead). It is the initial model: a copy
+    of ``policy`` in a fresh run (call before training), ``load_initial()`` on resume."""
+    if cfg.loss.kl_coef == 0 or cfg.model.lora.r > 0:
+        return None
+    model = load_initial().model if load_initial is not None else copy.deepcopy(policy.model)
+    # frozen: no master copy needed, so it is stored in the compute dtype
+    return model.to(DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
+
+

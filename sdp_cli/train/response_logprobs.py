@@ -1,0 +1,120 @@
+"""Log-probs (and entropy) of a batch's response tokens under a causal LM: the one forward the
+trainer runs for π_θ, π_prox and π_ref (docs/math.md §6.2, docs/training.md "Precision and
+memory").
+
+The model is asked for its final hidden states (``logits_to_keep=1``: one position's logits,
+not [N, L, V]); ``core.logprobs_from_hidden`` makes the logits of the response tokens one
+vocabulary block at a time. On the first forward the head is checked against the model's own
+last-position logits: a model that post-processes its logits (soft-capping, a logit scale)
+falls back to full logits and ``core.logprobs_from_logits``, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
+from sdp_cli.train.batch import TrainBatch
+
+
+class ResponseLogprobs:
+    """``forward(model, batch)`` at one temperature, device and training precision."""
+
+    def __init__(
+        self,
+        *,
+        temperature: float,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        unwrap: Callable[[torch.nn.Module], torch.nn.Module],
+    ):
+        """``autocast_dtype``: bfloat16 for autocast, None for none. ``unwrap`` strips a
+        data-parallel wrapper (the output embedding is looked up on the bare model)."""
+        self.temperature = float(temperature)
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.unwrap = unwrap
+        #: whether logits = hidden · Wᵀ (+ b); decided at the first forward
+        self.hidden_path: bool | None = None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The training precision as a context: bfloat16 autocast, or nothing for float32."""
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    def forward(
+        self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [N, L-1] (float32, 0 outside the response) and, ``with_entropy``, the
+        entropy of π at each response token, from one forward of ``model``."""
+        ids = batch.input_ids.to(self.device)
+        attention_mask = batch.attention_mask.to(self.device)
+        response = batch.mask.to(self.device) > 0
+        targets = ids[:, 1:][response]
+        with torch.set_grad_enabled(grad), self.autocast():
+            if self.hidden_path is None:
+                self.hidden_path = self._logits_are_hidden_times_head(model, ids, attention_mask)
+            if self.hidden_path:
+                out = model(
+                    input_ids=ids,
+                    attention_mask=attention_mask,
+                    use_cache=False,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                )
+                hidden = out.hidden_states[-1][:, :-1][response]
+                head = self.unwrap(model).get_output_embeddings()
+                result = logprobs_from_hidden(
+                    hidden.to(self.autocast_dtype or hidden.dtype),
+                    head.weight,
+                    targets,
+                    bias=head.bias,
+                    temperature=self.temperature,
+                    return_entropy=with_entropy,
+                )
+            else:
+                out = model(input_ids=ids, attention_mask=attention_mask, use_cache=False)
+                # The logits feed nothing else: backward may store their gradient in place.
+                result = logprobs_from_logits(
+                    out.logits[:, :-1][response],
+                    targets,
+                    temperature=self.temperature,
+                    return_entropy=with_entropy,
+                    inplace_backward=grad,
+                )
+        values, entropy = result if with_entropy else (result, None)
+        zeros = torch.zeros(response.shape, dtype=torch.float32, device=self.device)
+        logprobs = zeros.masked_scatter(response, values.float())
+        return logprobs, None if entropy is None else zeros.masked_scatter(response, entropy.float())
+
+    @torch.no_grad()
+    def _logits_are_hidden_times_head(
+        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> bool:
+        """Whether the model's logits are its last hidden state times the output embedding (+
+        bias), checked on the first row; if not, warn once."""
+        out = model(
+            input_ids=ids[:1],
+            attention_mask=attention_mask[:1],
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        hidden = out.hidden_states[-1][:, -1:] if out.hidden_states else None
+        head = self.unwrap(model).get_output_embeddings()
+        same = False
+        if hidden is not None and isinstance(head, torch.nn.Linear):
+            expected, got = head(hidden).float(), out.logits[:, -1:].float()
+            same = bool(torch.allclose(expected, got, rtol=1e-3, atol=1e-3 * float(got.abs().max()) + 1e-5))
+        if not same:
+            warnings.warn(
+                "this model's logits are not its last hidden state times the output embedding "
+                "(e.g. logit soft-capping or scaling); log-probs are computed from full logits, "
+                "which needs [tokens × vocab] memory",
+                stacklevel=4,
+            )
+        return same

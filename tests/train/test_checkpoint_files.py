@@ -1,0 +1,71 @@
+"""Checkpoint files (sdp_cli/train/checkpoint.py): keep-last-N pruning never deletes the newest
+complete checkpoint, and checkpoints without optimizer state."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from sdp_cli.train import checkpoint as ckpt
+
+
+_OPTIMIZER = object()
+
+
+def _write(root: Path, step: int, keep: int, optimizer=_OPTIMIZER) -> Path:
+    def save_policy(directory: Path) -> None:
+        directory.mkdir(parents=True)
+        (directory / "weights.txt").write_text(f"step {step}")
+
+    if optimizer is _OPTIMIZER:
+        optimizer = {
+            "state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(3)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        }
+    return ckpt.write_checkpoint(
+        root, step, save_policy=save_policy, optimizer_state=optimizer, state={"trainer": {}, "loop": {}}, keep=keep
+    )
+
+
+def _corrupt(path: Path) -> None:
+    (path / "policy" / "weights.txt").write_text("torn")
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*"))
+
+
+def test_keep_last_n(tmp_path):
+    for step in (10, 20, 30, 40):
+        _write(tmp_path, step, keep=3)
+    assert _steps(tmp_path) == [20, 30, 40]
+
+
+def test_a_resumed_run_never_deletes_its_newest_complete_checkpoint(tmp_path):
+    # A first session wrote 30, 40, 50; 50 was torn (a disk fault), so the run resumed from 40.
+    # Its next checkpoint is 45: the stale, higher-numbered 50 must not count as one of the kept.
+    for step in (30, 40, 50):
+        _write(tmp_path, step, keep=3)
+    _corrupt(tmp_path / "step-000050")
+    assert ckpt.find_latest(tmp_path).name == "step-000040"
+    _write(tmp_path, 45, keep=1)
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step-000045"
+    _write(tmp_path, 47, keep=2)
+    # the newest two complete ones stay: 45 and 47
+    assert {45, 47} <= set(_steps(tmp_path))
+    assert ckpt.find_latest(tmp_path) == tmp_path / "step-000047"
+
+
+def test_without_optimizer_state(tmp_path):
+    path = _write(tmp_path, 10, keep=2, optimizer=None)
+    assert not (path / "optimizer.safetensors").exists()
+    loaded = ckpt.read_checkpoint(path)
+    assert loaded.state["optimizer"] is None and loaded.optimizer_tensors == {}
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert "optimizer.safetensors" not in manifest["files"]
+
+
+def test_with_optimizer_state_round_trips(tmp_path):
+    loaded = ckpt.read_checkpoint(_write(tmp_path, 10, keep=2))
+    state = ckpt.unflatten_optimizer_state(loaded.optimizer_tensors, loaded.state["optimizer"])
+    assert torch.equal(state["state"][0]["exp_avg"], torch.ones(3)) and state["param_groups"][0]["lr"] == 0.1
