@@ -9,13 +9,29 @@ Rank 0 sends each batch's groups to the other ranks as JSON bytes over ``torch.d
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
+from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutGroup
 
 T = TypeVar("T")
+
+#: variables by which a launcher tells each process the size of the group (torchrun; MPI)
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_launch(env: Mapping[str, str]) -> None:
+    """Refuse ``accelerate launch --cpu --num_processes N`` (N > 1): without ``--mpirun_hostfile``
+    accelerate starts ONE process with a rendezvous address but no world size, which would
+    silently train alone (docs/training.md "Several processes")."""
+    cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if cpu and "MASTER_ADDR" in env and not any(v in env for v in _WORLD_SIZE_VARS):
+        raise UserError(
+            "accelerate launch --cpu --num_processes N starts only one process here; launch N CPU "
+            "processes with torchrun --nproc_per_node N -m sdp_cli train ... instead"
+        )
 
 
 class Coordinator:

@@ -540,8 +540,9 @@ def run_training(
     """Start (or resume) a run and return its summary (None on ranks other than 0)."""
     from accelerate import Accelerator
 
-    from sdp_cli.train.distributed import Coordinator
+    from sdp_cli.train.distributed import Coordinator, check_launch
 
+    check_launch(os.environ)
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
     # what a resume changes in the run directory, written only once setup has accepted it, so a
     # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
