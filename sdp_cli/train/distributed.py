@@ -23,11 +23,22 @@ _WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_
 
 
 def check_launch(env: Mapping[str, str]) -> None:
-    """Refuse ``accelerate launch --cpu --num_processes N`` (N > 1): without ``--mpirun_hostfile``
-    accelerate starts ONE process with a rendezvous address but no world size, which would
-    silently train alone (docs/training.md "Several processes")."""
-    cpu = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
-    if cpu and "MASTER_ADDR" in env and not any(v in env for v in _WORLD_SIZE_VARS):
+    """Refuse launches that would silently train wrongly (docs/training.md "Several processes"):
+    ``accelerate launch --use_fsdp`` / ``--use_deepspeed`` (the trainer would hold shards, rank 0
+    pushes and saves whole weights) and ``accelerate launch --cpu --num_processes N`` (N > 1),
+    which without ``--mpirun_hostfile`` starts ONE process with a rendezvous address but no
+    world size, so it would train alone."""
+    def flag(name: str) -> bool:
+        return env.get(name, "").lower() in ("1", "true", "yes")
+
+    for name, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if flag(name):
+            raise UserError(
+                f"{what} sharding is not supported: rank 0 pushes and saves whole weights, which a sharded "
+                "model does not hold (docs/training.md \"Several processes\"); launch data-parallel "
+                "training instead (accelerate launch --multi_gpu, or torchrun --nproc_per_node N)"
+            )
+    if flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in env and not any(v in env for v in _WORLD_SIZE_VARS):
         raise UserError(
             "accelerate launch --cpu --num_processes N starts only one process here; launch N CPU "
             "processes with torchrun --nproc_per_node N -m sdp_cli train ... instead"
