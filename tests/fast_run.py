@@ -1,5 +1,5 @@
-"""The small, fast training config that end-to-end tests compose (a step takes tens of
-milliseconds on the embedded engine), and a real `sdp train` run made from it.
+"""The small, fast training config that end-to-end tests compose, ``+debug=fast`` (a step takes
+tens of milliseconds on the embedded engine), and a real `sdp train` run made from it.
 
 Test modules import it relatively (``from ..fast_run import FAST``): pytest runs with
 ``--import-mode=importlib``, which imports ``tests/<area>/test_x.py`` as ``tests.<area>.test_x``.
@@ -15,19 +15,8 @@ import torch
 from sdp_cli.config.compose import compose_config
 from sdp_cli.train.run import run_training
 
-FAST = [
-    "model.hidden_size=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.intermediate_size=128",
-    "model.warm_start_steps=10",
-    "rollout.batch_groups=4",
-    "rollout.group_size=4",
-    "rollout.groups_per_request=4",
-    "run.progress=false",
-    "run.tensorboard=false",
-    "train.eval_samples=0",
-]
+#: the fast debug run users get with ``sdp train +debug=fast`` (sdp_cli/conf/debug/fast.yaml)
+FAST = ["+debug=fast"]
 
 
 def train_run(root: Path, overrides: list[str]) -> Path:

@@ -2,6 +2,7 @@
 every module agree with it, and no module keeps a copy of one of its tuples."""
 
 import ast
+import json
 import subprocess
 import sys
 from importlib import resources
@@ -11,7 +12,8 @@ import pytest
 
 from sdp_cli import choices
 from sdp_cli.config.compose import compose_config
-from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.validation import ConfigValueError, validate
 
 PACKAGE = Path(choices.__file__).parent
 
@@ -43,6 +45,20 @@ def test_registries_are_keyed_by_the_allowed_names():
     assert set(TASKS) == set(choices.TASKS)
     assert set(CHARSETS) == set(choices.CHARSETS)
     assert set(choices.REMOTE_ENGINE_KINDS) < set(choices.ENGINE_KINDS)
+
+
+def test_the_mode_registry_holds_exactly_the_config_modes():
+    from sdp_cli.core.weights import MODE_WEIGHTS
+
+    # same names, same order (the order of error messages and of the modes' help)
+    assert tuple(MODE_WEIGHTS) == choices.MODES
+    # what the trainer reads of each: bypass trains against π_behav, the others against π_prox;
+    # decoupled's weight reads π_prox, segment_wise's π_prox_t (docs/design.md §1 table)
+    assert {name: (w.anchor, w.needs) for name, w in MODE_WEIGHTS.items()} == {
+        "bypass": ("behav", ()),
+        "decoupled": ("proximal", ("proximal_logprobs",)),
+        "segment_wise": ("proximal", ("proximal_logprobs_t",)),
+    }
 
 
 def test_the_schema_validates_against_the_choices():
@@ -88,3 +104,20 @@ def test_choices_imports_nothing_heavy():
     code = "import sys, sdp_cli.choices; print(sorted(m for m in ('torch', 'typer') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_config_knows_the_modes_without_torch_and_agrees_with_the_registry():
+    # without the registry loaded (a fresh process, torch never imported) ...
+    code = (
+        "import sys, json; from sdp_cli.config import modes; from sdp_cli.choices import MODES; "
+        "print(json.dumps([modes.mode_names(), [modes.reads_proximal_t(m) for m in MODES], 'torch' in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    names, reads, torch_loaded = json.loads(out.stdout)
+    assert torch_loaded is False
+    # ... and with it: the same names and the same answers (only segment_wise reads π_prox_t)
+    from sdp_cli.config import modes
+    from sdp_cli.core.weights import MODE_WEIGHTS
+
+    assert tuple(names) == modes.mode_names() == tuple(MODE_WEIGHTS) == choices.MODES
+    assert reads == [modes.reads_proximal_t(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]

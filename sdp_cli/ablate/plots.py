@@ -201,8 +201,11 @@ def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     )
 
 
-def plot_reward_differences(comparisons: Sequence[ModeComparison], path: Path) -> Path:
-    """Each mode's final reward minus the best other mode's vs η, with Welch's 95 % interval."""
+def plot_reward_differences(
+    comparisons: Sequence[ModeComparison], path: Path, against: Sequence[str] = ()
+) -> Path:
+    """Each mode's final reward minus the best other mode's (or the better of ``against``) vs η,
+    with Welch's 95 % interval."""
     plt = _pyplot()
     labels = sorted({" ".join([c.mode, *c.extra]) for c in comparisons})
     colours = _colours(labels)
@@ -221,7 +224,8 @@ def plot_reward_differences(comparisons: Sequence[ModeComparison], path: Path) -
         high = [(c.comparison.high if c.comparison.high is not None else y) - y for y, c in zip(ys, points)]
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=4, capsize=3, color=colours[label], label=label)
     ax.axhline(0.0, color="black", linewidth=1)
-    ax.set_ylabel("final reward − best other mode (95 % Welch)")
+    baseline = f"better of {', '.join(against)}" if against else "best other mode"
+    ax.set_ylabel(f"final reward − {baseline} (95 % Welch)", fontsize=8 if against else None)
     ax.set_xticks(sorted({c.max_head_offpolicyness for c in comparisons}))
     ax.set_xlabel("η (max_head_offpolicyness)")
     ax.grid(alpha=0.3)
@@ -234,6 +238,7 @@ def write_plots(
     curves: Curves,
     directory: Path,
     comparisons: Sequence[ModeComparison] = (),
+    against: Sequence[str] = (),
 ) -> list[Path]:
     """Write every plot into ``directory``; returns the paths."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -244,5 +249,5 @@ def write_plots(
         plot_throughput(groups, directory / "throughput_vs_eta.png"),
     ]
     if any(c.comparison is not None for c in comparisons):
-        paths.append(plot_reward_differences(comparisons, directory / "reward_difference_vs_eta.png"))
+        paths.append(plot_reward_differences(comparisons, directory / "reward_difference_vs_eta.png", against))
     return paths

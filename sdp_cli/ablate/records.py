@@ -19,6 +19,7 @@ from sdp_cli.ablate.sweep import (
     RUNS_SUBDIR,
     SEED_KEY,
     SWEEP_GROUP,
+    mode_label,
     split_override,
 )
 from sdp_cli.errors import UserError
@@ -143,16 +144,6 @@ def read_run(run_dir: Path) -> RunRecord:
         summary=_read_json(layout.summary) if layout.finished else None,
         rows=read_metrics(layout.metrics),
     )
-
-
-def mode_label(config: dict[str, Any]) -> str:
-    """The training mode of a run's resolved config: ``loss.mode``, and with a drift clip
-    ``segment_wise_drift(κ=…)`` (docs/math.md §1.1), so that each κ is a mode of its own."""
-    loss = config["loss"]
-    kappa = loss.get("drift_clip")
-    if kappa is None:
-        return str(loss["mode"])
-    return f"{loss['mode']}_drift(κ={float(kappa):g})"
 
 
 @dataclass

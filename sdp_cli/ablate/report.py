@@ -44,7 +44,16 @@ from sdp_cli.ablate.records import (
     Sweep,
     load_sweep,
 )
+from sdp_cli.ablate.comparison import (
+    check_against,
+    comparison_columns,
+    comparison_note,
+    comparison_rows,
+    comparison_title,
+    comparisons_csv,
+)
 from sdp_cli.ablate.stats import ModeComparison, compare_modes
+from sdp_cli.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -306,46 +315,7 @@ def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
     return rows
 
 
-#: what the comparison table compares, and how to read it
-COMPARISON_TITLE = "Final reward against the best other mode at the same η (Welch, 95 %)"
-COMPARISON_NOTE = (
-    "Δ = this mode's mean final reward − that of the mode with the highest mean among the others "
-    "at the same η; the 95 % interval is Welch's t interval over the seeds, and Δ/SE is Δ in "
-    "standard errors. The best other mode is picked on the same data, so for it the interval is "
-    "slightly optimistic. A mode whose interval lies below 0 is worse than the best other mode; "
-    "one whose interval holds 0 ties with it."
-)
-
-
-def comparison_columns(comparisons: Sequence[ModeComparison]) -> list[str]:
-    extra = ["other"] if any(c.extra for c in comparisons) else []
-    return ["η", *extra, "mode", "n", "reward", "best other", "Δ", "95 % interval", "Δ/SE"]
-
-
-def comparison_rows(comparisons: Sequence[ModeComparison]) -> list[list[str]]:
-    with_extra = any(c.extra for c in comparisons)
-    rows = []
-    for c in comparisons:
-        w = c.comparison
-        interval = "n/a" if w is None or w.low is None else f"[{w.low:+.3f}, {w.high:+.3f}]"
-        ratio = "n/a" if w is None or not w.standard_error else f"{w.difference / w.standard_error:+.1f}"
-        rows.append(
-            [
-                str(c.max_head_offpolicyness),
-                *([" ".join(c.extra)] if with_extra else []),
-                c.mode,
-                str(c.n),
-                f"{c.mean:.3f}",
-                c.best_other or "–",
-                "n/a" if w is None else f"{w.difference:+.3f}",
-                interval,
-                ratio,
-            ]
-        )
-    return rows
-
-
-def to_markdown(groups: Sequence[GroupRow]) -> str:
+def to_markdown(groups: Sequence[GroupRow], against: Sequence[str] = ()) -> str:
     """Both tables and the comparison in GitHub Markdown, each followed by what it means."""
     parts = []
     for table, title in TABLES.items():
@@ -354,37 +324,14 @@ def to_markdown(groups: Sequence[GroupRow]) -> str:
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(groups, table)]
         lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table)]
         parts.append("\n".join(lines))
-    comparisons = compare_modes(groups)
+    comparisons = compare_modes(groups, against=against)
     if any(c.comparison is not None for c in comparisons):
         header = comparison_columns(comparisons)
-        lines = [f"### {COMPARISON_TITLE}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines = [f"### {comparison_title(against)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in comparison_rows(comparisons)]
-        lines += ["", COMPARISON_NOTE]
+        lines += ["", comparison_note(against)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
-
-
-def comparisons_csv(comparisons: Sequence[ModeComparison]) -> str:
-    """The comparison, machine-readable: one row per mode and η."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(
-        ["eta", "other", "mode", "n", "reward_mean", "best_other", "difference", "standard_error", "dof", "low", "high"]
-    )
-    for c in comparisons:
-        w = c.comparison
-        writer.writerow(
-            [
-                c.max_head_offpolicyness,
-                " ".join(c.extra),
-                c.mode,
-                c.n,
-                _num(c.mean),
-                c.best_other or "",
-                *(_num(None if w is None else getattr(w, f)) for f in ("difference", "standard_error", "dof", "low", "high")),
-            ]
-        )
-    return buf.getvalue()
 
 
 def runs_csv(records: Sequence[RunRecord]) -> str:
@@ -452,15 +399,17 @@ class Report:
         return [r for r in self.sweep.records if not r.finished]
 
 
-def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
-    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``."""
+def write_report(sweep_dir: Path, *, plots: bool = True, against: Sequence[str] = ()) -> Report:
+    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``.
+    ``against``: compare every mode with the better of these modes only (see ``compare_modes``)."""
     sweep_dir = Path(sweep_dir)
     sweep = load_sweep(sweep_dir)
     groups = aggregate(sweep.records)
+    check_against(groups, against)
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
     csv_path.write_text(to_csv(groups))
-    comparisons = compare_modes(groups)
+    comparisons = compare_modes(groups, against=against)
     extra_paths = [sweep_dir / "comparison.csv", sweep_dir / "runs.csv"]
     extra_paths[0].write_text(comparisons_csv(comparisons))
     extra_paths[1].write_text(runs_csv(sweep.records))
@@ -470,11 +419,11 @@ def write_report(sweep_dir: Path, *, plots: bool = True) -> Report:
     md_path.write_text(
         f"# sdp ablate: {sweep_dir.name}\n\n{common}"
         "mean ± sample std over seeds (n runs per row).\n\n"
-        f"{to_markdown(groups)}"
+        f"{to_markdown(groups, against)}"
     )
     written: list[Path] = []
     if plots and groups:
         from sdp_cli.ablate.plots import write_plots
 
-        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons)
+        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons, against)
     return Report(groups, sweep, csv_path, md_path, written, comparisons, extra_paths)

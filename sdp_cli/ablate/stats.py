@@ -151,10 +151,16 @@ class ModeComparison:
 
 
 def compare_modes(
-    groups: Sequence[GroupRow], key: str = "reward_last", confidence: float = 0.95
+    groups: Sequence[GroupRow],
+    key: str = "reward_last",
+    confidence: float = 0.95,
+    against: Sequence[str] = (),
 ) -> list[ModeComparison]:
     """For every group with a value of ``key``: its difference to the best other mode at the
-    same η and other swept values, with Welch's ``confidence`` interval over the seeds."""
+    same η and other swept values, with Welch's ``confidence`` interval over the seeds.
+
+    ``against`` narrows "other mode" to these modes (e.g. the baselines a new weight must match:
+    ``("decoupled", "segment_wise")``); a mode is never compared with itself."""
     cells: dict[tuple[int, tuple[str, ...]], list[GroupRow]] = {}
     for g in groups:
         if g.mean.get(key) is not None:
@@ -162,7 +168,7 @@ def compare_modes(
     out = []
     for (bound, extra), members in sorted(cells.items()):
         for g in sorted(members, key=lambda r: r.mode):
-            others = [o for o in members if o is not g]
+            others = [o for o in members if o is not g and (not against or o.mode in against)]
             best = max(others, key=lambda o: o.mean[key]) if others else None
             comparison = None
             if best is not None:

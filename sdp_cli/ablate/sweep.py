@@ -121,6 +121,16 @@ def default_sweep_dir(sweep: str) -> Path:
     return Path("runs") / "ablate" / sweep
 
 
+def mode_label(config: dict[str, Any]) -> str:
+    """The training mode of a run's resolved config: ``loss.mode``, and with a drift clip
+    ``segment_wise_drift(κ=…)`` (docs/math.md §1.1), so that each κ is a mode of its own."""
+    loss = config["loss"]
+    kappa = loss.get("drift_clip")
+    if kappa is None:
+        return str(loss["mode"])
+    return f"{loss['mode']}_drift(κ={float(kappa):g})"
+
+
 @dataclass(frozen=True)
 class Job:
     """One run of the sweep: its overrides (as Hydra passes them to the job) and its directory."""
@@ -153,6 +163,8 @@ class SweepPlan:
     hydra_overrides: list[str]
     axes: dict[str, list[str]] = field(default_factory=dict)
     source: ConfigSource = ConfigSource()
+    #: the training modes the sweep's runs have, as the report labels them (``mode_label``)
+    modes: set[str] = field(default_factory=set)
 
     def count(self, state: str) -> int:
         return sum(1 for job in self.jobs if job.state == state)
@@ -306,6 +318,7 @@ def plan_sweep(
             "choose another --dir"
         )
     jobs: list[Job] = []
+    modes: set[str] = set()
     seen: dict[str, tuple[str, ...]] = {}
     for job_list in expanded:
         name = run_name(job_list)
@@ -319,9 +332,10 @@ def plan_sweep(
         # composing them finds any bad value; a run that exists must match its planned config.
         if sum(a != b for a, b in zip(job_list, expanded[0], strict=True)) <= 1 or job.state != NEW:
             try:
-                _, raw = compose_config(job.train_overrides(), source=source)
+                typed, raw = compose_config(job.train_overrides(), source=source)
             except UserError as err:
                 raise UserError(f"run {name}: {err}") from None
+            modes.add(mode_label({"loss": {"mode": typed.loss.mode, "drift_clip": typed.loss.drift_clip}}))
             _check_same_config(run_dir, to_yaml(raw))
         jobs.append(job)
 
@@ -333,7 +347,7 @@ def plan_sweep(
         for key, o in final.items()
         if o.is_sweep_override()
     }
-    return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes, source)
+    return SweepPlan(sweep, root, jobs, job_overrides, hydra_overrides, axes, source, modes)
 
 
 def run_sweep(plan: SweepPlan) -> int:

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from sdp_cli.choices import IS_LEVELS, MODES
-from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
+from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
@@ -216,7 +217,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
     # An output token older than the trainer whose π_{v+1} was never computed has no
     # segment-wise weight (docs/design.md §2): the trainer drops it from a segment-wise loss.
-    uncorrectable = mask & (versions < trainer) & (t_versions != versions + 1)
+    uncorrectable = lacks_next_version(token_status(versions, t_versions, trainer, mask))
     return _Stacked(
         old=cat([p.old_logprobs for p in padded], 0.0),
         prox=cat([p.proximal_logprobs for p in padded], 0.0) if has_prox else None,  # type: ignore[misc]
@@ -285,43 +286,38 @@ def _mode_report(
     return report
 
 
-def _raw_token_stats(log_ratio: Tensor, selected: Tensor) -> dict[str, float]:
-    metrics = importance_weights(log_ratio, selected, level="token")[1]
-    return {
-        "mean": metrics["rollout_is_mean"],
-        "std": metrics["rollout_is_std"],
-        "ess": metrics["rollout_is_eff_sample_size"],
-    }
-
-
 def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
     lr_sdp = s.log_ratio("segment_wise")
     lr_dec = s.log_ratio("decoupled")
     assert lr_sdp is not None, "segment_wise always has π_prox_t"
-    dropped_lr = None if s.prox is None else s.prox - s.prox_t
+    with_next = s.mask & ~s.uncorrectable
+    w_dec = {} if lr_dec is None else lag_weight_stats(lr_dec, s.mask, s.lag)
+    w_sdp = lag_weight_stats(lr_sdp, with_next, s.lag)
+    dropped = {} if s.prox is None else lag_weight_stats(s.prox - s.prox_t, with_next, s.lag)
     clipped = None if s.prox is None else drift_log_factor(s.prox, s.prox_t, drift_clip)[1]
     rows = []
     for lag in torch.unique(s.lag[s.mask]).tolist():
         selected = s.mask & (s.lag == lag)
-        with_next = selected & ~s.uncorrectable
-        has_next = bool(with_next.any())
-        dropped = drift_clipped = None
-        if dropped_lr is not None and clipped is not None and has_next:
-            stats = _raw_token_stats(dropped_lr, with_next)
-            dropped = {"mean": stats["mean"], "std": stats["std"]}
-            drift_clipped = int((clipped & with_next).sum()) / int(with_next.sum())
+        drift_clipped = None
+        if clipped is not None and lag in w_sdp:
+            lag_next = with_next & (s.lag == lag)
+            drift_clipped = int((clipped & lag_next).sum()) / int(lag_next.sum())
         rows.append(
             LagRow(
                 lag=int(lag),
                 tokens=int(selected.sum()),
                 uncorrectable=int((selected & s.uncorrectable).sum()),
-                w_dec=None if lr_dec is None else _raw_token_stats(lr_dec, selected),
-                w_sdp=_raw_token_stats(lr_sdp, with_next) if has_next else None,
-                dropped=dropped,
+                w_dec=_mean_std_ess(w_dec[lag]) if lag in w_dec else None,
+                w_sdp=_mean_std_ess(w_sdp[lag]) if lag in w_sdp else None,
+                dropped={"mean": dropped[lag]["mean"], "std": dropped[lag]["std"]} if lag in dropped else None,
                 drift_clipped=drift_clipped,
             )
         )
     return rows
+
+
+def _mean_std_ess(stats: dict[str, float]) -> dict[str, float]:
+    return {"mean": stats["mean"], "std": stats["std"], "ess": stats["ess"]}
 
 
 def analyse_batches(

@@ -22,7 +22,7 @@ Every job is one `sdp train` run with the shadow recompute pass on, so both beha
 
 [bold]Examples[/bold]
 
-  sdp ablate                                   # the default sweep (~30 min on 2 CPU cores)
+  sdp ablate                                   # the default sweep (125 runs, ~2 h on 2 CPU cores)
 
   sdp ablate smoke                             # a tiny grid, about a minute
 
@@ -66,6 +66,13 @@ def ablate_command(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Validate the sweep, print its plan and exit."
     ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        help="Compare each mode's final reward with the better of these modes only "
+        "(comma-separated report labels, e.g. decoupled,segment_wise) instead of the best other mode.",
+        show_default=False,
+    ),
     no_plots: bool = typer.Option(
         False, "--no-plots", help="Write the table files but no PNG plots."
     ),
@@ -99,7 +106,7 @@ def ablate_command(
                 "--report only aggregates an existing sweep; "
                 "drop the sweep name, overrides and other options"
             )
-        _print_report(report, plots=not no_plots)
+        _print_report(report, plots=not no_plots, against=_modes(against))
         return
 
     from sdp_cli.ablate.sweep import (
@@ -116,6 +123,11 @@ def ablate_command(
         overrides.append(f"hydra.launcher.n_jobs={jobs}")
     plan = plan_sweep(sweep, overrides, directory, source=config_source(config_dir, config_name))
     _print_plan(plan)
+    if unknown := [m for m in _modes(against) if m not in plan.modes]:
+        raise UserError(
+            f"--against {','.join(unknown)}: no such mode in this sweep; "
+            f"its modes are {', '.join(sorted(plan.modes))}"
+        )
     if dry_run:
         return
     write_plan(plan)
@@ -134,7 +146,7 @@ def ablate_command(
         )
     left = unfinished(plan)
     if len(left) < len(plan.jobs):  # something to report
-        _print_report(plan.sweep_dir, plots=not no_plots)
+        _print_report(plan.sweep_dir, plots=not no_plots, against=_modes(against))
     if left:
         names = ", ".join(job.name for job in left[:3]) + (", ..." if len(left) > 3 else "")
         raise UserError(
@@ -160,23 +172,24 @@ def _print_plan(plan: SweepPlan) -> None:
     console.print(f"  {runs} ({counts}); axes: {escape(axes or 'none')}")
 
 
-def _print_report(directory: Path, *, plots: bool) -> Report:
+def _modes(against: str | None) -> tuple[str, ...]:
+    return tuple(m.strip() for m in (against or "").split(",") if m.strip())
+
+
+def _print_report(directory: Path, *, plots: bool, against: tuple[str, ...] = ()) -> Report:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from sdp_cli.ablate.report import (
-        COMPARISON_NOTE,
-        COMPARISON_TITLE,
-        TABLES,
+    from sdp_cli.ablate.comparison import (
         comparison_columns,
+        comparison_note,
         comparison_rows,
-        table_columns,
-        table_rows,
-        write_report,
+        comparison_title,
     )
+    from sdp_cli.ablate.report import TABLES, table_columns, table_rows, write_report
 
-    result = write_report(directory, plots=plots)
+    result = write_report(directory, plots=plots, against=against)
     # paths, run names and cells are escaped: "[", "[/]" or ":smile:" in them stay text
     console = Console(emoji=False)
     if not console.is_terminal:
@@ -196,11 +209,11 @@ def _print_report(directory: Path, *, plots: bool) -> Report:
         console.print(table)
     if any(c.comparison is not None for c in result.comparisons):
         columns = [escape(c) for c in comparison_columns(result.comparisons)]
-        table = Table(*columns, title=COMPARISON_TITLE, title_justify="left")
+        table = Table(*columns, title=comparison_title(against), title_justify="left")
         for cells in comparison_rows(result.comparisons):
             table.add_row(*(escape(c) for c in cells))
         console.print(table)
-        console.print(COMPARISON_NOTE, style="dim", markup=False)
+        console.print(comparison_note(against), style="dim", markup=False)
     if result.unfinished:
         console.print(
             f"{len(result.unfinished)} unfinished runs left out: "

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.overrides import HELP_HINT, check_overrides, schema_keys, unknown_key_message, unknown_keys
-from sdp_cli.config.schema import ConfigValueError, SdpConfig, validate
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.validation import ConfigValueError, validate
 from sdp_cli.errors import UserError
 
 CONFIG_MODULE = "sdp_cli.conf"

@@ -226,15 +226,7 @@ def logprobs_from_logits(
         raise ValueError(
             f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}"
         )
-    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
-        )
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"targets has shape {tuple(targets.shape)} but logits has shape {tuple(logits.shape)};"
-            " targets must match logits without the vocabulary dimension"
-        )
+    _check_targets(targets, logits, "logits", "vocabulary")
     check_number("temperature", temperature, above=0)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
@@ -439,15 +431,7 @@ def logprobs_from_hidden(
         check_float_tensor("bias", bias)
         if bias.shape != (vocab,):
             raise ValueError(f"bias must have shape ({vocab},); got {tuple(bias.shape)}")
-    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
-        )
-    if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets has shape {tuple(targets.shape)} but hidden has shape {tuple(hidden.shape)};"
-            " targets must match hidden without the feature dimension"
-        )
+    _check_targets(targets, hidden, "hidden", "feature")
     check_number("temperature", temperature, above=0)
     rows = targets.numel()
     if block_size is None:
@@ -468,3 +452,16 @@ def logprobs_from_hidden(
     if return_entropy:
         return logprobs, entropy.reshape(targets.shape)
     return logprobs
+
+
+def _check_targets(targets: Tensor, source: Tensor, name: str, last_dim: str) -> None:
+    """``targets``: integer token ids shaped like ``source`` without its last dimension."""
+    if not isinstance(targets, Tensor) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"targets must be an int32/int64 tensor; got {getattr(targets, 'dtype', type(targets))}"
+        )
+    if targets.shape != source.shape[:-1]:
+        raise ValueError(
+            f"targets has shape {tuple(targets.shape)} but {name} has shape {tuple(source.shape)};"
+            f" targets must match {name} without the {last_dim} dimension"
+        )

@@ -19,6 +19,7 @@ from sdp_cli.core._masked import (
     masked,
     to_host,
 )
+from sdp_cli.core.weights import importance_weights
 
 _NAMES = (
     "kl",
@@ -114,3 +115,27 @@ def offpolicy_metrics(
         "chi2_token": host["chi2"] / tokens,
         "chi2_seq": chi2_seq,
     }
+
+
+def lag_weight_stats(log_ratio: Tensor, selected: Tensor, lag: Tensor) -> dict[int, dict[str, float]]:
+    """Per lag ℓ = c − v among the ``selected`` tokens: the raw token weight w = exp(clamp(lr, ±20))
+    (``importance_weights`` at token level, unbounded) and its log, as
+
+        tokens, mean, std (population), ess = mean² / (mean² + std²), log_mean = mean(lr)
+
+    log_mean is AReaL's behave_approx_kl sign convention, mean(log π_x − log π_behav). Lags with no
+    selected token are absent. The trainer's ``shadow/<mode>/lag<ℓ>/*`` metrics and the
+    inspect-weights staleness table both come from here (docs/training.md, docs/inspect-weights.md).
+    """
+    out: dict[int, dict[str, float]] = {}
+    for value in torch.unique(lag[selected]).tolist():
+        sel = selected & (lag == value)
+        metrics = importance_weights(log_ratio, sel, level="token")[1]
+        out[int(value)] = {
+            "tokens": float(sel.sum()),
+            "mean": metrics["rollout_is_mean"],
+            "std": metrics["rollout_is_std"],
+            "ess": metrics["rollout_is_eff_sample_size"],
+            "log_mean": float(log_ratio[sel].mean()),
+        }
+    return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -244,59 +244,3 @@ class ProximalRecomputer:
             stats.mean_abs_delta = abs_delta / stats.tokens_recomputed
         stats.wall_time_s = time.perf_counter() - plan.started
         return stats
-
-    # ----------------------------------------------------- dict API (tests, notebooks)
-    def recompute_for_sample(self, trajectory: dict[str, Any], prompt_len: int) -> RecomputeStats:
-        """:meth:`recompute_batch` for one trajectory dict."""
-        return self.recompute_batch([trajectory], prompt_len)
-
-    def recompute_batch(self, batch: list[dict[str, Any]], prompt_len: int) -> RecomputeStats:
-        """Rescore plain-dict trajectories in place.
-
-        Keys: ``input_ids`` (prompt + output), ``versions`` (or the seed's ``output_version``:
-        one per output token), ``proximal_logprobs_t`` (one per output token) and optional
-        ``proximal_t_versions``; when absent it is created (= versions) so that the record of
-        what was rescored is kept and a second call does not rescore.
-        """
-        started = time.perf_counter()
-        current = self.engine.get_version()
-        jobs: list[_Job] = []
-        for i, trajectory in enumerate(batch):
-            versions = trajectory.get("versions", trajectory.get("output_version"))
-            if versions is None:
-                raise ValueError(f"trajectory {i}: needs 'versions' (or 'output_version')")
-            input_ids = trajectory["input_ids"]
-            prox: MutableSequence[float] = trajectory["proximal_logprobs_t"]
-            n_out = len(input_ids) - prompt_len
-            if prompt_len < 0 or not n_out == len(versions) == len(prox):
-                raise ValueError(
-                    f"trajectory {i}: {len(input_ids)} input_ids with prompt_len {prompt_len} "
-                    f"but {len(versions)} versions and {len(prox)} proximal_logprobs_t"
-                )
-            if "proximal_t_versions" not in trajectory:
-                trajectory["proximal_t_versions"] = [int(v) for v in versions]
-            prox_versions: MutableSequence[int] = trajectory["proximal_t_versions"]
-            if len(prox_versions) != n_out:
-                raise ValueError(
-                    f"trajectory {i}: proximal_t_versions has {len(prox_versions)} entries, "
-                    f"expected {n_out}"
-                )
-            targets = _targets(versions, prox_versions, current)
-            if not targets:
-                continue
-
-            def write(t: int, logprob: float, prox=prox, prox_versions=prox_versions) -> None:
-                prox[t] = logprob
-                prox_versions[t] = current
-
-            def due(t: int, prox_versions=prox_versions) -> bool:
-                return int(prox_versions[t]) != current
-
-            previous = [float(prox[t]) for t in targets]
-            jobs.append(
-                _make_job(
-                    input_ids[:prompt_len], input_ids[prompt_len:], targets, previous, write, due
-                )
-            )
-        plan = RecomputePlan(current, jobs, len(batch), started)
-        return self.write(plan, self.score(plan))

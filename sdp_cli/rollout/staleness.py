@@ -15,11 +15,9 @@ Consume-time drops. A rollout dropped by a staleness strategy was already counte
 the staleness term no longer frees its slot when the trainer consumes a batch. Such a drop is
 reported with :meth:`StalenessManager.on_samples_filtered`; the manager counts it in
 ``RolloutStat.filtered`` ("dropped, still inside ``accepted``") and forwards it to the
-modifiers. :class:`FilteredSamplesCapacityModifier` returns the slot as a credit that persists
-until the manager rebases its counters (:meth:`~StalenessManager.compact_filtered` moves the
-dropped rollouts from ``accepted`` to ``rejected``; :meth:`~StalenessManager.on_version_recovered`
-resets ``accepted``), at which point the counters themselves stop counting the drop and the
-credit is withdrawn by the same amount. Either way each drop frees exactly one slot, once.
+modifiers. :class:`FilteredSamplesCapacityModifier` (the loop registers it) returns the slot as
+a credit that persists, since the dropped rollout stays inside ``accepted`` for good: each drop
+frees exactly one slot, once.
 
 Invariant kept at every instant (checked by the stress tests)::
 
@@ -70,10 +68,6 @@ class CapacityModifier(abc.ABC):
     def on_samples_filtered(self, count: int, version: int | None = None) -> None:
         """``count`` accepted rollouts were dropped at consume time (default: ignored)."""
 
-    def on_capacity_consumed(self, count: int) -> None:
-        """The manager rebased its counters so that ``count`` dropped rollouts no longer
-        occupy a slot in them (default: ignored)."""
-
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state for checkpoints (default: stateless)."""
         return {}
@@ -90,8 +84,7 @@ class FilteredSamplesCapacityModifier(CapacityModifier):
     are admitted or batches consumed — the dropped rollouts stay inside ``accepted`` for good,
     so a credit that decayed there would take their slots away again (the deadlock of the
     AReaL fork this design started from, which decremented the credit on every consumed batch).
-    It falls only through :meth:`on_capacity_consumed`, which the
-    manager calls when its counters stop counting those rollouts. Thread-safe.
+    Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -106,19 +99,12 @@ class FilteredSamplesCapacityModifier(CapacityModifier):
             if version is not None:
                 self._by_version[version] += count
 
-    def on_capacity_consumed(self, count: int) -> None:
-        with self._lock:
-            assert 0 <= count <= self._credit, (
-                f"cannot withdraw {count} slots from a credit of {self._credit}"
-            )
-            self._credit -= count
-
     def modify_capacity(self, base_capacity: int, current_version: int, stats: RolloutStat) -> int:
         with self._lock:
             return base_capacity + self._credit
 
     def get_filtered_count(self) -> int:
-        """Current credit: dropped rollouts whose slots the counters do not yet free."""
+        """Current credit: dropped rollouts whose slots the counters do not free."""
         with self._lock:
             return self._credit
 
@@ -126,12 +112,6 @@ class FilteredSamplesCapacityModifier(CapacityModifier):
         """Dropped rollouts per version at which they were dropped (cumulative)."""
         with self._lock:
             return dict(self._by_version)
-
-    def reset(self) -> None:
-        """Forget the credit and the per-version counts (manual intervention only)."""
-        with self._lock:
-            self._credit = 0
-            self._by_version.clear()
 
     def state_dict(self) -> dict[str, Any]:
         with self._lock:
@@ -225,36 +205,6 @@ class StalenessManager:
             for modifier in self._modifiers:
                 modifier.on_samples_filtered(count, version)
 
-    def compact_filtered(self) -> int:
-        """Move the dropped rollouts from ``accepted`` to ``rejected``; return how many.
-
-        Capacity is unchanged: the counters now free the slots, and the modifiers' credit is
-        withdrawn by the same amount (``on_capacity_consumed``).
-        """
-        with self._lock:
-            count = self._stat.filtered
-            self._stat.accepted -= count
-            self._stat.rejected += count
-            self._rebase_filtered_locked()
-            return count
-
-    def _rebase_filtered_locked(self) -> None:
-        count = self._stat.filtered
-        self._stat.filtered = 0
-        if count:
-            for modifier in self._modifiers:
-                modifier.on_capacity_consumed(count)
-
-    def on_version_recovered(self, version: int) -> None:
-        """After recovery without saved counters (AReaL #1388): assume ``version`` full batches
-        were consumed, nothing runs and nothing waits. Filtered credit is withdrawn because the
-        new ``accepted`` counts no dropped rollout."""
-        with self._lock:
-            self._stat.accepted = version * self.consumer_batch_size
-            self._stat.running = 0
-            self._stat.enqueued = 0
-            self._rebase_filtered_locked()
-
     # ------------------------------------------------------------------- queries
     def get_capacity(self) -> int:
         """How many rollouts may start now (may be ≤ 0)."""
@@ -271,10 +221,6 @@ class StalenessManager:
         for modifier in self._modifiers:
             staleness = int(modifier.modify_capacity(staleness, version, snapshot))
         return min(self.max_concurrent_rollouts - stat.running, staleness)
-
-    def get_pending_limit(self) -> int:
-        """Inputs worth keeping enqueued ahead of submission: (η + 1)·B."""
-        return (self.max_head_offpolicyness + 1) * self.consumer_batch_size
 
     def get_stats(self) -> RolloutStat:
         """A consistent copy of the counters."""

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from sdp_cli.core.token_status import INVALID, UNCORRECTABLE, lacks_next_version, token_status
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
@@ -59,14 +60,15 @@ def _segment_wise_sample_reason(
         return f"sample {sid}: head lags {c - oldest} versions > η = {max_head_offpolicyness}"
     for t in range(n):
         v, pv = sample.versions[t], sample.proximal_t_versions[t]
-        if v <= c - 2 and pv != v + 1:
+        status = token_status(v, pv, c)
+        if status == UNCORRECTABLE and v <= c - 2:
             return (
                 f"sample {sid} token {t}: version {v} has π_prox_t from version {pv}, "
                 f"not {v + 1}, and the weights of version {v + 1} are gone"
             )
-        if v == c - 1 and pv not in (c - 1, c):
+        if status == UNCORRECTABLE:
             return f"sample {sid} token {t}: version {v} has π_prox_t from version {pv}"
-        if v == c and (pv != c or sample.proximal_logprobs_t[t] != sample.old_logprobs[t]):
+        if v == c and (status == INVALID or sample.proximal_logprobs_t[t] != sample.old_logprobs[t]):
             return f"sample {sid} token {t}: current-version token with π_prox_t ≠ π_behav"
     return None
 
@@ -102,14 +104,15 @@ def check_segment_wise_invariant(sample: Item, current_version: int) -> str | No
     for s in samples_of(sample):
         for t in range(_check_lengths(s)):
             v, pv = s.versions[t], s.proximal_t_versions[t]
+            status = token_status(v, pv, c)
             if v > c:
                 return f"sample {s.sample_id} token {t}: version {v} > current version {c}"
-            if v < c and pv != v + 1:
+            if lacks_next_version(status):
                 return (
                     f"sample {s.sample_id} token {t}: version {v} has π_prox_t from "
                     f"version {pv}, expected {v + 1}"
                 )
-            if v == c and (pv != c or s.proximal_logprobs_t[t] != s.old_logprobs[t]):
+            if v == c and (status == INVALID or s.proximal_logprobs_t[t] != s.old_logprobs[t]):
                 return (
                     f"sample {s.sample_id} token {t}: current-version token must have "
                     f"π_prox_t = π_behav (got {s.proximal_logprobs_t[t]} vs {s.old_logprobs[t]})"

@@ -145,23 +145,3 @@ def fill_one_step_proximal(batch: TrainBatch, proximal_logprobs: torch.Tensor) -
         sample = batch.samples[row]
         sample.set_proximal_t(col - (sample.prompt_len - 1), float(values[row, col]), c)
     return int(todo.sum().item())
-
-
-def segment_wise_violation(batch: TrainBatch) -> str | None:
-    """The strict docs/design.md §2 invariant on a batch, or a one-line reason it fails."""
-    c = batch.trainer_version
-    valid = batch.mask > 0
-    stale = valid & (batch.versions < c)
-    bad = stale & (batch.proximal_t_versions != batch.versions + 1)
-    if bool(bad.any()):
-        row, col = (int(x) for x in bad.nonzero()[0])
-        return (
-            f"token {col} of row {row} has version {int(batch.versions[row, col])} but "
-            f"proximal_t_version {int(batch.proximal_t_versions[row, col])} (trainer version {c})"
-        )
-    current = valid & (batch.versions == c)
-    if bool((current & (batch.proximal_logprobs_t != batch.old_logprobs)).any()):
-        return f"a token of the current version {c} has proximal_logprobs_t != old_logprobs"
-    if bool((valid & (batch.versions > c)).any()):
-        return f"a token is newer than the trainer version {c}"
-    return None

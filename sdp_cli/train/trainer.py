@@ -37,9 +37,16 @@ import torch
 from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
-from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
-from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights, rejection_mask
+from sdp_cli.core.token_status import lacks_next_version, token_status
+from sdp_cli.core.weights import (
+    MODE_WEIGHTS,
+    behavior_log_ratio,
+    drift_log_factor,
+    importance_weights,
+    rejection_mask,
+)
 from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
@@ -103,7 +110,9 @@ class Trainer:
         the adapters disabled is the reference). Only parameters that require grad train."""
         from accelerate import Accelerator
 
-        assert track_proximal_t or loss.mode != "segment_wise", "segment_wise trains on π_prox_t: track it"
+        assert track_proximal_t or "proximal_logprobs_t" not in MODE_WEIGHTS[loss.mode].needs, (
+            f"{loss.mode} trains on π_prox_t: track it"
+        )
         assert proximal_t_source in PROXIMAL_T_SOURCES, f"unknown proximal_t_source {proximal_t_source!r}"
         assert dtype in TRAIN_DTYPES, f"unsupported training dtype {dtype}"
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
@@ -209,7 +218,10 @@ class Trainer:
         metrics: dict[str, float] = {}
         mask = batch.mask
 
-        need_prox = cfg.mode != "bypass" or self.track_proximal_t
+        mode_weight = MODE_WEIGHTS[cfg.mode]
+        uses_prox_t = "proximal_logprobs_t" in mode_weight.needs
+        # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end
+        need_prox = mode_weight.anchor == "proximal" or "proximal_logprobs" in mode_weight.needs or self.track_proximal_t
         prox = self.logprobs(batch, grad=False) if need_prox else None
         reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
@@ -217,11 +229,12 @@ class Trainer:
         if self.track_proximal_t and prox is not None:
             if self.proximal_t_source == "trainer":
                 metrics["recompute/tokens_trainer_fill"] = float(fill_one_step_proximal(batch, prox))
-            uncorrectable = (mask > 0) & (batch.versions < c) & (batch.proximal_t_versions != batch.versions + 1)
+            # after the take-time pass and the fill: stale tokens still without π_{v+1}
+            uncorrectable = lacks_next_version(token_status(batch.versions, batch.proximal_t_versions, c, mask))
             metrics["segment_wise/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(
                 float(mask.sum()), 1.0
             )
-            if cfg.mode == "segment_wise" and bool(uncorrectable.any()):
+            if uses_prox_t and bool(uncorrectable.any()):
                 # Reachable only without consume-time filtering (staleness=standard): a token whose
                 # π_{v+1} window closed cannot be corrected, so it leaves the loss.
                 loss_mask = torch.where(uncorrectable, torch.zeros_like(mask), mask)
@@ -230,7 +243,7 @@ class Trainer:
         log_ratio = behavior_log_ratio(
             old,
             proximal_logprobs=prox,
-            proximal_logprobs_t=batch.proximal_logprobs_t if cfg.mode == "segment_wise" else None,
+            proximal_logprobs_t=batch.proximal_logprobs_t if uses_prox_t else None,
             mode=cfg.mode,
             drift_clip=cfg.drift_clip,
         )
@@ -266,7 +279,7 @@ class Trainer:
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
 
         metrics.update(self._diagnostics(batch, prox))
-        anchor = prox if cfg.mode != "bypass" else old
+        anchor = prox if mode_weight.anchor == "proximal" else old
         metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference))
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
@@ -425,15 +438,11 @@ class Trainer:
                 out[f"shadow/{name}/{key}"] = raw[key]
             # per-lag breakdown with AReaL's names and signs: behav_kl is its behave_approx_kl,
             # mean(log π_x − log π_behav), the log of the weight (docs/training.md)
-            w = torch.exp(lr.clamp(-20, 20))
-            for lag in sorted(set(int(x) for x in lags.tolist())):
-                sel = valid & ((c - batch.versions) == lag)
-                count = int(sel.sum())
-                ws = w[sel]
-                out[f"shadow/{name}/lag{lag}/tokens"] = float(count)
-                out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = float(ws.mean())
-                out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = float(ws.std(unbiased=False)) if count > 1 else 0.0
-                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = float(lr[sel].mean())
+            for lag, stats in lag_weight_stats(lr, valid, c - batch.versions).items():
+                out[f"shadow/{name}/lag{lag}/tokens"] = stats["tokens"]
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = stats["mean"]
+                out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = stats["std"]
+                out[f"shadow/{name}/lag{lag}/behav_kl/avg"] = stats["log_mean"]
         return out
 
     # -------------------------------------------------------------- weights I/O

@@ -518,3 +518,22 @@ def test_report_of_a_directory_that_is_no_sweep(tmp_path):
     (tmp_path / "runs" / "x" / "overrides.json").write_text("{not json")
     with pytest.raises(UserError, match="overrides.json: cannot read"):
         load_sweep(tmp_path)
+
+
+def test_report_against_named_baselines_and_a_mode_that_is_not_there(tmp_path):
+    rewards = {"decoupled": (0.30, 0.26), "segment_wise": (0.20, 0.22), "segment_wise_drift_k2": (0.31, 0.29)}
+    for mode, values in rewards.items():
+        for seed, reward in enumerate(values):
+            _fake_run(tmp_path, f"{mode}-eta4-seed{seed}", mode=mode, eta=4, seed=seed,
+                      rows=[_row(0.2, 4.0, 2, 1.0, 0.0, 0.9, 1.0)], summary=_summary(reward, 0, 10),
+                      drift_clip=2.0 if mode.endswith("k2") else None)
+    with pytest.raises(UserError, match=r"^--against decoupld: no such mode in this sweep; its modes are "
+                       r"decoupled, segment_wise, segment_wise_drift\(κ=2\)$"):
+        write_report(tmp_path, plots=False, against=("decoupld",))
+    assert not (tmp_path / "summary.md").exists()  # a bad option writes nothing
+    report = write_report(tmp_path, plots=False, against=("decoupled", "segment_wise"))
+    drift = {c.mode: c for c in report.comparisons}["segment_wise_drift(κ=2)"]
+    # 0.30 − 0.28 (decoupled, the better baseline; κ=2 itself is not a baseline)
+    assert drift.best_other == "decoupled" and drift.comparison.difference == pytest.approx(0.02)
+    text = report.markdown_path.read_text()
+    assert "against the better of decoupled, segment_wise at the same η" in text

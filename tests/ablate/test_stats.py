@@ -111,3 +111,24 @@ def test_a_mode_alone_at_its_eta_has_nothing_to_compare_with():
 )
 def test_each_drift_clip_is_a_mode_of_its_own(loss, label):
     assert mode_label({"loss": loss}) == label
+
+
+def test_against_compares_each_mode_with_the_better_baseline_only():
+    groups = [
+        _group("decoupled", 8, [0.26, 0.24, 0.25]),  # mean 0.25
+        _group("segment_wise", 8, [0.17, 0.19, 0.18]),  # mean 0.18
+        _group("segment_wise_drift(κ=2)", 8, [0.22, 0.24, 0.23]),  # mean 0.23
+        _group("segment_wise_drift(κ=4)", 8, [0.27, 0.26, 0.28]),  # mean 0.27: best of all
+    ]
+    by = {c.mode: c for c in compare_modes(groups, against=("decoupled", "segment_wise"))}
+    # without `against` κ=2 would be compared with κ=4 (0.27); with it, with decoupled (0.25)
+    assert by["segment_wise_drift(κ=2)"].best_other == "decoupled"
+    assert by["segment_wise_drift(κ=2)"].comparison.difference == pytest.approx(-0.02)
+    assert by["segment_wise_drift(κ=4)"].best_other == "decoupled"
+    assert by["segment_wise_drift(κ=4)"].comparison.difference == pytest.approx(0.02)
+    # a baseline is compared with the other baseline, never with itself
+    assert by["decoupled"].best_other == "segment_wise"
+    assert by["decoupled"].comparison.difference == pytest.approx(0.07)
+    assert by["segment_wise"].best_other == "decoupled"
+    # all stds 0.01 with n = 3: SE = √(2·0.0001/3)
+    assert by["segment_wise"].comparison.standard_error == pytest.approx(math.sqrt(0.0002 / 3))

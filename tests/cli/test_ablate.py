@@ -1,6 +1,7 @@
 """`sdp ablate` end to end on the smoke grid (2 η × 3 modes × 1 seed, real training runs).
 
-This is the acceptance test of issue #6, so it runs in CI although it takes about a minute: the
+The sweep takes about a minute, so the tests that use it are marked ``slow`` (run them with
+``pytest -m slow tests/cli/test_ablate.py``); the quick input-error tests run by default. The
 sweep runs on the joblib launcher with 2 workers, its table / CSV / Markdown / PNGs are checked
 against numbers recomputed here from the runs' own files (token-level weights from the saved
 batches, rewards and lags from metrics.jsonl and the batches, the rest from summary.json), and
@@ -71,6 +72,7 @@ def _csv_rows(smoke):
         return {(r["mode"], int(r["eta"])): r for r in csv.DictReader(fh)}
 
 
+@pytest.mark.slow
 def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     assert smoke.elapsed < 180
     out = smoke.proc.stdout
@@ -100,6 +102,7 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     assert len(comparison) == len(MODES) * len(ETAS) and all(r["low"] == "" for r in comparison)
 
 
+@pytest.mark.slow
 def test_every_run_records_a_complete_sdp_train_recipe(smoke):
     run_dir = _run_dir(smoke, "segment_wise", 2)
     overrides = json.loads((run_dir / "overrides.json").read_text())
@@ -127,6 +130,7 @@ def _batch_weights(run_dir):
     return steps
 
 
+@pytest.mark.slow
 def test_table_matches_numbers_recomputed_from_the_runs(smoke):
     rows = _csv_rows(smoke)
     for mode in MODES:
@@ -173,6 +177,7 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
             assert float(row["filtered_mean"]) == pytest.approx(filtered)
 
 
+@pytest.mark.slow
 def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
     """On the same tokens: lag 0 → both weights 1; lag 1 → equal (π_{v+1} = π_c); lag 2 →
     they differ by the factor π_c/π_{v+1} the segment-wise weight drops."""
@@ -187,6 +192,7 @@ def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
         assert (lags == 2).any() and not np.allclose(w_dec[lags == 2], w_sdp[lags == 2])
 
 
+@pytest.mark.slow
 def test_joblib_ran_two_runs_at_once(smoke):
     assert "n_jobs=2" in smoke.proc.stdout + smoke.proc.stderr
     spans = []
@@ -198,6 +204,7 @@ def test_joblib_ran_two_runs_at_once(smoke):
     assert any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for b0, b1 in spans[i + 1 :])
 
 
+@pytest.mark.slow
 def test_report_reaggregates_without_running(smoke, capsys):
     before = (smoke.dir / "summary.csv").read_text()
     (smoke.dir / "summary.csv").unlink()
@@ -226,6 +233,10 @@ def test_report_reaggregates_without_running(smoke, capsys):
         (
             ["ablate", "--report", "/nonexistent/sweep"],
             "error: /nonexistent/sweep: no runs/ directory",
+        ),
+        (
+            ["ablate", "smoke", "--against", "decoupled,decoupld"],
+            "error: --against decoupld: no such mode in this sweep; its modes are bypass, decoupled, segment_wise",
         ),
         (
             ["ablate", "--report", "x", "seed=1"],
@@ -265,6 +276,7 @@ def _finished_state(smoke):
     }
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
     # Interrupt one run after its step-3 checkpoint, and leave another without any checkpoint.
     resumed, restarted = _run_dir(smoke, "decoupled", 2), _run_dir(smoke, "bypass", 0)
@@ -304,6 +316,7 @@ def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
 MARKUP = "sweep x [/] [bold] :thumbs_up:"  # "[/]" was a MarkupError, "[bold]" would be applied
 
 
+@pytest.mark.slow
 def test_a_path_with_rich_markup_is_printed_as_it_is(smoke, tmp_path, capsys):
     """The plan (--dry-run) and the report print the directory literally, not as markup
     ("[/]" spans two path components: a directory "sweep x [" holding "] [bold] :thumbs_up:")."""

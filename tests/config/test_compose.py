@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.config.compose import compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig, field_docs, validate
+from sdp_cli.config.schema import SdpConfig, field_docs
+from sdp_cli.config.validation import validate
 from sdp_cli.errors import UserError
 
 CONF = Path(__file__).resolve().parents[2] / "sdp_cli" / "conf"
@@ -167,3 +168,20 @@ def test_every_schema_field_is_documented():
 
 def test_schema_defaults_validate():
     validate(SdpConfig())
+
+
+def test_debug_fast_is_the_documented_small_run_and_key_overrides_win():
+    # the values written in sdp_cli/conf/debug/fast.yaml and README's `+debug` row; each differs
+    # from the schema default (checked first), so a group that is not applied fails here
+    default, _ = compose_config([])
+    fast, _ = compose_config(["+preset=segment_wise", "+debug=fast", "rollout.group_size=2"])
+    picked = lambda c: (  # noqa: E731
+        c.model.hidden_size, c.model.num_layers, c.model.num_heads, c.model.intermediate_size,
+        c.model.warm_start_steps, c.rollout.batch_groups, c.rollout.groups_per_request,
+        c.run.progress, c.run.tensorboard, c.train.eval_samples,
+    )
+    expected = (64, 2, 2, 128, 10, 4, 4, False, False, 0)
+    assert all(a != b for a, b in zip(picked(default), expected))
+    assert picked(fast) == expected
+    assert fast.rollout.group_size == 2  # a key=value override beats the debug group
+    assert fast.loss.mode == "segment_wise"  # and the group leaves the preset's choices alone

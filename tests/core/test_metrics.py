@@ -1,11 +1,11 @@
-"""Hand-computed checks of sdp_cli.core.metrics.offpolicy_metrics (docs/math.md §4)."""
+"""Hand-computed checks of sdp_cli.core.metrics: offpolicy_metrics (docs/math.md §4) and the per-lag weight statistics."""
 
 import math
 
 import pytest
 import torch
 
-from sdp_cli.core.metrics import offpolicy_metrics
+from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 
 E = math.e
 NAN, INF = float("nan"), float("inf")
@@ -84,3 +84,19 @@ def test_empty_batch_gives_neutral_values():
     ones = {"training_ppl", "rollout_ppl", "ppl_ratio"}
     assert m == {name: (1.0 if name in ones else 0.0) for name in m}
     assert len(m) == 13
+
+
+def test_lag_weight_stats_by_hand():
+    ln2 = math.log(2.0)
+    lr = torch.tensor([[0.0, ln2, 2 * ln2], [ln2, 0.0, 5.0]])
+    lag = torch.tensor([[0, 1, 1], [1, 0, 2]])
+    selected = torch.tensor([[True, True, True], [True, True, False]])
+    stats = lag_weight_stats(lr, selected, lag)
+    assert sorted(stats) == [0, 1]  # lag 2's only token is not selected
+    # lag 0: weights 1, 1 → mean 1, std 0, ESS 1, mean log 0
+    assert stats[0] == pytest.approx({"tokens": 2.0, "mean": 1.0, "std": 0.0, "ess": 1.0, "log_mean": 0.0})
+    # lag 1: weights 2, 4, 2 → mean 8/3; population variance ((2/3)²·2 + (4/3)²)/3 = 8/9;
+    # ESS = (64/9) / (64/9 + 8/9) = 8/9; mean log = (1 + 2 + 1)·ln 2 / 3
+    assert stats[1] == pytest.approx(
+        {"tokens": 3.0, "mean": 8 / 3, "std": math.sqrt(8 / 9), "ess": 8 / 9, "log_mean": 4 * ln2 / 3}, rel=1e-6
+    )

@@ -17,14 +17,10 @@ from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.run import run_training
 
 from ..fast_run import FAST
+from ..scoring import target_logprobs
 
 pytestmark = pytest.mark.integration
 
-
-def _target_logprobs(model, ids):
-    with torch.no_grad():
-        logits = model(input_ids=ids[None]).logits[0, :-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[:, 0]
 
 
 def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypatch):
@@ -70,7 +66,7 @@ def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypat
                 if v + 1 not in versions:
                     versions[v + 1] = load_policy("hf", path=run_dir / "versions" / f"v{v + 1:06d}").model
                 sel = (ver == v).nonzero()[:, 0]
-                expected = _target_logprobs(versions[v + 1], ids)[sel - 1]
+                expected = target_logprobs(versions[v + 1], ids)[sel - 1]
                 # π_prox_t came from the vLLM server (lag >= 2) or the trainer (lag 1): both must
                 # be the logprob under version v + 1, up to vLLM-vs-transformers fp32 noise
                 torch.testing.assert_close(batch.proximal_logprobs_t[lo:hi][sel], expected, rtol=0, atol=1e-3)

@@ -20,14 +20,10 @@ from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.run import run_training
 
 from ..fast_run import FAST
+from ..scoring import target_logprobs
 
 pytestmark = pytest.mark.integration
 
-
-def _target_logprobs(model, ids):
-    with torch.no_grad():
-        logits = model(input_ids=ids[None]).logits[0, :-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, ids[1:, None])[:, 0]
 
 
 def test_lora_training_on_a_vllm_server(vllm_python, tmp_path, monkeypatch):
@@ -79,12 +75,12 @@ def test_lora_training_on_a_vllm_server(vllm_python, tmp_path, monkeypatch):
             ids, ver = batch.input_ids[lo:hi], batch.versions[lo:hi]
             for v in sorted(set(ver[ver >= 0].tolist())):
                 sel = (ver == v).nonzero()[:, 0]
-                behav = _target_logprobs(model(v), ids)[sel - 1]
+                behav = target_logprobs(model(v), ids)[sel - 1]
                 # sampled by the server under version v's merged weights (vLLM vs transformers fp32)
                 torch.testing.assert_close(batch.old_logprobs[lo:hi][sel], behav, rtol=0, atol=1e-3)
                 sampled += len(sel)
                 if v < c:
-                    expected = _target_logprobs(model(v + 1), ids)[sel - 1]
+                    expected = target_logprobs(model(v + 1), ids)[sel - 1]
                     torch.testing.assert_close(batch.proximal_logprobs_t[lo:hi][sel], expected, rtol=0, atol=1e-3)
                     gap = max(gap, float((expected - behav).abs().max()))
                     prox_t += len(sel)

@@ -1,6 +1,6 @@
 """Acceptance tests for the rollout buffer as a whole (issue #3): queue + cache + staleness
 manager + segment-wise strategy under concurrent producers, and a deterministic simulation
-proving that aggressive filtering never deadlocks the producer while a decaying credit does.
+proving that aggressive filtering never deadlocks the producer.
 
 The bound checked throughout (docs in sdp_cli/rollout/staleness.py): a dropped rollout stays in
 ``accepted`` and its slot is returned by the credit, so the *live* rollouts obey AReaL's bound
@@ -18,7 +18,6 @@ import pytest
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import (
-    CapacityModifier,
     FilteredSamplesCapacityModifier,
     StalenessManager,
 )
@@ -45,30 +44,11 @@ class RecordingStrategy(SegmentWiseStrategy):
         return stale
 
 
-class ForkDecayingCredit(CapacityModifier):
-    """The FilteredSamplesCapacityModifier of the AReaL fork this design started from: the credit
-    is decremented whenever the trainer consumes a batch, although the dropped rollouts are still
-    counted in ``accepted``. Used only to show that it loses capacity."""
-
-    def __init__(self):
-        self.credit = 0
-
-    def on_samples_filtered(self, count, version=None):
-        self.credit += count
-
-    def consumed(self, count):
-        self.credit = max(0, self.credit - count)
-
-    def modify_capacity(self, base_capacity, current_version, stats):
-        return base_capacity + self.credit
-
-
 def live_bound_holds(stats, eta, version, batch):
     return stats.accepted - stats.filtered + stats.running <= (eta + version + 1) * batch
 
 
 def simulate(
-    modifier_kind,
     *,
     seed,
     eta=1,
@@ -85,10 +65,7 @@ def simulate(
     rng = random.Random(seed)
     version = [0]
     mgr = StalenessManager(max_conc, batch, eta, lambda: version[0])
-    if modifier_kind == "exact":
-        modifier = FilteredSamplesCapacityModifier()
-    else:
-        modifier = ForkDecayingCredit()
+    modifier = FilteredSamplesCapacityModifier()
     mgr.register_capacity_modifier(modifier)
     strategy = RecordingStrategy(
         drop_every=drop_every, max_head_offpolicyness=eta, on_filtered=mgr.on_samples_filtered
@@ -135,8 +112,6 @@ def simulate(
                 for group in taken:
                     assert segment_wise_stale_reason(group, version[0], eta) is None
                 consumed.extend(g.group_id for g in taken)
-                if isinstance(modifier, ForkDecayingCredit):
-                    modifier.consumed(batch)
                 version[0] += 1
                 strategy.purge_stale_samples_from_queue(q, version[0])
                 if version[0] >= target_versions:
@@ -148,17 +123,12 @@ def simulate(
     assert sorted(consumed + strategy.dropped + held) == started
     stats = mgr.get_stats()
     assert stats.filtered == len(strategy.dropped) > 0, "the simulation must actually drop rollouts"
-    credit = (
-        modifier.credit
-        if isinstance(modifier, ForkDecayingCredit)
-        else modifier.get_filtered_count()
-    )
-    return version[0], len(strategy.dropped), credit
+    return version[0], len(strategy.dropped), modifier.get_filtered_count()
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_aggressive_filtering_never_deadlocks(seed):
-    reached, dropped, credit = simulate("exact", seed=seed)
+    reached, dropped, credit = simulate(seed=seed)
     assert reached == 40
     assert dropped >= 5  # filtering really was aggressive
     assert credit == dropped  # every dropped slot is still returned at the end
@@ -166,26 +136,10 @@ def test_aggressive_filtering_never_deadlocks(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_filtering_plus_a_reward_filter_never_deadlocks(seed):
-    reached, dropped, _ = simulate("exact", seed=seed, drop_every=3)
+    reached, dropped, _ = simulate(seed=seed, drop_every=3)
     # 40 versions consume 160 live groups; with ids 0..N−1 and every third dropped,
     # N − ⌈N/3⌉ ≥ 160 needs N ≥ 240, so at least ⌈240/3⌉ = 80 drops
     assert reached == 40 and dropped >= 80
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_decaying_credit_loses_capacity(seed):
-    """Same loop and strategy, but with the fork's credit, which decays when a batch is consumed:
-    the slots of dropped rollouts, still inside ``accepted``, are taken away again."""
-    _, dropped, credit = simulate("decaying", seed=seed)
-    assert credit < dropped  # dropped − credit slots are gone for good
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_decaying_credit_deadlocks_once_losses_reach_the_window(seed):
-    """With every third rollout dropped, the lost slots reach (η + 1)·B and the producer starves
-    while the trainer waits for a batch; the exact credit runs the same loop to the end."""
-    with pytest.raises(RuntimeError, match="deadlock"):
-        simulate("decaying", seed=seed, drop_every=3)
 
 
 def test_stress_many_producers_one_consumer():

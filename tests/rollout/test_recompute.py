@@ -136,54 +136,6 @@ def test_misbehaving_engine_is_reported():
             ProximalRecomputer(engine).recompute_all(inflight=[sample([5], [(0, 2)])])
 
 
-def test_dict_api_matches_the_seed_example():
-    class Fixed:
-        def get_version(self):
-            return 5
-
-        def score(self, sequences, starts):
-            assert sequences == [[1, 2, 3, 4, 5]] and starts == [3]
-            return [[0.1, 0.2]]
-
-    trajectory = {
-        "input_ids": [1, 2, 3, 4, 5],
-        "output_version": [4, 4],
-        "proximal_logprobs_t": [0.9, 0.8],
-    }
-    stats = ProximalRecomputer(Fixed()).recompute_for_sample(trajectory, prompt_len=3)
-    assert trajectory["proximal_logprobs_t"] == [0.1, 0.2]
-    assert trajectory["proximal_t_versions"] == [5, 5]
-    assert stats.mean_abs_delta == pytest.approx((0.8 + 0.6) / 2)  # |0.1 − 0.9|, |0.2 − 0.8|
-    again = ProximalRecomputer(Fixed()).recompute_for_sample(trajectory, prompt_len=3)
-    assert again.score_calls == 0  # already at version 5
-
-
-def test_dict_batch_touches_only_version_c_minus_1():
-    engine = FakeEngine(3)
-    batch = [
-        {
-            "input_ids": [9, 9, 10, 11, 12],
-            "versions": [1, 2, 3],
-            "proximal_logprobs_t": [-1.0, -1.0, -1.0],
-            "proximal_t_versions": [2, 2, 3],
-        },
-        {"input_ids": [9, 9, 13], "versions": [3], "proximal_logprobs_t": [-1.0]},
-    ]
-    stats = ProximalRecomputer(engine).recompute_batch(batch, prompt_len=2)
-    assert batch[0]["proximal_logprobs_t"] == [-1.0, lp(3, 3, 11), -1.0]
-    assert batch[0]["proximal_t_versions"] == [2, 3, 3]
-    assert batch[1]["proximal_logprobs_t"] == [-1.0]
-    assert stats.samples_seen == 2 and stats.samples_recomputed == 1
-    with pytest.raises(ValueError, match="versions"):
-        ProximalRecomputer(engine).recompute_batch(
-            [{"input_ids": [1, 2], "proximal_logprobs_t": [0.0]}], 1
-        )
-    with pytest.raises(ValueError, match="3 input_ids"):
-        ProximalRecomputer(engine).recompute_batch(
-            [{"input_ids": [1, 2, 3], "versions": [2], "proximal_logprobs_t": [0.0]}], 1
-        )
-
-
 @given(
     segments=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=4),
     prompt_lens=st.lists(st.integers(1, 4), min_size=4, max_size=4),

@@ -60,7 +60,6 @@ def test_admission_formula_hand_computed():
     assert mgr.get_stats() == RolloutStat(
         enqueued=0, submitted=3, accepted=1, rejected=1, running=1, filtered=0
     )
-    assert mgr.get_pending_limit() == 8  # (η + 1)·B
 
 
 def test_concurrency_limit_and_its_floor_of_one():
@@ -151,52 +150,6 @@ def test_dropped_rollout_slot_returns_once_and_stays_back():
     assert mod.get_filtered_count() == 1 and mod.get_version_stats() == {0: 1}
 
 
-def test_compact_filtered_moves_drops_without_changing_capacity():
-    mgr = StalenessManager(10, 2, 1, Version(0))
-    mod = FilteredSamplesCapacityModifier()
-    mgr.register_capacity_modifier(mod)
-    for _ in range(4):
-        run_one(mgr)
-    mgr.on_samples_filtered(3, version=0)
-    before = mgr.get_capacity()  # (1+0+1)·2 − 4 + 3 = 3
-    assert before == 3
-    assert mgr.compact_filtered() == 3
-    assert mgr.get_capacity() == before
-    stats = mgr.get_stats()
-    assert (stats.accepted, stats.rejected, stats.filtered) == (1, 3, 0)
-    assert mod.get_filtered_count() == 0
-    assert mgr.compact_filtered() == 0  # nothing left: a second call changes nothing
-    assert mgr.get_capacity() == before
-
-
-def test_compaction_alone_returns_slots_without_a_modifier():
-    mgr = StalenessManager(10, 2, 0, Version(0))
-    run_one(mgr)
-    run_one(mgr)
-    mgr.on_samples_filtered(2)
-    assert mgr.get_capacity() == 0  # no modifier: the drop is not yet returned
-    mgr.compact_filtered()
-    assert mgr.get_capacity() == 2
-
-
-def test_version_recovery_rebases_counters_and_withdraws_credit():
-    version = Version(3)
-    mgr = StalenessManager(100, 4, 1, version)
-    mod = FilteredSamplesCapacityModifier()
-    mgr.register_capacity_modifier(mod)
-    for _ in range(5):
-        run_one(mgr)
-    mgr.on_rollout_enqueued()
-    mgr.on_rollout_submitted()
-    mgr.on_samples_filtered(2, version=3)
-    mgr.on_version_recovered(3)
-    stats = mgr.get_stats()
-    assert (stats.accepted, stats.running, stats.enqueued, stats.filtered) == (12, 0, 0, 0)
-    assert mod.get_filtered_count() == 0
-    # accepted = v·B = 3·4 = 12; capacity (1 + 3 + 1)·4 − 12 = 8, no credit on top
-    assert mgr.get_capacity() == 8
-
-
 def test_state_dict_round_trips_through_json():
     version = Version(2)
     mgr = StalenessManager(6, 4, 1, version)
@@ -231,18 +184,14 @@ def test_state_dict_round_trips_through_json():
         StalenessManager(6, 4, 1, version).load_state_dict(state)
 
 
-def test_modifier_reset_and_guards():
+def test_modifier_credit_and_guards():
     mod = FilteredSamplesCapacityModifier()
     mod.on_samples_filtered(4, version=7)
     mod.on_samples_filtered(1)
     assert mod.get_filtered_count() == 5 and mod.get_version_stats() == {7: 4}
-    assert mod.modify_capacity(-2, 0, RolloutStat()) == 3
-    mod.on_capacity_consumed(2)
-    assert mod.get_filtered_count() == 3
+    assert mod.modify_capacity(-2, 0, RolloutStat()) == 3  # −2 + a credit of 4 + 1
     with pytest.raises(AssertionError):
-        mod.on_capacity_consumed(4)  # more than the credit
-    mod.reset()
-    assert mod.get_filtered_count() == 0 and mod.get_version_stats() == {}
+        mod.on_samples_filtered(-1)
 
 
 def test_concurrent_try_submit_never_overshoots():
@@ -272,7 +221,7 @@ def test_concurrent_try_submit_never_overshoots():
 
 @given(
     ops=st.lists(
-        st.sampled_from(["submit", "submit", "accept", "reject", "drop", "compact", "advance"]),
+        st.sampled_from(["submit", "submit", "accept", "reject", "drop", "advance"]),
         min_size=10,
         max_size=80,
     ),
@@ -304,8 +253,6 @@ def test_capacity_matches_the_live_rollout_model(ops, max_conc, batch, eta):
         elif op == "drop" and droppable:
             mgr.on_samples_filtered(1, version=version.v)
             live, droppable = live - 1, droppable - 1
-        elif op == "compact":
-            mgr.compact_filtered()
         elif op == "advance":
             version.v += 1
         expected = min(max(1, max_conc) - running, (eta + version.v + 1) * batch - live - running)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from sdp_cli.core.token_status import FILL, OK, UNCORRECTABLE, lacks_next_version, token_status
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch, fill_one_step_proximal, segment_wise_violation
+from sdp_cli.train.batch import assemble_batch, fill_one_step_proximal
 
 
 def _sample(prompt, outputs, logprobs, versions, reward, group_id=0):
@@ -64,15 +65,20 @@ def test_one_step_fill_only_touches_lag_one_tokens_and_updates_records():
     assert batch.proximal_logprobs_t[1].tolist() == [0, -1.0, -9.0, -0.125]
 
 
-def test_invariant_catches_a_closed_window_and_passes_when_complete():
+def test_token_status_of_a_batch_finds_a_closed_window_and_nothing_once_complete():
     batch, a, b = _batch(trainer_version=3)
+    status = token_status(batch.versions, batch.proximal_t_versions, 3, batch.mask)
+    # c = 3, target columns (see test_tokens_land_in_their_target_columns): a = [v2, v3] at 2–3,
+    # b = [v1, v2, v3] at 1–3, padding OK; each token's π_prox_t starts at its own version, so
+    # the version-2 tokens are FILL and b's version-1 token (≤ c − 2, not at π_2) UNCORRECTABLE
+    assert status.tolist() == [[OK, OK, FILL, OK], [OK, UNCORRECTABLE, FILL, OK]]
     fill_one_step_proximal(batch, torch.zeros_like(batch.old_logprobs))
-    # b's version-1 token was never scored under version 2: its window has closed
-    assert "version 1 but proximal_t_version 1" in segment_wise_violation(batch)
+    status = token_status(batch.versions, batch.proximal_t_versions, 3, batch.mask)
+    assert status.tolist() == [[OK, OK, OK, OK], [OK, UNCORRECTABLE, OK, OK]]
     b.set_proximal_t(0, -0.75, 2)
     batch2 = assemble_batch([RolloutGroup(0, [a, b])], pad_token_id=0, trainer_version=3)
     fill_one_step_proximal(batch2, torch.zeros_like(batch2.old_logprobs))
-    assert segment_wise_violation(batch2) is None
+    assert not lacks_next_version(token_status(batch2.versions, batch2.proximal_t_versions, 3, batch2.mask)).any()
 
 
 def test_rows_selects_a_consistent_sub_batch():

@@ -143,7 +143,7 @@ def _train(tmp_path: Path, *extra: str, tty: bool) -> tuple[str, Path]:
     env.pop("TTY_COMPATIBLE", None)
     if tty:
         env["TTY_COMPATIBLE"] = "1"
-    overrides = [o for o in FAST if o != "run.progress=false" and o != "train.eval_samples=0"]
+    overrides = [*FAST, "run.progress=true"]  # +debug=fast turns the display off
     proc = subprocess.run(
         [sys.executable, "-m", "sdp_cli", "train", *overrides, "train.steps=3", "train.eval_samples=8",
          "train.checkpoint_every=0", f"run.dir={run}", *extra],  # fmt: skip

@@ -1,16 +1,20 @@
 """A shortened version of the README's main run must show a learning signal.
 
 The full run (`sdp train +preset=segment_wise`, 300 steps) is measured in the README; here 150
-steps of the same configuration must raise the sampled reward and the greedy accuracy.
+steps of the same configuration must raise the sampled reward and the greedy accuracy. It takes
+about half a minute, so it is marked ``slow``; CI runs it explicitly (``.ci/run``).
 """
 
 import json
 from pathlib import Path
 
+import pytest
+
 from sdp_cli.config.compose import compose_config
 from sdp_cli.train.run import run_training
 
 
+@pytest.mark.slow
 def test_segment_wise_training_learns_arith1(tmp_path, monkeypatch):
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     cfg, raw = compose_config(

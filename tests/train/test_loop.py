@@ -16,6 +16,7 @@ from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.run import run_training
 
+from ..scoring import target_logprobs
 from .conftest import FAST
 
 COMBOS = [
@@ -54,11 +55,6 @@ def test_eta_zero_is_synchronous_on_policy_training(fast_config):
         assert row["offpolicy/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
-def _target_logprobs(model, input_ids):
-    with torch.no_grad():
-        logits = model(input_ids=input_ids[None]).logits[0, :-1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, input_ids[1:, None])[:, 0]
-
 
 def test_segment_wise_proximal_t_is_the_next_versions_logprob(fast_config):
     cfg, raw = fast_config(
@@ -86,7 +82,7 @@ def test_segment_wise_proximal_t_is_the_next_versions_logprob(fast_config):
                     continue  # on-policy tokens keep π_prox_t = π_behav
                 if v + 1 not in versions:
                     versions[v + 1] = load_policy("hf", path=run_dir / "versions" / f"v{v + 1:06d}").model
-                expected = _target_logprobs(versions[v + 1], ids)
+                expected = target_logprobs(versions[v + 1], ids)
                 sel = (ver == v).nonzero()[:, 0]
                 assert (batch.proximal_t_versions[lo:hi][sel] == v + 1).all()
                 torch.testing.assert_close(prox_t[sel], expected[sel - 1], rtol=0, atol=2e-5)
@@ -144,7 +140,7 @@ def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
 def test_recompute_threads_apply_inside_the_block_only():
     import torch
 
-    from sdp_cli.train.loop import intra_op_threads
+    from sdp_cli.train.loop_state import intra_op_threads
 
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2

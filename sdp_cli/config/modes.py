@@ -1,0 +1,39 @@
+"""What the config needs to know about a correction mode, torch-free (docs/design.md §4,
+"Adding a mode").
+
+The modes' behavioural weights are registered in ``sdp_cli/core/weights.py`` (``MODE_WEIGHTS``,
+pure torch). The config layer must not import torch (``sdp --help``, ``--print-config`` stay
+fast), but registering a mode imports that module, so: when it is loaded its registry is the
+truth; when it is not, no mode beyond the built-in ones (``sdp_cli/choices.py`` ``MODES``) can
+exist, and the built-in answers below hold (``tests/test_choices.py`` checks both paths agree).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from sdp_cli.choices import MODES
+
+REGISTRY_MODULE = "sdp_cli.core.weights"
+#: the built-in mode whose weight reads π_prox_t, as registered in core/weights.py
+_BUILTIN_READS_PROXIMAL_T = ("segment_wise",)
+
+
+def _registry() -> dict[str, Any] | None:
+    module = sys.modules.get(REGISTRY_MODULE)
+    return None if module is None else module.MODE_WEIGHTS
+
+
+def mode_names() -> tuple[str, ...]:
+    """Every mode a config may name: the registered ones (the built-in ones before it loads)."""
+    registry = _registry()
+    return MODES if registry is None else tuple(registry)
+
+
+def reads_proximal_t(mode: str) -> bool:
+    """Whether ``mode``'s behavioural weight reads π_prox_t (so the recompute pass must run)."""
+    registry = _registry()
+    if registry is None or mode not in registry:
+        return mode in _BUILTIN_READS_PROXIMAL_T
+    return "proximal_logprobs_t" in registry[mode].needs
