@@ -6,6 +6,7 @@ creating it and tidying it after a crash is ``sdp_cli.train.recovery``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,7 +16,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,6 +28,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.models.gguf import check_gguf_file, dequantised_note, is_gguf
 from sdp_cli.rundir import VERSION_GLOB, RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
@@ -37,7 +39,9 @@ from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
 from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
-from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.display import Progress, StartDisplay
+from sdp_cli.train.reporting import EventLog, MetricsLog
+from sdp_cli.train.trackers import active_trackers, check_installed, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
@@ -70,8 +74,11 @@ def _resolve_threads(cfg: SdpConfig) -> int:
 
 
 
-def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
-    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir)."""
+def load_policy_from(
+    cfg: SdpConfig, task: Task, *, path: Path | None = None, progress: Callable[[str], None] | None = None
+) -> Any:
+    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir);
+    ``progress`` follows a warm start that is not cached yet."""
     from sdp_cli.models import load_policy
 
     if path is not None:
@@ -93,6 +100,7 @@ def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) ->
         warm_start_batch=m.warm_start_batch,
         warm_start_target=m.warm_start_target,
         seed=cfg.seed,
+        progress=progress,
     )
 
 
@@ -110,6 +118,7 @@ class TrainingRun:
         resuming: bool,
         coordinator: Coordinator,
         task: Task | None = None,
+        display: StartDisplay | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -120,6 +129,7 @@ class TrainingRun:
         self.coordinator = coordinator
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
+        self.display = display or StartDisplay(enabled=False)
 
     # -- setup --------------------------------------------------------------
     def setup(self) -> None:
@@ -145,14 +155,18 @@ class TrainingRun:
             self.task = prepare_task(cfg)
         keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
-        self.policy, reference = self.coordinator.main_first(
-            lambda: load_for_training(
-                cfg,
-                lambda path: load_policy_from(cfg, self.task, path=path),
-                checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
-                version_base=self.run_dir.version_base if keep_versions else None,
+        with self.display.phase("loading model") as phase:
+            self.policy, reference = self.coordinator.main_first(
+                lambda: load_for_training(
+                    cfg,
+                    lambda path: load_policy_from(cfg, self.task, path=path, progress=phase.update),
+                    checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
+                    version_base=self.run_dir.version_base if keep_versions else None,
+                )
             )
-        )
+            phase.result = _describe(self.policy)
+        if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
+            print(dequantised_note(cfg.model.path), file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -193,7 +207,13 @@ class TrainingRun:
         if not self.coordinator.is_main:
             return
 
-        self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        if cfg.engine.kind == "local":
+            self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        else:
+            how = f"attaching to {len(cfg.engine.urls)} server(s)" if cfg.engine.urls else "starting a server"
+            with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
+                self.engine = build_engine(cfg, self.policy, self.run_dir)
+                phase.result = "ready" if cfg.engine.urls else f"ready (server log in {self.run_dir.logs})"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(
@@ -237,10 +257,16 @@ class TrainingRun:
 
         start_step = self.start_step
         self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
-        self.tensorboard = TensorBoardLog(
-            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if checkpoint else None
-        )
-        self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
+        names = active_trackers(cfg.run.trackers, cfg.run.tensorboard)
+        remote = [n for n in names if n != "tensorboard"]
+        with self.display.phase(f"starting {', '.join(remote)}") if remote else contextlib.nullcontext():
+            self.trackers = open_trackers(
+                names,
+                self.run_dir,
+                project=cfg.run.project,
+                config=_config_dict(self.raw),
+                resume_step=start_step if checkpoint else None,
+            )
 
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
@@ -287,7 +313,7 @@ class TrainingRun:
             self._save_batch(record)
         self.metrics.write(record.step, metrics)
         fault_point("run.metrics_written")
-        self.tensorboard.write(record.step, metrics)
+        self.trackers.log(record.step, metrics)
         self.progress.update(record.step, metrics)
         every = cfg.train.checkpoint_every
         if (every and record.step % every == 0) or record.step == cfg.train.steps:
@@ -333,25 +359,28 @@ class TrainingRun:
         self.ledger.sync()
         return snapshot
 
-    def _evaluate(self, step: int) -> float | None:
+    def _evaluate(self, step: int, progress: Callable[[int, int], None] | None = None) -> float | None:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
         cfg = self.cfg
         budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
         with self.trainer.autocast():  # the training precision
-            acc = greedy_accuracy(self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget)
+            acc = greedy_accuracy(
+                self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
+            )
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
-        self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
+        self.trackers.log(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
         return acc
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
+        self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
@@ -370,12 +399,14 @@ class TrainingRun:
                 "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
             )
             where = f"; resume with: sdp train resume={self.run_dir.path}" if path or step else ""
+            self.trackers.close(ok=False)
             raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
         except KeyboardInterrupt:
             step = self.loop.state.step
             if step > self.start_step:
                 self.checkpoint(step)
             self.events.write("interrupted", step=step)
+            self.trackers.close(ok=False)
             raise
         finally:
             self.progress.close()
@@ -385,15 +416,22 @@ class TrainingRun:
         if not in_sync:
             raise UserError("the training processes ended with different weights; report this as a bug")
         wall = time.perf_counter() - t0
-        acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
+        acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self.metrics.close()
         self.ledger.close()
-        self.tensorboard.close()
+        self.trackers.close()
         self.events.close()
         return summary
+
+    def _shown_evaluation(self, title: str, step: int) -> float | None:
+        """``_evaluate`` as a phase of the start display (a long one on a real model)."""
+        with self.display.phase(f"{title} (greedy, held-out prompts)") as phase:
+            acc = self._evaluate(step, progress=lambda done, total: phase.update(f"{done}/{total} prompts"))
+            phase.result = "no held-out prompts" if acc is None else f"greedy accuracy {acc:.2f}"
+        return acc
 
     def follow(self) -> None:
         """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
@@ -447,13 +485,16 @@ def _preflight(cfg: SdpConfig) -> Task:
     """Refuse what is certain to fail before anything is written (a model that is neither a
     directory nor a hub id, bad task data, a reward function that does not import, an API-key
     variable that is not set) and return the task, ready to sample."""
-    if cfg.model.kind == "hf":
+    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
+        check_gguf_file(cfg.model.path)
+    elif cfg.model.kind == "hf":
         from sdp_cli.models.loader import resolve_model_dir
 
         if not resolve_model_dir(cfg.model.path or "").is_dir():
             raise UserError(
                 f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
             )
+    check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
     task = prepare_task(cfg)
     key_env = cfg.engine.api_key_env
     if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
@@ -462,6 +503,19 @@ def _preflight(cfg: SdpConfig) -> Task:
             "export the key in it or unset engine.api_key_env"
         )
     return task
+
+
+def _describe(policy: Any) -> str:
+    """``name (N M parameters)`` of a loaded policy, for the start display."""
+    count = sum(p.numel() for p in policy.model.parameters())
+    return f"{policy.name}, {count / 1e6:.1f} M parameters"
+
+
+def _config_dict(raw: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what config.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
 
 
 def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
@@ -486,8 +540,9 @@ def run_training(
     """Start (or resume) a run and return its summary (None on ranks other than 0)."""
     from accelerate import Accelerator
 
-    from sdp_cli.train.distributed import Coordinator
+    from sdp_cli.train.distributed import Coordinator, check_launch
 
+    check_launch(os.environ)
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
     # what a resume changes in the run directory, written only once setup has accepted it, so a
     # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
@@ -516,16 +571,21 @@ def run_training(
             if source != ConfigSource():
                 atomic_write_text(run_dir.config_source, source.to_json())
         resuming = False
+    display = StartDisplay(enabled=cfg.run.progress and coordinator.is_main)
+    if coordinator.is_main:
+        display.line(f"{'resuming' if resuming else 'run dir'} {run_dir.path}")
+        print(task.summary(), file=sys.stderr)
     if resuming:
         deferred.append((run_dir.config, to_yaml(raw)))
     elif coordinator.is_main:
         atomic_write_text(run_dir.config, to_yaml(raw))
-    run = TrainingRun(cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task)
+    run = TrainingRun(
+        cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, display=display
+    )
     run.setup()
     if coordinator.is_main:
         for path, text in deferred:
             atomic_write_text(path, text)
-        print(task.summary(), file=sys.stderr)
     if not coordinator.is_main:
         run.follow()
         return None
