@@ -7,7 +7,9 @@
     events.jsonl                start / resume / crashes / checkpoints / stops / end
     ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
     summary.json                final numbers of the run (present once it finished)
-    tensorboard/                TensorBoard event files
+    tensorboard/                TensorBoard event files (run.trackers)
+    wandb/                      W&B's files (run.trackers includes wandb)
+    trackers.json               the W&B / MLflow run ids a resume continues
     logs/                       output of a server sdp launched
     checkpoints/step-000050/    atomic, validated checkpoints (sdp_cli/train/checkpoint.py)
     checkpoints/latest          the name of the newest one (a hint; validation decides)
@@ -103,6 +105,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / "trackers.json"
 
     @property
     def logs(self) -> Path:

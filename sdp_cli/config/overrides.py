@@ -66,7 +66,7 @@ def check_overrides(overrides: list[str]) -> list[str]:
                 raise UserError(f"{override} configures a sweep; {SWEEP_HINT}")
             raise UserError(
                 f"{override} has no effect on sdp train (it does not run through @hydra.main); "
-                "the run directory is run.dir, logging is run.progress/run.tensorboard"
+                "the run directory is run.dir, logging is run.progress/run.trackers"
             )
         checked.append(override)
     return checked

@@ -6,6 +6,7 @@ Validation lives in ``sdp_cli/config/validation.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -241,7 +242,8 @@ class ModelConfig:
     kind: str = "tiny"
     """tiny (built from code + warm start) | hf (a local Hugging Face model directory)."""
     path: str | None = None
-    """hf: the model directory (tokenizer included)."""
+    """hf: the model directory (tokenizer included), a hub id (org/name), or a .gguf file
+    (dequantised to float32; install the gguf extra)."""
     hidden_size: int = 128
     """tiny: hidden size."""
     num_layers: int = 4
@@ -314,8 +316,14 @@ class RunConfig:
     """run directory name; null = <timestamp>-<mode>-<task>."""
     dir: str | None = None
     """explicit run directory (overrides root/name)."""
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """experiment trackers getting every step's scalars and the config: tensorboard | wandb | mlflow
+    (wandb, mlflow: install the extra of that name; their servers and keys come from their own
+    environment variables)."""
+    project: str = "sdp"
+    """W&B project and MLflow experiment the run logs to."""
     tensorboard: bool = True
-    """write TensorBoard event files."""
+    """false leaves tensorboard out of run.trackers (the older switch; run.trackers=[] does the same)."""
     progress: bool = True
     """live progress display in the terminal."""
     debug: bool = False
@@ -351,7 +359,7 @@ class SdpConfig:
 
 
 def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, docstring) for every leaf field, read from the source docstrings."""
+    """(dotted key, default as YAML, docstring) for every leaf field, read from the source docstrings."""
     import ast
     import inspect
 
@@ -370,5 +378,14 @@ def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, 
         if is_dataclass(value):
             rows.extend(field_docs(type(value), prefix=f"{key}."))
         else:
-            rows.append((key, repr(value), docs.get(f.name, "")))
+            rows.append((key, yaml_literal(value), docs.get(f.name, "")))
     return rows
+
+
+def yaml_literal(value: Any) -> str:
+    """``value`` as YAML writes it on one line (null, false, [a, b], 0.0001): what a user types
+    in an override or a config file."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()

@@ -21,6 +21,7 @@ from sdp_cli.choices import (
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
+    TRACKERS,
     TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
@@ -228,6 +229,11 @@ def validate(cfg: SdpConfig) -> None:
     if mdl.warm_start_target is not None and not 0 < mdl.warm_start_target <= 1:
         raise ConfigValueError(f"model.warm_start_target={mdl.warm_start_target} must be in (0, 1]")
     _validate_lora(mdl.lora)
+
+    for name in cfg.run.trackers:
+        _choice("run.trackers", name, TRACKERS)
+    if not cfg.run.project.strip():
+        raise ConfigValueError("run.project is empty; name the W&B project / MLflow experiment (default sdp)")
 
     _validate_task(cfg.task)
 

@@ -9,7 +9,7 @@ positions, which makes a batched decode equal to decoding each prompt alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,13 +31,17 @@ def greedy_decode(
     eos_id: int,
     pad_id: int,
     batch_size: int = 64,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[Decoded]:
-    """Argmax-decode up to ``max_new_tokens`` after each prompt, stopping a row at ``eos_id``."""
+    """Argmax-decode up to ``max_new_tokens`` after each prompt, stopping a row at ``eos_id``;
+    ``progress(done, total)`` follows every batch of prompts."""
     assert max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}"
     assert all(len(p) > 0 for p in prompts), "every prompt needs at least one token"
     results: list[Decoded] = []
     for start in range(0, len(prompts), batch_size):
         results.extend(_decode_batch(model, prompts[start : start + batch_size], max_new_tokens, eos_id, pad_id))
+        if progress is not None:
+            progress(len(results), len(prompts))
     return results
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from sdp_cli.models.decode import greedy_decode
 from sdp_cli.models.policy import Policy
 from sdp_cli.tasks.base import Task
@@ -16,11 +18,12 @@ def greedy_accuracy(
     seed: int = 0,
     batch_size: int = 64,
     max_new_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> float | None:
     """Mean ``task.reward`` (its score) over up to ``n`` held-out problems,
     ``task.eval_items(n, seed)`` (never training problems), decoding greedily for at most
     ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_token_id``; None when
-    the task has no held-out problems."""
+    the task has no held-out problems. ``progress(done, total)`` follows every batch decoded."""
     assert n >= 1, f"n must be >= 1, got {n}"
     items = task.eval_items(n, seed)
     if not items:
@@ -32,6 +35,7 @@ def greedy_accuracy(
         eos_id=policy.eos_token_id,
         pad_id=policy.pad_token_id,
         batch_size=batch_size,
+        progress=progress,
     )
     rewards = [
         to_score(task.reward(policy.decode(result.token_ids), item, stopped=result.stopped), task.name, item.prompt)[0]

@@ -17,12 +17,13 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
+from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
@@ -96,6 +97,7 @@ def load_policy(
     cache_dir: str | Path | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    progress: Callable[[str], None] | None = None,
 ) -> Policy:
     """The policy of ``kind``.
 
@@ -105,7 +107,8 @@ def load_policy(
     (random init, nothing cached); ``warm_start_target=1.0`` runs every step unless the policy is
     already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
     warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds; ``dtype="auto"``
-    keeps the dtype the weights were saved in.
+    keeps the dtype the weights were saved in. ``progress`` gets a short line at each step of a warm
+    start that is not cached yet.
     """
     if dtype not in DTYPES and dtype != "auto":
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
@@ -140,7 +143,7 @@ def load_policy(
         charset = charset or task_obj.charset
         if charset != task_obj.charset:
             _check_charset_covers(task_obj, charset)
-        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir)
+        policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir, progress)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
     policy.model.to(device=device, dtype=DTYPES.get(dtype))
@@ -170,6 +173,7 @@ def _tiny_policy(
     target: float | None,
     seed: int,
     cache_dir: str | Path | None,
+    progress: Callable[[str], None] | None,
 ) -> Policy:
     if steps == 0:
         tokenizer = build_tokenizer(charset)
@@ -186,6 +190,7 @@ def _tiny_policy(
         target=target,
         seed=seed,
         cache_dir=cache_dir,
+        progress=progress,
     )
     policy = load_hf_policy(entry)
     policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"
@@ -194,10 +199,14 @@ def _tiny_policy(
 
 def load_hf_policy(path: str | Path) -> Policy:
     """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
-    directory or a hub id (``resolve_model_dir``)."""
+    directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
+    dequantised to float32)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if is_gguf(path):
+        model, tokenizer = load_gguf(path)
+        return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
     directory = resolve_model_dir(path)
     hub = is_hub_id(path)
     fix = (
@@ -233,14 +242,18 @@ def load_hf_policy(path: str | Path) -> Policy:
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
         raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
+    return _policy(model, tokenizer, directory, str(path) if hub else str(directory.resolve()))
+
+
+def _policy(model: Any, tokenizer: Any, source: Path, name: str) -> Policy:
+    """The Policy of a loaded model and tokenizer, with the stop and pad ids they define."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         config_eos = model.config.eos_token_id
         eos_id = config_eos[0] if isinstance(config_eos, (list, tuple)) else config_eos
     if eos_id is None:
-        raise UserError(f"model directory {directory} defines no EOS token; set eos_token in its tokenizer_config.json")
+        raise UserError(f"model {source} defines no EOS token; set eos_token in its tokenizer_config.json")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    name = str(path) if hub else str(directory.resolve())
     return Policy(model.eval(), tokenizer, int(eos_id), int(pad_id), tokenizer.bos_token_id, name)
 
 

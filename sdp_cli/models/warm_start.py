@@ -167,12 +167,13 @@ def train_sft(
     batch_size: int,
     seed: int,
     stop: Callable[[int], bool] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Teacher-force ``model`` in place; returns the loss of every step taken.
 
     The learning rate decays linearly from ``lr`` to 0 over ``steps``. Every
     ``check_interval(steps)`` steps, ``stop(step)`` is called with the model in eval mode and
-    training ends if it returns True.
+    training ends if it returns True. ``on_step(step, loss)`` follows every step (progress).
     """
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -188,6 +189,8 @@ def train_sft(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
         if stop is not None and step % interval == 0 and step < steps:
             model.eval()
             if stop(step):
@@ -285,8 +288,10 @@ def warm_start(
     target: float | None = None,
     cache_dir: str | Path | None = None,
     eval_n: int = EVAL_N,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """The cache entry for these settings, training and writing it first if it does not exist.
+    """The cache entry for these settings, training and writing it first if it does not exist
+    (``progress`` gets a short line after every training step and accuracy check).
 
     Greedy accuracy (towards ``target`` and the one recorded) is measured on at most ``eval_n``
     of the task's held-out problems (``Task.eval_items``); a data set without a held-out split
@@ -326,9 +331,15 @@ def warm_start(
         # held-out problems (task.eval_items); None for a data set without a held-out split
         return greedy_accuracy(policy, task, max(eval_n, 1), seed=seed + _EVAL_SEED_OFFSET)
 
+    def report(text: str) -> None:
+        if progress is not None:
+            progress(f"warm start on {task.name} (first use, cached afterwards): {text}")
+
     def reached_target(step: int) -> bool:
+        report(f"step {step}/{steps}, measuring greedy accuracy")
         value = accuracy()
         log.info("warm start: step %d greedy accuracy %s (target %s)", step, value, target)
+        report(f"step {step}/{steps}, greedy accuracy {value} (target {target})")
         return value is not None and value >= target
 
     with torch.random.fork_rng(devices=[]):
@@ -336,7 +347,9 @@ def warm_start(
         losses = train_sft(
             model, tokenizer, task, steps=steps, lr=lr, batch_size=batch_size, seed=seed,
             stop=reached_target if target is not None else None,
+            on_step=lambda step, loss: report(f"step {step}/{steps}, loss {loss:.3f}"),
         )
+    report(f"{len(losses)} steps done, measuring greedy accuracy")
     final_accuracy = accuracy()
     train_seconds = time.perf_counter() - started
     info = {

@@ -9,13 +9,40 @@ Rank 0 sends each batch's groups to the other ranks as JSON bytes over ``torch.d
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
+from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutGroup
 
 T = TypeVar("T")
+
+#: variables by which a launcher tells each process the size of the group (torchrun; MPI)
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_launch(env: Mapping[str, str]) -> None:
+    """Refuse launches that would silently train wrongly (docs/training.md "Several processes"):
+    ``accelerate launch --use_fsdp`` / ``--use_deepspeed`` (the trainer would hold shards, rank 0
+    pushes and saves whole weights) and ``accelerate launch --cpu --num_processes N`` (N > 1),
+    which without ``--mpirun_hostfile`` starts ONE process with a rendezvous address but no
+    world size, so it would train alone."""
+    def flag(name: str) -> bool:
+        return env.get(name, "").lower() in ("1", "true", "yes")
+
+    for name, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if flag(name):
+            raise UserError(
+                f"{what} sharding is not supported: rank 0 pushes and saves whole weights, which a sharded "
+                "model does not hold (docs/training.md \"Several processes\"); launch data-parallel "
+                "training instead (accelerate launch --multi_gpu, or torchrun --nproc_per_node N)"
+            )
+    if flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in env and not any(v in env for v in _WORLD_SIZE_VARS):
+        raise UserError(
+            "accelerate launch --cpu --num_processes N starts only one process here; launch N CPU "
+            "processes with torchrun --nproc_per_node N -m sdp_cli train ... instead"
+        )
 
 
 class Coordinator:

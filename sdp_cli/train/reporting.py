@@ -1,13 +1,12 @@
-"""Where a run reports: ``metrics.jsonl`` (one line per step), TensorBoard, ``events.jsonl``
-(what happened: start, resume, faults, checkpoints, end) and a live terminal display."""
+"""Where a run reports: ``metrics.jsonl`` (one line per step), ``events.jsonl`` (what happened:
+start, resume, faults, checkpoints, end). Experiment trackers (TensorBoard, W&B, MLflow) are
+``sdp_cli.train.trackers``; the terminal display is ``sdp_cli.train.display``."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -54,101 +53,3 @@ class EventLog:
 
     def close(self) -> None:
         self._fh.close()
-
-
-class TensorBoardLog:
-    """Scalars to TensorBoard (``<run>/tensorboard``); a no-op when disabled."""
-
-    def __init__(self, directory: Path | None, *, purge_step: int | None = None):
-        self._writer = None
-        if directory is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is None:
-            return
-        for key, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self._writer.add_scalar(key, value, step)
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-
-
-class Progress:
-    """A live line in a terminal (rich), or a plain line every ``every`` steps elsewhere."""
-
-    FIELDS = (
-        ("reward", "reward/mean", "{:.3f}"),
-        ("lag", "staleness/lag_mean", "{:.2f}"),
-        ("w mean", "weights/rollout_is_mean", "{:.3f}"),
-        ("w std", "weights/rollout_is_std", "{:.3f}"),
-        ("filtered", "staleness/filtered_groups_total", "{:.0f}"),
-        ("epoch", "data/epoch", "{:.2f}"),  # data-set tasks only
-    )
-
-    def __init__(self, total: int, *, start: int = 0, enabled: bool = True, stream: TextIO | None = None):
-        self.total = total
-        self.start_step = start
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.started = time.monotonic()
-        self.rewards: deque[float] = deque(maxlen=20)
-        self.tokens_at_start: float | None = None
-        self._rich = None
-        self._task = None
-        self.every = max(1, total // 20)
-        if enabled and self.stream.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress
-            from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self._rich = RichProgress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-                console=Console(file=self.stream),
-                transient=False,
-            )
-            self._task = self._rich.add_task("train", total=total, completed=start, info="")
-            self._rich.start()
-
-    def _summary(self, step: int, metrics: dict[str, float]) -> str:
-        if "reward/mean" in metrics:
-            self.rewards.append(metrics["reward/mean"])
-        parts = []
-        for label, key, fmt in self.FIELDS:
-            if key == "reward/mean" and self.rewards:
-                parts.append(f"{label} {fmt.format(sum(self.rewards) / len(self.rewards))}")
-            elif key in metrics:
-                parts.append(f"{label} {fmt.format(metrics[key])}")
-        tokens = metrics.get("throughput/tokens_generated_total")
-        if tokens is not None:
-            if self.tokens_at_start is None:
-                self.tokens_at_start = tokens
-            elapsed = max(time.monotonic() - self.started, 1e-9)
-            parts.append(f"tok/s {(tokens - self.tokens_at_start) / elapsed:.0f}")
-        return "  ".join(parts)
-
-    def update(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
-        info = self._summary(step, metrics)
-        if self._rich is not None:
-            self._rich.update(self._task, completed=step, info=info)
-        elif step % self.every == 0 or step == self.total:
-            done = step - self.start_step
-            elapsed = time.monotonic() - self.started
-            remaining = elapsed / done * (self.total - step) if done else float("nan")
-            print(f"step {step}/{self.total}  {info}  elapsed {elapsed:.0f}s  eta {remaining:.0f}s", file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()

@@ -6,6 +6,7 @@ creating it and tidying it after a crash is ``sdp_cli.train.recovery``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -14,7 +15,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -26,6 +27,7 @@ from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.models.gguf import dequantised_note
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
@@ -34,32 +36,25 @@ from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
+from sdp_cli.train.policy_setup import (
+    PromptCodec,
+    describe_policy,
+    load_for_training,
+    load_policy_from,
+    save_checkpoint_policy,
+    save_version,
+)
 from sdp_cli.train.recovery import recover_after_crash, resume_point
+from sdp_cli.train.display import Progress, StartDisplay
+from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.session_end import SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, open_run
-from sdp_cli.train.reporting import EventLog, MetricsLog, Progress, TensorBoardLog
+from sdp_cli.train.trackers import active_trackers, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
 
 # ------------------------------------------------------------------- helpers
-class PromptCodec:
-    """Prompt encoding and completion decoding of a policy (the stop token is not text)."""
-
-    def __init__(self, policy: Any):
-        self.policy = policy
-        self.stop_token_ids = {int(policy.eos_token_id)}
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return self.policy.encode_prompt(text)
-
-    def decode_completion(self, token_ids: list[int]) -> str:
-        if token_ids and token_ids[-1] in self.stop_token_ids:
-            token_ids = token_ids[:-1]
-        return self.policy.decode(token_ids)
-
-
 def _resolve_threads(cfg: SdpConfig) -> int:
     cores = os.cpu_count() or 1
     if cfg.train.threads is not None:
@@ -67,34 +62,6 @@ def _resolve_threads(cfg: SdpConfig) -> int:
     # Rollouts and training overlap when η > 0: give each worker its own core(s) so the two
     # threads run in parallel instead of fighting over one intra-op pool.
     return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
-
-
-
-
-def load_policy_from(cfg: SdpConfig, task: Task, *, path: Path | None = None) -> Any:
-    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir)."""
-    from sdp_cli.models import load_policy
-
-    if path is not None:
-        return load_policy("hf", path=str(path))
-    if cfg.model.kind == "hf":
-        return load_policy("hf", path=cfg.model.path)
-    m = cfg.model
-    return load_policy(
-        "tiny",
-        task=task,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads or m.num_heads,
-        intermediate_size=m.intermediate_size,
-        charset=m.charset,
-        warm_start_steps=m.warm_start_steps,
-        warm_start_lr=m.warm_start_lr,
-        warm_start_batch=m.warm_start_batch,
-        warm_start_target=m.warm_start_target,
-        seed=cfg.seed,
-    )
 
 
 # ---------------------------------------------------------------------- run
@@ -112,6 +79,7 @@ class TrainingRun(SessionEnd):
         coordinator: Coordinator,
         task: Task | None = None,
         stop_request: StopRequest | None = None,
+        display: StartDisplay | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -128,6 +96,7 @@ class TrainingRun(SessionEnd):
         self._last_checkpoint: tuple[int, Path] | None = None
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
+        self.display = display or StartDisplay(enabled=False)
 
     # -- setup --------------------------------------------------------------
     def setup(self) -> None:
@@ -153,14 +122,18 @@ class TrainingRun(SessionEnd):
             self.task = prepare_task(cfg)
         keep_versions = cfg.train.keep_version_checkpoints and self.coordinator.is_main
         # rank 0 first: it may train and cache the warm start, which the others then load
-        self.policy, reference = self.coordinator.main_first(
-            lambda: load_for_training(
-                cfg,
-                lambda path: load_policy_from(cfg, self.task, path=path),
-                checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
-                version_base=self.run_dir.version_base if keep_versions else None,
+        with self.display.phase("loading model") as phase:
+            self.policy, reference = self.coordinator.main_first(
+                lambda: load_for_training(
+                    cfg,
+                    lambda path: load_policy_from(cfg, self.task, path=path, progress=phase.update),
+                    checkpoint_policy=checkpoint.policy_dir if checkpoint else None,
+                    version_base=self.run_dir.version_base if keep_versions else None,
+                )
             )
-        )
+            phase.result = describe_policy(self.policy)
+        if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
+            print(dequantised_note(cfg.model.path), file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -201,7 +174,13 @@ class TrainingRun(SessionEnd):
         if not self.coordinator.is_main:
             return
 
-        self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        if cfg.engine.kind == "local":
+            self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+        else:
+            how = f"attaching to {len(cfg.engine.urls)} server(s)" if cfg.engine.urls else "starting a server"
+            with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
+                self.engine = build_engine(cfg, self.policy, self.run_dir)
+                phase.result = "ready" if cfg.engine.urls else f"ready (server log in {self.run_dir.logs})"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(
@@ -250,12 +229,18 @@ class TrainingRun(SessionEnd):
                 self._save_version(0)
 
         start_step = self.start_step
-        cut = checkpoint is not None or over
+        cut = checkpoint is not None or over  # a start over drops what was logged
         self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if cut else None)
-        self.tensorboard = TensorBoardLog(
-            self.run_dir.tensorboard if cfg.run.tensorboard else None, purge_step=start_step + 1 if cut else None
-        )
-        self.progress = Progress(cfg.train.steps, start=start_step, enabled=cfg.run.progress)
+        names = active_trackers(cfg.run.trackers, cfg.run.tensorboard)
+        remote = [n for n in names if n != "tensorboard"]
+        with self.display.phase(f"starting {', '.join(remote)}") if remote else contextlib.nullcontext():
+            self.trackers = open_trackers(
+                names,
+                self.run_dir,
+                project=cfg.run.project,
+                config=_config_dict(self.raw),
+                resume_step=start_step if cut else None,
+            )
 
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
@@ -302,7 +287,7 @@ class TrainingRun(SessionEnd):
             self._save_batch(record)
         self.metrics.write(record.step, metrics)
         fault_point("run.metrics_written")
-        self.tensorboard.write(record.step, metrics)
+        self.trackers.log(record.step, metrics)
         self.progress.update(record.step, metrics)
         every = cfg.train.checkpoint_every
         if (every and record.step % every == 0) or record.step == cfg.train.steps:
@@ -348,18 +333,20 @@ class TrainingRun(SessionEnd):
         self.ledger.sync()
         return snapshot
 
-    def _evaluate(self, step: int) -> float | None:
+    def _evaluate(self, step: int, progress: Callable[[int, int], None] | None = None) -> float | None:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
         from sdp_cli.models import greedy_accuracy
 
         cfg = self.cfg
         budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
         with self.trainer.autocast():  # the training precision
-            acc = greedy_accuracy(self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget)
+            acc = greedy_accuracy(
+                self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
+            )
         if acc is None:
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
-        self.tensorboard.write(step, {"eval/greedy_accuracy": acc})
+        self.trackers.log(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
         return acc
 
@@ -368,7 +355,8 @@ class TrainingRun(SessionEnd):
         """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
         step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
-        acc_start = self._evaluate(self.start_step) if cfg.train.eval_samples else None
+        acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
+        self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
@@ -388,12 +376,19 @@ class TrainingRun(SessionEnd):
         if stopped is not None:
             raise self._stopped(stopped)
         wall = time.perf_counter() - t0
-        acc_end = self._evaluate(cfg.train.steps) if cfg.train.eval_samples else None
+        acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self._close_logs()
         return summary
+
+    def _shown_evaluation(self, title: str, step: int) -> float | None:
+        """``_evaluate`` as a phase of the start display (a long one on a real model)."""
+        with self.display.phase(f"{title} (greedy, held-out prompts)") as phase:
+            acc = self._evaluate(step, progress=lambda done, total: phase.update(f"{done}/{total} prompts"))
+            phase.result = "no held-out prompts" if acc is None else f"greedy accuracy {acc:.2f}"
+        return acc
 
     def follow(self) -> None:
         """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
@@ -406,6 +401,13 @@ class TrainingRun(SessionEnd):
             )
             self.trainer.step(batch)
         self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+
+
+def _config_dict(raw: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what config.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
 
 
 def run_training(
@@ -423,8 +425,9 @@ def run_training(
     """
     from accelerate import Accelerator
 
-    from sdp_cli.train.distributed import Coordinator
+    from sdp_cli.train.distributed import Coordinator, check_launch
 
+    check_launch(os.environ)
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
     # ranks other than 0 follow rank 0, which decides where the run stops (no abort of their own)
     stop = stop or StopRequest(abortable=coordinator.is_main)
@@ -445,6 +448,10 @@ def _train(
     try:
         start = open_run(cfg, raw, overrides, source, coordinator)
         owned = start.owned
+        display = StartDisplay(enabled=start.cfg.run.progress and coordinator.is_main)
+        if coordinator.is_main:
+            display.line(f"{'resuming' if start.resuming else 'run dir'} {start.run_dir.path}")
+            print(start.task.summary(), file=sys.stderr)
         run = TrainingRun(
             start.cfg,
             start.raw,
@@ -454,6 +461,7 @@ def _train(
             coordinator=coordinator,
             task=start.task,
             stop_request=stop,
+            display=display,
         )
         try:
             run.setup()
@@ -466,7 +474,6 @@ def _train(
         if coordinator.is_main:
             for path, text in start.deferred:
                 atomic_write_text(path, text)
-            print(start.task.summary(), file=sys.stderr)
         if not coordinator.is_main:
             run.follow()
             return None

@@ -49,12 +49,15 @@ class SessionEnd:
             engine, self.engine = self.engine, None
             engine.close()
         if abort:
-            self._close_logs()
+            self._close_logs(ok=False)
 
-    def _close_logs(self) -> None:
-        for log in ("metrics", "ledger", "tensorboard", "events"):
+    def _close_logs(self, *, ok: bool = True) -> None:
+        """Close the run's logs; ``ok``: the session finished (trackers mark a run that did not)."""
+        for log in ("metrics", "ledger", "events"):
             if getattr(self, log, None) is not None:
                 getattr(self, log).close()
+        if getattr(self, "trackers", None) is not None:
+            self.trackers.close(ok=ok)
 
     def _checkpoint_at_stop(self, step: int) -> tuple[Path | None, str | None]:
         """The checkpoint of ``step`` (written now unless it exists): (path, None), or
@@ -76,7 +79,7 @@ class SessionEnd:
         name = self.stop_request.name
         path, problem = self._checkpoint_at_stop(step)
         self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
-        self._close_logs()
+        self._close_logs(ok=False)
         where = f"resume with: sdp train resume={self.run_dir.path}"
         if problem:
             last = self._last_complete_step()
@@ -95,7 +98,7 @@ class SessionEnd:
             detail["traceback"] = "".join(traceback.format_exception(cause))
         reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
         self._event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
-        self._close_logs()
+        self._close_logs(ok=False)
         last = self._last_complete_step()
         where = f"; resume with: sdp train resume={self.run_dir.path}" if last is not None or step else ""
         if problem:

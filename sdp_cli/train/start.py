@@ -20,12 +20,14 @@ from sdp_cli.config.schema import EngineConfig, SdpConfig
 from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
+from sdp_cli.models.gguf import check_gguf_file, is_gguf
 from sdp_cli.redact import is_loopback, is_redacted, redact_urls
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides
 from sdp_cli.train.task_setup import prepare_task
+from sdp_cli.train.trackers import active_trackers, check_installed
 
 
 #: config keys that name a program to start or code to import (docs/reliability.md, "Security defaults")
@@ -129,13 +131,16 @@ def preflight(cfg: SdpConfig) -> Task:
     """Refuse what is certain to fail before anything is written (a model that is neither a
     directory nor a hub id, bad task data, a reward function that does not import, an API-key
     variable that is not set) and return the task, ready to sample."""
-    if cfg.model.kind == "hf":
+    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
+        check_gguf_file(cfg.model.path)
+    elif cfg.model.kind == "hf":
         from sdp_cli.models.loader import resolve_model_dir
 
         if not resolve_model_dir(cfg.model.path or "").is_dir():
             raise UserError(
                 f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
             )
+    check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
     task = prepare_task(cfg)
     if (warning := bind_warning(cfg)) is not None:
         print(warning, file=sys.stderr)

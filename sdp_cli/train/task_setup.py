@@ -14,6 +14,7 @@ from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
+from sdp_cli.models.gguf import is_gguf, load_gguf_tokenizer
 from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task
 
 
@@ -44,6 +45,8 @@ def build_task_from(cfg: SdpConfig) -> Task:
 
 def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
     """The policy's tokenizer without its weights: a local or hub model's, or the tiny model's."""
+    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
+        return load_gguf_tokenizer(cfg.model.path)
     if cfg.model.kind == "hf":
         from transformers import AutoTokenizer
 

@@ -207,10 +207,11 @@ def test_resume_composes_with_the_config_dir_the_run_started_with(workdir, capsy
 
 
 def test_a_new_group_of_the_config_dir_is_added_with_plus(workdir, capsys):
-    (workdir / "conf" / "debug").mkdir()
-    (workdir / "conf" / "debug" / "fast.yaml").write_text("# @package _global_\ntrain:\n  steps: 2\n  eval_samples: 0\n")
-    code, out, err = run_main(["train", "--config-dir", "conf", "+debug=fast", "--print-config"], capsys)
+    # (sdp ships a debug group with fast.yaml: a group sdp does not have is the user's own)
+    (workdir / "conf" / "trial").mkdir()
+    (workdir / "conf" / "trial" / "short.yaml").write_text("# @package _global_\ntrain:\n  steps: 2\n  eval_samples: 0\n")
+    code, out, err = run_main(["train", "--config-dir", "conf", "+trial=short", "--print-config"], capsys)
     assert code == 0, err
     config = yaml.safe_load(out)
     assert (config["train"]["steps"], config["train"]["eval_samples"]) == (2, 0)
-    assert "debug" not in config
+    assert "trial" not in config

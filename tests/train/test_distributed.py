@@ -29,3 +29,62 @@ def test_two_processes_train_the_same_model(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     # each process trains on half of the 16 sequences of a batch
     assert all(r["batch/sequences"] == 16 for r in rows)
+
+
+# The environment `accelerate launch --cpu --num_processes 2` gives its one child (accelerate
+# 1.15, utils/launch.py prepare_simple_launcher_cmd_env): CPU flag and a rendezvous address,
+# but no WORLD_SIZE/RANK — torch.distributed is never set up, so only one process trains.
+ACCELERATE_CPU_CHILD = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},  # plain `sdp train`
+        {"ACCELERATE_USE_CPU": "True"},  # `accelerate launch --cpu` with one process
+        {**ACCELERATE_CPU_CHILD, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"},  # torchrun
+        {**ACCELERATE_CPU_CHILD, "PMI_SIZE": "2"},  # accelerate's mpirun path (--mpirun_hostfile)
+        {**ACCELERATE_CPU_CHILD, "OMPI_COMM_WORLD_SIZE": "2"},
+    ],
+)
+def test_launches_that_start_every_process_are_accepted(env):
+    from sdp_cli.train.distributed import check_launch
+
+    check_launch(env)
+
+
+def test_accelerate_cpu_multi_process_is_refused_in_one_line():
+    from sdp_cli.errors import UserError
+    from sdp_cli.train.distributed import check_launch
+
+    with pytest.raises(UserError) as err:
+        check_launch(ACCELERATE_CPU_CHILD)
+    message = str(err.value)
+    assert "\n" not in message and "torchrun --nproc_per_node" in message and "accelerate launch --cpu" in message
+
+
+@pytest.mark.skipif(shutil.which("accelerate", path=str(Path(sys.executable).parent)) is None, reason="accelerate CLI not installed")
+def test_accelerate_launch_cpu_two_processes_exits_pointing_to_torchrun(tmp_path):
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    cmd = [accelerate, "launch", "--cpu", "--num_processes", "2", "-m", "sdp_cli", "train", *FAST,
+           "train.steps=1", f"run.dir={run_dir}"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    lines = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "torchrun --nproc_per_node N" in lines[0], done.stderr[-2000:]
+    assert not run_dir.exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("name", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_sharded_accelerate_launches_are_refused_in_one_line(name):
+    # accelerate launch --use_fsdp / --use_deepspeed set these for every process (torchrun
+    # underneath); accelerate.Accelerator() would then wrap the trainer's model in FSDP/DeepSpeed
+    from sdp_cli.errors import UserError
+    from sdp_cli.train.distributed import check_launch
+
+    with pytest.raises(UserError) as err:
+        check_launch({name: "true", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+    assert "\n" not in str(err.value) and "not supported" in str(err.value) and "torchrun" in str(err.value)
+    check_launch({name: "false", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})

