@@ -94,9 +94,9 @@ def open_run(
                 raise UserError(
                     f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
                 )
+            original = read_overrides(saved)  # a directory that is no run gets no lock file
             if coordinator.is_main:
                 owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
-            original = read_overrides(saved)
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
