@@ -47,3 +47,9 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 TRAIN_DTYPES = ("float32", "bfloat16")
 #: why a sample stopped generating (a finished rollout record, a server's answer)
 FINISH_REASONS = ("stop", "length")
+
+#: the drift clip κ of ``+preset=segment_wise_drift`` and of the shadow drift-clipped weight in
+#: runs that train without one: the κ the drift-clip study recommends (docs/results.md)
+RECOMMENDED_DRIFT_CLIP = 4.0
+#: the κ values that study swept; ``sdp recompute --exact`` reports these unless told others
+STUDIED_DRIFT_CLIPS = (1.5, 2.0, 3.0, 4.0)

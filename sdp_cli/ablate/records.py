@@ -26,7 +26,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
 #: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
-#: (``drift``: the drift-clipped segment-wise weight, κ = the run's loss.drift_clip or 2)
+#: (``drift``: the drift-clipped segment-wise weight, κ = the run's loss.drift_clip or choices.RECOMMENDED_DRIFT_CLIP)
 SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise", "drift": "segment_wise_drift"}
 #: a group: (mode, η = max_head_offpolicyness, the other swept values)
 GroupKey = tuple[str, int, tuple[str, ...]]

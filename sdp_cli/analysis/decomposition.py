@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sdp_cli.analysis.recompute_plan import output_mask
+from sdp_cli.choices import STUDIED_DRIFT_CLIPS
 from sdp_cli.rollout.batch_file import SavedBatch
 
 
@@ -38,8 +39,8 @@ class Moments:
 
 #: quantiles of the dropped factor π_c/π_{v+1} reported per lag
 DROPPED_QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
-#: the drift clips whose effect is reported by default (the κ values `sdp ablate` sweeps)
-DEFAULT_DRIFT_CLIPS = (1.5, 2.0, 4.0)
+#: the drift clips whose effect is reported by default (the κ values of the drift-clip study)
+DEFAULT_DRIFT_CLIPS = STUDIED_DRIFT_CLIPS
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sdp_cli.choices import IS_LEVELS, MODES
+from sdp_cli.choices import IS_LEVELS, MODES, RECOMMENDED_DRIFT_CLIP
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights
@@ -74,7 +74,7 @@ class WeightOptions:
     action: str = "truncate"
     batch_normalize: bool = False
     #: κ of the segment_wise_drift row (loss.drift_clip)
-    drift_clip: float = 2.0
+    drift_clip: float = RECOMMENDED_DRIFT_CLIP
 
 
 def _options_json(options: WeightOptions) -> dict[str, Any]:

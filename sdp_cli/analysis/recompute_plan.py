@@ -23,6 +23,7 @@ import torch
 
 from sdp_cli.analysis.checkpoints import KEEP_VERSIONS_FIX, MissingCheckpoints, format_versions
 from sdp_cli.analysis.scorers import Scorer
+from sdp_cli.choices import STUDIED_DRIFT_CLIPS
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import SavedBatch
 from sdp_cli.rollout.recompute import token_packs
@@ -79,7 +80,7 @@ class RecomputeOptions:
     proximal: ProximalChoice | None = None
     exact: bool = False
     max_tokens_per_call: int = 16384
-    drift_clips: tuple[float, ...] = (1.5, 2.0, 4.0)
+    drift_clips: tuple[float, ...] = STUDIED_DRIFT_CLIPS
 
     def __post_init__(self) -> None:
         if self.exact and self.proximal not in (None, ProximalChoice()):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.choices import WEIGHT_ACTIONS
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP, WEIGHT_ACTIONS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ def inspect_weights_command(
         False, "--batch-normalize", help="Divide the bounded weights by their mean (loss.batch_normalize)."
     ),
     drift_clip: float = typer.Option(
-        2.0,
+        RECOMMENDED_DRIFT_CLIP,
         "--drift-clip",
         help="κ of the segment_wise_drift row: the segment-wise weight times π_prox/π_prox_t clipped "
         "into \\[1/κ, κ] (loss.drift_clip; 1 = segment_wise, inf = decoupled).",

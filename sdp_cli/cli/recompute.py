@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.choices import ENGINE_KINDS
+from sdp_cli.choices import ENGINE_KINDS, STUDIED_DRIFT_CLIPS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def recompute_command(
         "--drift-clip",
         metavar="KAPPA",
         help="With --exact: report what a drift clip κ keeps of the dropped factor (repeatable; "
-        "default 1.5, 2 and 4).",
+        "default 1.5, 2, 3 and 4).",
     ),
     # a str, not a Path: Path() drops the trailing slash that makes "-o new-dir/" a directory
     output: str | None = typer.Option(
@@ -111,7 +111,7 @@ def recompute_command(
     for url in servers:
         check_server_url(url)
     device = resolve_device(device)
-    kappas = tuple(drift_clip or (1.5, 2.0, 4.0))
+    kappas = tuple(drift_clip or STUDIED_DRIFT_CLIPS)
     bad = next((k for k in kappas if math.isnan(k) or k < 1), None)
     if bad is not None:
         raise UserError(f"--drift-clip {bad} must be >= 1 (1 = segment-wise, inf = decoupled); pass e.g. --drift-clip 2")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from sdp_cli.choices import PROXIMAL_T_SOURCES, TRAIN_DTYPES
+from sdp_cli.choices import PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
@@ -52,7 +52,7 @@ from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
-SHADOW_DRIFT_CLIP = 2.0
+SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
 
 
 @dataclass

@@ -290,16 +290,18 @@ def test_exact_decomposition_by_hand(tmp_path):
     # π_prox = π_3 on every output token; the file then gives the dropped factor directly
     new = result.outcomes[0].batch
     assert (new.proximal_logprobs[2] - new.proximal_logprobs_t[2]).item() == pytest.approx(-2.0, abs=1e-5)
-    # what each drift clip keeps of the dropped factor (κ = 1.5, 2, 4 by default):
+    # what each drift clip keeps of the dropped factor (κ = 1.5, 2, 3, 4 by default):
     # lag 3, log d = −2: outside ±log κ for every κ (log 4 = 1.386), so no token is kept whole;
-    # the clipped weight keeps log κ of the 2 nats: 0.405/2, 0.693/2, 1.386/2
+    # the clipped weight keeps log κ of the 2 nats: 0.405/2, 0.693/2, 1.099/2, 1.386/2
     kept = {k.kappa: k for k in lags[3].drift_kept}
-    assert sorted(kept) == [1.5, 2.0, 4.0]
+    assert sorted(kept) == [1.5, 2.0, 3.0, 4.0]
     for kappa, k in kept.items():
         assert k.tokens_unclipped == 0.0 and k.log_kept == pytest.approx(math.log(kappa) / 2, abs=1e-6)
-    # lag 2, log d = −1 on both tokens: inside ±log 4 (kept whole), outside ±log 2 (0.693 of 1)
+    # lag 2, log d = −1 on both tokens: inside ±log 4 and ±log 3 (1.099: kept whole), outside
+    # ±log 2 (0.693 of 1)
     kept = {k.kappa: k for k in lags[2].drift_kept}
     assert (kept[4.0].tokens_unclipped, kept[4.0].log_kept) == (1.0, pytest.approx(1.0))
+    assert (kept[3.0].tokens_unclipped, kept[3.0].log_kept) == (1.0, pytest.approx(1.0))
     assert (kept[2.0].tokens_unclipped, kept[2.0].log_kept) == (0.0, pytest.approx(math.log(2), abs=1e-6))
     # lag 1 drops nothing: every κ keeps it all; the quantiles of d are then all exactly 1
     assert all(k.tokens_unclipped == 1.0 and k.log_kept == 1.0 for k in lags[1].drift_kept)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
 from sdp_cli.config.compose import compose_config, to_yaml
 from sdp_cli.config.schema import SdpConfig, field_docs
 from sdp_cli.config.validation import validate
@@ -50,7 +51,7 @@ def test_presets_compose_and_set_mode_and_staleness(preset):
     # the drift presets: the plain one carries the recommended κ, the _kX ones fix κ = X
     if drift:
         kappa = preset.partition("_k")[2]
-        assert cfg.loss.drift_clip == (float(kappa) if kappa else 2.0)
+        assert cfg.loss.drift_clip == (float(kappa) if kappa else RECOMMENDED_DRIFT_CLIP)
     else:
         assert cfg.loss.drift_clip is None
 

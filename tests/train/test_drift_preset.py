@@ -9,6 +9,8 @@ import json
 import pytest
 import yaml
 
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
+
 from ..fast_run import FAST, train_run
 
 
@@ -19,13 +21,13 @@ def test_the_drift_preset_trains_with_the_clipped_weight(tmp_path):
     )
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["loss"]["mode"] == "segment_wise"
-    assert config["loss"]["drift_clip"] == 2.0
+    assert config["loss"]["drift_clip"] == RECOMMENDED_DRIFT_CLIP == 4.0  # docs/results.md
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["staleness/lag_max"] for r in rows) >= 1  # stale tokens were there to weigh
     for r in rows:
-        assert r["shadow/segment_wise_drift/kappa"] == 2.0
+        assert r["shadow/segment_wise_drift/kappa"] == RECOMMENDED_DRIFT_CLIP
         assert 0.0 <= r["weights/drift_clipped_fraction"] <= 1.0
         # the weight the loss used is the drift-clipped one (decoupled and plain segment-wise
         # remain shadows): its statistics coincide with the drift shadow's
