@@ -27,7 +27,7 @@ from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
-from sdp_cli.models.gguf import dequantised_note
+from sdp_cli.models.gguf import dequantised_note, is_gguf
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task

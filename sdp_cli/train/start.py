@@ -25,7 +25,7 @@ from sdp_cli.redact import is_loopback, is_redacted, redact_urls
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides
+from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides, resume_point
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trackers import active_trackers, check_installed
 
@@ -95,6 +95,7 @@ def open_run(
                     f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
                 )
             original = read_overrides(saved)  # a directory that is no run gets no lock file
+            resume_point(run_dir, speak=False)  # nothing to resume from: one line, before any output
             if coordinator.is_main:
                 owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
             extra = [o for o in overrides if not o.startswith("resume=")]
