@@ -111,7 +111,7 @@ class SessionEnd:
         """An end-of-session event; a full disk must not hide the one line that follows."""
         try:
             self.events.write(name, **{k: v for k, v in fields.items() if v is not None or k == "checkpoint"})
-        except OSError:
+        except (OSError, ValueError):  # ValueError: the log was closed (a second Ctrl-C after the stop's line)
             pass
 
     def aborted(self, signum: int) -> Interrupted:
