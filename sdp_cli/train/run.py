@@ -588,7 +588,7 @@ def run_training(
             atomic_write_text(path, text)
     if not coordinator.is_main:
         run.follow()
-        return None
+        coordinator.end_follower()
     summary = run.run()
     print(_summary_line(summary))
     return summary
