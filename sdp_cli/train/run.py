@@ -476,7 +476,7 @@ def _train(
                 atomic_write_text(path, text)
         if not coordinator.is_main:
             run.follow()
-            return None
+            coordinator.end_follower()
         summary = run.run()
         print(summary_line(summary))
         return summary
