@@ -38,6 +38,8 @@ totals = json.load(open(sys.argv[1]))["totals"]
 checks = {
     ">= 20 engine faults injected and survived": totals["engine_faults_survived"] >= 20,
     ">= 10 kill -9 points survived": totals["kill_points_survived"] >= 10,
+    ">= 20 SIGINT/SIGTERM stops survived, >= 3 of them against vLLM":
+        totals["signals_survived"] >= 20 and totals["signals_vllm_survived"] >= 3,
     "every run reached its target step": totals["runs_survived"] == totals["runs"],
     "0 samples lost": totals["samples_lost"] == 0,
     "0 samples duplicated": totals["samples_duplicated"] == 0,

@@ -24,3 +24,19 @@ class EngineError(UserError, RuntimeError):
 
 class EngineUnavailable(EngineError):
     """The engine (or its server) cannot be reached."""
+
+
+class Interrupted(Exception):
+    """A run stopped on a signal (SIGINT, SIGTERM). Not an error: the CLI prints the message as
+    it is (``stopped at step N (SIGINT); resume with: ...``) and exits with ``exit_code``
+    (128 + the signal number)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(" ".join(str(message).split()))
+        self.exit_code = exit_code
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for a failed file operation: ``cannot write <file>: No space left on device``."""
+    what = err.strerror or str(err)
+    return f"cannot write {err.filename}: {what}" if err.filename else what

@@ -6,7 +6,9 @@ reaches ``POINT``, ``ACTION`` happens:
 
 - ``kill``: SIGKILL this process, which no cleanup code sees (crash recovery tests);
 - ``raise``: raise :class:`InjectedFault`, an unexpected error (a bug, an out-of-memory);
-- ``engine_error``: raise ``EngineError``, a fault the engine reports (e.g. a lost server).
+- ``engine_error``: raise ``EngineError``, a fault the engine reports (e.g. a lost server);
+- ``enospc``: raise ``OSError(ENOSPC)``, as a write to a full disk does;
+- ``stall``: sleep 3 s, so that a test can signal the process while it is at ``POINT``.
 
 Named points let a test crash a run at an exact place (between two files of a checkpoint, mid
 optimizer step) instead of guessing with timers. Without the variable, which is the case
@@ -17,12 +19,16 @@ test pass vacuously.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
+import time
 
 ENV = "SDP_TEST_FAULTS"
-ACTIONS = ("kill", "raise", "engine_error")
+ACTIONS = ("kill", "raise", "engine_error", "enospc", "stall")
+#: seconds the ``stall`` action sleeps
+STALL_S = 3.0
 POINTS = (
     "producer.generated",  # a generate call returned; its groups are not handed over yet
     "producer.handover",  # mid hand-over: one group is in the queue, the others are not
@@ -84,6 +90,11 @@ def fault_point(name: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "raise":
             raise InjectedFault(f"fault injected at {name} (arrival {count})")
+        if action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + f" (fault injected at {name})")
+        if action == "stall":
+            time.sleep(STALL_S)
+            continue
         from sdp_cli.errors import EngineError
 
         raise EngineError(f"fault injected at {name} (arrival {count}); the engine failed")

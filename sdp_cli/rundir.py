@@ -156,12 +156,26 @@ class RunDir:
         return self.summary.is_file()
 
 
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every ``step-N`` directory under ``root``, oldest first. Ordered by
+    number: past step 999,999 the names grow a digit, and ``step-1000000`` < ``step-999999`` as
+    strings."""
+    found = [(parse_step_name(p.name), p) for p in root.iterdir()] if root.is_dir() else []
+    return sorted((step, p) for step, p in found if step is not None and p.is_dir())
+
+
+def older_versions(root: Path, keep: int) -> list[Path]:
+    """The version directories under ``root`` other than the newest ``keep``, by number."""
+    numbered = sorted((version, p) for version, paths in version_dirs(root).items() for p in paths)
+    return [p for _, p in numbered[: max(0, len(numbered) - keep)]]
+
+
 def version_dirs(root: Path) -> dict[int, list[Path]]:
     """Version → the directories under ``root`` named for it (``v000012``; ``v12`` too, so that a
     caller can refuse two directories of one version). Files and other names are skipped."""
     found: dict[int, list[Path]] = {}
-    for child in sorted(root.iterdir()):
+    for child in sorted(root.iterdir()) if root.is_dir() else []:
         version = parse_version_name(child.name)
         if version is not None and child.is_dir():
             found.setdefault(version, []).append(child)
-    return found
+    return dict(sorted(found.items()))

@@ -9,7 +9,7 @@ directory records a complete ``sdp train`` recipe.
 
 from __future__ import annotations
 
-import sys
+import signal
 from pathlib import Path
 
 import hydra
@@ -40,7 +40,9 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:  # `sdp ablate` reports the interruption in one line
-        sys.exit(130)
+    # `sdp ablate` forwards SIGINT and SIGTERM to this process group: each job stops its run at a
+    # step boundary (``run_job``) while this process, the launcher, waits for every job to end
+    # (docs/reliability.md, "Signals"). Pool workers inherit the setting until their job starts.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    main()

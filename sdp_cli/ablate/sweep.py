@@ -27,19 +27,21 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.compose import ConfigSource
-from sdp_cli.errors import UserError
+from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.rundir import RunDir
 
 SWEEP_GROUP = "ablate"
 APP_MODULE = "sdp_cli.ablate.app"
 RUNS_SUBDIR = "runs"
+#: written into the sweep directory when the sweep is signalled: jobs not started yet do not start
+STOP_MARKER = ".stopping"
 #: the sdp config keys a sweep owns: one run directory per job, never resumed by hand
 MANAGED_KEYS = ("run.dir", "run.root", "run.name", "resume")
 MODE_KEY = "+preset"
@@ -352,18 +354,39 @@ def plan_sweep(
 
 def run_sweep(plan: SweepPlan) -> int:
     """Run the multirun in a subprocess (its output goes to this process's stdout/stderr) and
-    return its exit code. Jobs whose run is finished return at once. On Ctrl-C the sweep gets
-    the same SIGINT; it is waited for, so that interrupted runs finish writing a checkpoint."""
-    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    return its exit code. Jobs whose run is finished return at once.
+
+    The multirun gets a process group of its own, and SIGINT and SIGTERM sent to this process
+    are forwarded to that group once each (a Ctrl-C at the terminal reaches only this process,
+    so a job never sees one Ctrl-C as two); the jobs stop at a step boundary with a checkpoint
+    and are waited for, then :class:`Interrupted` says how to resume (docs/reliability.md,
+    "Signals"). The caller holds the sweep directory's lock."""
+    from sdp_cli.stopsignals import handling, signal_name
+
     env = dict(os.environ)
     # joblib's worker processes would otherwise start as many BLAS threads as cores each
     env.setdefault("OMP_NUM_THREADS", "1")
-    with subprocess.Popen(plan.command(), env=env) as process:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:
-            process.wait()
-            raise
+    received: list[int] = []
+    marker = plan.sweep_dir / STOP_MARKER
+    marker.unlink(missing_ok=True)
+    with subprocess.Popen(plan.command(), env=env, start_new_session=True) as process:
+
+        def forward(signum: int) -> None:
+            received.append(signum)
+            marker.touch()  # a launcher with a pool (joblib) would start the next jobs
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signum)
+
+        with handling(forward):
+            code = process.wait()
+    marker.unlink(missing_ok=True)
+    if received:
+        raise Interrupted(
+            f"sweep stopped ({signal_name(received[0])}); its runs stopped at a step boundary with a "
+            "checkpoint; run the same command again to resume the sweep",
+            128 + received[0],
+        )
+    return code
 
 
 # --------------------------------------------------------------- job side
@@ -392,11 +415,15 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
     returned, so that the other jobs of the sweep go on.
     """
     from sdp_cli.config.compose import compose_config
+    from sdp_cli.stopsignals import StopRequest, handling
     from sdp_cli.train.run import run_training
 
     name = run_name(overrides)
     run_dir = Path(sweep_dir) / RUNS_SUBDIR / name
     job = Job(tuple(overrides), name, run_dir, run_state(run_dir))
+    if (Path(sweep_dir) / STOP_MARKER).exists():
+        print(f"ablate: {name}: not started, the sweep is stopping", flush=True)
+        return "not started"
     if job.state == FINISHED:
         print(f"ablate: {name}: finished earlier, skipped", flush=True)
         return "skipped"
@@ -404,13 +431,19 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
         shutil.rmtree(run_dir)
     train = [f"resume={quote(run_dir)}"] if job.state == RESUMABLE else job.train_overrides()
     print(f"ablate: {name}: {'resuming' if job.state == RESUMABLE else 'training'}", flush=True)
+    # a signal forwarded by `sdp ablate` while this job sets up is kept for the run to act on
+    stop = StopRequest()
     try:
-        with _outside_hydra():
+        with handling(stop), _outside_hydra():
             cfg, raw = compose_config(train, source=source)
-            run_training(cfg, raw, overrides=train, source=source)
+            run_training(cfg, raw, overrides=train, source=source, stop=stop)
     except UserError as err:
         print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)
         return f"failed: {err}"
+    except Interrupted as err:  # the sweep's stop marker keeps the next jobs from starting
+        # returned, not raised: a pool launcher (joblib) would kill the other jobs mid-step
+        print(f"ablate: {name}: {err}", file=sys.stderr, flush=True)
+        return f"interrupted: {err}"
     return "resumed" if job.state == RESUMABLE else "trained"
 
 

@@ -130,17 +130,15 @@ def ablate_command(
         )
     if dry_run:
         return
-    write_plan(plan)
-    try:
+    from sdp_cli.dirlock import DirectoryLock
+
+    plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+    # one sweep process per sweep directory: its jobs would otherwise train the same runs twice
+    with DirectoryLock.acquire(plan.sweep_dir, "sweep directory"):
+        write_plan(plan)
         code = run_sweep(plan)
-    except KeyboardInterrupt:
-        typer.secho(
-            "interrupted; run the same command again to resume the sweep",
-            err=True,
-            fg=typer.colors.RED,
-        )
-        raise typer.Exit(130) from None
-    if not keep_checkpoints and (pruned := prune_checkpoints(plan)):
+        pruned = 0 if keep_checkpoints else prune_checkpoints(plan)
+    if pruned:
         typer.echo(
             f"deleted the checkpoints of {pruned} finished runs (--keep-checkpoints keeps them)"
         )

@@ -12,7 +12,7 @@ import sys
 import typer
 
 from sdp_cli import __version__
-from sdp_cli.errors import UserError
+from sdp_cli.errors import Interrupted, UserError
 
 app = typer.Typer(
     name="sdp",
@@ -51,7 +51,9 @@ def _register_commands() -> None:
 
 
 def _fail(message: str, code: int) -> None:
-    typer.secho(f"error: {' '.join(message.split())}", err=True, fg=typer.colors.RED)
+    from sdp_cli.redact import redact_urls
+
+    typer.secho(f"error: {' '.join(redact_urls(message).split())}", err=True, fg=typer.colors.RED)
     sys.exit(code)
 
 
@@ -72,4 +74,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail("aborted", 130)
     except UserError as err:
         _fail(str(err), err.exit_code)
+    except Interrupted as err:  # a run stopped on a signal: its line says where and how to go on
+        from sdp_cli.redact import redact_urls
+
+        typer.echo(redact_urls(str(err)), err=True)
+        sys.exit(err.exit_code)
     sys.exit(code if isinstance(code, int) else 0)

@@ -27,6 +27,7 @@ from sdp_cli.choices import (
 )
 from sdp_cli.config.modes import mode_names, reads_proximal_t
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
+from sdp_cli.redact import is_loopback
 
 
 class ConfigValueError(ValueError):
@@ -77,8 +78,15 @@ def _check_bypass(loss: LossConfig) -> None:
         )
 
 
+#: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
+MAX_SEED = 2**62
+
+
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
+    # torch.manual_seed takes an int64, and sdp derives seeds by adding small offsets
+    if not isinstance(cfg.seed, int) or abs(cfg.seed) > MAX_SEED:
+        raise ConfigValueError(f"seed={cfg.seed} must be an integer between -{MAX_SEED} and {MAX_SEED} (2**62)")
     loss = cfg.loss
     _choice("loss.mode", loss.mode, mode_names())
     _choice("loss.is_level", loss.is_level, IS_LEVELS)
@@ -182,6 +190,11 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.max_batch_size", eng.max_batch_size)
     if not 0 <= eng.port <= 65535:
         raise ConfigValueError(f"engine.port={eng.port} must be in 0..65535")
+    if eng.kind != "local" and not eng.urls and not is_loopback(eng.host) and not eng.api_key_env:
+        raise ConfigValueError(
+            f"engine.host={eng.host} would open the inference server to the network without a key; "
+            "set engine.api_key_env to a variable holding one, or bind to 127.0.0.1"
+        )
     _positive("engine.startup_timeout_s", eng.startup_timeout_s)
     _positive("engine.request_timeout_s", eng.request_timeout_s)
     _positive("engine.retries", eng.retries, strict=False)

@@ -37,7 +37,7 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory
-from sdp_cli.rundir import LATEST, STEP_GLOB, step_name
+from sdp_cli.rundir import LATEST, STEP_GLOB, parse_step_name, step_dirs, step_name
 
 MANIFEST = "manifest.json"
 FORMAT = "sdp-checkpoint"
@@ -200,12 +200,17 @@ def find_latest(root: Path) -> Path | None:
     ``latest`` is not trusted: a process killed between renaming a checkpoint into place and
     updating ``latest`` leaves it naming the previous one.
     """
-    if not root.is_dir():
-        return None
-    for path in sorted(root.glob(STEP_GLOB), reverse=True):
-        if path.is_dir() and _is_valid(path):
+    for _, path in reversed(step_dirs(root)):
+        if _is_valid(path):
             return path
     return None
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory is named for (``step-000050`` → 50)."""
+    step = parse_step_name(path.name)
+    assert step is not None, f"{path} is not a checkpoint directory"
+    return step
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -44,6 +44,7 @@ from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop_state import (
     LoopCounters,
+    LoopInterrupted,
     LoopState,
     LoopStopped,
     PassTotals,
@@ -57,7 +58,7 @@ from sdp_cli.train.producer import RolloutProducer
 from sdp_cli.train.rewarding import EXTRAS, RewardPool, extra_means
 from sdp_cli.train.trainer import Trainer
 
-__all__ = ["AsyncLoop", "LoopStopped", "StepRecord", "TextCodec"]
+__all__ = ["AsyncLoop", "LoopInterrupted", "LoopStopped", "StepRecord", "TextCodec"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class AsyncLoop(RolloutProducer):
         max_consecutive_engine_faults: int = 5,
         ledger: LedgerLog | None = None,
         recompute_threads: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ):
         self.cfg = cfg
         self.engine = engine
@@ -95,6 +97,8 @@ class AsyncLoop(RolloutProducer):
         self.on_step = on_step
         self.max_consecutive_engine_faults = max_consecutive_engine_faults
         self.ledger = ledger
+        # polled before every batch is taken: a step either completes or never starts
+        self.should_stop = should_stop
         # The producer is paused during the recompute pass, so its core is free for scoring.
         self.recompute_threads = recompute_threads
 
@@ -151,27 +155,32 @@ class AsyncLoop(RolloutProducer):
         self._producer = threading.Thread(target=self._produce, name="sdp-rollout-producer", daemon=True)
         self._producer.start()
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> None:
         """Stop the producer and wait for it (it finishes the generate call it is in); groups
-        still being scored stay in the producer's hands."""
+        still being scored stay in the producer's hands. ``wait=False``: do not wait (an abort;
+        the process is about to end)."""
         self._stop.set()
         self.rewards.close()
         if self.engine.is_paused():
             self.engine.resume()
         with self._capacity_changed:
             self._capacity_changed.notify_all()
-        if self._producer is not None:
+        if self._producer is not None and wait:
             self._producer.join(timeout=60)
 
     def run(self) -> None:
         """Train until ``train.steps`` steps are done (continuing from ``state.step``)."""
         if self._producer is None:
             self.start()
+        aborted = False
         try:
             while self.state.step < self.cfg.train.steps:
                 self.run_step()
+        except KeyboardInterrupt:
+            aborted = True
+            raise
         finally:
-            self.stop()
+            self.stop(wait=not aborted)
         if self._producer_error is not None:
             raise self._producer_error
 
@@ -269,6 +278,8 @@ class AsyncLoop(RolloutProducer):
     def _raise_if_stopped(self) -> None:
         if self._producer_error is not None:
             raise LoopStopped(f"rollout producer failed: {self._producer_error}") from self._producer_error
+        if self.should_stop is not None and self.should_stop():
+            raise LoopInterrupted("a stop was requested")
         if self._stop.is_set():
             raise LoopStopped("stopped")
 

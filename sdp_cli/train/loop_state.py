@@ -28,6 +28,11 @@ class LoopStopped(RuntimeError):
     """The loop was asked to stop (or its producer failed) while waiting for a batch."""
 
 
+class LoopInterrupted(LoopStopped):
+    """A stop was requested (``should_stop``, e.g. after a signal): the loop ended at a step
+    boundary, before taking the next batch."""
+
+
 @dataclass
 class StepRecord:
     """What the loop hands to its observer after each step."""

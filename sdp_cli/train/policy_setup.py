@@ -28,6 +28,7 @@ import torch
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
+from sdp_cli.tasks import Task
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -138,3 +139,53 @@ def build_reference(
     return model.to(DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
 
 
+class PromptCodec:
+    """Prompt encoding and completion decoding of a policy (the stop token is not text)."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.stop_token_ids = {int(policy.eos_token_id)}
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.policy.encode_prompt(text)
+
+    def decode_completion(self, token_ids: list[int]) -> str:
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.policy.decode(token_ids)
+
+
+def load_policy_from(
+    cfg: SdpConfig, task: Task, *, path: Path | None = None, progress: Callable[[str], None] | None = None
+) -> Any:
+    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir);
+    ``progress`` follows a warm start that is not cached yet."""
+    from sdp_cli.models import load_policy
+
+    if path is not None:
+        return load_policy("hf", path=str(path))
+    if cfg.model.kind == "hf":
+        return load_policy("hf", path=cfg.model.path)
+    m = cfg.model
+    return load_policy(
+        "tiny",
+        task=task,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads or m.num_heads,
+        intermediate_size=m.intermediate_size,
+        charset=m.charset,
+        warm_start_steps=m.warm_start_steps,
+        warm_start_lr=m.warm_start_lr,
+        warm_start_batch=m.warm_start_batch,
+        warm_start_target=m.warm_start_target,
+        seed=cfg.seed,
+        progress=progress,
+    )
+
+
+def describe_policy(policy: Any) -> str:
+    """``name (N M parameters)`` of a loaded policy, for the start display."""
+    count = sum(p.numel() for p in policy.model.parameters())
+    return f"{policy.name}, {count / 1e6:.1f} M parameters"

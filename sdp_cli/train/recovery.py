@@ -11,31 +11,83 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
+from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError
-from sdp_cli.rundir import RunDir
+from sdp_cli.rundir import RunDir, step_dirs
+from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.reporting import EventLog
 
 #: events that end a session; a resume after any other last event follows a crash
-END_EVENTS = ("stopped", "interrupted", "finished")
+END_EVENTS = ("stopped", "interrupted", "aborted", "finished")
 
 
-def make_run_dir(cfg: SdpConfig) -> RunDir:
+@dataclass
+class OwnedRunDir:
+    """A run directory this process holds the lock of (sdp_cli/dirlock.py)."""
+
+    run_dir: RunDir
+    lock: DirectoryLock
+    #: whether this process started the run here (a failed start removes what it wrote)
+    created: bool
+    #: whether the directory itself was made by this process (else it was there, empty)
+    made: bool = False
+
+    def remove(self) -> None:
+        """Undo a start that failed before training: remove what the run wrote, except the log of a
+        server it launched (the error line names it), then the directory if this process made it
+        and nothing is left."""
+        path = self.run_dir.path
+        kept = [LOCK_NAME] + ([self.run_dir.logs.name] if _has_files(self.run_dir.logs) else [])
+        for child in path.iterdir():
+            if child.name not in kept:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        self.lock.release()
+        if len(kept) == 1:
+            (path / LOCK_NAME).unlink(missing_ok=True)
+            if self.made:
+                path.rmdir()
+
+
+def _has_files(directory: Path) -> bool:
+    return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
+
+
+def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
     """The new, empty run directory of ``cfg`` (``run.dir``, or ``run.root``/``run.name`` with
-    a timestamped default name); refuses one that already holds files."""
+    a timestamped default name), locked; refuses one that already holds files, and any path
+    that cannot be a directory, in one line."""
     if cfg.run.dir:
         path = Path(cfg.run.dir)
     else:
         name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.loss.mode}-{cfg.task.name}"
         path = Path(cfg.run.root) / name
-    if path.exists() and any(path.iterdir()):
-        raise UserError(f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}")
-    path.mkdir(parents=True, exist_ok=True)
-    return RunDir(path)
+    key = "run.dir" if cfg.run.dir else "run.root/run.name"
+    try:
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{key}: {path} exists and is not a directory; choose another run directory")
+        if path.is_dir() and any(path.iterdir()):
+            if (path / LOCK_NAME).is_file():  # a run that is going on: name its process
+                DirectoryLock.acquire(path, "run directory").release()
+            raise UserError(
+                f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}"
+            )
+        made = not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"  # a read-only file system or directory fails here, not later
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(
+            f"{key}: cannot create the run directory {path} ({err.strerror}); choose a writable place"
+        ) from None
+    return OwnedRunDir(RunDir(path), DirectoryLock.acquire(path, "run directory"), created=True, made=made)
 
 
 def read_overrides(path: Path) -> list[str]:
@@ -50,13 +102,23 @@ def read_overrides(path: Path) -> list[str]:
 
 
 def _drop_torn_line(path: Path) -> None:
-    """Cut a last line that a crash left without its newline (append-only JSON-lines logs)."""
+    """Cut the tail a crash tore from an append-only JSON-lines log: a last line without its
+    newline, then trailing lines that are not JSON (a half-written line that got its newline,
+    the zeros a lost page leaves). Lines before the tail are left as they are."""
     if not path.is_file():
         return
     data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
+    keep = data.rfind(b"\n") + 1 if data and not data.endswith(b"\n") else len(data)
+    while keep > 0:
+        start = data.rfind(b"\n", 0, keep - 1) + 1
+        try:
+            json.loads(data[start:keep])
+            break
+        except ValueError:  # also UnicodeDecodeError
+            keep = start
+    if keep != len(data):
         with open(path, "r+b") as fh:
-            fh.truncate(data.rfind(b"\n") + 1)
+            fh.truncate(keep)
 
 
 def _last_event(path: Path) -> dict[str, Any] | None:
@@ -75,3 +137,36 @@ def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     for parent in (run_dir.weights, run_dir.versions):
         for tmp in parent.glob(".v*") if parent.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def started_here(run_dir: RunDir) -> bool:
+    """Whether a session of sdp train started in ``run_dir`` (its events say so): such a run,
+    killed before its first checkpoint, is started over by a resume."""
+    if not run_dir.events.is_file():
+        return False
+    with run_dir.events.open(errors="replace") as fh:
+        return any('"event": "started"' in line for line in fh)
+
+
+def resume_point(run_dir: RunDir, *, speak: bool) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``; None when a resume starts the run over
+    (it started but never checkpointed). Newer checkpoints that fail their checks are skipped
+    with a warning; a run whose every checkpoint fails is refused. ``speak``: print (rank 0)."""
+    found = ckpt.find_latest(run_dir.checkpoints)
+    newest = ckpt.step_of(found) if found is not None else -1
+    damaged = [path.name for step, path in step_dirs(run_dir.checkpoints) if step > newest]
+    if found is None and damaged:
+        raise UserError(
+            f"{run_dir.path}: no checkpoint passes its checks ({', '.join(damaged)}); nothing to resume from"
+        )
+    if found is None and not started_here(run_dir):
+        raise UserError(f"{run_dir.path}: no complete checkpoint to resume from; start a new run instead")
+    if speak and found is None:  # killed or stopped before its first checkpoint
+        print(f"note: {run_dir.path} has no complete checkpoint yet; starting it over", file=sys.stderr)
+    elif speak and damaged:
+        print(
+            f"warning: {run_dir.path}: {', '.join(damaged)} failed its checks (damaged or incomplete); "
+            f"resuming from the older {found.name}",
+            file=sys.stderr,
+        )
+    return found

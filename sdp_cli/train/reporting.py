@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from sdp_cli.redact import redact_urls
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -46,7 +48,8 @@ class EventLog:
         self._fh: TextIO = open(path, "a", buffering=1)
 
     def write(self, event: str, **fields: Any) -> None:
-        self._fh.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
+        line = json.dumps({"time": time.time(), "event": event, **fields}, default=str)
+        self._fh.write(redact_urls(line) + "\n")  # an error or override may quote a URL with credentials
 
     def close(self) -> None:
         self._fh.close()

@@ -14,6 +14,7 @@ as without a pool; more workers may hand groups over out of order.
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import threading
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -27,6 +28,14 @@ from sdp_cli.tasks.plugins import to_score
 #: keys sdp itself logs under reward/ (a reward function's extras may not reuse them)
 RESERVED = ("mean",)
 EXTRAS = "reward_extras"
+
+
+def _leave_signals_to_the_run() -> None:
+    """In a reward worker process: a Ctrl-C reaches the whole process group, and SIGTERM may too
+    (preemption); the run stops at a step boundary and shuts its workers down itself
+    (docs/reliability.md, "Signals"), so a worker must not die of them mid-call."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _run_calls(calls: Sequence[Callable[[], RewardValue]]) -> list[RewardValue]:
@@ -44,7 +53,9 @@ class RewardPool:
         self._executor: Executor
         if kind == "process":
             # spawn, not fork: the parent runs torch and several threads
-            self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+            self._executor = ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn"), initializer=_leave_signals_to_the_run
+            )
         else:
             self._executor = ThreadPoolExecutor(workers, thread_name_prefix="sdp-reward")
         self._closed = False

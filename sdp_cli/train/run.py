@@ -14,55 +14,47 @@ import random
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
+from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.factory import build_engine
-from sdp_cli.errors import UserError
+from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
-from sdp_cli.models.gguf import check_gguf_file, dequantised_note, is_gguf
-from sdp_cli.rundir import VERSION_GLOB, RunDir
+from sdp_cli.models.gguf import dequantised_note, is_gguf
+from sdp_cli.rundir import RunDir, older_versions
+from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
-from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LedgerLog
-from sdp_cli.train.loop import AsyncLoop, LoopStopped, StepRecord
+from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.policy_setup import load_for_training, save_checkpoint_policy, save_version
-from sdp_cli.train.recovery import make_run_dir, read_overrides, recover_after_crash
+from sdp_cli.train.policy_setup import (
+    PromptCodec,
+    describe_policy,
+    load_for_training,
+    load_policy_from,
+    save_checkpoint_policy,
+    save_version,
+)
+from sdp_cli.train.recovery import recover_after_crash, resume_point
 from sdp_cli.train.display import Progress, StartDisplay
 from sdp_cli.train.reporting import EventLog, MetricsLog
-from sdp_cli.train.trackers import active_trackers, check_installed, open_trackers
+from sdp_cli.train.session_end import SessionEnd, summary_line
+from sdp_cli.train.start import RunStart, open_run
+from sdp_cli.train.trackers import active_trackers, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
 
 
 # ------------------------------------------------------------------- helpers
-class PromptCodec:
-    """Prompt encoding and completion decoding of a policy (the stop token is not text)."""
-
-    def __init__(self, policy: Any):
-        self.policy = policy
-        self.stop_token_ids = {int(policy.eos_token_id)}
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return self.policy.encode_prompt(text)
-
-    def decode_completion(self, token_ids: list[int]) -> str:
-        if token_ids and token_ids[-1] in self.stop_token_ids:
-            token_ids = token_ids[:-1]
-        return self.policy.decode(token_ids)
-
-
 def _resolve_threads(cfg: SdpConfig) -> int:
     cores = os.cpu_count() or 1
     if cfg.train.threads is not None:
@@ -72,40 +64,8 @@ def _resolve_threads(cfg: SdpConfig) -> int:
     return cores if cfg.rollout.max_head_offpolicyness == 0 else max(1, cores // 2)
 
 
-
-
-def load_policy_from(
-    cfg: SdpConfig, task: Task, *, path: Path | None = None, progress: Callable[[str], None] | None = None
-) -> Any:
-    """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir);
-    ``progress`` follows a warm start that is not cached yet."""
-    from sdp_cli.models import load_policy
-
-    if path is not None:
-        return load_policy("hf", path=str(path))
-    if cfg.model.kind == "hf":
-        return load_policy("hf", path=cfg.model.path)
-    m = cfg.model
-    return load_policy(
-        "tiny",
-        task=task,
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads or m.num_heads,
-        intermediate_size=m.intermediate_size,
-        charset=m.charset,
-        warm_start_steps=m.warm_start_steps,
-        warm_start_lr=m.warm_start_lr,
-        warm_start_batch=m.warm_start_batch,
-        warm_start_target=m.warm_start_target,
-        seed=cfg.seed,
-        progress=progress,
-    )
-
-
 # ---------------------------------------------------------------------- run
-class TrainingRun:
+class TrainingRun(SessionEnd):
     """One ``sdp train`` invocation (fresh or resumed)."""
 
     def __init__(
@@ -118,6 +78,7 @@ class TrainingRun:
         resuming: bool,
         coordinator: Coordinator,
         task: Task | None = None,
+        stop_request: StopRequest | None = None,
         display: StartDisplay | None = None,
     ):
         self.cfg = cfg
@@ -127,6 +88,12 @@ class TrainingRun:
         self.run_dir = run_dir
         self.resuming = resuming
         self.coordinator = coordinator
+        # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
+        self.stop_request = stop_request or StopRequest()
+        self.engine: Any = None
+        self.loop: AsyncLoop | None = None
+        self.start_step = 0
+        self._last_checkpoint: tuple[int, Path] | None = None
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
         self.display = display or StartDisplay(enabled=False)
@@ -146,10 +113,10 @@ class TrainingRun:
             if self.coordinator.is_main:
                 ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
                 recover_after_crash(self.run_dir, self.events)
-            found = ckpt.find_latest(self.run_dir.checkpoints)
-            if found is None:
-                raise UserError(f"{self.run_dir.path}: no complete checkpoint to resume from; start a new run instead")
-            checkpoint = ckpt.read_checkpoint(found)
+            found = resume_point(self.run_dir, speak=self.coordinator.is_main)
+            checkpoint = ckpt.read_checkpoint(found) if found is not None else None
+        # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
+        over = self.resuming and checkpoint is None
 
         if self.task is None:
             self.task = prepare_task(cfg)
@@ -164,7 +131,7 @@ class TrainingRun:
                     version_base=self.run_dir.version_base if keep_versions else None,
                 )
             )
-            phase.result = _describe(self.policy)
+            phase.result = describe_policy(self.policy)
         if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
             print(dequantised_note(cfg.model.path), file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
@@ -235,8 +202,10 @@ class TrainingRun:
             max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
             ledger=self.ledger,
             recompute_threads=cfg.train.threads or os.cpu_count(),
+            should_stop=lambda: self.stop_request.requested,
         )
-        self._last_checkpoint: tuple[int, Path] | None = None
+        if checkpoint is not None:
+            self._last_checkpoint = (checkpoint.step, checkpoint.path)
         if checkpoint is not None or cfg.engine.urls:
             self._sync_engine(self.trainer.version)
         if checkpoint is not None:
@@ -250,13 +219,18 @@ class TrainingRun:
             )
         else:
             self.events.write(
-                "started", overrides=self.overrides, processes=self.coordinator.num_processes, task=self.task.summary()
+                "started",
+                overrides=self.overrides,
+                processes=self.coordinator.num_processes,
+                task=self.task.summary(),
+                **({"note": "no complete checkpoint: started over"} if over else {}),
             )
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
 
         start_step = self.start_step
-        self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if checkpoint else None)
+        cut = checkpoint is not None or over  # a start over drops what was logged
+        self.metrics = MetricsLog(self.run_dir.metrics, resume_step=start_step if cut else None)
         names = active_trackers(cfg.run.trackers, cfg.run.tensorboard)
         remote = [n for n in names if n != "tensorboard"]
         with self.display.phase(f"starting {', '.join(remote)}") if remote else contextlib.nullcontext():
@@ -265,7 +239,7 @@ class TrainingRun:
                 self.run_dir,
                 project=cfg.run.project,
                 config=_config_dict(self.raw),
-                resume_step=start_step if checkpoint else None,
+                resume_step=start_step if cut else None,
             )
 
     def _sync_engine(self, version: int) -> None:
@@ -292,7 +266,7 @@ class TrainingRun:
             return WeightUpdate(version=version, state_dict=self.trainer.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
-        for old in sorted(self.run_dir.weights.glob(VERSION_GLOB))[:-2]:
+        for old in older_versions(self.run_dir.weights, keep=2):
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(version=version, path=target)
 
@@ -378,52 +352,35 @@ class TrainingRun:
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
+        step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
         acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
+        stopped: BaseException | None = None
         try:
             self.loop.run()
-        except (LoopStopped, EngineError) as exc:
-            step = self.loop.state.step
-            path = self.checkpoint(step) if step > self.start_step else None
-            cause = exc.__cause__
-            detail = {}
-            if isinstance(cause, RewardError):  # user code: its own traceback
-                detail["traceback"] = cause.details
-            elif cause is not None and not isinstance(cause, UserError):  # a bug: keep its trace
-                detail["traceback"] = "".join(traceback.format_exception(cause))
-            self.events.write(
-                "stopped", step=step, reason=str(exc), checkpoint=str(path) if path else None, **detail
-            )
-            where = f"; resume with: sdp train resume={self.run_dir.path}" if path or step else ""
-            self.trackers.close(ok=False)
-            raise UserError(f"training stopped at step {step}: {exc}{where}") from exc
-        except KeyboardInterrupt:
-            step = self.loop.state.step
-            if step > self.start_step:
-                self.checkpoint(step)
-            self.events.write("interrupted", step=step)
-            self.trackers.close(ok=False)
+        except (LoopStopped, EngineError, OSError) as exc:
+            stopped = exc
+        except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting
+            self.close(abort=True)
             raise
-        finally:
-            self.progress.close()
-            self.engine.close()
-            self.coordinator.send_batch(None)
-            in_sync = self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+        in_sync = self._end_session()
         if not in_sync:
             raise UserError("the training processes ended with different weights; report this as a bug")
+        if isinstance(stopped, LoopInterrupted):
+            raise self._interrupted()
+        if stopped is not None:
+            raise self._stopped(stopped)
         wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
-        self.metrics.close()
-        self.ledger.close()
-        self.trackers.close()
-        self.events.close()
+        self._close_logs()
         return summary
 
     def _shown_evaluation(self, title: str, step: int) -> float | None:
@@ -445,71 +402,6 @@ class TrainingRun:
             self.trainer.step(batch)
         self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
 
-    def _summary(
-        self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Run totals plus this session's rates (``wall_seconds`` covers this session only)."""
-        rows = [json.loads(line) for line in self.run_dir.metrics.read_text().splitlines() if line]
-        rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
-        window = min(50, max(1, len(rewards) // 2))
-        counters = self.loop.state.counters
-        session_tokens = counters.tokens_generated - session_start["tokens_generated"]
-        session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
-        session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
-        return {
-            "run_dir": str(self.run_dir.path),
-            "steps": self.loop.state.step,
-            "mode": self.cfg.loss.mode,
-            "staleness": self.cfg.staleness.strategy,
-            "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
-            "wall_seconds": wall,
-            "reward_first": sum(rewards[:window]) / window if rewards else None,
-            "reward_last": sum(rewards[-window:]) / window if rewards else None,
-            "reward_window": window,
-            "greedy_accuracy_start": acc_start,
-            "greedy_accuracy_end": acc_end,
-            "tokens_generated": counters.tokens_generated,
-            "session_start_step": self.start_step,
-            "tokens_per_second": session_tokens / wall if wall > 0 else None,
-            "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
-            # time the pass took (mostly in the producer thread, overlapping training) and the
-            # part the trainer waited for at weight pushes
-            "recompute_share": session_recompute / wall if wall > 0 else None,
-            "recompute_blocking_share": session_blocking / wall if wall > 0 else None,
-            "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
-            "counters": counters.to_dict(),
-        }
-
-
-def _preflight(cfg: SdpConfig) -> Task:
-    """Refuse what is certain to fail before anything is written (a model that is neither a
-    directory nor a hub id, bad task data, a reward function that does not import, an API-key
-    variable that is not set) and return the task, ready to sample."""
-    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
-        check_gguf_file(cfg.model.path)
-    elif cfg.model.kind == "hf":
-        from sdp_cli.models.loader import resolve_model_dir
-
-        if not resolve_model_dir(cfg.model.path or "").is_dir():
-            raise UserError(
-                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
-            )
-    check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
-    task = prepare_task(cfg)
-    key_env = cfg.engine.api_key_env
-    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
-        raise UserError(
-            f"engine.api_key_env={key_env}, but that environment variable is empty; "
-            "export the key in it or unset engine.api_key_env"
-        )
-    return task
-
-
-def _describe(policy: Any) -> str:
-    """``name (N M parameters)`` of a loaded policy, for the start display."""
-    count = sum(p.numel() for p in policy.model.parameters())
-    return f"{policy.name}, {count / 1e6:.1f} M parameters"
-
 
 def _config_dict(raw: Any) -> dict[str, Any]:
     """The resolved config as plain data (what config.yaml holds)."""
@@ -518,90 +410,80 @@ def _config_dict(raw: Any) -> dict[str, Any]:
     return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
 
 
-def _resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
-    """The config source a run started with; a different one given at the resume is refused."""
-    path = run_dir.config_source
-    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
-    if given != ConfigSource() and given != saved:
-        raise UserError(
-            f"{run_dir.path} was started with {saved.config_dir or 'no --config-dir'}; "
-            "resume it without --config-dir/--config-name (its own are used)"
-        )
-    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
-        raise UserError(
-            f"{run_dir.path} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume"
-        )
-    return saved
-
-
 def run_training(
-    cfg: SdpConfig, raw: Any, *, overrides: list[str], source: ConfigSource = ConfigSource()
+    cfg: SdpConfig,
+    raw: Any,
+    *,
+    overrides: list[str],
+    source: ConfigSource = ConfigSource(),
+    stop: StopRequest | None = None,
 ) -> dict[str, Any] | None:
-    """Start (or resume) a run and return its summary (None on ranks other than 0)."""
+    """Start (or resume) a run and return its summary (None on ranks other than 0).
+
+    SIGINT and SIGTERM stop it at a step boundary with a checkpoint (``Interrupted``); a second
+    SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory.
+    """
     from accelerate import Accelerator
 
     from sdp_cli.train.distributed import Coordinator, check_launch
 
     check_launch(os.environ)
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
-    # what a resume changes in the run directory, written only once setup has accepted it, so a
-    # refused resume (e.g. a checkpoint that does not fit the new overrides) leaves it as it was
-    deferred: list[tuple[Path, str]] = []
-    if cfg.resume:
-        run_dir = RunDir(Path(cfg.resume))
-        saved = run_dir.overrides
-        if not saved.is_file():
-            raise UserError(
-                f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
-            )
-        original = read_overrides(saved)
-        extra = [o for o in overrides if not o.startswith("resume=")]
-        source = _resume_source(run_dir, source)
-        cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
-        task = _preflight(cfg)
-        if extra:
-            deferred.append((saved, json.dumps([*original, *extra])))
-        resuming = True
-    else:
-        task = _preflight(cfg)
-        created = make_run_dir(cfg) if coordinator.is_main else None
-        run_dir = RunDir(Path(coordinator.broadcast_json(str(created.path) if created else None)))
+    # ranks other than 0 follow rank 0, which decides where the run stops (no abort of their own)
+    stop = stop or StopRequest(abortable=coordinator.is_main)
+    with handling(stop):
+        return _train(cfg, raw, overrides, source, coordinator, stop)
+
+
+def _train(
+    cfg: SdpConfig,
+    raw: Any,
+    overrides: list[str],
+    source: ConfigSource,
+    coordinator: Coordinator,
+    stop: StopRequest,
+) -> dict[str, Any] | None:
+    start: RunStart | None = None
+    run: TrainingRun | None = None
+    try:
+        start = open_run(cfg, raw, overrides, source, coordinator)
+        owned = start.owned
+        display = StartDisplay(enabled=start.cfg.run.progress and coordinator.is_main)
         if coordinator.is_main:
-            atomic_write_text(run_dir.overrides, json.dumps(overrides))
-            if source != ConfigSource():
-                atomic_write_text(run_dir.config_source, source.to_json())
-        resuming = False
-    display = StartDisplay(enabled=cfg.run.progress and coordinator.is_main)
-    if coordinator.is_main:
-        display.line(f"{'resuming' if resuming else 'run dir'} {run_dir.path}")
-        print(task.summary(), file=sys.stderr)
-    if resuming:
-        deferred.append((run_dir.config, to_yaml(raw)))
-    elif coordinator.is_main:
-        atomic_write_text(run_dir.config, to_yaml(raw))
-    run = TrainingRun(
-        cfg, raw, overrides, run_dir, resuming=resuming, coordinator=coordinator, task=task, display=display
-    )
-    run.setup()
-    if coordinator.is_main:
-        for path, text in deferred:
-            atomic_write_text(path, text)
-    if not coordinator.is_main:
-        run.follow()
-        coordinator.end_follower()
-    summary = run.run()
-    print(_summary_line(summary))
-    return summary
-
-
-def _summary_line(summary: dict[str, Any]) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "n/a" if value is None else format(value, spec)
-
-    return (
-        f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
-        f"reward {fmt(summary['reward_first'], '.3f')} → {fmt(summary['reward_last'], '.3f')} "
-        f"(first/last {summary['reward_window']} steps); greedy accuracy "
-        f"{fmt(summary['greedy_accuracy_start'], '.2f')} → {fmt(summary['greedy_accuracy_end'], '.2f')}; "
-        f"run dir {summary['run_dir']}"
-    )
+            display.line(f"{'resuming' if start.resuming else 'run dir'} {start.run_dir.path}")
+            print(start.task.summary(), file=sys.stderr)
+        run = TrainingRun(
+            start.cfg,
+            start.raw,
+            overrides,
+            start.run_dir,
+            resuming=start.resuming,
+            coordinator=coordinator,
+            task=start.task,
+            stop_request=stop,
+            display=display,
+        )
+        try:
+            run.setup()
+        except BaseException:
+            run.close(abort=True)
+            if owned is not None and owned.created:
+                owned.remove()  # nothing was trained: a failed start leaves nothing behind
+                run = None
+            raise
+        if coordinator.is_main:
+            for path, text in start.deferred:
+                atomic_write_text(path, text)
+        if not coordinator.is_main:
+            run.follow()
+            coordinator.end_follower()
+        summary = run.run()
+        print(summary_line(summary))
+        return summary
+    except Abort as abort:
+        if run is None:
+            raise Interrupted(f"aborted (second {signal_name(abort.signum)}) before training started", 128 + abort.signum) from None
+        raise run.aborted(abort.signum) from None
+    finally:
+        if start is not None and start.owned is not None:
+            start.owned.lock.release()

@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-KINDS = ("engine", "kill -9")
+KINDS = ("engine", "kill -9", "signal")
 
 
 @dataclass
@@ -131,6 +131,7 @@ def table() -> str:
 def totals() -> dict[str, int]:
     engine = [f for f in REPORT.faults if f.kind == "engine"]
     kills = [f for f in REPORT.faults if f.kind == "kill -9"]
+    signals = [f for f in REPORT.faults if f.kind == "signal"]
 
     def survived(faults: list[Fault]) -> int:
         return sum(REPORT.runs.get(f.run_id, Run(False, 0, 0)).survived for f in faults)
@@ -141,6 +142,9 @@ def totals() -> dict[str, int]:
         "engine_faults_survived": survived(engine),
         "kill_points_injected": len(kills),
         "kill_points_survived": survived(kills),
+        "signals_injected": len(signals),
+        "signals_survived": survived(signals),
+        "signals_vllm_survived": survived([f for f in signals if "vLLM" in f.name]),
         "runs": len(REPORT.runs),
         "runs_survived": sum(r.survived for r in REPORT.runs.values()),
         "samples_lost": sum(r.samples_lost for r in REPORT.runs.values()),

@@ -226,3 +226,67 @@ def test_an_exception_inside_local_generation(tmp_path, sdp_cache):
     back = first_step_time_after(run_dir, stopped["step"], failed_at)
     report.fault("engine", "local: unexpected exception (stop + resume)", run_id, back - failed_at)
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == steps
+
+
+def test_falling_back_from_a_damaged_newest_checkpoint_says_so(tmp_path, sdp_cache):
+    """A resume that skips a damaged newest checkpoint for an older one prints a warning naming
+    both (it used to fall back silently); with every checkpoint damaged it refuses in one line
+    (it must not start the run over)."""
+    run_dir = tmp_path / "run"
+    done = run_sdp(["train", *FAST, f"run.dir={run_dir}", "train.steps=4", "train.checkpoint_every=2"],
+                   sdp_env(sdp_cache))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert complete_checkpoint_steps(run_dir) == [2, 4]
+
+    def damage(step: int) -> None:
+        target = max((p for p in (run_dir / "checkpoints" / f"step-{step:06d}").rglob("*.safetensors")),
+                     key=lambda p: p.stat().st_size)  # fmt: skip
+        data = bytearray(target.read_bytes())
+        data[-1] ^= 0xFF  # one flipped byte: the checksum in the manifest no longer matches
+        target.write_bytes(bytes(data))
+
+    damage(4)
+    done = run_sdp(["train", f"resume={run_dir}", "train.steps=5"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-2000:]
+    warning = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warning) == 1 and "step-000004" in warning[0] and "step-000002" in warning[0], done.stderr
+    for step in complete_checkpoint_steps(run_dir):
+        damage(step)
+    damaged = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    done = run_sdp(["train", f"resume={run_dir}", "train.steps=7"], sdp_env(sdp_cache))
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = error_line(done.stderr, alone=False)  # after the task's summary line
+    assert "no checkpoint passes its checks" in line and damaged[-1] in line, line
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_a_stopped_event(tmp_path, sdp_cache):
+    """ENOSPC while a checkpoint is written (the test-only `enospc` action at
+    `checkpoint.optimizer`, every arrival): one line, a `stopped` event, no temporaries, and the
+    run resumes from its last complete checkpoint once there is space."""
+    run_dir = tmp_path / "run"
+    args = [*FAST, f"run.dir={run_dir}", "train.steps=6", "train.checkpoint_every=2"]
+    done = run_sdp(["train", *args], sdp_env(sdp_cache, SDP_TEST_FAULTS="enospc:checkpoint.optimizer"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = error_line(done.stderr, alone=False)
+    assert "No space left on device" in line and f"resume with: sdp train resume={run_dir}" in line, line
+    last = events(run_dir)[-1]
+    assert last["event"] == "stopped" and "No space left on device" in last["reason"], last
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")) if (run_dir / "checkpoints").exists() else True
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 6)
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 99, "ti\n', b"\x00" * 64, b"\x00" * 40 + b"\n", b"not json at all\n"])
+def test_a_non_json_torn_tail_of_events_and_metrics_is_cut_at_resume(tail, tmp_path, sdp_cache):
+    """The last line of events.jsonl or metrics.jsonl that is not JSON (a half-written line
+    with its newline, zeros a lost page left): cut at resume like a line without its newline."""
+    run_dir = tmp_path / "run"
+    done = run_sdp(["train", *FAST, f"run.dir={run_dir}", "train.steps=2"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("events.jsonl", "metrics.jsonl"):
+        with open(run_dir / name, "ab") as fh:
+            fh.write(tail)
+    done = run_sdp(["train", f"resume={run_dir}", "train.steps=4"], sdp_env(sdp_cache))
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 4)

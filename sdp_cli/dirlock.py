@@ -1,0 +1,74 @@
+"""One sdp process per run directory or sweep directory: an exclusive ``flock`` on ``DIR/.lock``.
+
+The lock belongs to the open file, so the kernel releases it when the holder exits, however it
+exits (``kill -9`` included): a crash never leaves a stale lock, and the file itself may stay.
+The holder writes its PID into the file so that a refused process can name it
+(docs/reliability.md, "One process per directory"). Torch-free.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from pathlib import Path
+
+from sdp_cli.errors import UserError
+
+LOCK_NAME = ".lock"
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory, held from :meth:`acquire` until :meth:`release` or exit."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+        self.pid = os.getpid()
+
+    @classmethod
+    def acquire(cls, directory: Path, what: str) -> DirectoryLock:
+        """Lock ``directory`` (which must exist) or raise a one-line UserError naming the PID that
+        holds it. ``what`` names the directory in the message ("run directory")."""
+        path = Path(directory) / LOCK_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise UserError(f"{what} {directory}: cannot create its lock file ({err.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = _holder(fd)
+            os.close(fd)
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"{what} {directory}: cannot lock it ({err.strerror})") from None
+            raise UserError(
+                f"{what} {directory} is in use by another sdp process (pid {holder}); "
+                "wait for it to end or stop it, then try again"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Give the lock up (closing the file releases it; the file stays)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    """The PID the holder wrote, or "unknown" (it may be between locking and writing it)."""
+    for _ in range(20):
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if text.isdigit():
+            return text
+        time.sleep(0.01)
+    return "unknown"

@@ -1,0 +1,79 @@
+"""SIGINT and SIGTERM as requests to stop at a safe point (docs/reliability.md, "Signals").
+
+Python's default turns SIGINT into a ``KeyboardInterrupt`` raised wherever the main thread is,
+which can cut a training step in half, and SIGTERM kills the process outright. Inside
+:func:`handling`, both only call a handler; :class:`StopRequest` is the training policy: the
+first signal asks for a stop at the next step boundary, a later SIGINT (a second Ctrl-C) raises
+:class:`Abort` at once. A second SIGTERM is ignored: preemption systems often deliver SIGTERM by
+several routes (to the process and to its group) and follow it with SIGKILL after a grace
+period, so a repeat is not a request to hurry. Torch-free.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    """``2`` → ``"SIGINT"``."""
+    return signal.Signals(signum).name
+
+
+class Abort(KeyboardInterrupt):
+    """A second Ctrl-C: stop now, without finishing the step (the last complete checkpoint
+    stays the resume point)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+class StopRequest:
+    """The handler of a run: remembers the first signal, aborts on a later SIGINT.
+
+    ``abortable=False`` (ranks other than 0 of a multi-process run) only remembers: rank 0
+    decides where the run stops and the others follow it.
+    """
+
+    def __init__(self, *, abortable: bool = True):
+        self.abortable = abortable
+        #: the first signal received, or None
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        assert self.signum is not None, "no stop was requested"
+        return signal_name(self.signum)
+
+    def __call__(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+        elif signum == signal.SIGINT and self.abortable:
+            raise Abort(signum)
+
+
+@contextmanager
+def handling(handler: Callable[[int], None]) -> Iterator[bool]:
+    """Inside the block SIGINT and SIGTERM call ``handler(signum)`` instead of their default
+    action; the previous handlers come back at the end. Yields whether the handler is installed:
+    Python runs signal handlers in the main thread only, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum in SIGNALS:
+        signal.signal(signum, lambda received, _frame: handler(received))
+    try:
+        yield True
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)

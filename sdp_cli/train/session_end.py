@@ -1,0 +1,177 @@
+"""How a training session ends: its summary when it finishes; a signal, a stop, an abort.
+
+A mixin of :class:`sdp_cli.train.run.TrainingRun` (docs/reliability.md, "Signals"): a signal
+stops the loop at a step boundary and :meth:`SessionEnd._interrupted` checkpoints that step and
+writes an ``interrupted`` event; an engine fault, a failed producer or a full disk end in a
+``stopped`` event and one line; a second Ctrl-C ends in an ``aborted`` event, with the last
+complete checkpoint as the resume point.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.errors import Interrupted, UserError, describe_os_error
+from sdp_cli.stopsignals import signal_name
+from sdp_cli.tasks.plugins import RewardError
+from sdp_cli.train import checkpoint as ckpt
+
+
+class SessionEnd:
+    """The end-of-session part of a training run; the attributes it uses are TrainingRun's."""
+
+    run_dir: Any
+    loop: Any
+    engine: Any
+    events: Any
+    coordinator: Any
+    trainer: Any
+    stop_request: Any
+    start_step: int
+    cfg: Any
+    _last_checkpoint: tuple[int, Path] | None
+
+    def _end_session(self) -> bool:
+        """Close the display and the engine, release the other ranks; whether all weights agree."""
+        self.close()
+        self.coordinator.send_batch(None)
+        return self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop what this session started that outlives it (a launched server); idempotent.
+        ``abort``: the process is about to end, the logs are closed too."""
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+        if abort:
+            self._close_logs(ok=False)
+
+    def _close_logs(self, *, ok: bool = True) -> None:
+        """Close the run's logs; ``ok``: the session finished (trackers mark a run that did not)."""
+        for log in ("metrics", "ledger", "events"):
+            if getattr(self, log, None) is not None:
+                getattr(self, log).close()
+        if getattr(self, "trackers", None) is not None:
+            self.trackers.close(ok=ok)
+
+    def _checkpoint_at_stop(self, step: int) -> tuple[Path | None, str | None]:
+        """The checkpoint of ``step`` (written now unless it exists): (path, None), or
+        (None, why not) when it cannot be written (a full disk)."""
+        if step == self.start_step and self._last_checkpoint is None:
+            return None, None  # a fresh run that never stepped: a resume starts it over
+        try:
+            return self.checkpoint(step), None
+        except OSError as err:
+            return None, describe_os_error(err)
+
+    def _last_complete_step(self) -> int | None:
+        found = ckpt.find_latest(self.run_dir.checkpoints)
+        return None if found is None else ckpt.step_of(found)
+
+    def _interrupted(self) -> Interrupted:
+        """The end of a session stopped by a signal, at a step boundary."""
+        step = self.loop.state.step
+        name = self.stop_request.name
+        path, problem = self._checkpoint_at_stop(step)
+        self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
+        self._close_logs(ok=False)
+        where = f"resume with: sdp train resume={self.run_dir.path}"
+        if problem:
+            last = self._last_complete_step()
+            where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
+        return Interrupted(f"stopped at step {step} ({name}); {where}", 128 + int(self.stop_request.signum))
+
+    def _stopped(self, exc: BaseException) -> UserError:
+        """The end of a session stopped by an engine fault, a failed producer or a full disk."""
+        step = self.loop.state.step
+        path, problem = self._checkpoint_at_stop(step) if step > self.start_step else (None, None)
+        cause = exc.__cause__
+        detail: dict[str, Any] = {}
+        if isinstance(cause, RewardError):  # user code: its own traceback
+            detail["traceback"] = cause.details
+        elif cause is not None and not isinstance(cause, (UserError, OSError)):  # a bug: keep its trace
+            detail["traceback"] = "".join(traceback.format_exception(cause))
+        reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
+        self._event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
+        self._close_logs(ok=False)
+        last = self._last_complete_step()
+        where = f"; resume with: sdp train resume={self.run_dir.path}" if last is not None or step else ""
+        if problem:
+            where = f"; its checkpoint could not be written ({problem}){where} (from step {last or 0})"
+        error = UserError(f"training stopped at step {step}: {reason}{where}")
+        error.__cause__ = exc
+        return error
+
+    def _event(self, name: str, **fields: Any) -> None:
+        """An end-of-session event; a full disk must not hide the one line that follows."""
+        try:
+            self.events.write(name, **{k: v for k, v in fields.items() if v is not None or k == "checkpoint"})
+        except (OSError, ValueError):  # ValueError: the log was closed (a second Ctrl-C after the stop's line)
+            pass
+
+    def aborted(self, signum: int) -> Interrupted:
+        """The end of a session aborted by a second Ctrl-C: no checkpoint, the last complete one
+        is the resume point."""
+        step = self.loop.state.step if self.loop is not None else self.start_step
+        last = self._last_complete_step()
+        self._event("aborted", step=step, signal=signal_name(signum), resume_step=last)
+        self.close(abort=True)
+        start = f"from step {last}, the last complete checkpoint" if last is not None else "it starts over: no checkpoint yet"
+        return Interrupted(
+            f"aborted at step {step} (second {signal_name(signum)}); "
+            f"resume with: sdp train resume={self.run_dir.path} ({start})",
+            128 + signum,
+        )
+
+    def _summary(
+        self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Run totals plus this session's rates (``wall_seconds`` covers this session only)."""
+        rows = [json.loads(line) for line in self.run_dir.metrics.read_text().splitlines() if line]
+        rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
+        window = min(50, max(1, len(rewards) // 2))
+        counters = self.loop.state.counters
+        session_tokens = counters.tokens_generated - session_start["tokens_generated"]
+        session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
+        session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
+        return {
+            "run_dir": str(self.run_dir.path),
+            "steps": self.loop.state.step,
+            "mode": self.cfg.loss.mode,
+            "staleness": self.cfg.staleness.strategy,
+            "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
+            "wall_seconds": wall,
+            "reward_first": sum(rewards[:window]) / window if rewards else None,
+            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            "reward_window": window,
+            "greedy_accuracy_start": acc_start,
+            "greedy_accuracy_end": acc_end,
+            "tokens_generated": counters.tokens_generated,
+            "session_start_step": self.start_step,
+            "tokens_per_second": session_tokens / wall if wall > 0 else None,
+            "steps_per_second": (self.loop.state.step - self.start_step) / wall if wall > 0 else None,
+            # time the pass took (mostly in the producer thread, overlapping training) and the
+            # part the trainer waited for at weight pushes
+            "recompute_share": session_recompute / wall if wall > 0 else None,
+            "recompute_blocking_share": session_blocking / wall if wall > 0 else None,
+            "filtered_groups": sum(self.loop.strategy.filtered_by_version.values()),
+            "counters": counters.to_dict(),
+        }
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    return (
+        f"done: {summary['steps']} steps in {summary['wall_seconds']:.0f}s; "
+        f"reward {fmt(summary['reward_first'], '.3f')} → {fmt(summary['reward_last'], '.3f')} "
+        f"(first/last {summary['reward_window']} steps); greedy accuracy "
+        f"{fmt(summary['greedy_accuracy_start'], '.2f')} → {fmt(summary['greedy_accuracy_end'], '.2f')}; "
+        f"run dir {summary['run_dir']}"
+    )

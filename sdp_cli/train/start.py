@@ -1,0 +1,170 @@
+"""The start of ``sdp train``: checks before anything is written, then the run directory.
+
+A new run's directory is made and locked only after the model, task data and engine settings
+passed (:func:`preflight`); a resume locks the directory it is given before reading it
+(docs/reliability.md, "One process per directory"). What a resume changes in the directory is
+returned as ``deferred`` writes, made once setup has accepted the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
+from sdp_cli.config.schema import EngineConfig, SdpConfig
+from sdp_cli.dirlock import DirectoryLock
+from sdp_cli.errors import UserError
+from sdp_cli.fileio import atomic_write_text
+from sdp_cli.models.gguf import check_gguf_file, is_gguf
+from sdp_cli.redact import is_loopback, is_redacted, redact_urls
+from sdp_cli.rundir import RunDir
+from sdp_cli.tasks import Task
+from sdp_cli.train.distributed import Coordinator
+from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides, resume_point
+from sdp_cli.train.task_setup import prepare_task
+from sdp_cli.train.trackers import active_trackers, check_installed
+
+
+#: config keys that name a program to start or code to import (docs/reliability.md, "Security defaults")
+PROGRAM_KEYS = ("engine.python", "task.reward")
+
+
+def _program(cfg: SdpConfig, key: str) -> str | None:
+    """The program ``key`` names in ``cfg``, or None when it names none (the default, a built-in)."""
+    if key == "engine.python":
+        return cfg.engine.python if cfg.engine.python != EngineConfig().python else None
+    reward = cfg.task.reward
+    return reward if reward is not None and ":" in reward else None  # module:fn or file.py:fn
+
+
+def refuse_saved_programs(cfg: SdpConfig, given: list[str], run_dir: RunDir) -> None:
+    """A run directory may come from elsewhere: a resume runs a program its files name (through
+    overrides.json, config.yaml or a saved --config-dir) only if the command line names it again."""
+    for key in PROGRAM_KEYS:
+        program = _program(cfg, key)
+        if program is not None and not any(o.lstrip("+~").startswith(f"{key}=") for o in given):
+            raise UserError(
+                f"{run_dir.path}: its saved config sets {key}={program}, which sdp would run; a resume takes "
+                f"programs only from the command line: pass {key}=... again if you trust it"
+            )
+
+
+def bind_warning(cfg: SdpConfig) -> str | None:
+    """The warning for a server sdp launches (a remote engine without engine.urls) bound beyond
+    loopback — config validation already requires an API key for it — or None."""
+    host = cfg.engine.host
+    if cfg.engine.kind == "local" or cfg.engine.urls or is_loopback(host):
+        return None
+    return (
+        f"warning: engine.host={host}: the inference server will accept connections from the network "
+        f"(with the key in ${cfg.engine.api_key_env}); use 127.0.0.1 unless other machines must reach it"
+    )
+
+
+@dataclass
+class RunStart:
+    """A run directory ready for :class:`sdp_cli.train.run.TrainingRun`."""
+
+    cfg: SdpConfig
+    raw: Any
+    run_dir: RunDir
+    task: Task
+    resuming: bool
+    #: the directory and its lock (rank 0 only)
+    owned: OwnedRunDir | None
+    #: (file, text) a resume writes once setup accepted it: a refused resume rewrites nothing
+    deferred: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def open_run(
+    cfg: SdpConfig, raw: Any, overrides: list[str], source: ConfigSource, coordinator: Coordinator
+) -> RunStart:
+    """Lock and read the directory ``resume=`` names, or make and lock a new one."""
+    owned: OwnedRunDir | None = None
+    try:
+        if cfg.resume:
+            run_dir = RunDir(Path(cfg.resume))
+            saved = run_dir.overrides
+            if not saved.is_file():
+                raise UserError(
+                    f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
+                )
+            original = read_overrides(saved)  # a directory that is no run gets no lock file
+            resume_point(run_dir, speak=False)  # nothing to resume from: one line, before any output
+            if coordinator.is_main:
+                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
+            extra = [o for o in overrides if not o.startswith("resume=")]
+            source = resume_source(run_dir, source)
+            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+            refuse_saved_programs(cfg, extra, run_dir)
+            if any(is_redacted(url) for url in cfg.engine.urls):
+                raise UserError(
+                    f"{run_dir.path}: its engine.urls had credentials, which sdp does not store; "
+                    "pass engine.urls=[...] again on the command line"
+                )
+            start = RunStart(cfg, raw, run_dir, preflight(cfg), True, owned)
+            if extra:
+                start.deferred.append((saved, redact_urls(json.dumps([*original, *extra]))))
+            start.deferred.append((run_dir.config, redact_urls(to_yaml(raw))))
+            return start
+        task = preflight(cfg)
+        owned = make_run_dir(cfg) if coordinator.is_main else None
+        run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
+        if coordinator.is_main:
+            # credentials in URLs are masked: a resume asks for engine.urls again
+            atomic_write_text(run_dir.overrides, redact_urls(json.dumps(overrides)))
+            if source != ConfigSource():
+                atomic_write_text(run_dir.config_source, source.to_json())
+            atomic_write_text(run_dir.config, redact_urls(to_yaml(raw)))
+        return RunStart(cfg, raw, run_dir, task, False, owned)
+    except BaseException:
+        if owned is not None:
+            owned.remove() if owned.created else owned.lock.release()
+        raise
+
+
+def preflight(cfg: SdpConfig) -> Task:
+    """Refuse what is certain to fail before anything is written (a model that is neither a
+    directory nor a hub id, bad task data, a reward function that does not import, an API-key
+    variable that is not set) and return the task, ready to sample."""
+    if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
+        check_gguf_file(cfg.model.path)
+    elif cfg.model.kind == "hf":
+        from sdp_cli.models.loader import resolve_model_dir
+
+        if not resolve_model_dir(cfg.model.path or "").is_dir():
+            raise UserError(
+                f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
+            )
+    check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
+    task = prepare_task(cfg)
+    if (warning := bind_warning(cfg)) is not None:
+        print(warning, file=sys.stderr)
+    key_env = cfg.engine.api_key_env
+    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
+        raise UserError(
+            f"engine.api_key_env={key_env}, but that environment variable is empty; "
+            "export the key in it or unset engine.api_key_env"
+        )
+    return task
+
+
+def resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:
+    """The config source a run started with; a different one given at the resume is refused."""
+    path = run_dir.config_source
+    saved = ConfigSource.from_json(path.read_text(), str(path)) if path.is_file() else ConfigSource()
+    if given != ConfigSource() and given != saved:
+        raise UserError(
+            f"{run_dir.path} was started with {saved.config_dir or 'no --config-dir'}; "
+            "resume it without --config-dir/--config-name (its own are used)"
+        )
+    if saved.config_dir is not None and not Path(saved.config_dir).is_dir():
+        raise UserError(
+            f"{run_dir.path} was started with --config-dir {saved.config_dir}, which is gone; restore it to resume"
+        )
+    return saved
