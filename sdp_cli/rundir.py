@@ -7,6 +7,7 @@
     events.jsonl                start / resume / crashes / checkpoints / stops / end
     ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
     summary.json                final numbers of the run (present once it finished)
+    .lock                       the lock one process holds while it trains (sdp_cli/dirlock.py)
     tensorboard/                TensorBoard event files (run.trackers)
     wandb/                      W&B's files (run.trackers includes wandb)
     trackers.json               the W&B / MLflow run ids a resume continues
@@ -30,6 +31,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from sdp_cli.dirlock import LOCK_NAME
 
 #: name of the file in ``checkpoints/`` that names the newest checkpoint
 LATEST = "latest"
@@ -77,6 +80,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.path / "config.yaml"
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK_NAME
 
     @property
     def overrides(self) -> Path:

@@ -85,7 +85,15 @@ def train_command(
     from sdp_cli.config.compose import compose_config, config_source, to_yaml
 
     source = config_source(config_dir, config_name)
-    cfg, raw = compose_config(overrides, source=source)
+    # A resume composes the run's saved overrides with these (sdp_cli/train/start.py): alone they
+    # may not validate (task.reward given again for a data task the saved overrides choose), so
+    # here only `resume=` and the run.* keys, which steer this process, are composed.
+    resuming = [o for o in overrides if o.startswith("resume=")]
+    if resuming:
+        overrides_now = [*resuming, *(o for o in overrides if o.lstrip("+~").startswith("run."))]
+    else:
+        overrides_now = overrides
+    cfg, raw = compose_config(overrides_now, source=source)
     if print_config or show_prompts:
         from sdp_cli.train.task_setup import prompt_comment, show_prompts as render_prompts
 

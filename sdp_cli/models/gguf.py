@@ -101,7 +101,9 @@ def load_gguf(path: str | Path) -> tuple[Any, Any]:
     file = Path(path).expanduser()
     try:
         with _quiet_tqdm():
-            loaded = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype="float32")
+            loaded = AutoModelForCausalLM.from_pretrained(
+                str(file.parent), gguf_file=file.name, dtype="float32", use_safetensors=True
+            )
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(

@@ -197,23 +197,18 @@ def _tiny_policy(
     return policy
 
 
-def load_hf_policy(path: str | Path) -> Policy:
-    """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
-    directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
-    dequantised to float32)."""
-    from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _model_dir_fix(path: str | Path) -> str:
+    if is_hub_id(path):
+        return f"the hub model {path} needs safetensors weights, config.json and tokenizer files"
+    return "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
 
-    if is_gguf(path):
-        model, tokenizer = load_gguf(path)
-        return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
+
+def check_hf_model_dir(path: str | Path) -> Path:
+    """The model directory ``path`` names (a hub id resolved from the local cache), checked file by
+    file without loading it: config.json, complete safetensors weights (no pickle) and tokenizer
+    files. Bad ones are one line, so ``sdp train`` refuses them before it writes anything."""
     directory = resolve_model_dir(path)
-    hub = is_hub_id(path)
-    fix = (
-        f"the hub model {path} needs safetensors weights, config.json and tokenizer files"
-        if hub
-        else "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
-    )
+    fix = _model_dir_fix(path)
     if not directory.is_dir():
         raise UserError(f"model directory {directory} does not exist; {fix}")
     if not (directory / "config.json").is_file():
@@ -236,12 +231,29 @@ def load_hf_policy(path: str | Path) -> Policy:
         raise UserError(
             f"model directory {directory}: {err}; copy or save the model again (save_pretrained)"
         ) from None
+    return directory
+
+
+def load_hf_policy(path: str | Path) -> Policy:
+    """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
+    directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
+    dequantised to float32)."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if is_gguf(path):
+        model, tokenizer = load_gguf(path)
+        return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
+    directory = check_hf_model_dir(path)
+    hub = is_hub_id(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]
-        raise UserError(f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {fix}") from None
+        raise UserError(
+            f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {_model_dir_fix(path)}"
+        ) from None
     return _policy(model, tokenizer, directory, str(path) if hub else str(directory.resolve()))
 
 

@@ -135,12 +135,13 @@ def preflight(cfg: SdpConfig) -> Task:
     if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
         check_gguf_file(cfg.model.path)
     elif cfg.model.kind == "hf":
-        from sdp_cli.models.loader import resolve_model_dir
+        from sdp_cli.models.loader import check_hf_model_dir, resolve_model_dir
 
         if not resolve_model_dir(cfg.model.path or "").is_dir():
             raise UserError(
                 f"model.path={cfg.model.path} is not a directory; pass a Hugging Face model directory or a hub id (org/name)"
             )
+        check_hf_model_dir(cfg.model.path)
     check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
     task = prepare_task(cfg)
     if (warning := bind_warning(cfg)) is not None:

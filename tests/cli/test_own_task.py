@@ -197,8 +197,11 @@ def test_resume_composes_with_the_config_dir_the_run_started_with(workdir, capsy
             "train.eval_samples=0", "train.steps=2", "run.progress=false", "run.tensorboard=false", f"run.dir={run}"]  # fmt: skip
     assert run_main(argv, capsys)[0] == 0
     assert json.loads((run / "config_source.json").read_text()) == {"config_dir": str(workdir / "conf"), "config_name": "config"}
-    # task=larger exists only in conf/: the resume finds it through config_source.json
-    code, _, err = run_main(["train", f"resume={run}", "train.steps=3"], capsys)
+    # task=larger exists only in conf/: the resume finds it through config_source.json; its
+    # reward function is a program, which a resume takes only from the command line
+    line = _refused(["train", f"resume={run}", "train.steps=3"], capsys, workdir)
+    assert "its saved config sets task.reward=reward.py:larger, which sdp would run" in line
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=3", "task.reward=reward.py:larger"], capsys)
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
     (workdir / "other").mkdir()

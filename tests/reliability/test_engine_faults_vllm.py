@@ -255,7 +255,10 @@ def test_unreachable_server_at_start_is_one_line_naming_address_and_retries(tmp_
             f"run.dir={run_dir}"]  # fmt: skip
     done = run_sdp(["train", *args], sdp_env(sdp_cache), 120)
     assert done.returncode == 2
-    line = error_line(done.stderr)
+    # the server is first asked for during setup, after the start lines (run dir, task): the
+    # error is still one line, and the run directory setup created is removed again
+    line = error_line(done.stderr, alone=False)
     assert f"cannot reach the vllm server at http://127.0.0.1:{port}" in line
+    assert not run_dir.exists()
     assert "gave up after 2 attempt(s) over 0.5 s (engine.retries=1)" in line
     assert not (run_dir / "checkpoints").exists()

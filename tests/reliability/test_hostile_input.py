@@ -655,8 +655,7 @@ def test_a_torch_save_file_is_refused_unread(tmp_path, monkeypatch):
 def test_truncated_weights_are_one_line_in_every_reader(tmp_path, monkeypatch, capsys):
     """A model.safetensors cut short: the local engine's weight reader, the policy loader behind
     `sdp train model=hf` and recompute's scorers (the MALFORMED case above) each name the file
-    and say it is truncated. (`sdp train` still creates its run directory first: issue 13
-    item 8, another change.)"""
+    and say it is truncated; `sdp train` refuses it before it writes or prints anything."""
     from sdp_cli.engine._local_weights import read_safetensors_dir
     from sdp_cli.engine.base import EngineError
 
