@@ -21,7 +21,8 @@ from sdp_cli.core._masked import (
 )
 from sdp_cli.core.weights import importance_weights
 
-_NAMES = (
+#: the keys of ``offpolicy_metrics``, in its order
+OFFPOLICY_METRIC_NAMES = (
     "kl",
     "k3_kl",
     "training_ppl",
@@ -87,7 +88,7 @@ def offpolicy_metrics(
         )
     if host["tokens"] == 0:
         # No valid token: no divergence, and every perplexity (ratio) is exp(0) = 1.
-        return {name: 1.0 if name in _EXP_OF_ZERO else 0.0 for name in _NAMES}
+        return {name: 1.0 if name in _EXP_OF_ZERO else 0.0 for name in OFFPOLICY_METRIC_NAMES}
     tokens, rows = host["tokens"], host["rows"]
     (
         train_log_ppl,

@@ -35,19 +35,37 @@ PROGRAM_KEYS = ("engine.python", "task.reward")
 
 
 def _program(cfg: SdpConfig, key: str) -> str | None:
-    """The program ``key`` names in ``cfg``, or None when it names none (the default, a built-in)."""
+    """The program ``key`` names in ``cfg`` and sdp would start or import, or None when it names
+    none (the default, a built-in) or none is started (engine.python without a server to launch)."""
     if key == "engine.python":
-        return cfg.engine.python if cfg.engine.python != EngineConfig().python else None
+        launches = cfg.engine.kind != "local" and not cfg.engine.urls
+        return cfg.engine.python if launches and cfg.engine.python != EngineConfig().python else None
     reward = cfg.task.reward
     return reward if reward is not None and ":" in reward else None  # module:fn or file.py:fn
 
 
-def refuse_saved_programs(cfg: SdpConfig, given: list[str], run_dir: RunDir) -> None:
+def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], run_dir: RunDir) -> None:
     """A run directory may come from elsewhere: a resume runs a program its files name (through
-    overrides.json, config.yaml or a saved --config-dir) only if the command line names it again."""
+    overrides.json, config.yaml or a saved --config-dir) only if the command line names it again.
+    What sdp's own config groups and this process's environment give (e.g. engine=vllm's
+    engine.python from $SDP_VLLM_PYTHON) does not come from the run's files and needs no repeating:
+    that is what the run's overrides compose to without their program keys and its config dir."""
+    from omegaconf import OmegaConf
+
+    from sdp_cli.config.compose import compose_dict
+
+    def names_program(override: str) -> bool:
+        return any(override.lstrip("+~").startswith(f"{key}=") for key in PROGRAM_KEYS)
+
+    try:
+        trusted = compose_dict([o for o in [*saved, *given] if not names_program(o) and not o.startswith("resume=")])
+    except UserError:  # e.g. a task of the run's own config dir: nothing it names is trusted
+        trusted = None
     for key in PROGRAM_KEYS:
         program = _program(cfg, key)
-        if program is not None and not any(o.lstrip("+~").startswith(f"{key}=") for o in given):
+        if program is None or any(o.lstrip("+~").startswith(f"{key}=") for o in given):
+            continue
+        if trusted is None or OmegaConf.select(trusted, key, default=None) != program:
             raise UserError(
                 f"{run_dir.path}: its saved config sets {key}={program}, which sdp would run; a resume takes "
                 f"programs only from the command line: pass {key}=... again if you trust it"
@@ -101,7 +119,7 @@ def open_run(
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
-            refuse_saved_programs(cfg, extra, run_dir)
+            refuse_saved_programs(cfg, original, extra, run_dir)
             if any(is_redacted(url) for url in cfg.engine.urls):
                 raise UserError(
                     f"{run_dir.path}: its engine.urls had credentials, which sdp does not store; "

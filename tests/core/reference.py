@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from sdp_cli.core.metrics import OFFPOLICY_METRIC_NAMES
+
 CAP, FLOOR, RS_UPPER, VETO = 2.0, 0.5, 1.5, 1e-4
 CLIP, CLIP_HIGH, DUAL_CLIP = 0.2, 0.28, 3.0
 
@@ -43,24 +45,7 @@ OURS = {
     "clipfrac_low": ("loss", "pg_clipfrac_low"),
     "clipfrac_dual": ("loss", "pg_clipfrac_dual"),
     "ppo_kl": ("loss", "ppo_kl"),
-    **{
-        name: ("offpolicy", name)
-        for name in (
-            "kl",
-            "k3_kl",
-            "training_ppl",
-            "training_log_ppl",
-            "rollout_ppl",
-            "rollout_log_ppl",
-            "log_ppl_diff",
-            "log_ppl_abs_diff",
-            "log_ppl_diff_max",
-            "log_ppl_diff_min",
-            "ppl_ratio",
-            "chi2_token",
-            "chi2_seq",
-        )
-    },
+    **{name: ("offpolicy", name) for name in OFFPOLICY_METRIC_NAMES},
 }
 
 
