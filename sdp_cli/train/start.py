@@ -50,8 +50,6 @@ def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], ru
     What sdp's own config groups and this process's environment give (e.g. engine=vllm's
     engine.python from $SDP_VLLM_PYTHON) does not come from the run's files and needs no repeating:
     that is what the run's overrides compose to without their program keys and its config dir."""
-    from omegaconf import OmegaConf
-
     from sdp_cli.config.compose import compose_dict
 
     def names_program(override: str) -> bool:
@@ -65,11 +63,22 @@ def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], ru
         program = _program(cfg, key)
         if program is None or any(o.lstrip("+~").startswith(f"{key}=") for o in given):
             continue
-        if trusted is None or OmegaConf.select(trusted, key, default=None) != program:
+        if trusted is None or _select(trusted, key) != program:
             raise UserError(
                 f"{run_dir.path}: its saved config sets {key}={program}, which sdp would run; a resume takes "
                 f"programs only from the command line: pass {key}=... again if you trust it"
             )
+
+
+def _select(cfg: Any, key: str) -> Any:
+    """``key`` of a composed config, resolved; None where it is unset or does not resolve."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.select(cfg, key, default=None)
+    except OmegaConfBaseException:
+        return None
 
 
 def bind_warning(cfg: SdpConfig) -> str | None:
