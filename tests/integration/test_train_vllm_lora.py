@@ -25,7 +25,6 @@ from ..scoring import target_logprobs
 pytestmark = pytest.mark.integration
 
 
-
 def test_lora_training_on_a_vllm_server(vllm_python, tmp_path, monkeypatch):
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     cfg, raw = compose_config(

@@ -55,7 +55,6 @@ def test_eta_zero_is_synchronous_on_policy_training(fast_config):
         assert row["offpolicy/kl"] == pytest.approx(0.0, abs=1e-5)
 
 
-
 def test_segment_wise_proximal_t_is_the_next_versions_logprob(fast_config):
     cfg, raw = fast_config(
         "+preset=segment_wise",
