@@ -53,7 +53,6 @@ from sdp_cli.ablate.comparison import (
     comparisons_csv,
 )
 from sdp_cli.ablate.stats import ModeComparison, compare_modes
-from sdp_cli.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.models import greedy_accuracy, load_policy, save_policy
 from sdp_cli.models.decode import greedy_decode
-from sdp_cli.tasks import build_task
 from sdp_cli.tasks.arith import AdditionTask
 
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)

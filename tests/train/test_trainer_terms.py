@@ -10,7 +10,6 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from sdp_cli.config.schema import LossConfig, OptimConfig
-from sdp_cli.core.regularizers import kl_penalty
 from sdp_cli.models.lora import apply_lora
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
