@@ -18,6 +18,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from sdp_cli.ablate.stats import welch
+
 BASELINES = ("decoupled", "segment_wise")
 
 
@@ -27,10 +29,6 @@ def load(sweep: Path) -> dict[tuple[str, int], list[dict[str, str]]]:
         for row in csv.DictReader(f):
             cells[row["mode"], int(row["eta"])].append(row)
     return cells
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main(paths: list[str]) -> None:
@@ -54,14 +52,15 @@ def main(paths: list[str]) -> None:
                 rewards = [float(r["reward_last"]) for r in runs]
                 best = max(bases, key=lambda b: statistics.fmean(float(r["reward_last"]) for r in cells[b, eta]))
                 base = [float(r["reward_last"]) for r in cells[best, eta]]
-                (m, s), (mb, sb) = mean_se(rewards), mean_se(base)
-                se = math.sqrt(s**2 / len(rewards) + sb**2 / len(base))
-                ratio = (m - mb) / se if se else 0.0
+                diff = welch(rewards, base)
+                m, mb = statistics.fmean(rewards), statistics.fmean(base)
+                ratio = diff.difference / diff.standard_error if diff.standard_error else 0.0
                 ess = statistics.fmean(float(r["w_drift_ess"]) for r in runs)
                 out.append(f"{m - mb:+.3f} ({ratio:+.1f} SE) vs {best[:3]}, ESS {ess:.3f}")
                 if ratio < -1.0:
                     verdict[mode].append(f"{path.name} η={eta}: {ratio:+.1f} SE")
                 # the stricter reading: in standard errors of the baseline's mean alone
+                sb = statistics.stdev(base) if len(base) > 1 else 0.0
                 strict = (m - mb) / (sb / math.sqrt(len(base))) if sb else 0.0
                 if strict < -1.0:
                     strict_verdict[mode].append(f"{path.name} η={eta}: {strict:+.1f} SE(baseline)")

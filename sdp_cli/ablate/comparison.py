@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from sdp_cli.ablate.records import GroupRow
 from sdp_cli.ablate.stats import ModeComparison
 from sdp_cli.errors import UserError
 
@@ -39,9 +38,9 @@ def comparison_note(against: Sequence[str] = ()) -> str:
     ).replace("the best other mode", "the better baseline").replace("The best other mode", "The better baseline")
 
 
-def check_against(groups: Sequence[GroupRow], against: Sequence[str]) -> None:
-    """``--against`` must name modes of the sweep, as the report labels them."""
-    modes = sorted({g.mode for g in groups})
+def check_against(modes: Iterable[str], against: Sequence[str]) -> None:
+    """``--against`` must name modes of the sweep, as the report labels them (``mode_label``)."""
+    modes = sorted(set(modes))
     unknown = [m for m in against if m not in modes]
     if unknown:
         raise UserError(

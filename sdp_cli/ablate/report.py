@@ -404,7 +404,7 @@ def write_report(sweep_dir: Path, *, plots: bool = True, against: Sequence[str] 
     sweep_dir = Path(sweep_dir)
     sweep = load_sweep(sweep_dir)
     groups = aggregate(sweep.records)
-    check_against(groups, against)
+    check_against((g.mode for g in groups), against)
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
     csv_path.write_text(to_csv(groups))

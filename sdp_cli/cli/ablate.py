@@ -109,6 +109,7 @@ def ablate_command(
         _print_report(report, plots=not no_plots, against=_modes(against))
         return
 
+    from sdp_cli.ablate.comparison import check_against
     from sdp_cli.ablate.sweep import (
         plan_sweep,
         prune_checkpoints,
@@ -123,11 +124,7 @@ def ablate_command(
         overrides.append(f"hydra.launcher.n_jobs={jobs}")
     plan = plan_sweep(sweep, overrides, directory, source=config_source(config_dir, config_name))
     _print_plan(plan)
-    if unknown := [m for m in _modes(against) if m not in plan.modes]:
-        raise UserError(
-            f"--against {','.join(unknown)}: no such mode in this sweep; "
-            f"its modes are {', '.join(sorted(plan.modes))}"
-        )
+    check_against(plan.modes, _modes(against))  # before anything runs
     if dry_run:
         return
     from sdp_cli.dirlock import DirectoryLock

@@ -34,6 +34,11 @@ from sdp_cli.train.trackers import active_trackers, check_installed
 PROGRAM_KEYS = ("engine.python", "task.reward")
 
 
+def _sets(override: str, key: str) -> bool:
+    """Whether the command-line override sets ``key`` (``key=…``, ``+key=…``, ``~key=…``)."""
+    return override.lstrip("+~").startswith(f"{key}=")
+
+
 def _program(cfg: SdpConfig, key: str) -> str | None:
     """The program ``key`` names in ``cfg`` and sdp would start or import, or None when it names
     none (the default, a built-in) or none is started (engine.python without a server to launch)."""
@@ -53,7 +58,7 @@ def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], ru
     from sdp_cli.config.compose import compose_dict
 
     def names_program(override: str) -> bool:
-        return any(override.lstrip("+~").startswith(f"{key}=") for key in PROGRAM_KEYS)
+        return any(_sets(override, key) for key in PROGRAM_KEYS)
 
     try:
         trusted = compose_dict([o for o in [*saved, *given] if not names_program(o) and not o.startswith("resume=")])
@@ -61,7 +66,7 @@ def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], ru
         trusted = None
     for key in PROGRAM_KEYS:
         program = _program(cfg, key)
-        if program is None or any(o.lstrip("+~").startswith(f"{key}=") for o in given):
+        if program is None or any(_sets(o, key) for o in given):
             continue
         if trusted is None or _select(trusted, key) != program:
             raise UserError(
