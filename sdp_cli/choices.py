@@ -45,6 +45,8 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 #: training precisions (``train.dtype``; docs/training.md)
 TRAIN_DTYPES = ("float32", "bfloat16")
+#: how several training processes split the model (``train.parallel``; docs/training.md)
+PARALLEL_MODES = ("ddp", "fsdp")
 #: why a sample stopped generating (a finished rollout record, a server's answer)
 FINISH_REASONS = ("stop", "length")
 

@@ -169,6 +169,10 @@ class TrainConfig:
     """resumable checkpoints kept on disk (the newest ones; the newest complete one is never deleted)."""
     eval_max_new_tokens: int | None = None
     """response budget of greedy evaluation; null = the rollout budget."""
+    parallel: str = "ddp"
+    """several processes (torchrun): ddp (every process holds the whole model) | fsdp (parameters,
+    gradients and optimizer state sharded over the processes with torch's fully_shard; one process
+    trains unsharded either way)."""
 
 
 @dataclass

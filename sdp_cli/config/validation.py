@@ -16,6 +16,7 @@ from sdp_cli.choices import (
     LOSS_AGGS,
     LOSS_TYPES,
     MODEL_KINDS,
+    PARALLEL_MODES,
     PROXIMAL_T_SOURCES,
     RECOMPUTE_POLICIES,
     REWARD_POOLS,
@@ -182,6 +183,12 @@ def validate(cfg: SdpConfig) -> None:
     _positive("train.eval_samples", tr.eval_samples, strict=False)
     _positive("train.batch_timeout_s", tr.batch_timeout_s)
     _choice("train.dtype", tr.dtype, TRAIN_DTYPES)
+    _choice("train.parallel", tr.parallel, PARALLEL_MODES)
+    if tr.parallel == "fsdp" and cfg.model.lora.r > 0:
+        raise ConfigValueError(
+            "train.parallel=fsdp with LoRA (model.lora.r > 0) is not supported; "
+            "train LoRA adapters with train.parallel=ddp (the base is frozen, only the adapters train)"
+        )
     _positive("train.keep_checkpoints", tr.keep_checkpoints)
     _positive("train.eval_max_new_tokens", tr.eval_max_new_tokens, allow_none=True)
 

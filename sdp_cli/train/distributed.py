@@ -1,9 +1,13 @@
 """Multi-process training (``accelerate launch`` / ``torchrun``): rank 0 runs the rollout loop and
 the engine and owns the run directory; every rank trains on its share of each batch, and DDP
-averages the gradients, so all ranks hold the same weights.
+averages the gradients, so all ranks hold the same weights (or, with ``train.parallel=fsdp``,
+each holds its shard of them).
 
-Rank 0 sends each batch's groups to the other ranks as JSON bytes over ``torch.distributed``
-(never pickle); ``None`` tells them the run is over.
+Rank 0 leads, the other ranks follow (``Coordinator.serve``): rank 0 sends each message as JSON
+bytes over ``torch.distributed`` (never pickle): a batch to train on (``step``), a collective
+every rank must join (``call``: a gather of sharded weights, the stop agreement), or the end of
+the run with the exit status every rank takes. Because only rank 0 starts collectives, all
+ranks run them in the same order.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, NoReturn, TypeVar
 
 import torch
 
@@ -33,13 +37,17 @@ def check_launch(env: Mapping[str, str]) -> None:
     def flag(name: str) -> bool:
         return env.get(name, "").lower() in ("1", "true", "yes")
 
-    for name, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if flag(name):
-            raise UserError(
-                f"{what} sharding is not supported: rank 0 pushes and saves whole weights, which a sharded "
-                "model does not hold (docs/training.md \"Several processes\"); launch data-parallel "
-                "training instead (accelerate launch --multi_gpu, or torchrun --nproc_per_node N)"
-            )
+    if flag("ACCELERATE_USE_FSDP"):
+        raise UserError(
+            "accelerate's FSDP plugin is not used by sdp (it would wrap the model that sdp shards itself); "
+            "launch with torchrun --nproc_per_node N, or accelerate launch --multi_gpu, and set "
+            "train.parallel=fsdp (docs/training.md \"Sharded training (FSDP)\")"
+        )
+    if flag("ACCELERATE_USE_DEEPSPEED"):
+        raise UserError(
+            "DeepSpeed is not supported; for sharded training launch with torchrun --nproc_per_node N, "
+            "or accelerate launch --multi_gpu, and set train.parallel=fsdp (docs/training.md \"Sharded training (FSDP)\")"
+        )
     if flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in env and not any(v in env for v in _WORLD_SIZE_VARS):
         raise UserError(
             "accelerate launch --cpu --num_processes N starts only one process here; launch N CPU "
@@ -52,9 +60,12 @@ class Coordinator:
 
     def __init__(self, accelerator: Any):
         self.accelerator = accelerator
+        #: the collectives rank 0 may ask for by name (``call``), the same on every rank
+        self._ops: dict[str, Callable[[], Any]] = {}
 
-    def end_follower(self) -> None:
-        """A rank other than 0 has finished its part (rank 0 writes every output): leave now.
+    def end_follower(self, code: int = 0) -> NoReturn:
+        """A rank other than 0 has finished its part (rank 0 writes every output): leave now,
+        with the exit status rank 0 sent (0, 1, or 128 + the signal that stopped the run).
 
         Its gloo threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) outlive even
         ``destroy_process_group``, and the interpreter's teardown then sometimes destroys them
@@ -64,7 +75,51 @@ class Coordinator:
         assert not self.is_main, "rank 0 closes its outputs and exits normally"
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+
+    # ---------------------------------------------------------------- protocol
+    def register(self, name: str, op: Callable[[], Any]) -> None:
+        """Make ``op`` (a collective) callable by name from rank 0; every rank registers it."""
+        self._ops[name] = op
+
+    def call(self, name: str) -> Any:
+        """Rank 0: run the registered collective ``name`` on every rank; its result here."""
+        assert self.is_main, "only rank 0 starts collectives (the others follow in serve)"
+        if self.distributed:
+            self.broadcast_json({"op": name})
+        return self._ops[name]()
+
+    def send_batch(self, groups: list[RolloutGroup]) -> None:
+        """Rank 0: hand the next batch to the other ranks."""
+        if self.distributed:
+            self.broadcast_json({"op": "step", "groups": [g.to_dict() for g in groups]})
+
+    def end(self, code: int) -> None:
+        """Rank 0: the run is over; the other ranks leave ``serve`` with exit status ``code``."""
+        if self.distributed:
+            self.broadcast_json({"op": "end", "code": int(code)})
+
+    def serve(self, train: Callable[[list[RolloutGroup]], None]) -> int:
+        """Other ranks: train on each batch and join each collective rank 0 sends, until it ends
+        the run; returns the exit status it sent."""
+        while True:
+            message = self.broadcast_json()
+            if message["op"] == "end":
+                return int(message["code"])
+            if message["op"] == "step":
+                train([RolloutGroup.from_dict(g) for g in message["groups"]])
+            else:
+                self._ops[message["op"]]()
+
+    def max_over_ranks(self, value: int) -> int:
+        """The largest ``value`` of all ranks (an all-reduce; every rank calls it)."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.long, device=self.accelerator.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
 
     @property
     def is_main(self) -> bool:
@@ -104,19 +159,10 @@ class Coordinator:
             self.broadcast_json("done")
         return result
 
-    def send_batch(self, groups: list[RolloutGroup] | None) -> None:
-        """Rank 0: hand the next batch (or the end of the run) to the other ranks."""
-        if self.distributed:
-            self.broadcast_json(None if groups is None else [g.to_dict() for g in groups])
-
-    def receive_batch(self) -> list[RolloutGroup] | None:
-        """Other ranks: the next batch, or None when rank 0 has finished."""
-        data = self.broadcast_json()
-        return None if data is None else [RolloutGroup.from_dict(g) for g in data]
-
-    def weights_in_sync(self, model: torch.nn.Module) -> bool:
-        """Whether every rank holds the same weights (a checksum reduced with min and max)."""
-        if not self.distributed:
+    def weights_in_sync(self, model: torch.nn.Module, *, sharded: bool = False) -> bool:
+        """Whether every rank holds the same weights (a checksum reduced with min and max).
+        ``sharded``: every weight exists once, on one rank, so there is nothing to compare."""
+        if not self.distributed or sharded:
             return True
         import torch.distributed as dist
 

@@ -17,6 +17,7 @@ adapters under LoRA (the base is rebuilt from the config on resume); version che
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -189,3 +190,32 @@ def describe_policy(policy: Any) -> str:
     """``name (N M parameters)`` of a loaded policy, for the start display."""
     count = sum(p.numel() for p in policy.model.parameters())
     return f"{policy.name}, {count / 1e6:.1f} M parameters"
+
+
+class WholePolicy:
+    """The policy with whole weights, for whatever needs them on rank 0 (the engine, checkpoints,
+    version checkpoints, the evaluation; docs/training.md "Sharded training (FSDP)"): the trained
+    policy itself, or under sharding a copy rebuilt from the weights gathered to rank 0 by
+    ``gather`` (a collective the other ranks join), kept until the trainer's version changes or
+    ``release`` frees it."""
+
+    def __init__(self, policy: Any, trainer: Any, gather: Callable[[], dict[str, torch.Tensor]]):
+        self.trained = policy
+        self.trainer = trainer
+        self.gather = gather
+        self._copy: tuple[int, Any] | None = None
+
+    def get(self) -> Any:
+        if not self.trainer.sharded:
+            return self.trained
+        version = self.trainer.version
+        if self._copy is None or self._copy[0] != version:
+            from sdp_cli.train.sharding import whole_model
+
+            self._copy = None  # free the previous copy before gathering the next
+            model = whole_model(self.trainer.skeleton, self.gather())
+            self._copy = (version, dataclasses.replace(self.trained, model=model))
+        return self._copy[1]
+
+    def release(self) -> None:
+        self._copy = None

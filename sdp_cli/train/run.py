@@ -38,6 +38,7 @@ from sdp_cli.train.batch import assemble_batch
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import (
     PromptCodec,
+    WholePolicy,
     describe_policy,
     load_for_training,
     load_policy_from,
@@ -150,7 +151,9 @@ class TrainingRun(SessionEnd):
             batch_sequences=cfg.rollout.batch_groups * cfg.rollout.group_size,
             dtype=cfg.train.dtype,
             reference=reference,
+            parallel=cfg.train.parallel,
         )
+        self._register_collectives()
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
@@ -158,7 +161,7 @@ class TrainingRun(SessionEnd):
         if checkpoint is not None:
             state = checkpoint.state
             if state["optimizer"] is not None:
-                self.trainer.optimizer.load_state_dict(
+                self.trainer.load_optimizer_state(
                     ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
                 )
             else:  # train.save_optimizer=false (docs/training.md, "Checkpoints and resume")
@@ -173,13 +176,15 @@ class TrainingRun(SessionEnd):
             self.start_step = checkpoint.step
         if not self.coordinator.is_main:
             return
+        if cfg.train.parallel == "fsdp" and not self.coordinator.distributed:
+            print("note: train.parallel=fsdp in one process: nothing to shard, the model trains whole", file=sys.stderr)
 
         if cfg.engine.kind == "local":
-            self.engine = build_engine(cfg, self.policy, self.run_dir, device=self.coordinator.accelerator.device)
+            self.engine = build_engine(cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device)
         else:
             how = f"attaching to {len(cfg.engine.urls)} server(s)" if cfg.engine.urls else "starting a server"
             with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
-                self.engine = build_engine(cfg, self.policy, self.run_dir)
+                self.engine = build_engine(cfg, self.whole.get(), self.run_dir)
                 phase.result = "ready" if cfg.engine.urls else f"ready (server log in {self.run_dir.logs})"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
@@ -242,6 +247,18 @@ class TrainingRun(SessionEnd):
                 resume_step=start_step if cut else None,
             )
 
+    def _register_collectives(self) -> None:
+        """What rank 0 may ask every rank to join (``Coordinator.call``): the gathers of sharded
+        weights and optimizer state, the weight checksum, and the stop agreement."""
+        co, trainer = self.coordinator, self.trainer
+        co.register("model_state", trainer.full_model_state)
+        co.register("optimizer_state", trainer.full_optimizer_state)
+        co.register("in_sync", lambda: co.weights_in_sync(trainer.unwrapped_model(), sharded=trainer.sharded))
+        # the largest signal number any rank received (0: none), so a signal that reached any
+        # rank stops all of them after the same step
+        co.register("stop", lambda: co.max_over_ranks(self.stop_request.signum or 0))
+        self.whole = WholePolicy(self.policy, trainer, lambda: co.call("model_state"))
+
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
         launched server were built from them, so only the version is declared; servers sdp
@@ -263,7 +280,8 @@ class TrainingRun(SessionEnd):
         if self.cfg.train.keep_version_checkpoints:
             self._save_version(version)
         if self.cfg.engine.kind == "local":
-            return WeightUpdate(version=version, state_dict=self.trainer.weights())
+            weights = self.whole.get().model.state_dict() if self.trainer.sharded else self.trainer.weights()
+            return WeightUpdate(version=version, state_dict=weights)
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
         for old in older_versions(self.run_dir.weights, keep=2):
@@ -273,10 +291,10 @@ class TrainingRun(SessionEnd):
     def _save_policy(self, directory: Path) -> None:
         from sdp_cli.models import save_policy
 
-        save_policy(self.policy, directory)
+        save_policy(self.whole.get(), directory)
 
     def _save_version(self, version: int) -> None:
-        save_version(self.policy, self.cfg, self.run_dir.version(version))
+        save_version(self.whole.get(), self.cfg, self.run_dir.version(version))
 
     # -- per step -----------------------------------------------------------
     def _on_step(self, record: StepRecord) -> None:
@@ -294,6 +312,11 @@ class TrainingRun(SessionEnd):
             self.checkpoint(record.step)
         if cfg.train.eval_every and record.step % cfg.train.eval_every == 0 and record.step != cfg.train.steps:
             self._evaluate(record.step)
+        self.whole.release()  # gathered weights live for one step
+        if self.coordinator.distributed:
+            agreed = self.coordinator.call("stop")
+            if agreed and not self.stop_request.requested:
+                self.stop_request(agreed)  # another rank received it: stop at this boundary too
 
     def _save_batch(self, record: StepRecord) -> None:
         from sdp_cli.train.batch_io import write_train_batch
@@ -315,11 +338,12 @@ class TrainingRun(SessionEnd):
             "generator": self.trainer.generator.get_state().tolist(),
             "torch_rng": torch.get_rng_state().tolist(),
         }
+        policy = self.whole.get()
         path = ckpt.write_checkpoint(
             self.run_dir.checkpoints,
             step,
-            save_policy=lambda directory: save_checkpoint_policy(self.policy, directory),
-            optimizer_state=self.trainer.optimizer.state_dict() if self.cfg.train.save_optimizer else None,
+            save_policy=lambda directory: save_checkpoint_policy(policy, directory),
+            optimizer_state=self.coordinator.call("optimizer_state") if self.cfg.train.save_optimizer else None,
             state={"trainer": trainer_state, "loop": self._snapshot()},
             keep=self.cfg.train.keep_checkpoints,
         )
@@ -341,7 +365,7 @@ class TrainingRun(SessionEnd):
         budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
         with self.trainer.autocast():  # the training precision
             acc = greedy_accuracy(
-                self.policy, self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
+                self.whole.get(), self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
             )
         if acc is None:
             return None
@@ -368,15 +392,19 @@ class TrainingRun(SessionEnd):
         except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting
             self.close(abort=True)
             raise
-        in_sync = self._end_session()
-        if not in_sync:
-            raise UserError("the training processes ended with different weights; report this as a bug")
-        if isinstance(stopped, LoopInterrupted):
-            raise self._interrupted()
+        # the other ranks still follow: checkpoints and evaluations may gather from them
+        self.close()
+        if not self.coordinator.call("in_sync"):
+            error = UserError("the training processes ended with different weights; report this as a bug")
+            self._end_session(error.exit_code)
+            raise error
         if stopped is not None:
-            raise self._stopped(stopped)
+            end = self._interrupted() if isinstance(stopped, LoopInterrupted) else self._stopped(stopped)
+            self._end_session(end.exit_code)
+            raise end
         wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
+        self._end_session(0)
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
@@ -390,9 +418,11 @@ class TrainingRun(SessionEnd):
             phase.result = "no held-out prompts" if acc is None else f"greedy accuracy {acc:.2f}"
         return acc
 
-    def follow(self) -> None:
-        """Ranks other than 0: train on each batch rank 0 sends until it says the run is over."""
-        while (groups := self.coordinator.receive_batch()) is not None:
+    def follow(self) -> int:
+        """Ranks other than 0: train on each batch rank 0 sends and join the collectives it asks
+        for, until it ends the run; returns the exit status it sent."""
+
+        def train(groups: list[Any]) -> None:
             batch = assemble_batch(
                 groups,
                 pad_token_id=int(self.policy.pad_token_id),
@@ -400,7 +430,8 @@ class TrainingRun(SessionEnd):
                 scale_adv_by_std=self.cfg.loss.scale_adv_by_std,
             )
             self.trainer.step(batch)
-        self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+
+        return self.coordinator.serve(train)
 
 
 def _config_dict(raw: Any) -> dict[str, Any]:
@@ -475,8 +506,7 @@ def _train(
             for path, text in start.deferred:
                 atomic_write_text(path, text)
         if not coordinator.is_main:
-            run.follow()
-            coordinator.end_follower()
+            coordinator.end_follower(run.follow())
         summary = run.run()
         print(summary_line(summary))
         return summary

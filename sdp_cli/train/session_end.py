@@ -34,11 +34,10 @@ class SessionEnd:
     cfg: Any
     _last_checkpoint: tuple[int, Path] | None
 
-    def _end_session(self) -> bool:
-        """Close the display and the engine, release the other ranks; whether all weights agree."""
-        self.close()
-        self.coordinator.send_batch(None)
-        return self.coordinator.weights_in_sync(self.trainer.unwrapped_model())
+    def _end_session(self, code: int) -> None:
+        """Release the other ranks, which exit with ``code`` as rank 0 will (0, 1 or 2, or 128 +
+        the signal); after the last collective this session needs (checkpoint, evaluation)."""
+        self.coordinator.end(code)
 
     def close(self, *, abort: bool = False) -> None:
         """Stop what this session started that outlives it (a launched server); idempotent.

@@ -14,7 +14,9 @@ The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
 the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
 processes, which DDP's gradient average undoes, so the update equals a single-process one
-(docs/training.md, "Several processes"). Both behavioural
+(docs/training.md, "Several processes"). With ``parallel="fsdp"`` the model is sharded by
+``train/sharding.py`` instead of wrapped in DDP; FSDP's reduce-scatter averages the same way,
+so the same scaling holds. Both behavioural
 weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
 exist, whatever the training mode ("shadow" metrics).
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from sdp_cli.choices import PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
+from sdp_cli.choices import PARALLEL_MODES, PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
@@ -50,6 +52,14 @@ from sdp_cli.core.weights import (
 from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
+from sdp_cli.train.sharding import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    local_tensor,
+    meta_skeleton,
+    shard,
+)
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
@@ -102,12 +112,15 @@ class Trainer:
         batch_sequences: int | None = None,
         dtype: str = "float32",
         reference: torch.nn.Module | None = None,
+        parallel: str = "ddp",
     ):
         """``batch_sequences`` (rollout.batch_groups · rollout.group_size) sets, with
         ``loss.norm_length``, the constant of seq-mean-token-sum-norm (docs/math.md §5.2).
         ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
-        the adapters disabled is the reference). Only parameters that require grad train."""
+        the adapters disabled is the reference). Only parameters that require grad train.
+        ``parallel``: ddp (every process holds the whole model) or fsdp (sharded over the
+        processes when there are several; ``train/sharding.py``)."""
         from accelerate import Accelerator
 
         assert track_proximal_t or "proximal_logprobs_t" not in MODE_WEIGHTS[loss.mode].needs, (
@@ -115,6 +128,7 @@ class Trainer:
         )
         assert proximal_t_source in PROXIMAL_T_SOURCES, f"unknown proximal_t_source {proximal_t_source!r}"
         assert dtype in TRAIN_DTYPES, f"unsupported training dtype {dtype}"
+        assert parallel in PARALLEL_MODES, f"unknown parallel mode {parallel!r}"
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )
@@ -143,13 +157,26 @@ class Trainer:
         self.reference = None
         if reference is not None:
             self.reference = reference.requires_grad_(False).eval().to(self.accelerator.device)
+        #: the parameters are split over the processes: whole weights need a collective gather
+        self.sharded = parallel == "fsdp" and self.accelerator.num_processes > 1
+        #: the model's structure without its weights (sharded only), for rebuilding it whole
+        self.skeleton: torch.nn.Module | None = None
+        if self.sharded:
+            self.skeleton = meta_skeleton(model)
+            device, world = self.accelerator.device, self.accelerator.num_processes
+            model = shard(model.to(device), device, world)
+            if self.reference is not None:
+                shard(self.reference, device, world)
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
         )
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        if self.sharded:  # accelerate would wrap the model in DDP
+            self.model, self.optimizer = model, self.accelerator.prepare(optimizer)
+        else:
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
 
@@ -347,7 +374,14 @@ class Trainer:
                     lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
                     rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
                 lmetrics.update(rmetrics)
-                if opt.grad_clip is not None:
+                if self.sharded:  # the norm over every shard (a collective)
+                    params = list(self.model.parameters())
+                    if opt.grad_clip is not None:
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
+                    else:
+                        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                    grad_norm = local_tensor(grad_norm)
+                elif opt.grad_clip is not None:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
                 else:
                     grad_norm = torch.sqrt(
@@ -451,20 +485,52 @@ class Trainer:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights an engine runs (detached; merged under LoRA, ``models.lora``); the local
-        engine copies them into its own model, casting to its dtype."""
+        engine copies them into its own model, casting to its dtype. Unsharded only: a sharded
+        model's whole weights come from ``full_model_state``, which every rank must join."""
+        assert not self.sharded, "a sharded trainer's whole weights need a gather on every rank"
         return merged_state_dict(self.unwrapped_model())
 
+    def _inner_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole weights: gathered to rank 0's CPU when sharded (a collective: ``{}`` on the
+        other ranks), else the model's own tensors."""
+        if self.sharded:
+            return full_model_state(self.model)
+        return {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()}
+
+    def full_optimizer_state(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` of the whole model (a collective when sharded: on rank 0)."""
+        if self.sharded:
+            return full_optimizer_state(self.model, self._inner_optimizer())
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load a whole-model optimizer state (every rank passes all of it)."""
+        if self.sharded:
+            load_full_optimizer_state(self.model, self._inner_optimizer(), state)
+        else:
+            self.optimizer.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, sampling RNG and version (collective when sharded; whole on rank 0)."""
         return {
             # the trained module's own tensors (adapters included), not the merged weights
-            "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.full_model_state(),
+            "optimizer": self.full_optimizer_state(),
             "generator": self.generator.get_state(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.unwrapped_model().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Inverse of ``state_dict``; a sharded trainer needs the whole state on every rank."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, state["model"], options=StateDictOptions(full_state_dict=True))
+        else:
+            self.unwrapped_model().load_state_dict(state["model"])
+        self.load_optimizer_state(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.version = int(state["version"])

@@ -14,6 +14,7 @@ from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.train.batch import TrainBatch, assemble_batch
+from sdp_cli.train.sharding import local_tensor
 from sdp_cli.train.trainer import Trainer
 
 VOCAB = 32
@@ -99,13 +100,38 @@ def capture_gradients(
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
 
     def record(*_: object) -> None:
-        grads.append({name: p.grad.detach().clone() for name, p in named if p.grad is not None})
+        # a sharded model's shards are gathered whole (every rank runs this hook)
+        grads.append({name: local_tensor(p.grad.detach()).clone() for name, p in named if p.grad is not None})
         if params is not None:
-            params.append({name: p.detach().clone() for name, p in named})
+            params.append({name: local_tensor(p.detach()).clone() for name, p in named})
 
     inner.register_step_pre_hook(record)
     return grads
 
+
+#: (name, loss, sequences, minibatches, gradient clip) of the sharded (FSDP) gradient test: an
+#: uneven split, a rank without rows at every optimizer step, the Dr.GRPO constant, REINFORCE's
+#: whole-minibatch normalisation, and a clip that binds (the tiny model's gradient norms are
+#: about 0.3-1 here, so 0.05 scales every step's gradient).
+FSDP_CASES = [
+    ("token-mean-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, None),
+    ("token-mean-3x3", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 3, 3, None),
+    (
+        "seq-mean-token-sum-norm-4x2",
+        LossConfig(mode="decoupled", agg="seq-mean-token-sum-norm", weight_cap=1.3, norm_length=6),
+        4,
+        2,
+        None,
+    ),
+    (
+        "reinforce-sequence-batchnorm-5x1",
+        LossConfig(mode="decoupled", loss_type="reinforce", is_level="sequence", weight_cap=1.3, batch_normalize=True),
+        5,
+        1,
+        None,
+    ),
+    ("token-mean-clip-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, 0.05),
+]
 
 #: (name, loss, sequences in the batch, minibatches) of the multi-process gradient test. With
 #: two processes 5 rows in one minibatch split 3/2 with unequal token counts and 3 rows in 3
@@ -132,20 +158,38 @@ DISTRIBUTED_CASES = [
 ]
 
 
-def distributed_case_gradients(loss: LossConfig, n_rows: int, minibatches: int) -> list[dict[str, torch.Tensor]]:
+def distributed_case_gradients(
+    loss: LossConfig, n_rows: int, minibatches: int, *, parallel: str = "ddp", grad_clip: float | None = None
+) -> list[dict[str, torch.Tensor]]:
     """The gradients of every optimizer step of one trainer step (2 PPO epochs) on a fixed batch,
-    in this process (single or one of several)."""
+    in this process (single or one of several), whole even when sharded."""
+    return distributed_case_run(loss, n_rows, minibatches, parallel=parallel, grad_clip=grad_clip)[0]
+
+
+def held_elements(model: torch.nn.Module) -> int:
+    """Parameter elements this process holds (its shards' when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def distributed_case_run(
+    loss: LossConfig, n_rows: int, minibatches: int, *, parallel: str = "ddp", grad_clip: float | None = None
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int]:
+    """``distributed_case_gradients``, the whole weights after the step (on rank 0; ``{}`` on
+    the other ranks of a sharded run) and the parameter elements this process held."""
     model = tiny_model(seed=1)
     batch_groups = random_groups(n_rows, seed=2)
     set_old_logprobs(batch_groups, model, noise=0.5, seed=3)
     trainer = Trainer(
         model,
         loss=loss,
-        optim=OptimConfig(lr=1e-2, grad_clip=None, ppo_epochs=2, minibatches=minibatches),
+        optim=OptimConfig(lr=1e-2, grad_clip=grad_clip, ppo_epochs=2, minibatches=minibatches),
         temperature=1.0,
         seed=4,
         batch_sequences=n_rows,
+        parallel=parallel,
     )
     grads = capture_gradients(trainer)
     trainer.step(batch_of(batch_groups))
-    return grads
+    return grads, trainer.full_model_state(), held_elements(trainer.model)

@@ -1,5 +1,6 @@
-"""One process of the two-process gradient test (``torchrun --nproc_per_node 2 <this> OUT``):
-runs every case of ``cases.DISTRIBUTED_CASES`` and saves this rank's gradients to OUT."""
+"""One process of the multi-process gradient tests (``torchrun --nproc_per_node 2 <this> OUT
+[fsdp]``): runs every case of ``cases.DISTRIBUTED_CASES`` (DDP) or ``cases.FSDP_CASES`` (sharded)
+and saves this rank's gradients (whole; with fsdp also rank 0's weights after the step) to OUT."""
 
 import sys
 from pathlib import Path
@@ -12,15 +13,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from tests.train import cases  # noqa: E402
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, parallel: str = "ddp") -> None:
     torch.set_num_threads(1)
     saved = {}
     rank = None
-    for name, loss, n_rows, minibatches in cases.DISTRIBUTED_CASES:
-        grads = cases.distributed_case_gradients(loss, n_rows, minibatches)
+    runs = (
+        [(name, loss, rows, mbs, clip) for name, loss, rows, mbs, clip in cases.FSDP_CASES]
+        if parallel == "fsdp"
+        else [(name, loss, rows, mbs, None) for name, loss, rows, mbs in cases.DISTRIBUTED_CASES]
+    )
+    for name, loss, n_rows, minibatches, clip in runs:
+        grads, weights, held = cases.distributed_case_run(loss, n_rows, minibatches, parallel=parallel, grad_clip=clip)
         for step, named in enumerate(grads):
             for param, grad in named.items():
                 saved[f"{name}/{step}/{param}"] = grad.contiguous()
+        if parallel == "fsdp":
+            saved[f"{name}/held_elements"] = torch.tensor(held)
+            for param, value in weights.items():
+                saved[f"{name}/weights/{param}"] = value.contiguous()
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -28,4 +38,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -80,11 +80,13 @@ def test_accelerate_launch_cpu_two_processes_exits_pointing_to_torchrun(tmp_path
 @pytest.mark.parametrize("name", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
 def test_sharded_accelerate_launches_are_refused_in_one_line(name):
     # accelerate launch --use_fsdp / --use_deepspeed set these for every process (torchrun
-    # underneath); accelerate.Accelerator() would then wrap the trainer's model in FSDP/DeepSpeed
+    # underneath); accelerate.Accelerator() would then wrap the trainer's model in FSDP/DeepSpeed,
+    # while sdp shards it itself (train.parallel=fsdp): the line says how to launch that instead
     from sdp_cli.errors import UserError
     from sdp_cli.train.distributed import check_launch
 
     with pytest.raises(UserError) as err:
         check_launch({name: "true", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})
-    assert "\n" not in str(err.value) and "not supported" in str(err.value) and "torchrun" in str(err.value)
+    message = str(err.value)
+    assert "\n" not in message and "torchrun --nproc_per_node N" in message and "train.parallel=fsdp" in message
     check_launch({name: "false", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})
