@@ -62,10 +62,11 @@ class StopRequest:
 
 
 @contextmanager
-def handling(handler: Callable[[int], None]) -> Iterator[bool]:
+def handling(handler: Callable[[int], None], *, restore: bool = True) -> Iterator[bool]:
     """Inside the block SIGINT and SIGTERM call ``handler(signum)`` instead of their default
-    action; the previous handlers come back at the end. Yields whether the handler is installed:
-    Python runs signal handlers in the main thread only, so elsewhere this does nothing."""
+    action; the previous handlers come back at the end unless ``restore`` is false (the handler
+    then stays until the process exits). Yields whether the handler is installed: Python runs
+    signal handlers in the main thread only, so elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
@@ -75,5 +76,5 @@ def handling(handler: Callable[[int], None]) -> Iterator[bool]:
     try:
         yield True
     finally:
-        for signum, old in previous.items():
+        for signum, old in previous.items() if restore else ():
             signal.signal(signum, old)

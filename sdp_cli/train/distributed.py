@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Any, Callable, Mapping, NoReturn, TypeVar
 
 import torch
@@ -95,8 +97,15 @@ class Coordinator:
             self.broadcast_json({"op": "step", "groups": [g.to_dict() for g in groups]})
 
     def end(self, code: int) -> None:
-        """Rank 0: the run is over; the other ranks leave ``serve`` with exit status ``code``."""
+        """Rank 0: the run is over; the other ranks leave ``serve`` and exit with ``code``.
+
+        They leave first, and torchrun answers a non-zero exit with SIGTERM to the ranks still
+        running: this one, done with the run, ignores SIGTERM from now on so that it still prints
+        its last line and exits with the same status (an ignored signal stays ignored while
+        Python shuts down; a handled one reverts to the default, which kills)."""
         if self.distributed:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.broadcast_json({"op": "end", "code": int(code)})
 
     def serve(self, train: Callable[[list[RolloutGroup]], None]) -> int:

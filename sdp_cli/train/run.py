@@ -462,7 +462,9 @@ def run_training(
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
     # ranks other than 0 follow rank 0, which decides where the run stops (no abort of their own)
     stop = stop or StopRequest(abortable=coordinator.is_main)
-    with handling(stop):
+    # several processes: rank 0 ignores SIGTERM once the run is over (Coordinator.end), and
+    # restoring the default handler at the end of the block would undo that
+    with handling(stop, restore=not coordinator.distributed):
         return _train(cfg, raw, overrides, source, coordinator, stop)
 
 
