@@ -23,6 +23,7 @@ import torch
 
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutGroup
+from sdp_cli.stopsignals import StopRequest
 
 T = TypeVar("T")
 
@@ -90,6 +91,20 @@ class Coordinator:
         if self.distributed:
             self.broadcast_json({"op": name})
         return self._ops[name]()
+
+    def register_training(self, trainer: Any, stop: StopRequest) -> None:
+        """The collectives of a training run (every rank): gathers of sharded weights and optimizer
+        state, the weight checksum, and the stop agreement: the largest signal number any rank
+        received (0: none), so that a signal reaching any rank stops all after the same step."""
+        self.register("model_state", trainer.full_model_state)
+        self.register("optimizer_state", trainer.full_optimizer_state)
+        self.register("in_sync", lambda: self.weights_in_sync(trainer.unwrapped_model(), sharded=trainer.sharded))
+        self.register("stop", lambda: self.max_over_ranks(stop.signum or 0))
+
+    def agree_stop(self, stop: StopRequest) -> None:
+        """Rank 0, at a step boundary: adopt a signal that another rank received."""
+        if self.distributed and (agreed := self.call("stop")) and not stop.requested:
+            stop(agreed)
 
     def send_batch(self, groups: list[RolloutGroup]) -> None:
         """Rank 0: hand the next batch to the other ranks."""

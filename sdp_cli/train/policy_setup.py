@@ -217,5 +217,9 @@ class WholePolicy:
             self._copy = (version, dataclasses.replace(self.trained, model=model))
         return self._copy[1]
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole weights an engine loads (``Trainer.weights`` when unsharded)."""
+        return self.get().model.state_dict() if self.trainer.sharded else self.trainer.weights()
+
     def release(self) -> None:
         self._copy = None

@@ -153,7 +153,8 @@ class TrainingRun(SessionEnd):
             reference=reference,
             parallel=cfg.train.parallel,
         )
-        self._register_collectives()
+        self.coordinator.register_training(self.trainer, self.stop_request)
+        self.whole = WholePolicy(self.policy, self.trainer, lambda: self.coordinator.call("model_state"))
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
@@ -247,18 +248,6 @@ class TrainingRun(SessionEnd):
                 resume_step=start_step if cut else None,
             )
 
-    def _register_collectives(self) -> None:
-        """What rank 0 may ask every rank to join (``Coordinator.call``): the gathers of sharded
-        weights and optimizer state, the weight checksum, and the stop agreement."""
-        co, trainer = self.coordinator, self.trainer
-        co.register("model_state", trainer.full_model_state)
-        co.register("optimizer_state", trainer.full_optimizer_state)
-        co.register("in_sync", lambda: co.weights_in_sync(trainer.unwrapped_model(), sharded=trainer.sharded))
-        # the largest signal number any rank received (0: none), so a signal that reached any
-        # rank stops all of them after the same step
-        co.register("stop", lambda: co.max_over_ranks(self.stop_request.signum or 0))
-        self.whole = WholePolicy(self.policy, trainer, lambda: co.call("model_state"))
-
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
         launched server were built from them, so only the version is declared; servers sdp
@@ -280,8 +269,7 @@ class TrainingRun(SessionEnd):
         if self.cfg.train.keep_version_checkpoints:
             self._save_version(version)
         if self.cfg.engine.kind == "local":
-            weights = self.whole.get().model.state_dict() if self.trainer.sharded else self.trainer.weights()
-            return WeightUpdate(version=version, state_dict=weights)
+            return WeightUpdate(version=version, state_dict=self.whole.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
         for old in older_versions(self.run_dir.weights, keep=2):
@@ -313,10 +301,7 @@ class TrainingRun(SessionEnd):
         if cfg.train.eval_every and record.step % cfg.train.eval_every == 0 and record.step != cfg.train.steps:
             self._evaluate(record.step)
         self.whole.release()  # gathered weights live for one step
-        if self.coordinator.distributed:
-            agreed = self.coordinator.call("stop")
-            if agreed and not self.stop_request.requested:
-                self.stop_request(agreed)  # another rank received it: stop at this boundary too
+        self.coordinator.agree_stop(self.stop_request)
 
     def _save_batch(self, record: StepRecord) -> None:
         from sdp_cli.train.batch_io import write_train_batch
@@ -421,17 +406,9 @@ class TrainingRun(SessionEnd):
     def follow(self) -> int:
         """Ranks other than 0: train on each batch rank 0 sends and join the collectives it asks
         for, until it ends the run; returns the exit status it sent."""
-
-        def train(groups: list[Any]) -> None:
-            batch = assemble_batch(
-                groups,
-                pad_token_id=int(self.policy.pad_token_id),
-                trainer_version=self.trainer.version,
-                scale_adv_by_std=self.cfg.loss.scale_adv_by_std,
-            )
-            self.trainer.step(batch)
-
-        return self.coordinator.serve(train)
+        pad, scale = int(self.policy.pad_token_id), self.cfg.loss.scale_adv_by_std
+        return self.coordinator.serve(lambda groups: self.trainer.step(assemble_batch(
+            groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)))
 
 
 def _config_dict(raw: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ single-process or DDP one.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -31,6 +32,9 @@ def shard(model: torch.nn.Module, device: torch.device, world_size: int) -> torc
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # FSDP warns that the root's outputs are views whose in-place change would skip its hooks;
+    # the trainer only indexes them (train/response_logprobs.py), never changes them in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     mesh = init_device_mesh(device.type, (world_size,))
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh)
@@ -65,10 +69,13 @@ def whole_model(skeleton: torch.nn.Module, state: dict[str, torch.Tensor]) -> to
     return model.eval()
 
 
-def full_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole weights of a sharded model, on rank 0 (CPU); ``{}`` elsewhere. Collective."""
+def full_model_state(model: torch.nn.Module, *, sharded: bool) -> dict[str, torch.Tensor]:
+    """The whole weights: a sharded model's gathered to rank 0's CPU (a collective; ``{}`` on the
+    other ranks), else the model's own tensors."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if not sharded:
+        return {k: v.detach() for k, v in model.state_dict().items()}
     return get_model_state_dict(model, options=StateDictOptions(**_FULL))
 
 
@@ -77,12 +84,14 @@ def _trained_names(model: torch.nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The whole optimizer state of a sharded model on rank 0 (``{}`` elsewhere), keyed by
-    parameter index like ``optimizer.state_dict()`` of an unsharded run. Collective."""
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, sharded: bool) -> dict[str, Any]:
+    """``optimizer.state_dict()``; of a sharded model gathered whole to rank 0 (a collective;
+    ``{}`` elsewhere) and keyed by parameter index like an unsharded one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(**_FULL))
+    if not sharded:
+        return optimizer.state_dict()
+    state = get_optimizer_state_dict(model, _inner(optimizer), options=StateDictOptions(**_FULL))
     if not state:
         return {}
     index = {name: i for i, name in enumerate(_trained_names(model))}
@@ -94,16 +103,34 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     }
 
 
-def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load an index-keyed whole optimizer state (every rank passes all of it) into the shards."""
+def load_full_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], *, sharded: bool
+) -> None:
+    """Load a whole, index-keyed optimizer state (every rank passes all of it), into the shards
+    when sharded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if not sharded:
+        optimizer.load_state_dict(state)
+        return
     names = _trained_names(model)
     keyed = {
         "state": {names[int(i)]: entries for i, entries in state["state"].items()},
         "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]} for group in state["param_groups"]],
     }
-    set_optimizer_state_dict(model, optimizer, keyed, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, _inner(optimizer), keyed, options=StateDictOptions(full_state_dict=True))
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def sharded_grad_norm(parameters: list[torch.nn.Parameter], clip: float | None) -> torch.Tensor:
+    """The gradient norm over every shard (a collective), after clipping it to ``clip``."""
+    if clip is not None:
+        return local_tensor(torch.nn.utils.clip_grad_norm_(parameters, clip))
+    return local_tensor(torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None]))
 
 
 def local_tensor(value: torch.Tensor) -> torch.Tensor:

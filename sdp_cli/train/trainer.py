@@ -52,14 +52,7 @@ from sdp_cli.core.weights import (
 from sdp_cli.models.lora import is_lora, merged_state_dict
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
-from sdp_cli.train.sharding import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_optimizer_state,
-    local_tensor,
-    meta_skeleton,
-    shard,
-)
+from sdp_cli.train import sharding
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
@@ -119,8 +112,7 @@ class Trainer:
         ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
         the adapters disabled is the reference). Only parameters that require grad train.
-        ``parallel``: ddp (every process holds the whole model) or fsdp (sharded over the
-        processes when there are several; ``train/sharding.py``)."""
+        ``parallel``: ddp, or fsdp to shard the model over several processes (``train/sharding.py``)."""
         from accelerate import Accelerator
 
         assert track_proximal_t or "proximal_logprobs_t" not in MODE_WEIGHTS[loss.mode].needs, (
@@ -160,23 +152,19 @@ class Trainer:
         #: the parameters are split over the processes: whole weights need a collective gather
         self.sharded = parallel == "fsdp" and self.accelerator.num_processes > 1
         #: the model's structure without its weights (sharded only), for rebuilding it whole
-        self.skeleton: torch.nn.Module | None = None
-        if self.sharded:
-            self.skeleton = meta_skeleton(model)
-            device, world = self.accelerator.device, self.accelerator.num_processes
-            model = shard(model.to(device), device, world)
-            if self.reference is not None:
-                shard(self.reference, device, world)
+        self.skeleton = sharding.meta_skeleton(model) if self.sharded else None
+        for module in (model, self.reference) if self.sharded else ():
+            if module is not None:
+                sharding.shard(module.to(self.accelerator.device), self.accelerator.device, self.accelerator.num_processes)
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             weight_decay=optim.weight_decay,
         )
-        if self.sharded:  # accelerate would wrap the model in DDP
-            self.model, self.optimizer = model, self.accelerator.prepare(optimizer)
-        else:
-            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # a sharded model stays out of accelerate, which would wrap it in DDP
+        prepared = (model, self.accelerator.prepare(optimizer)) if self.sharded else self.accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = prepared
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
 
@@ -374,13 +362,8 @@ class Trainer:
                     lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
                     rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
                 lmetrics.update(rmetrics)
-                if self.sharded:  # the norm over every shard (a collective)
-                    params = list(self.model.parameters())
-                    if opt.grad_clip is not None:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, opt.grad_clip)
-                    else:
-                        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-                    grad_norm = local_tensor(grad_norm)
+                if self.sharded:
+                    grad_norm = sharding.sharded_grad_norm(list(self.model.parameters()), opt.grad_clip)
                 elif opt.grad_clip is not None:
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
                 else:
@@ -490,47 +473,27 @@ class Trainer:
         assert not self.sharded, "a sharded trainer's whole weights need a gather on every rank"
         return merged_state_dict(self.unwrapped_model())
 
-    def _inner_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)
-
     def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole weights: gathered to rank 0's CPU when sharded (a collective: ``{}`` on the
-        other ranks), else the model's own tensors."""
-        if self.sharded:
-            return full_model_state(self.model)
-        return {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()}
+        """The whole weights (when sharded: a collective, on rank 0; ``train/sharding.py``)."""
+        return sharding.full_model_state(self.unwrapped_model(), sharded=self.sharded)
 
     def full_optimizer_state(self) -> dict[str, Any]:
-        """``optimizer.state_dict()`` of the whole model (a collective when sharded: on rank 0)."""
-        if self.sharded:
-            return full_optimizer_state(self.model, self._inner_optimizer())
-        return self.optimizer.state_dict()
+        """The whole optimizer state, index-keyed (when sharded: a collective, on rank 0)."""
+        return sharding.full_optimizer_state(self.model, self.optimizer, sharded=self.sharded)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Load a whole-model optimizer state (every rank passes all of it)."""
-        if self.sharded:
-            load_full_optimizer_state(self.model, self._inner_optimizer(), state)
-        else:
-            self.optimizer.load_state_dict(state)
+        """Load a whole optimizer state (every rank passes all of it)."""
+        sharding.load_full_optimizer_state(self.model, self.optimizer, state, sharded=self.sharded)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer, sampling RNG and version (collective when sharded; whole on rank 0)."""
-        return {
-            # the trained module's own tensors (adapters included), not the merged weights
-            "model": self.full_model_state(),
-            "optimizer": self.full_optimizer_state(),
-            "generator": self.generator.get_state(),
-            "version": self.version,
-        }
+        """The trained module's own tensors (adapters included, not merged), the optimizer state,
+        sampling RNG and version; when sharded a collective, whole on rank 0."""
+        model, optimizer = self.full_model_state(), self.full_optimizer_state()
+        return {"model": model, "optimizer": optimizer, "generator": self.generator.get_state(), "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of ``state_dict``; a sharded trainer needs the whole state on every rank."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            set_model_state_dict(self.model, state["model"], options=StateDictOptions(full_state_dict=True))
-        else:
-            self.unwrapped_model().load_state_dict(state["model"])
+        assert not self.sharded, "a sharded run loads whole weights before sharding (train/run.py)"
+        self.unwrapped_model().load_state_dict(state["model"])
         self.load_optimizer_state(state["optimizer"])
         self.generator.set_state(state["generator"])
         self.version = int(state["version"])

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from . import cases
+from .conftest import FAST
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 needs_torchrun = pytest.mark.skipif(
@@ -108,3 +109,32 @@ def test_sdp_train_fsdp_checkpoints_the_ddp_layout_and_resumes(tmp_path):
     optimizer = _tensors(runs["fsdp"] / "checkpoints" / "step-000004" / "optimizer.safetensors")
     steps = {float(v) for k, v in optimizer.items() if k.endswith(".step")}
     assert steps == {4.0}, steps  # 4 steps × 1 epoch × 1 minibatch: the moments came back from step 2
+
+
+def test_lora_with_fsdp_is_refused_in_one_line():
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        compose_config(["+debug=fast", "model.lora.r=4", "train.parallel=fsdp"])
+    message = str(err.value)
+    assert "\n" not in message and "train.parallel=fsdp" in message and "train.parallel=ddp" in message
+
+
+def test_fsdp_in_one_process_trains_whole_and_says_so(tmp_path, capsys):
+    from .. import fast_run
+
+    run_dir = fast_run.train_run(tmp_path, [*FAST, "train.steps=2", "train.parallel=fsdp"])
+    assert "train.parallel=fsdp in one process: nothing to shard" in capsys.readouterr().err
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["fsdp.yaml", "multi_gpu.yaml"])
+def test_the_example_accelerate_configs_start_plain_processes(name):
+    """The shipped configs load in accelerate as multi-GPU launches without its FSDP plugin (which
+    ``check_launch`` refuses); the sharding comes from train.parallel=fsdp."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(Path(__file__).parents[2] / "examples" / "accelerate" / name))
+    assert config.distributed_type == "MULTI_GPU" and not config.fsdp_config and config.mixed_precision == "no"
