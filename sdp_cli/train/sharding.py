@@ -28,7 +28,8 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, device: torch.device, world_size: int) -> torch.nn.Module:
-    """``fully_shard`` every transformer block, then the root (in place; collective)."""
+    """``fully_shard`` every transformer block, then the root (in place; collective). Each moves
+    its unit's shards to ``device``; a model naming no block classes is one unit."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -146,16 +146,16 @@ class Trainer:
             autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
             unwrap=self.accelerator.unwrap_model,
         )
-        self.reference = None
-        if reference is not None:
-            self.reference = reference.requires_grad_(False).eval().to(self.accelerator.device)
         #: the parameters are split over the processes: whole weights need a collective gather
         self.sharded = parallel == "fsdp" and self.accelerator.num_processes > 1
         #: the model's structure without its weights (sharded only), for rebuilding it whole
         self.skeleton = sharding.meta_skeleton(model) if self.sharded else None
-        for module in (model, self.reference) if self.sharded else ():
-            if module is not None:
-                sharding.shard(module.to(self.accelerator.device), self.accelerator.device, self.accelerator.num_processes)
+        self.reference = None if reference is None else reference.requires_grad_(False).eval()
+        if self.sharded:  # each unit moves to the device as it is sharded, never the whole model
+            for module in (m for m in (model, self.reference) if m is not None):
+                sharding.shard(module, self.accelerator.device, self.accelerator.num_processes)
+        elif self.reference is not None:
+            self.reference.to(self.accelerator.device)
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim.lr,

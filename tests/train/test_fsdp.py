@@ -138,3 +138,12 @@ def test_the_example_accelerate_configs_start_plain_processes(name):
 
     config = load_config_from_file(str(Path(__file__).parents[2] / "examples" / "accelerate" / name))
     assert config.distributed_type == "MULTI_GPU" and not config.fsdp_config and config.mixed_precision == "no"
+
+
+def test_each_decoder_layer_is_its_own_unit():
+    """FSDP units: the layers the model's ``_no_split_modules`` names (Qwen2DecoderLayer), so a
+    forward all-gathers one layer at a time; the root keeps embeddings, norm and head."""
+    from sdp_cli.train.sharding import transformer_blocks
+
+    model = cases.tiny_model()
+    assert transformer_blocks(model) == list(model.model.layers) and len(model.model.layers) == 1
