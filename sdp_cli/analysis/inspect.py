@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from sdp_cli.choices import IS_LEVELS, RECOMMENDED_DRIFT_CLIP
+from sdp_cli.config.modes import DRIFT_SUFFIX
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import MODE_WEIGHTS, behavior_log_ratio, drift_log_factor, importance_weights
@@ -61,8 +62,6 @@ TARGETS = {
 }
 #: the target of a registered mode without an entry in TARGETS
 OTHER_TARGET = "π_behav·w"
-#: the suffix of a mode's drift-clipped row
-DRIFT_SUFFIX = "_drift"
 
 
 def report_rows() -> tuple[str, ...]:

@@ -14,9 +14,9 @@ The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
 the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
 processes, which DDP's gradient average undoes, so the update equals a single-process one
-(docs/training.md, "Several processes"). Both behavioural
-weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
-exist, whatever the training mode ("shadow" metrics).
+(docs/training.md, "Several processes"). Every registered behavioural weight (decoupled,
+segment-wise, its drift-clipped form, and any mode added with ``register_mode``) is measured on
+the same tokens whenever its inputs exist, whatever the training mode ("shadow" metrics).
 
 Log-probs come from the model's final hidden states and its output embedding, only at response
 tokens, so no [tokens, vocab] logits tensor exists (``train/response_logprobs.py``, docs/math.md
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from sdp_cli.choices import PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
+from sdp_cli.config.modes import DRIFT_SUFFIX, has_weight, takes_drift_clip
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
@@ -419,19 +420,24 @@ class Trainer:
         old = batch.old_logprobs
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
 
-        shadows = {"decoupled": prox - old}
-        if self.track_proximal_t:
-            prox_t = batch.proximal_logprobs_t
-            shadows["segment_wise"] = prox_t - old
-            kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP
-            shadows["segment_wise_drift"] = behavior_log_ratio(
-                old, prox, prox_t, mode="segment_wise", drift_clip=kappa
-            )
-            _, clipped = drift_log_factor(prox, prox_t, kappa)
-            out["shadow/segment_wise_drift/kappa"] = float(kappa)
-            out["shadow/segment_wise_drift/drift_clipped_fraction"] = float((clipped & valid).sum()) / max(
-                float(valid.sum()), 1.0
-            )
+        # Every registered weight whose inputs this run has (π_prox_t only when tracked), and
+        # the drift-clipped weight of each mode that takes κ: config/modes.py shadow_weights.
+        prox_t = batch.proximal_logprobs_t if self.track_proximal_t else None
+        shadows: dict[str, torch.Tensor] = {}
+        for name, spec in MODE_WEIGHTS.items():
+            if not has_weight(name) or (prox_t is None and "proximal_logprobs_t" in spec.needs):
+                continue
+            shadows[name] = behavior_log_ratio(old, prox, prox_t, mode=name)
+            if takes_drift_clip(name):
+                kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP
+                drift = name + DRIFT_SUFFIX
+                shadows[drift] = behavior_log_ratio(old, prox, prox_t, mode=name, drift_clip=kappa)
+                assert prox_t is not None, "the drift factor π_prox/π_prox_t reads π_prox_t"
+                _, clipped = drift_log_factor(prox, prox_t, kappa)
+                out[f"shadow/{drift}/kappa"] = float(kappa)
+                out[f"shadow/{drift}/drift_clipped_fraction"] = float((clipped & valid).sum()) / max(
+                    float(valid.sum()), 1.0
+                )
         for name, lr in shadows.items():
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
