@@ -23,7 +23,7 @@ from sdp_cli.ablate.sweep import (
     split_override,
 )
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
-from sdp_cli.config.modes import DRIFT_SUFFIX, shadow_weights, takes_drift_clip
+from sdp_cli.config.modes import drift_clipped_mode, shadow_weights
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
@@ -55,10 +55,9 @@ class Shadow:
         """The shadow weight ``name`` (a registered mode, or ``<mode>_drift``)."""
         if name in _BUILT_IN_SHADOWS:
             return _BUILT_IN_SHADOWS[name]
-        mode = name.removesuffix(DRIFT_SUFFIX)
-        drift = mode != name and takes_drift_clip(mode)
-        what = f"drift-clipped {mode}" if drift else name
-        return cls(name, name, name, name, f"the {what} weight", f"the {what} weight", f"{what} weight", drift)
+        mode = drift_clipped_mode(name)
+        what = name if mode is None else f"drift-clipped {mode}"
+        return cls(name, name, name, name, f"the {what} weight", f"the {what} weight", f"{what} weight", mode is not None)
 
 
 #: the built-in shadow weights' column names (``dec``, ``segment_wise``, ``drift``) and texts;

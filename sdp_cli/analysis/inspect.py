@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from sdp_cli.choices import IS_LEVELS, RECOMMENDED_DRIFT_CLIP
-from sdp_cli.config.modes import DRIFT_SUFFIX
+from sdp_cli.config.modes import DRIFT_SUFFIX, weight_names
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.token_status import lacks_next_version, token_status
 from sdp_cli.core.weights import MODE_WEIGHTS, behavior_log_ratio, drift_log_factor, importance_weights
@@ -66,13 +66,8 @@ OTHER_TARGET = "π_behav·w"
 
 def report_rows() -> tuple[str, ...]:
     """The rows of the report: every registered mode, each followed by its drift-clipped row
-    when it takes ``drift_clip`` (built in: bypass, decoupled, segment_wise, segment_wise_drift)."""
-    rows: list[str] = []
-    for name, spec in MODE_WEIGHTS.items():
-        rows.append(name)
-        if "drift_clip" in spec.params:
-            rows.append(name + DRIFT_SUFFIX)
-    return tuple(rows)
+    when it takes ``drift_clip`` (``config.modes.weight_names``)."""
+    return weight_names()
 
 
 def target(row: str) -> str:

@@ -62,15 +62,27 @@ def takes_drift_clip(mode: str) -> bool:
     return "drift_clip" in registry[mode].params
 
 
-def shadow_weights() -> tuple[str, ...]:
-    """The weights a run measures besides the one it trains with (``shadow/<name>/*`` metrics,
-    the ablate report's columns): every mode with a weight, each followed by ``<mode>_drift``,
-    its drift-clipped weight, when it takes ``drift_clip``. Built in: decoupled, segment_wise,
-    segment_wise_drift."""
+def weight_names() -> tuple[str, ...]:
+    """Every weight a report can name: each mode, followed by ``<mode>_drift``, its
+    drift-clipped weight, when it takes ``drift_clip`` (the rows of ``sdp inspect-weights``;
+    built in: bypass, decoupled, segment_wise, segment_wise_drift)."""
     names: list[str] = []
     for mode in mode_names():
-        if has_weight(mode):
-            names.append(mode)
-            if takes_drift_clip(mode):
-                names.append(mode + DRIFT_SUFFIX)
+        names.append(mode)
+        if takes_drift_clip(mode):
+            names.append(mode + DRIFT_SUFFIX)
     return tuple(names)
+
+
+def drift_clipped_mode(name: str) -> str | None:
+    """The mode whose drift-clipped weight ``name`` is (``segment_wise_drift`` → segment_wise);
+    None for a mode's own weight."""
+    mode = name.removesuffix(DRIFT_SUFFIX)
+    return mode if mode != name and name not in mode_names() and takes_drift_clip(mode) else None
+
+
+def shadow_weights() -> tuple[str, ...]:
+    """The weights a run measures besides the one it trains with (``shadow/<name>/*`` metrics,
+    the ablate report's columns): ``weight_names`` less the modes without a weight. Built in:
+    decoupled, segment_wise, segment_wise_drift."""
+    return tuple(n for n in weight_names() if has_weight(drift_clipped_mode(n) or n))
