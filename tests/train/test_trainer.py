@@ -66,14 +66,14 @@ def test_segment_wise_equals_decoupled_when_every_token_is_one_version_behind(is
     groups = _groups(version=4)
     _set_old_logprobs(groups, model, 1.0, shift=-0.3)  # behaviour differs from the trainer
     dec, out_dec = _train(model, LossConfig(mode="decoupled", is_level=is_level), groups, version=5)
-    sdp, out_sdp = _train(
+    seg, out_seg = _train(
         model, LossConfig(mode="segment_wise", is_level=is_level), groups, version=5, proximal_t_source="trainer"
     )
     # lag 1 everywhere: π_prox_t := π_5 = π_prox, so the weight and therefore the update agree
-    assert out_sdp.metrics["recompute/tokens_trainer_fill"] == out_dec.metrics["batch/response_tokens"]
-    assert out_dec.metrics["weights/rollout_is_mean"] == pytest.approx(out_sdp.metrics["weights/rollout_is_mean"])
+    assert out_seg.metrics["recompute/tokens_trainer_fill"] == out_dec.metrics["batch/response_tokens"]
+    assert out_dec.metrics["weights/rollout_is_mean"] == pytest.approx(out_seg.metrics["weights/rollout_is_mean"])
     assert out_dec.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
-    assert _same_weights(dec, sdp)
+    assert _same_weights(dec, seg)
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "segment_wise"])
