@@ -223,7 +223,19 @@ class Trainer:
         uses_prox_t = "proximal_logprobs_t" in mode_weight.needs
         # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end
         need_prox = mode_weight.anchor == "proximal" or "proximal_logprobs" in mode_weight.needs or self.track_proximal_t
-        prox = self.logprobs(batch, grad=False) if need_prox else None
+        fused = None
+        if need_prox and self._single_update():
+            # θ does not move before the batch's only optimizer step: π_prox is the training
+            # forward's own output, detached, and the separate no-grad forward is saved.
+            # (in the row order the optimizer step would draw, so the update is bit for bit the same)
+            order = torch.randperm(batch.num_sequences, generator=self.generator)
+            self.model.train()
+            logprobs, entropy = self._forward(self.model, batch.rows(order), grad=True, with_entropy=True)
+            fused = (order, logprobs, entropy)
+            prox = torch.empty_like(logprobs, device="cpu")
+            prox[order] = logprobs.detach().float().cpu()
+        else:
+            prox = self.logprobs(batch, grad=False) if need_prox else None
         reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
         loss_mask = mask
@@ -281,7 +293,9 @@ class Trainer:
 
         metrics.update(self._diagnostics(batch, prox))
         anchor = prox if mode_weight.anchor == "proximal" else old
-        metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference))
+        metrics.update(
+            self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
+        )
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 
@@ -294,15 +308,18 @@ class Trainer:
         log_ratio: torch.Tensor | None,
         *,
         reference: torch.Tensor | None = None,
+        fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> dict[str, float]:
-        """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard."""
+        """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard.
+        ``fused`` = (row order, log-probs, entropy): the training forward ``step`` already ran
+        when there is one optimizer step only (``_single_update``); it replaces the forward."""
         cfg, opt = self.loss_cfg, self.optim_cfg
         acc = self.accelerator
         n = batch.num_sequences
         per_step: list[dict[str, float]] = []
         self.model.train()
         for _ in range(opt.ppo_epochs):
-            order = torch.randperm(n, generator=self.generator)
+            order = torch.randperm(n, generator=self.generator) if fused is None else fused[0]
             for chunk in torch.tensor_split(order, opt.minibatches):
                 # data parallel: each process takes every world_size-th row of the minibatch
                 rows = chunk[acc.process_index :: acc.num_processes]
@@ -317,7 +334,10 @@ class Trainer:
                 mb_mask = loss_mask[rows].to(dev)
                 if stand_in:
                     mb_mask = torch.zeros_like(mb_mask)
-                logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                if fused is None:
+                    logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                else:
+                    _, logprobs, entropy = fused
                 mb_anchor = anchor[rows].to(dev)
                 if cfg.loss_type == "reinforce":
                     mb_log_ratio = None if log_ratio is None else log_ratio[rows].to(dev)
@@ -363,6 +383,12 @@ class Trainer:
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _single_update(self) -> bool:
+        """Whether a batch gets exactly one optimizer step, in one process (which then holds
+        every row): π_prox = π_θ at that step, so one forward serves both."""
+        opt = self.optim_cfg
+        return opt.ppo_epochs == 1 and opt.minibatches == 1 and self.accelerator.num_processes == 1
 
     def _denominator(self, mask: torch.Tensor) -> float | torch.Tensor:
         """What the loss of a minibatch shard divides by: the seq-mean-token-sum-norm constant,

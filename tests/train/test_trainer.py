@@ -154,3 +154,30 @@ def test_a_veto_alone_drops_sequences_with_a_catastrophic_token():
     dropped = (out.loss_mask.sum(-1) == 0).nonzero().flatten().tolist()
     assert dropped == [1]  # the second sample of the first group, and only it
     assert out.metrics["rejection/rollout_rs_veto_fraction"] == pytest.approx(1 / 8)
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "segment_wise"])
+def test_one_optimizer_step_runs_one_forward_and_updates_exactly_as_two(mode, monkeypatch):
+    # ppo_epochs = minibatches = 1: π_prox is the training forward's own output, so the step
+    # runs one forward instead of two and must leave the same weights and π_prox, bit for bit.
+    model = _model()
+    groups = _groups(version=4)
+    _set_old_logprobs(groups, model, 1.0, shift=-0.3)  # a non-trivial weight
+    calls = []
+    forward = Trainer._forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(kwargs["grad"])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_forward", counting)
+    one, out_one = _train(model, LossConfig(mode=mode), groups, version=5, proximal_t_source="trainer")
+    assert calls == [True]
+    calls.clear()
+    monkeypatch.setattr(Trainer, "_single_update", lambda self: False)
+    two, out_two = _train(model, LossConfig(mode=mode), groups, version=5, proximal_t_source="trainer")
+    assert calls == [False, True]
+    assert torch.equal(out_one.proximal_logprobs, out_two.proximal_logprobs)
+    assert out_one.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
+    assert out_one.metrics["loss/pg_loss"] == out_two.metrics["loss/pg_loss"]
+    assert _same_weights(one, two)
