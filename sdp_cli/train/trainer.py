@@ -446,24 +446,20 @@ class Trainer:
         old = batch.old_logprobs
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
 
-        # Every registered weight whose inputs this run has (π_prox_t only when tracked), and
-        # the drift-clipped weight of each mode that takes κ: config/modes.py shadow_weights.
+        # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
+        # drift-clipped one of each mode that takes κ (config/modes.py shadow_weights).
         prox_t = batch.proximal_logprobs_t if self.track_proximal_t else None
         shadows: dict[str, torch.Tensor] = {}
         for name, spec in MODE_WEIGHTS.items():
             if not has_weight(name) or (prox_t is None and "proximal_logprobs_t" in spec.needs):
                 continue
             shadows[name] = behavior_log_ratio(old, prox, prox_t, mode=name)
-            if takes_drift_clip(name):
-                kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP
-                drift = name + DRIFT_SUFFIX
+            if takes_drift_clip(name) and prox_t is not None:  # the drift factor is π_prox/π_prox_t
+                kappa, drift = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP, name + DRIFT_SUFFIX
                 shadows[drift] = behavior_log_ratio(old, prox, prox_t, mode=name, drift_clip=kappa)
-                assert prox_t is not None, "the drift factor π_prox/π_prox_t reads π_prox_t"
-                _, clipped = drift_log_factor(prox, prox_t, kappa)
+                clipped = drift_log_factor(prox, prox_t, kappa)[1] & valid
                 out[f"shadow/{drift}/kappa"] = float(kappa)
-                out[f"shadow/{drift}/drift_clipped_fraction"] = float((clipped & valid).sum()) / max(
-                    float(valid.sum()), 1.0
-                )
+                out[f"shadow/{drift}/drift_clipped_fraction"] = float(clipped.sum()) / max(float(valid.sum()), 1.0)
         for name, lr in shadows.items():
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
