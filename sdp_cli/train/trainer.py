@@ -82,7 +82,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for d in dicts for k in d}
+    keys = dict.fromkeys(k for d in dicts for k in d)  # first-seen order, the same in every run
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 

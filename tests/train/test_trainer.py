@@ -181,3 +181,16 @@ def test_one_optimizer_step_runs_one_forward_and_updates_exactly_as_two(mode, mo
     assert out_one.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
     assert out_one.metrics["loss/pg_loss"] == out_two.metrics["loss/pg_loss"]
     assert _same_weights(one, two)
+
+
+def test_step_metrics_keep_the_order_they_were_first_reported_in():
+    """metrics.jsonl rows of two runs list their keys in the same order: the per-minibatch mean
+    keeps first-seen order (a set would follow the process's string hash seed). 40 keys in a
+    fixed scrambled order: a hash order matching it by chance has probability 1/40!."""
+    from sdp_cli.train.trainer import _mean_of
+
+    keys = [f"loss/k{(7 * i) % 40}" for i in range(40)]
+    first, second = dict.fromkeys(keys[:30], 1.0), dict.fromkeys(keys[10:], 3.0)
+    means = _mean_of([first, second])
+    assert list(means) == keys
+    assert means[keys[0]] == 1.0 and means[keys[15]] == 2.0 and means[keys[39]] == 3.0
