@@ -371,13 +371,14 @@ def analyse_batches(
         else None
     )
     modes: dict[str, ModeReport] = {}
+    with_next = s.mask & ~s.uncorrectable
     for name, spec in MODE_WEIGHTS.items():
-        # a weight that reads π_prox_t leaves out the stale tokens without π_{v+1} (token_status)
-        covered = s.mask & ~s.uncorrectable if "proximal_logprobs_t" in spec.needs else s.mask
-        variants = [(name, None)]
+        # a weight that reads π_prox_t (a drift factor π_prox/π_prox_t does) leaves out the stale
+        # tokens without π_{v+1} (token_status)
+        variants = [(name, None, with_next if "proximal_logprobs_t" in spec.needs else s.mask)]
         if "drift_clip" in spec.params:
-            variants.append((name + DRIFT_SUFFIX, options.drift_clip))
-        for row, kappa in variants:
+            variants.append((name + DRIFT_SUFFIX, options.drift_clip, with_next))
+        for row, kappa, covered in variants:
             if s.lacks_proximal(name, kappa):
                 why = no_prox if kappa is None else f"{no_prox} (the drift factor needs π_prox)"
                 modes[row] = ModeReport(mode=row, available=False, reason=why)
