@@ -182,3 +182,15 @@ def test_recompute_names_the_registered_modes_when_refusing_one(tmp_path, capsys
     assert code != 0
     assert "--mode 'nowhere' is not a registered mode; choose one of bypass, decoupled, segment_wise, " \
         "segment_wise_drift, half_decoupled, half_segment_wise, half_segment_wise_drift" in err
+
+
+def test_a_batch_saved_under_a_registered_mode_reads_back(tmp_path, toy_modes):
+    # The batch header's mode is checked against the registry, not the built-in names: a run of a
+    # registered mode with train.save_batches=true writes batches that inspect-weights can read.
+    import dataclasses
+
+    from sdp_cli.rollout.batch_file import read_batch
+
+    path = tmp_path / "b.safetensors"
+    write_batch(path, dataclasses.replace(make_batch(3, SEQS), mode="half_decoupled"))
+    assert read_batch(path).mode == "half_decoupled"
