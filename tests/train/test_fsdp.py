@@ -147,3 +147,23 @@ def test_each_decoder_layer_is_its_own_unit():
 
     model = cases.tiny_model()
     assert transformer_blocks(model) == list(model.model.layers) and len(model.model.layers) == 1
+
+
+@needs_torchrun
+def test_sdp_train_fsdp_in_bfloat16_with_gradient_checkpointing_kl_and_evaluation(tmp_path):
+    """The memory options compose with sharding: bfloat16 autocast, recomputed layers, a sharded
+    frozen reference for the KL term, and greedy evaluation on rank 0's gathered copy."""
+    env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    run_dir = tmp_path / "run"
+    done = _torchrun_train(["+debug=fast", "train.steps=2", "train.threads=1", "train.parallel=fsdp",
+                            "train.dtype=bfloat16", "train.gradient_checkpointing=true", "loss.kl_coef=0.1",
+                            "loss.entropy_coef=0.01", "train.eval_samples=4", f"run.dir={run_dir}"], env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr[-3000:]
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2] and events[-1]["event"] == "finished"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    steps = [r for r in rows if "loss/grad_norm" in r]
+    assert len(steps) == 2 and all(0 < r["loss/grad_norm"] < 1e3 for r in steps)
+    # the reference is the initial policy (stored in bfloat16, so step 1's KL is rounding only)
+    assert abs(steps[0]["loss/kl_ref"]) < 1e-5 < steps[1]["loss/kl_ref"]
