@@ -454,17 +454,27 @@ class Trainer:
         engine copies them into its own model, casting to its dtype."""
         return merged_state_dict(self.unwrapped_model())
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """What continues this trainer exactly: the trained module's tensors (``model=False``
+        leaves them out: a checkpoint saves the policy directory instead), the optimizer state
+        (None with ``optimizer=False``, train.save_optimizer=false), the trainer's generator, the
+        process's CPU RNG (which training draws from) and the version."""
         return {
             # the trained module's own tensors (adapters included), not the merged weights
-            "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()} if model else None,
+            "optimizer": self.optimizer.state_dict() if optimizer else None,
             "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.unwrapped_model().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Inverse of ``state_dict``; a None (or absent) model or optimizer state is left as it is."""
+        if state.get("model") is not None:
+            self.unwrapped_model().load_state_dict(state["model"])
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.generator.set_state(state["generator"])
+        if state.get("torch_rng") is not None:
+            torch.set_rng_state(state["torch_rng"])
         self.version = int(state["version"])
