@@ -5,7 +5,7 @@ A run's *structural* config is every key of the resolved config except the ones 
 how to reach or start the inference server. Changing any other key (the model, the task, the
 loss, the rollout shape, the optimizer, the seed, ...) in the middle of a run would leave a
 run whose config.yaml describes something other than what was trained, so ``sdp train
-resume=...`` refuses it (docs/reliability.md, "What a resume may change"). Every checkpoint
+resume=...`` refuses it (docs/reliability.md, "What a resume checks"). Every checkpoint
 records :func:`config_hash` of the structural config it was trained with. Torch-free.
 """
 
@@ -16,10 +16,10 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-#: keys (or whole sections, ending in ".") a resume may change; docs/reliability.md lists them
+#: keys (with everything under them) a resume may change; docs/reliability.md lists them
 ALLOWED_AT_RESUME = (
     "resume",
-    "run.",  # run directory, trackers, TensorBoard, progress display, debug output
+    "run",  # run directory, trackers, TensorBoard, progress display, debug output
     "train.steps",
     "train.threads",
     "train.checkpoint_every",
@@ -55,7 +55,7 @@ ALLOWED_AT_RESUME = (
 
 def allowed_at_resume(key: str) -> bool:
     """Whether the dotted ``key`` may take another value at a resume."""
-    return any(key == a or (a.endswith(".") and key.startswith(a)) or key.startswith(f"{a}.") for a in ALLOWED_AT_RESUME)
+    return any(key == a or key.startswith(f"{a}.") for a in ALLOWED_AT_RESUME)
 
 
 def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:

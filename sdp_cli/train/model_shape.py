@@ -29,7 +29,7 @@ def saved_shapes(policy_dir: Path) -> dict[str, tuple[int, ...]]:
 
 def _meta_model(cfg: SdpConfig, task: Task) -> torch.nn.Module | None:
     """The config's model with no storage (meta device), or None where its architecture is
-    only known by loading it (a GGUF file)."""
+    only known by loading it (a GGUF file, a model that cannot be built on the meta device)."""
     if cfg.model.kind == "hf":
         if is_gguf(cfg.model.path):
             return None
@@ -37,9 +37,12 @@ def _meta_model(cfg: SdpConfig, task: Task) -> torch.nn.Module | None:
 
         from sdp_cli.models.loader import resolve_model_dir
 
-        config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path or ""), local_files_only=True)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+        try:
+            config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path or ""), local_files_only=True)
+            with torch.device("meta"):
+                return AutoModelForCausalLM.from_config(config)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError, NotImplementedError):
+            return None  # loading it (after these checks) says what is wrong in one line
     from transformers import Qwen2ForCausalLM
 
     from sdp_cli.models.tiny import tiny_arch, tiny_config

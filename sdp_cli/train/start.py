@@ -2,8 +2,9 @@
 
 A new run's directory is made and locked only after the model, task data and engine settings
 passed (:func:`preflight`); a resume locks the directory it is given before reading it
-(docs/reliability.md, "One process per directory"). What a resume changes in the directory is
-returned as ``deferred`` writes, made once setup has accepted the checkpoint.
+(docs/reliability.md, "One process per directory") and checks the checkpoint, the overrides
+and the ledger before it changes anything (sdp_cli/train/resume_check.py). What a resume
+changes in the directory is returned as ``deferred`` writes, made once setup has accepted it.
 """
 
 from __future__ import annotations
