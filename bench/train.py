@@ -6,6 +6,9 @@ the part the trainer waited for at weight pushes.
 Each configuration runs as a separate `sdp train` process (so thread settings do not leak)
 with the warm start already cached; the numbers come from the run's summary.json, whose clock
 starts after setup and the initial evaluation. Prints a table and writes bench/results/train.json.
+The split of the wall time (the trainer's steps, waiting for a batch) sums metrics.jsonl's
+time/train_s and time/wait_s; for η = 0 it gives the overlap ceiling, the most any η > 0 can
+gain by hiding generation behind training: 1 / (the trainer's share of the synchronous wall time).
 
     python bench/train.py            # 60 steps per configuration, 3 repeats
     python bench/train.py --steps 20 --repeats 1
@@ -40,7 +43,13 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     env = dict(os.environ, SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"train.steps={steps}", f"run.dir={run_dir}"]
     subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    return json.loads(RunDir(run_dir).summary.read_text())
+    run = RunDir(run_dir)
+    summary = json.loads(run.summary.read_text())
+    steps = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
+    # where the wall time goes: the trainer's steps, and waiting for batches (shares of the wall)
+    for key in ("time/train_s", "time/wait_s"):
+        summary[key] = sum(row[key] for row in steps) / summary["wall_seconds"]
+    return summary
 
 
 def main() -> None:
@@ -62,6 +71,8 @@ def main() -> None:
         tps = [r["tokens_per_second"] for r in runs]
         share = [r["recompute_share"] for r in runs]
         blocking = [r["recompute_blocking_share"] for r in runs]
+        train_share = statistics.median(r["time/train_s"] for r in runs)
+        wait_share = statistics.median(r["time/wait_s"] for r in runs)
         rows.append(
             {
                 "mode": mode,
@@ -73,19 +84,32 @@ def main() -> None:
                 "tokens_per_second_median": statistics.median(tps),
                 "recompute_share_median": statistics.median(share),
                 "recompute_blocking_share_median": statistics.median(blocking),
+                "train_share_median": train_share,
+                "wait_share_median": wait_share,
                 "lag_note": "all tokens lag 0" if eta == 0 else "tokens lag up to η",
             }
         )
         print(f"measured {mode} η={eta}: {statistics.median(sps):.2f} steps/s", file=sys.stderr)
 
-    header = f"{'mode':<14}{'η':>3}{'steps/s':>10}{'tokens/s':>11}{'recompute share':>17}{'trainer blocked':>17}"
+    header = (
+        f"{'mode':<14}{'η':>3}{'steps/s':>10}{'tokens/s':>11}{'recompute share':>17}{'trainer blocked':>17}"
+        f"{'training':>10}{'waiting':>9}{'overlap ceiling':>17}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
+        # At η = 0 the trainer waits for every batch to be generated; overlapping generation
+        # with training can at best hide that wait: ceiling = 1 / (the trainer's share of a step).
+        ceiling = ""
+        if r["max_head_offpolicyness"] == 0:
+            r["overlap_ceiling"] = 1 / r["train_share_median"]
+            ceiling = f"{r['overlap_ceiling']:.2f}×"
         print(
             f"{r['mode']:<14}{r['max_head_offpolicyness']:>3}{r['steps_per_second_median']:>10.2f}"
             f"{r['tokens_per_second_median']:>11.0f}{100 * r['recompute_share_median']:>16.1f}%"
             f"{100 * r['recompute_blocking_share_median']:>16.1f}%"
+            f"{100 * r['train_share_median']:>9.1f}%{100 * r['wait_share_median']:>8.1f}%"
+            f"{ceiling:>17}"
         )
     write_results(
         args.out,

@@ -110,10 +110,11 @@ def test_the_config_knows_the_modes_without_torch_and_agrees_with_the_registry()
     # without the registry loaded (a fresh process, torch never imported) ...
     code = (
         "import sys, json; from sdp_cli.config import modes; from sdp_cli.choices import MODES; "
-        "print(json.dumps([modes.mode_names(), [modes.reads_proximal_t(m) for m in MODES], 'torch' in sys.modules]))"
+        "print(json.dumps([modes.mode_names(), [modes.reads_proximal_t(m) for m in MODES], 'torch' in sys.modules, "
+        "[modes.has_weight(m) for m in MODES], [modes.takes_drift_clip(m) for m in MODES], modes.shadow_weights()]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    names, reads, torch_loaded = json.loads(out.stdout)
+    names, reads, torch_loaded, weighted, drift, shadows = json.loads(out.stdout)
     assert torch_loaded is False
     # ... and with it: the same names and the same answers (only segment_wise reads π_prox_t)
     from sdp_cli.config import modes
@@ -121,3 +122,7 @@ def test_the_config_knows_the_modes_without_torch_and_agrees_with_the_registry()
 
     assert tuple(names) == modes.mode_names() == tuple(MODE_WEIGHTS) == choices.MODES
     assert reads == [modes.reads_proximal_t(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]
+    # bypass alone has no weight (it reads neither π_prox nor π_prox_t); segment_wise alone takes κ
+    assert weighted == [modes.has_weight(m) for m in choices.MODES] == [m != "bypass" for m in choices.MODES]
+    assert drift == [modes.takes_drift_clip(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]
+    assert tuple(shadows) == modes.shadow_weights() == ("decoupled", "segment_wise", "segment_wise_drift")

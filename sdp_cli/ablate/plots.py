@@ -2,7 +2,7 @@
 
 - ``weights_vs_eta.png``: std and ESS of the shadow weights vs η, one colour per training mode;
   solid = decoupled weight π_prox/π_behav, dashed = segment-wise weight π_{v+1}/π_behav,
-  dotted = drift-clipped weight.
+  dotted = drift-clipped weight (dash-dot and onwards: any registered mode).
 - ``reward_difference_vs_eta.png``: each mode's final reward minus the best other mode's at the
   same η, with Welch's 95 % interval (``sdp_cli.ablate.stats``).
 - ``reward_vs_eta.png``: final reward and greedy accuracy vs η per mode.
@@ -19,15 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.ablate.records import Curves, GroupRow
+from sdp_cli.ablate.records import Curves, GroupRow, shadows
 from sdp_cli.ablate.stats import ModeComparison
 
-#: (metric prefix, line style, legend name) of the decoupled, segment-wise and drift-clipped weight
-WEIGHT_STYLES = (
-    ("dec", "-", "π_prox/π_behav"),
-    ("segment_wise", "--", "π_{v+1}/π_behav"),
-    ("drift", ":", "π_{v+1}/π_behav·clip(d)"),
-)
+#: line styles of the shadow weights, in ``records.shadows`` order (decoupled, segment-wise,
+#: drift-clipped, then any registered mode)
+WEIGHT_DASHES = ("-", "--", ":", "-.")
 
 
 def _pyplot() -> Any:
@@ -97,13 +94,15 @@ def plot_weights(groups: Sequence[GroupRow], path: Path) -> Path:
     series = _series(groups)
     colours = _colours(list(series))
     fig, (ax_std, ax_ess) = plt.subplots(1, 2, figsize=(11, 4.2))
-    count = len(series) * len(WEIGHT_STYLES)
+    weights = shadows()
+    count = len(series) * len(weights)
     for i, (label, rows) in enumerate(series.items()):
-        for j, (short, dash, name) in enumerate(WEIGHT_STYLES):
-            offset = _dodge(i * len(WEIGHT_STYLES) + j, count)
-            style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {name}"}
-            _line(ax_std, rows, f"w_{short}_std", offset, nonnegative=True, **style)
-            _line(ax_ess, rows, f"w_{short}_ess", offset, **style)
+        for j, weight in enumerate(weights):
+            offset = _dodge(i * len(weights) + j, count)
+            dash = WEIGHT_DASHES[j % len(WEIGHT_DASHES)]
+            style = {"color": colours[label], "linestyle": dash, "label": f"{label}: {weight.legend}"}
+            _line(ax_std, rows, f"w_{weight.short}_std", offset, nonnegative=True, **style)
+            _line(ax_ess, rows, f"w_{weight.short}_ess", offset, **style)
     ax_std.set_yscale("symlog", linthresh=0.1)
     ax_std.set_ylim(bottom=0)
     ax_std.set_ylabel("std of the behavioural weight (all tokens)")

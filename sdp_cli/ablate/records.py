@@ -22,12 +22,72 @@ from sdp_cli.ablate.sweep import (
     mode_label,
     split_override,
 )
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
+from sdp_cli.config.modes import drift_clipped_mode, shadow_weights
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
-#: column prefix → the shadow weight whose ``shadow/<mode>/rollout_is_*`` metrics it aggregates
-#: (``drift``: the drift-clipped segment-wise weight, κ = the run's loss.drift_clip or choices.RECOMMENDED_DRIFT_CLIP)
-SHADOWS = {"dec": "decoupled", "segment_wise": "segment_wise", "drift": "segment_wise_drift"}
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """The columns of one shadow weight: ``w_<short>_{std,ess,max}``, aggregated from its
+    ``shadow/<name>/rollout_is_*`` metrics; ``label`` names it in table headers and ``legend``
+    in plots; ``weight`` (with its formula), ``ess`` and ``largest`` name it in the columns'
+    explanations. A drift-clipped weight (``drift``) also has the share of tokens its clip
+    changed, column ``clipped``, from ``shadow/<name>/drift_clipped_fraction``."""
+
+    name: str
+    short: str
+    label: str
+    legend: str
+    weight: str
+    ess: str
+    largest: str
+    drift: bool = False
+
+    @property
+    def clipped(self) -> str:
+        return "drift_clipped" if self.short == "drift" else f"{self.short}_clipped"
+
+    @classmethod
+    def of(cls, name: str) -> Shadow:
+        """The shadow weight ``name`` (a registered mode, or ``<mode>_drift``)."""
+        if name in _BUILT_IN_SHADOWS:
+            return _BUILT_IN_SHADOWS[name]
+        mode = drift_clipped_mode(name)
+        what = name if mode is None else f"drift-clipped {mode}"
+        return cls(name, name, name, name, f"the {what} weight", f"the {what} weight", f"{what} weight", mode is not None)
+
+
+#: the built-in shadow weights' column names (``dec``, ``segment_wise``, ``drift``) and texts;
+#: ``drift`` is the drift-clipped segment-wise weight, κ = the run's loss.drift_clip, else
+#: choices.RECOMMENDED_DRIFT_CLIP
+_BUILT_IN_SHADOWS = {
+    "decoupled": Shadow(
+        "decoupled", "dec", "dec", "π_prox/π_behav",
+        "the decoupled weight π_prox/π_behav", "the decoupled weight", "decoupled weight",
+    ),
+    "segment_wise": Shadow(
+        "segment_wise", "segment_wise", "seg", "π_{v+1}/π_behav",
+        "the segment-wise weight π_{v+1}/π_behav", "the segment-wise weight", "segment-wise weight",
+    ),
+    "segment_wise_drift": Shadow(
+        "segment_wise_drift", "drift", "drift", "π_{v+1}/π_behav·clip(d)",
+        "the drift-clipped weight (π_{v+1}/π_behav)·clip(π_prox/π_{v+1}, 1/κ, κ)",
+        f"the drift-clipped weight (κ = the run's, else {RECOMMENDED_DRIFT_CLIP:g})",
+        "drift-clipped weight",
+        drift=True,
+    ),
+}
+
+
+def shadows() -> tuple[Shadow, ...]:
+    """The shadow weights of the report, one per weight the mode registry defines
+    (``config.modes.shadow_weights``; built in: dec, segment_wise, drift)."""
+    return tuple(Shadow.of(name) for name in shadow_weights())
+
+
 #: a group: (mode, η = max_head_offpolicyness, the other swept values)
 GroupKey = tuple[str, int, tuple[str, ...]]
 #: per group: steps, mean reward per step over the seeds, its sample std

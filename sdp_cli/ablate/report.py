@@ -3,14 +3,17 @@
 Runs are read by ``sdp_cli.ablate.records``. A run belongs to the group of its overrides minus the
 seed; groups are shown by mode, η and any other swept key.
 
-Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``:
-- ``w_{dec,segment_wise,drift}_std``: the population std of the raw shadow weight over every response token of
+Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``, for every
+shadow weight the mode registry defines (``records.shadows``: built in ``dec``, ``segment_wise``
+and ``drift``; a registered mode adds ``w_<mode>_*``):
+- ``w_<shadow>_std``: the population std of the raw shadow weight over every response token of
   the run, pooled exactly from the per-step token count n_i, mean μ_i and std σ_i:
   σ² = Σ n_i (σ_i² + μ_i²) / N − μ², μ = Σ n_i μ_i / N.
-- ``w_{dec,segment_wise,drift}_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
+- ``w_<shadow>_ess``: the per-step ESS fraction 1 / mean((w / mean w)²), averaged over steps
   (the probe's measure; std is dominated by a few huge ratios, ESS is not).
-- ``w_{dec,segment_wise,drift}_max``: the largest raw weight of the run. ``drift`` is the
-  drift-clipped weight with κ = the run's ``loss.drift_clip`` (2 where it trains without one);
+- ``w_<shadow>_max``: the largest raw weight of the run. ``drift`` is the
+  drift-clipped weight with κ = the run's ``loss.drift_clip`` (choices.RECOMMENDED_DRIFT_CLIP
+  where it trains without one);
   ``drift_clipped``: mean over steps of the share of tokens whose drift factor the clip changed.
 - The comparison (``sdp_cli.ablate.stats.compare_modes``): at every η, each mode's final reward
   minus that of the best other mode, with Welch's 95 % interval over the seeds.
@@ -36,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.ablate.records import (
-    SHADOWS,
     Curves,
     GroupKey,
     GroupRow,
     RunRecord,
     Sweep,
     load_sweep,
+    shadows,
 )
 from sdp_cli.ablate.comparison import (
     check_against,
@@ -67,7 +70,8 @@ class Metric:
     table: str
 
 
-METRICS: tuple[Metric, ...] = (
+#: the columns before the shadow weights' (``_shadow_metrics``) and after them
+_LEADING: tuple[Metric, ...] = (
     Metric("lag", "lag", "mean token lag c − v (realised staleness)", ".2f", "weights"),
     Metric(
         "reward_last",
@@ -77,60 +81,8 @@ METRICS: tuple[Metric, ...] = (
         "outcome",
     ),
     Metric("acc_end", "acc", "greedy accuracy after training", ".3f", "outcome"),
-    Metric(
-        "w_dec_std",
-        "std dec",
-        "pooled std of the decoupled weight π_prox/π_behav",
-        ".3f",
-        "weights",
-    ),
-    Metric(
-        "w_segment_wise_std",
-        "std seg",
-        "pooled std of the segment-wise weight π_{v+1}/π_behav",
-        ".3f",
-        "weights",
-    ),
-    Metric(
-        "w_drift_std",
-        "std drift",
-        "pooled std of the drift-clipped weight (π_{v+1}/π_behav)·clip(π_prox/π_{v+1}, 1/κ, κ)",
-        ".3f",
-        "weights",
-    ),
-    Metric(
-        "w_dec_ess",
-        "ESS dec",
-        "mean per-step ESS fraction of the decoupled weight",
-        ".3f",
-        "weights",
-    ),
-    Metric(
-        "w_segment_wise_ess",
-        "ESS seg",
-        "mean per-step ESS fraction of the segment-wise weight",
-        ".3f",
-        "weights",
-    ),
-    Metric(
-        "w_drift_ess",
-        "ESS drift",
-        "mean per-step ESS fraction of the drift-clipped weight (κ = the run's, else 2)",
-        ".3f",
-        "weights",
-    ),
-    Metric("w_dec_max", "max dec", "largest decoupled weight", ".1f", "weights"),
-    Metric(
-        "w_segment_wise_max", "max seg", "largest segment-wise weight", ".1f", "weights"
-    ),
-    Metric("w_drift_max", "max drift", "largest drift-clipped weight", ".1f", "weights"),
-    Metric(
-        "drift_clipped",
-        "κ-clipped",
-        "mean per-step share of tokens whose drift factor π_prox/π_{v+1} the clip changed",
-        ".3f",
-        "weights",
-    ),
+)
+_TRAILING: tuple[Metric, ...] = (
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
     Metric(
@@ -165,6 +117,36 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+def _shadow_metrics() -> list[Metric]:
+    """std, ESS and max of every shadow weight (``records.shadows``, from the mode registry),
+    then the κ-clipped share of each drift-clipped one."""
+    weights = shadows()
+    out = [Metric(f"w_{w.short}_std", f"std {w.label}", f"pooled std of {w.weight}", ".3f", "weights") for w in weights]
+    out += [
+        Metric(f"w_{w.short}_ess", f"ESS {w.label}", f"mean per-step ESS fraction of {w.ess}", ".3f", "weights")
+        for w in weights
+    ]
+    out += [Metric(f"w_{w.short}_max", f"max {w.label}", f"largest {w.largest}", ".1f", "weights") for w in weights]
+    out += [
+        Metric(
+            w.clipped,
+            "κ-clipped" if w.short == "drift" else f"κ-clipped {w.label}",
+            "mean per-step share of tokens whose drift factor π_prox/π_{v+1} the clip changed",
+            ".3f",
+            "weights",
+        )
+        for w in weights
+        if w.drift
+    ]
+    return out
+
+
+def metrics() -> tuple[Metric, ...]:
+    """Every column of the report, in order: the shadow weights' are those the mode registry
+    defines when the report is made (a mode registered later adds its columns)."""
+    return (*_LEADING, *_shadow_metrics(), *_TRAILING)
+
+
 # ------------------------------------------------------------------- maths
 def _values(rows: Iterable[dict[str, Any]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) is not None]
@@ -194,8 +176,9 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         "kl": _mean(_values(rows, "offpolicy/kl")),
         "ppo_kl": _mean(_values(rows, "loss/ppo_kl")),
     }
-    for short, shadow in SHADOWS.items():
-        prefix = f"shadow/{shadow}/rollout_is_"
+    for shadow in shadows():
+        short = shadow.short
+        prefix = f"shadow/{shadow.name}/rollout_is_"
         usable = [
             r
             for r in rows
@@ -212,7 +195,8 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         out[f"w_{short}_ess"] = _mean(_values(rows, f"{prefix}eff_sample_size"))
         maxima = _values(rows, f"{prefix}max")
         out[f"w_{short}_max"] = max(maxima) if maxima else None
-    out["drift_clipped"] = _mean(_values(rows, "shadow/segment_wise_drift/drift_clipped_fraction"))
+        if shadow.drift:
+            out[shadow.clipped] = _mean(_values(rows, f"shadow/{shadow.name}/drift_clipped_fraction"))
     wall = sum(
         _values(rows, "time/wait_s") + _values(rows, "time/train_s") + _values(rows, "time/push_s")
     )
@@ -246,10 +230,11 @@ def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
         if record.finished:
             groups.setdefault(record.group, []).append(record)
     out = []
+    columns = metrics()
     for (mode, bound, extra), members in sorted(groups.items()):
         row = GroupRow(mode, bound, extra, sorted(r.seed for r in members))
         per_run = [run_metrics(r) for r in members]
-        for metric in METRICS:
+        for metric in columns:
             values = [float(m[metric.key]) for m in per_run if m[metric.key] is not None]
             row.mean[metric.key] = _mean(values)
             row.std[metric.key] = _std(values)
@@ -294,7 +279,7 @@ def _cell(mean: float | None, std: float | None, fmt: str) -> str:
 
 def _metrics_of(table: str) -> list[Metric]:
     assert table in TABLES, f"unknown table {table!r}"
-    return [m for m in METRICS if m.table == table]
+    return [m for m in metrics() if m.table == table]
 
 
 def table_columns(groups: Sequence[GroupRow], table: str) -> list[str]:
@@ -337,7 +322,8 @@ def runs_csv(records: Sequence[RunRecord]) -> str:
     """One row per finished run: its group, seed and every per-run metric (per-seed numbers)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["mode", "eta", "other", "seed", "run", *(m.key for m in METRICS)])
+    columns = metrics()
+    writer.writerow(["mode", "eta", "other", "seed", "run", *(m.key for m in columns)])
     for record in records:
         if not record.finished:
             continue
@@ -349,7 +335,7 @@ def runs_csv(records: Sequence[RunRecord]) -> str:
                 " ".join(record.extra),
                 record.seed,
                 record.name,
-                *(_num(values[m.key]) for m in METRICS),
+                *(_num(values[m.key]) for m in columns),
             ]
         )
     return buf.getvalue()
@@ -359,6 +345,7 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
     """Machine-readable table: group keys, seeds, n, then ``<metric>_mean``, ``_std``, ``_n``."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
+    columns = metrics()
     writer.writerow(
         [
             "mode",
@@ -366,12 +353,12 @@ def to_csv(groups: Sequence[GroupRow]) -> str:
             "other",
             "seeds",
             "n",
-            *(f"{m.key}_{s}" for m in METRICS for s in ("mean", "std", "n")),
+            *(f"{m.key}_{s}" for m in columns for s in ("mean", "std", "n")),
         ]
     )
     for g in groups:
         cells: list[Any] = [g.mode, g.max_head_offpolicyness, " ".join(g.extra), " ".join(map(str, g.seeds)), g.n]
-        for m in METRICS:
+        for m in columns:
             cells += [_num(g.mean[m.key]), _num(g.std[m.key]), g.count[m.key]]
         writer.writerow(cells)
     return buf.getvalue()

@@ -1,9 +1,12 @@
 """Importance weights of saved batches, mode by mode (``sdp inspect-weights``; docs/design.md §1, §4).
 
-For every correction mode — ``bypass`` (the reference, w ≡ 1), ``decoupled`` (log w = π_prox −
-π_behav), ``segment_wise`` (log w = π_prox_t − π_behav) and the drift-clipped segment-wise weight
-``segment_wise_drift`` (log w = π_prox_t − π_behav + clamp(π_prox − π_prox_t, ±log κ),
-docs/math.md §1.1) — and every aggregation (token,
+One row per correction mode registered in ``core.weights.MODE_WEIGHTS`` (docs/design.md §4,
+"Adding a mode"), in registration order — built in: ``bypass`` (the reference, w ≡ 1),
+``decoupled`` (log w = π_prox − π_behav), ``segment_wise`` (log w = π_prox_t − π_behav) — and,
+after each mode that takes a drift clip, its drift-clipped row ``<mode>_drift`` (built in:
+``segment_wise_drift``, log w = π_prox_t − π_behav + clamp(π_prox − π_prox_t, ±log κ),
+docs/math.md §1.1). What a row needs (π_prox, π_prox_t) and covers comes from the registry. For
+every row and every aggregation (token,
 sequence, geometric) this module builds the weights with ``core.weights.importance_weights``
 and the divergences with ``core.metrics.offpolicy_metrics`` (rollout = π_behav, training = the
 mode's target policy), then breaks the raw token weights down by staleness, lag = c − v. The
@@ -27,10 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sdp_cli.choices import IS_LEVELS, MODES, RECOMMENDED_DRIFT_CLIP
+from sdp_cli.choices import IS_LEVELS, RECOMMENDED_DRIFT_CLIP
+from sdp_cli.config.modes import DRIFT_SUFFIX, weight_names
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.token_status import lacks_next_version, token_status
-from sdp_cli.core.weights import behavior_log_ratio, drift_log_factor, importance_weights
+from sdp_cli.core.weights import MODE_WEIGHTS, behavior_log_ratio, drift_log_factor, importance_weights
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -47,15 +51,30 @@ _WEIGHT_STATS = {
     "masked": "rollout_is_masked_fraction",
     "batch_norm_factor": "rollout_is_batch_norm_factor",
 }
-#: the policy each mode's weight corrects towards (π_behav in bypass: no correction)
+#: the policy each built-in row's weight corrects towards (π_behav in bypass: no correction);
+#: a row named by one input is measured against that input as stored, so that no rounding of
+#: π_behav + log w enters its divergences. Other rows: π_behav · w (``target``).
 TARGETS = {
     "bypass": "π_behav",
     "decoupled": "π_prox",
     "segment_wise": "π_prox_t",
     "segment_wise_drift": "π_prox_t·clip(π_prox/π_prox_t, 1/κ, κ)",
 }
-#: the rows of the report: the three modes, then segment-wise with the clipped drift factor
-ROWS = (*MODES, "segment_wise_drift")
+#: the target of a registered mode without an entry in TARGETS
+OTHER_TARGET = "π_behav·w"
+
+
+def report_rows() -> tuple[str, ...]:
+    """The rows of the report: every registered mode, each followed by its drift-clipped row
+    when it takes ``drift_clip`` (``config.modes.weight_names``)."""
+    return weight_names()
+
+
+def target(row: str) -> str:
+    """The policy ``row``'s weight corrects towards, as shown in the divergence table."""
+    return TARGETS.get(row, OTHER_TARGET)
+
+
 MISSING_PROXIMAL_FIX = (
     "add π_prox with `sdp recompute`, or save batches from a decoupled or segment-wise run "
     "(sdp train train.save_batches=true)"
@@ -100,6 +119,8 @@ class ModeReport:
     available: bool
     reason: str | None = None
     tokens: int = 0
+    #: the mode has no behavioural weight (bypass): w ≡ 1, never bounded
+    reference: bool = False
     weights: dict[str, dict[str, float | None]] = field(default_factory=dict)
     divergence: dict[str, float | None] = field(default_factory=dict)
     per_token: dict[str, Tensor] = field(default_factory=dict, repr=False)
@@ -109,15 +130,15 @@ class ModeReport:
 @dataclass
 class LagRow:
     """Raw token weights of the tokens with one lag (c − v). ``w_dec`` and ``dropped`` are None
-    without π_prox; ``w_sdp`` and ``dropped`` cover the tokens that have π_{v+1} (all but
-    ``uncorrectable``) and are None when none has. ``dropped`` = π_c/π_{v+1} = w_dec / w_sdp;
+    without π_prox; ``w_segment_wise`` and ``dropped`` cover the tokens that have π_{v+1} (all but
+    ``uncorrectable``) and are None when none has. ``dropped`` = π_c/π_{v+1} = w_dec / w_segment_wise;
     ``drift_clipped`` is the share of those tokens whose dropped factor lies outside [1/κ, κ]."""
 
     lag: int
     tokens: int
     uncorrectable: int
     w_dec: dict[str, float] | None
-    w_sdp: dict[str, float] | None
+    w_segment_wise: dict[str, float] | None
     dropped: dict[str, float] | None
     drift_clipped: float | None = None
 
@@ -165,7 +186,7 @@ class WeightReport:
                 name: {
                     "available": m.available,
                     "reason": m.reason,
-                    "target": TARGETS[name],
+                    "target": target(name),
                     "tokens": m.tokens,
                     "weights": m.weights if m.available else None,
                     "divergence": m.divergence if m.available else None,
@@ -188,13 +209,23 @@ class _Stacked:
     uncorrectable: Tensor
     layout: _Layout
 
+    def lacks_proximal(self, mode: str, drift_clip: float | None = None) -> bool:
+        """Whether the registered mode's weight (or its drift clip) reads π_prox, which the
+        batches lack."""
+        return self.prox is None and (drift_clip is not None or "proximal_logprobs" in MODE_WEIGHTS[mode].needs)
+
     def log_ratio(self, mode: str, drift_clip: float | None = None) -> Tensor | None:
-        """The mode's behavioural log ratio (``core.weights.behavior_log_ratio``); None for
-        decoupled, or segment_wise with ``drift_clip``, without π_prox."""
-        if (mode == "decoupled" or drift_clip is not None) and self.prox is None:
-            return None
-        ratio = behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode, drift_clip=drift_clip)
-        return torch.zeros_like(self.old) if ratio is None else ratio  # bypass: w ≡ 1
+        """The registered mode's behavioural log ratio (``core.weights.behavior_log_ratio``);
+        None for a mode without a weight (bypass). The caller checks ``lacks_proximal`` first."""
+        assert not self.lacks_proximal(mode, drift_clip), f"mode {mode} needs π_prox"
+        return behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode, drift_clip=drift_clip)
+
+    def target(self, row: str, log_ratio: Tensor) -> Tensor:
+        """The log-probs of ``row``'s target policy (``TARGETS``): one stored input, else
+        π_behav + log w."""
+        inputs = {"π_behav": self.old, "π_prox": self.prox, "π_prox_t": self.prox_t}
+        stored = inputs.get(target(row))
+        return self.old + log_ratio if stored is None else stored
 
 
 def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
@@ -259,11 +290,12 @@ def _weight_stats(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _mode_report(
-    mode: str, log_ratio: Tensor, covered: Tensor, old: Tensor, target: Tensor, options: WeightOptions
+    mode: str, log_ratio: Tensor, covered: Tensor, old: Tensor, target: Tensor, options: WeightOptions,
+    reference: bool = False,
 ) -> ModeReport:
-    report = ModeReport(mode=mode, available=True, tokens=int(covered.sum()), covered=covered)
-    # bypass has no behavioural weight: w ≡ 1, never bounded (the reference row).
-    opts = WeightOptions() if mode == "bypass" else options
+    report = ModeReport(mode=mode, available=True, tokens=int(covered.sum()), covered=covered, reference=reference)
+    # A mode without a behavioural weight (bypass) is w ≡ 1, never bounded (the reference row).
+    opts = WeightOptions() if reference else options
     for level in IS_LEVELS:
         weights, metrics = importance_weights(
             log_ratio,
@@ -287,19 +319,19 @@ def _mode_report(
 
 
 def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
-    lr_sdp = s.log_ratio("segment_wise")
-    lr_dec = s.log_ratio("decoupled")
-    assert lr_sdp is not None, "segment_wise always has π_prox_t"
+    lr_segment_wise = s.log_ratio("segment_wise")
+    lr_dec = None if s.lacks_proximal("decoupled") else s.log_ratio("decoupled")
+    assert lr_segment_wise is not None and (lr_dec is not None or s.prox is None)
     with_next = s.mask & ~s.uncorrectable
     w_dec = {} if lr_dec is None else lag_weight_stats(lr_dec, s.mask, s.lag)
-    w_sdp = lag_weight_stats(lr_sdp, with_next, s.lag)
+    w_segment_wise = lag_weight_stats(lr_segment_wise, with_next, s.lag)
     dropped = {} if s.prox is None else lag_weight_stats(s.prox - s.prox_t, with_next, s.lag)
     clipped = None if s.prox is None else drift_log_factor(s.prox, s.prox_t, drift_clip)[1]
     rows = []
     for lag in torch.unique(s.lag[s.mask]).tolist():
         selected = s.mask & (s.lag == lag)
         drift_clipped = None
-        if clipped is not None and lag in w_sdp:
+        if clipped is not None and lag in w_segment_wise:
             lag_next = with_next & (s.lag == lag)
             drift_clipped = int((clipped & lag_next).sum()) / int(lag_next.sum())
         rows.append(
@@ -308,7 +340,7 @@ def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
                 tokens=int(selected.sum()),
                 uncorrectable=int((selected & s.uncorrectable).sum()),
                 w_dec=_mean_std_ess(w_dec[lag]) if lag in w_dec else None,
-                w_sdp=_mean_std_ess(w_sdp[lag]) if lag in w_sdp else None,
+                w_segment_wise=_mean_std_ess(w_segment_wise[lag]) if lag in w_segment_wise else None,
                 dropped={"mean": dropped[lag]["mean"], "std": dropped[lag]["std"]} if lag in dropped else None,
                 drift_clipped=drift_clipped,
             )
@@ -331,36 +363,34 @@ def analyse_batches(
     assert batches, "analyse_batches needs at least one batch"
     assert len(sources) == len(batches), f"{len(sources)} sources for {len(batches)} batches"
     s = _stack(batches)
-    lr_bypass = s.log_ratio("bypass")
-    assert lr_bypass is not None
-    modes = {"bypass": _mode_report("bypass", lr_bypass, s.mask, s.old, s.old, options)}
-    lr_dec = s.log_ratio("decoupled")
-    if lr_dec is None or s.prox is None:
-        lacking = [src for src, b in zip(sources, batches) if b.proximal_logprobs is None]
-        modes["decoupled"] = ModeReport(
-            mode="decoupled",
-            available=False,
-            reason=f"{lacking[0]}{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''} "
-            f"has no proximal_logprobs (π_prox); {MISSING_PROXIMAL_FIX}",
-        )
-    else:
-        modes["decoupled"] = _mode_report("decoupled", lr_dec, s.mask, s.old, s.prox, options)
-    lr_sdp = s.log_ratio("segment_wise")
-    assert lr_sdp is not None, "segment_wise always has π_prox_t"
-    covered = s.mask & ~s.uncorrectable
-    modes["segment_wise"] = _mode_report("segment_wise", lr_sdp, covered, s.old, s.prox_t, options)
-    lr_drift = s.log_ratio("segment_wise", options.drift_clip)
-    if lr_drift is None:
-        modes["segment_wise_drift"] = ModeReport(
-            mode="segment_wise_drift",
-            available=False,
-            reason=f"{modes['decoupled'].reason} (the drift factor needs π_prox)",
-        )
-    else:
-        # the policy the weight corrects towards: π_behav · w
-        target = s.old + lr_drift
-        modes["segment_wise_drift"] = _mode_report("segment_wise_drift", lr_drift, covered, s.old, target, options)
-    assert tuple(modes) == ROWS, f"modes out of order: {tuple(modes)}"
+    lacking = [src for src, b in zip(sources, batches) if b.proximal_logprobs is None]
+    no_prox = (
+        f"{lacking[0]}{f' (and {len(lacking) - 1} more)' if len(lacking) > 1 else ''} "
+        f"has no proximal_logprobs (π_prox); {MISSING_PROXIMAL_FIX}"
+        if lacking
+        else None
+    )
+    modes: dict[str, ModeReport] = {}
+    with_next = s.mask & ~s.uncorrectable
+    for name, spec in MODE_WEIGHTS.items():
+        # a weight that reads π_prox_t (a drift factor π_prox/π_prox_t does) leaves out the stale
+        # tokens without π_{v+1} (token_status)
+        variants = [(name, None, with_next if "proximal_logprobs_t" in spec.needs else s.mask)]
+        if "drift_clip" in spec.params:
+            variants.append((name + DRIFT_SUFFIX, options.drift_clip, with_next))
+        for row, kappa, covered in variants:
+            if s.lacks_proximal(name, kappa):
+                why = no_prox if kappa is None else f"{no_prox} (the drift factor needs π_prox)"
+                modes[row] = ModeReport(mode=row, available=False, reason=why)
+                continue
+            log_ratio = s.log_ratio(name, kappa)
+            reference = log_ratio is None  # no behavioural weight: w ≡ 1
+            if log_ratio is None:
+                log_ratio = torch.zeros_like(s.old)
+            modes[row] = _mode_report(
+                row, log_ratio, covered, s.old, s.target(row, log_ratio), options, reference=reference
+            )
+    assert tuple(modes) == report_rows(), f"modes out of order: {tuple(modes)}"
     return WeightReport(
         sources=list(sources),
         trainer_versions=[b.trainer_version for b in batches],
@@ -398,9 +428,9 @@ def dropped_samples(report: WeightReport) -> tuple[Tensor, Tensor] | None:
 
 def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Per-token weights packed like the input batches (concatenated in order), for a
-    safetensors file: ``<mode>.<level>`` float32 [N] for decoupled and segment_wise (0 on prompt
-    tokens and on tokens the mode does not cover; bypass is 1 on ``mask`` and is left out), plus
-    ``cu_seqlens``, ``prompt_lens``, ``file_index`` (batch of each sequence), ``mask`` and ``lag``
+    safetensors file: ``<row>.<level>`` float32 [N] for every available row with a weight (0 on
+    prompt tokens and on tokens the mode does not cover; a mode without one, bypass, is 1 on
+    ``mask`` and is left out), plus ``cu_seqlens``, ``prompt_lens``, ``file_index`` (batch of each sequence), ``mask`` and ``lag``
     (−1 on prompt tokens). Returns (tensors, string metadata)."""
     lay = report.layout
 
@@ -417,7 +447,7 @@ def dump_tensors(report: WeightReport) -> tuple[dict[str, Tensor], dict[str, str
         "lag": packed(report.lag, -1),
     }
     for name, m in report.modes.items():
-        if name == "bypass" or not m.available:
+        if m.reference or not m.available:
             continue
         for level in IS_LEVELS:
             tensors[f"{name}.{level}"] = packed(m.per_token[level].to(torch.float32), 0.0)

@@ -14,7 +14,8 @@ import numpy as np
 from sdp_cli.analysis.inspect import WeightReport, dropped_samples, weight_samples
 from sdp_cli.choices import IS_LEVELS
 
-_COLORS = {"decoupled": "tab:blue", "segment_wise": "tab:orange", "segment_wise_drift": "tab:green"}
+#: one colour per weighted row, in the report's order (decoupled, segment_wise, segment_wise_drift, …)
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
 _BINS = 40
 
 
@@ -42,12 +43,14 @@ def _histogram(ax, values: np.ndarray, bins: np.ndarray, label: str, color: str 
 
 
 def weight_histograms(report: WeightReport, title: str) -> bytes:
-    """PNG bytes: one panel per aggregation (decoupled, segment-wise and drift-clipped weights over their tokens;
-    bypass, w ≡ 1, is the dashed line) and a panel of the factor segment-wise drops,
+    """PNG bytes: one panel per aggregation (every weighted row over its tokens — decoupled,
+    segment-wise, drift-clipped and any registered mode; bypass, w ≡ 1, is the dashed line) and a panel of the factor segment-wise drops,
     π_c/π_{v+1}, one histogram per lag (shown only when the batches carry π_prox)."""
     from matplotlib.figure import Figure
 
-    modes = [m for m in ("decoupled", "segment_wise", "segment_wise_drift") if report.modes[m].available]
+    weighted = [name for name, m in report.modes.items() if not m.reference]
+    colors = {name: _COLORS[i % len(_COLORS)] for i, name in enumerate(weighted)}
+    modes = [name for name in weighted if report.modes[name].available]
     dropped = dropped_samples(report)
     panels = len(IS_LEVELS) + (dropped is not None)
     fig = Figure(figsize=(6.0 * 2, 4.2 * ((panels + 1) // 2)), layout="constrained")
@@ -58,7 +61,7 @@ def weight_histograms(report: WeightReport, title: str) -> bytes:
         for mode, values in samples.items():
             stats = report.modes[mode].weights[level]
             label = f"{mode} (std {_stat(stats['std'], '.3g')}, ESS {_stat(stats['ess'], '.3f')})"
-            _histogram(ax, values, bins, label, _COLORS[mode])
+            _histogram(ax, values, bins, label, colors[mode])
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1, label="bypass (w = 1)")
         ax.set_xscale("log")
         ax.set_title(f"{level} weights")

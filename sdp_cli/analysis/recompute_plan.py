@@ -3,7 +3,8 @@
 For a saved batch of trainer version c (docs/design.md §1, §2):
 
 - π_prox_t: an output token of version v < c is scored under the checkpoint of v + 1;
-- π_prox (``--proximal``): every output token under one chosen checkpoint, by default c;
+- π_prox (``--proximal``, or ``--mode`` naming a weight that reads it, ``reads_proximal``):
+  every output token under one chosen checkpoint, by default c;
 - the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c.
 
 ``make_plan`` turns the batches into prefill jobs grouped by (version, temperature) and refuses
@@ -24,6 +25,8 @@ import torch
 from sdp_cli.analysis.checkpoints import KEEP_VERSIONS_FIX, MissingCheckpoints, format_versions
 from sdp_cli.analysis.scorers import Scorer
 from sdp_cli.choices import STUDIED_DRIFT_CLIPS
+from sdp_cli.config.modes import drift_clipped_mode, weight_names
+from sdp_cli.core.weights import MODE_WEIGHTS
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import SavedBatch
 from sdp_cli.rollout.recompute import token_packs
@@ -65,6 +68,16 @@ class ProximalChoice:
         return "trainer" if self.version is None else str(self.version)
 
 
+def reads_proximal(weight: str) -> bool:
+    """Whether the weight ``weight`` reads π_prox: a registered mode whose ``needs`` name it
+    (``core.weights.MODE_WEIGHTS``), or a drift-clipped weight ``<mode>_drift``, whose drift
+    factor is π_prox/π_prox_t (``config.modes.weight_names`` lists both kinds)."""
+    assert weight in weight_names(), f"unknown weight {weight!r}"
+    if drift_clipped_mode(weight) is not None:
+        return True
+    return "proximal_logprobs" in MODE_WEIGHTS[weight].needs
+
+
 @dataclass(frozen=True)
 class RecomputeOptions:
     """What to compute besides π_prox_t (which is always recomputed).
@@ -75,12 +88,16 @@ class RecomputeOptions:
             trainer version c.
         max_tokens_per_call: prefill tokens per scoring call (a longer sequence goes alone).
         drift_clips: with ``exact``, the κ values whose effect on the dropped factor is reported.
+        modes: weights (``config.modes.weight_names``) whose inputs must be filled: when one
+            reads π_prox (``reads_proximal``), π_prox is computed (under ``proximal``, by
+            default each batch's trainer version).
     """
 
     proximal: ProximalChoice | None = None
     exact: bool = False
     max_tokens_per_call: int = 16384
     drift_clips: tuple[float, ...] = STUDIED_DRIFT_CLIPS
+    modes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.exact and self.proximal not in (None, ProximalChoice()):
@@ -93,7 +110,9 @@ class RecomputeOptions:
 
     @property
     def proximal_choice(self) -> ProximalChoice | None:
-        return ProximalChoice() if self.exact else self.proximal
+        if self.exact or (self.proximal is None and any(reads_proximal(m) for m in self.modes)):
+            return ProximalChoice()
+        return self.proximal
 
 
 def output_mask(batch: SavedBatch) -> torch.Tensor:

@@ -27,7 +27,7 @@ EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.sa
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
-For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav) and segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
+For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav), segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip) and any mode registered in sdp_cli/core/weights.py, at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
 
 [bold]Examples[/bold]
 
@@ -240,7 +240,7 @@ def _render(console: Any, report: WeightReport) -> None:
     """The three tables: weights per mode × aggregation, divergences per mode, lags."""
     from rich.markup import escape
 
-    from sdp_cli.analysis.inspect import DIVERGENCES, TARGETS
+    from sdp_cli.analysis.inspect import DIVERGENCES, target
 
     o = report.options
     bounded = o.cap is not None or o.floor is not None
@@ -259,15 +259,15 @@ def _render(console: Any, report: WeightReport) -> None:
             weights.add_row(name, "–", "unavailable", *[""] * (len(stats) + len(share_col)))
             notes.append(f"[yellow]{name}: {escape(m.reason or '')}[/yellow]")
             continue
-        # bypass is w ≡ 1 at every aggregation: one row says it.
-        levels = ["token"] if name == "bypass" else list(m.weights)
+        # a mode without a weight (bypass) is w ≡ 1 at every aggregation: one row says it.
+        levels = ["token"] if m.reference else list(m.weights)
         for i, level in enumerate(levels):
             s = m.weights[level]
             high, low = s.get("frac_high"), s.get("frac_low")
             share = s.get("masked") if o.action == "mask" else None if high is None or low is None else high + low
             weights.add_row(
                 name if i == 0 else "",
-                "any (w ≡ 1)" if name == "bypass" else level,
+                "any (w ≡ 1)" if m.reference else level,
                 str(m.tokens) if i == 0 else "",
                 *(_fmt(s[k]) for k in stats),
                 *(["n/a" if share is None else f"{share:.1%}"] if bounded else []),
@@ -287,7 +287,7 @@ def _render(console: Any, report: WeightReport) -> None:
     )
     for name, m in report.modes.items():
         values = [_fmt(m.divergence[k]) for k in DIVERGENCES] if m.available else ["unavailable", "", "", ""]
-        div.add_row(name, TARGETS[name], *values)
+        div.add_row(name, target(name), *values)
     console.print(div)
 
     show_unc = any(row.uncorrectable for row in report.lags)
@@ -297,26 +297,26 @@ def _render(console: Any, report: WeightReport) -> None:
             "lag",
             "tokens",
             *("w_dec mean", "std", "ESS"),
-            *("w_sdp mean", "std", "ESS"),
+            *("w_seg mean", "std", "ESS"),
             *("π_c/π_{v+1} mean", "std", "κ-clipped"),
             *(["no π_{v+1}"] if show_unc else []),
         ],
         left=0,
     )
     for row in report.lags:
-        dec, sdp, dropped = row.w_dec or {}, row.w_sdp or {}, row.dropped or {}
+        dec, seg, dropped = row.w_dec or {}, row.w_segment_wise or {}, row.dropped or {}
         lags.add_row(
             str(row.lag),
             str(row.tokens),
             *(_fmt(dec.get(k)) for k in ("mean", "std", "ess")),
-            *(_fmt(sdp.get(k)) for k in ("mean", "std", "ess")),
+            *(_fmt(seg.get(k)) for k in ("mean", "std", "ess")),
             *(_fmt(dropped.get(k)) for k in ("mean", "std")),
             "n/a" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
     console.print(lags)
     console.print(
-        "π_c/π_{v+1} = w_dec / w_sdp is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
+        "w_seg = π_prox_t/π_behav, the segment-wise weight. π_c/π_{v+1} = w_dec / w_seg is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
         "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance. "
         f"κ-clipped: the share of it outside [1/κ, κ], κ = {_fmt(report.options.drift_clip)} "
         "(segment_wise_drift keeps the rest of it).",

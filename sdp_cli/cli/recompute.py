@@ -63,6 +63,15 @@ def recompute_command(
         help="Score every lagged token under each version v+1 … c: π_prox from version c and a "
         "per-lag report of the factor π_c/π_{v+1} that segment-wise drops.",
     ),
+    mode: list[str] | None = typer.Option(
+        None,
+        "--mode",
+        metavar="MODE",
+        help="Fill what this mode's weight reads (repeatable; any mode registered in "
+        "sdp_cli/core/weights.py, or <mode>_drift for its drift-clipped weight): π_prox_t always, "
+        "and π_prox (under --proximal, by default each batch's trainer version) when it reads it, "
+        "e.g. --mode decoupled or --mode segment_wise_drift.",
+    ),
     drift_clip: list[float] | None = typer.Option(
         None,
         "--drift-clip",
@@ -117,10 +126,17 @@ def recompute_command(
         raise UserError(f"--drift-clip {bad} must be >= 1 (1 = segment-wise, inf = decoupled); pass e.g. --drift-clip 2")
     if drift_clip and not exact:
         raise UserError("--drift-clip reports on the exact decomposition; add --exact")
+    from sdp_cli.config.modes import weight_names
+
+    known = weight_names()
+    unknown = next((m for m in mode or [] if m not in known), None)
+    if unknown is not None:
+        raise UserError(f"--mode {unknown!r} is not a registered mode; choose one of {', '.join(known)}")
     options = RecomputeOptions(
         proximal=None if proximal is None else ProximalChoice.parse(proximal),
         exact=exact,
         drift_clips=kappas,
+        modes=tuple(dict.fromkeys(mode or [])),
     )
     result = _run(batches, checkpoints, options, output, force, engine, servers, device, as_json)
     if not dry_run:

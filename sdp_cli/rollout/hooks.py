@@ -3,7 +3,10 @@
 ``PauseController.pause()`` runs pre-pause hooks → ``engine.pause()`` → post-pause hooks;
 ``resume()`` runs pre-resume hooks → ``engine.resume()`` → post-resume hooks. Hooks take no
 arguments, run synchronously in registration order, and a failure is raised as ``HookError``
-naming the hook and the phase. Whatever fails, the engine is not left paused:
+naming the hook and the phase — unless the hook was registered with ``wrap_errors=False``: then
+its own exception reaches the caller unchanged, for callers that handle failures by type (the
+training loop's recompute pass, ``sdp_cli/train/loop.py``, raises ``EngineError`` like any other
+engine call). Whatever fails, the engine is not left paused:
 
 - a pre-pause hook fails: the engine was never paused; later hooks do not run.
 - ``engine.pause()`` or a post-pause hook fails: ``engine.resume()`` is called (without the
@@ -47,38 +50,45 @@ class PauseHooks:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._hooks: dict[str, list[Hook]] = {phase: [] for phase in PHASES}
+        #: per phase: (hook, whether its failure is raised as HookError)
+        self._hooks: dict[str, list[tuple[Hook, bool]]] = {phase: [] for phase in PHASES}
 
-    def register(self, phase: str, hook: Hook) -> None:
+    def register(self, phase: str, hook: Hook, *, wrap_errors: bool = True) -> None:
+        """Add ``hook`` to ``phase``; with ``wrap_errors=False`` its exception is raised as is."""
         if phase not in self._hooks:
             raise ValueError(f"unknown hook phase {phase!r}; use one of {', '.join(PHASES)}")
         if not callable(hook):
             raise TypeError(f"{phase} hook must be callable, got {hook!r}")
         with self._lock:
-            self._hooks[phase].append(hook)
+            self._hooks[phase].append((hook, wrap_errors))
 
-    def register_pre_pause_hook(self, hook: Hook) -> None:
-        self.register("pre_pause", hook)
+    def register_pre_pause_hook(self, hook: Hook, *, wrap_errors: bool = True) -> None:
+        self.register("pre_pause", hook, wrap_errors=wrap_errors)
 
-    def register_post_pause_hook(self, hook: Hook) -> None:
-        self.register("post_pause", hook)
+    def register_post_pause_hook(self, hook: Hook, *, wrap_errors: bool = True) -> None:
+        self.register("post_pause", hook, wrap_errors=wrap_errors)
 
-    def register_pre_resume_hook(self, hook: Hook) -> None:
-        self.register("pre_resume", hook)
+    def register_pre_resume_hook(self, hook: Hook, *, wrap_errors: bool = True) -> None:
+        self.register("pre_resume", hook, wrap_errors=wrap_errors)
 
-    def register_post_resume_hook(self, hook: Hook) -> None:
-        self.register("post_resume", hook)
+    def register_post_resume_hook(self, hook: Hook, *, wrap_errors: bool = True) -> None:
+        self.register("post_resume", hook, wrap_errors=wrap_errors)
 
     def hooks(self, phase: str) -> list[Hook]:
         with self._lock:
-            return list(self._hooks[phase])
+            return [hook for hook, _ in self._hooks[phase]]
 
     def run(self, phase: str) -> None:
-        """Call the hooks of ``phase`` in order; the first failure raises ``HookError``."""
-        for hook in self.hooks(phase):
+        """Call the hooks of ``phase`` in order; the first failure raises ``HookError`` (or the
+        hook's own exception, for a hook registered with ``wrap_errors=False``)."""
+        with self._lock:
+            hooks = list(self._hooks[phase])
+        for hook, wrap in hooks:
             try:
                 hook()
             except Exception as error:
+                if not wrap:
+                    raise
                 raise HookError(phase, hook_name(hook), error) from error
 
 

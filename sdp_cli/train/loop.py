@@ -4,8 +4,9 @@ Producer thread (``sdp_cli/train/producer.py``): while the staleness manager gra
 generate groups on the engine, reward them off the generation path and hand them to the queue.
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
-step, then push the new weights following docs/design.md §2: pause (hooks) → recompute pass with the
-old weights still loaded → load the new weights → purge stale queue items → resume (hooks).
+step, then push the new weights following docs/design.md §2: pause (``PauseController``, whose
+post-pause hook ``_recompute_at_push`` is the recompute pass with the old weights still loaded) →
+load the new weights → purge stale queue items → resume.
 
 Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
 partial), in the queue, in the cache, or consumed/dropped. The producer moves groups from its
@@ -34,7 +35,7 @@ from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
-from sdp_cli.rollout.hooks import PauseController
+from sdp_cli.rollout.hooks import PauseController, PauseHooks
 from sdp_cli.rollout.recompute import ProximalRecomputer
 from sdp_cli.rollout.records import RolloutGroup
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
@@ -120,9 +121,16 @@ class AsyncLoop(RolloutProducer):
         )
         self.queue: RolloutQueue[RolloutGroup] = RolloutQueue()
         self.cache: RolloutCache[RolloutGroup] = RolloutCache()
-        self.pause_controller = PauseController(engine)
+        self.pause_hooks = PauseHooks()
+        self.pause_controller = PauseController(engine, self.pause_hooks)
         self.recomputer = ProximalRecomputer(engine)
         self.recompute_enabled = tracks_proximal_t(cfg)
+        if self.recompute_enabled:
+            # docs/design.md §2 step 2: the push's recompute pass runs once the engine is paused,
+            # with the old weights still loaded. Its errors (EngineError …) reach the push as is.
+            self.pause_hooks.register_post_pause_hook(self._recompute_at_push, wrap_errors=False)
+        #: the metrics of the push's recompute pass, left by ``_recompute_at_push`` for ``_push``
+        self._push_pass_metrics: dict[str, float] = {}
         # π_prox_t of a token one version stale is scored by the engine when the trainer takes
         # its batch, unless the producer's pass already did: one source, whatever the timing.
         self.score_at_take = self.recompute_enabled and ro.proximal_t_source == "engine"
@@ -291,24 +299,10 @@ class AsyncLoop(RolloutProducer):
         """
         new_version = self.trainer.version
         update = self.push_weights(new_version)
-        metrics: dict[str, float] = {}
+        # The pause runs the post-pause hooks: the recompute pass (``_recompute_at_push``).
         with self._pass_lock, self.pause_controller.paused():
             with self._handoff_lock:
-                if self.recompute_enabled:
-                    in_hand = [s for g in self._in_hand.values() for s in g.samples]
-                    with intra_op_threads(self.recompute_threads):
-                        stats, elapsed = self._recompute_pass(inflight=in_hand)
-                    self.state.counters.recompute_blocking_seconds += elapsed
-                    # this version's passes: the producer's since the last push, and this one
-                    passes, self._ahead = self._ahead, PassTotals()
-                    metrics["time/recompute_ahead_s"] = passes.seconds
-                    passes.add(stats, elapsed)
-                    metrics["recompute/tokens"] = float(passes.tokens)
-                    metrics["recompute/tokens_ahead"] = float(passes.tokens - stats.tokens_recomputed)
-                    metrics["recompute/tokens_at_push"] = float(stats.tokens_recomputed)
-                    metrics["recompute/samples"] = float(passes.samples)
-                    metrics["recompute/mean_abs_delta"] = passes.delta_sum / passes.tokens if passes.tokens else 0.0
-                    metrics["time/recompute_s"] = elapsed
+                metrics, self._push_pass_metrics = self._push_pass_metrics, {}
                 fault_point("loop.recomputed")
                 self.engine.update_weights(update)
                 self._version = new_version
@@ -322,6 +316,27 @@ class AsyncLoop(RolloutProducer):
         with self._capacity_changed:
             self._capacity_changed.notify_all()
         return metrics
+
+    def _recompute_at_push(self) -> None:
+        """Post-pause hook of the weight push (docs/design.md §2 step 2): the recompute pass over
+        every sample the system holds, under ``_handoff_lock`` (``_push`` holds ``_pass_lock``
+        and the engine is paused, so the old weights stay loaded and no token is added)."""
+        with self._handoff_lock:
+            in_hand = [s for g in self._in_hand.values() for s in g.samples]
+            with intra_op_threads(self.recompute_threads):
+                stats, elapsed = self._recompute_pass(inflight=in_hand)
+            self.state.counters.recompute_blocking_seconds += elapsed
+            # this version's passes: the producer's since the last push, and this one
+            passes, self._ahead = self._ahead, PassTotals()
+            metrics = {"time/recompute_ahead_s": passes.seconds}
+            passes.add(stats, elapsed)
+            metrics["recompute/tokens"] = float(passes.tokens)
+            metrics["recompute/tokens_ahead"] = float(passes.tokens - stats.tokens_recomputed)
+            metrics["recompute/tokens_at_push"] = float(stats.tokens_recomputed)
+            metrics["recompute/samples"] = float(passes.samples)
+            metrics["recompute/mean_abs_delta"] = passes.delta_sum / passes.tokens if passes.tokens else 0.0
+            metrics["time/recompute_s"] = elapsed
+            self._push_pass_metrics = metrics
 
     def _proximal_t_paths(self) -> dict[str, float]:
         """Tokens given π_prox_t this step by the paths that are not the update's passes: the

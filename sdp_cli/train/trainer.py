@@ -14,9 +14,9 @@ The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
 the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
 processes, which DDP's gradient average undoes, so the update equals a single-process one
-(docs/training.md, "Several processes"). Both behavioural
-weights (decoupled and segment-wise) are measured on the same tokens whenever their inputs
-exist, whatever the training mode ("shadow" metrics).
+(docs/training.md, "Several processes"). Every registered behavioural weight (decoupled,
+segment-wise, its drift-clipped form, and any mode added with ``register_mode``) is measured on
+the same tokens whenever its inputs exist, whatever the training mode ("shadow" metrics).
 
 Log-probs come from the model's final hidden states and its output embedding, only at response
 tokens, so no [tokens, vocab] logits tensor exists (``train/response_logprobs.py``, docs/math.md
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from sdp_cli.choices import PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
+from sdp_cli.config.modes import DRIFT_SUFFIX, has_weight, takes_drift_clip
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
@@ -81,7 +82,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for d in dicts for k in d}
+    keys = dict.fromkeys(k for d in dicts for k in d)  # first-seen order, the same in every run
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
@@ -222,7 +223,19 @@ class Trainer:
         uses_prox_t = "proximal_logprobs_t" in mode_weight.needs
         # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end
         need_prox = mode_weight.anchor == "proximal" or "proximal_logprobs" in mode_weight.needs or self.track_proximal_t
-        prox = self.logprobs(batch, grad=False) if need_prox else None
+        fused = None
+        if need_prox and self._single_update():
+            # θ does not move before the batch's only optimizer step: π_prox is the training
+            # forward's own output, detached, and the separate no-grad forward is saved.
+            # (in the row order the optimizer step would draw, so the update is bit for bit the same)
+            order = torch.randperm(batch.num_sequences, generator=self.generator)
+            self.model.train()
+            logprobs, entropy = self._forward(self.model, batch.rows(order), grad=True, with_entropy=True)
+            fused = (order, logprobs, entropy)
+            prox = torch.empty_like(logprobs, device="cpu")
+            prox[order] = logprobs.detach().float().cpu()
+        else:
+            prox = self.logprobs(batch, grad=False) if need_prox else None
         reference = self._reference_logprobs(batch) if cfg.kl_coef > 0 else None
 
         loss_mask = mask
@@ -280,7 +293,9 @@ class Trainer:
 
         metrics.update(self._diagnostics(batch, prox))
         anchor = prox if mode_weight.anchor == "proximal" else old
-        metrics.update(self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference))
+        metrics.update(
+            self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
+        )
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 
@@ -293,15 +308,18 @@ class Trainer:
         log_ratio: torch.Tensor | None,
         *,
         reference: torch.Tensor | None = None,
+        fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> dict[str, float]:
-        """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard."""
+        """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard.
+        ``fused`` = (row order, log-probs, entropy): the training forward ``step`` already ran
+        when there is one optimizer step only (``_single_update``); it replaces the forward."""
         cfg, opt = self.loss_cfg, self.optim_cfg
         acc = self.accelerator
         n = batch.num_sequences
         per_step: list[dict[str, float]] = []
         self.model.train()
         for _ in range(opt.ppo_epochs):
-            order = torch.randperm(n, generator=self.generator)
+            order = torch.randperm(n, generator=self.generator) if fused is None else fused[0]
             for chunk in torch.tensor_split(order, opt.minibatches):
                 # data parallel: each process takes every world_size-th row of the minibatch
                 rows = chunk[acc.process_index :: acc.num_processes]
@@ -316,7 +334,10 @@ class Trainer:
                 mb_mask = loss_mask[rows].to(dev)
                 if stand_in:
                     mb_mask = torch.zeros_like(mb_mask)
-                logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                if fused is None:
+                    logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                else:
+                    _, logprobs, entropy = fused
                 mb_anchor = anchor[rows].to(dev)
                 if cfg.loss_type == "reinforce":
                     mb_log_ratio = None if log_ratio is None else log_ratio[rows].to(dev)
@@ -362,6 +383,12 @@ class Trainer:
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _single_update(self) -> bool:
+        """Whether a batch gets exactly one optimizer step, in one process (which then holds
+        every row): π_prox = π_θ at that step, so one forward serves both."""
+        opt = self.optim_cfg
+        return opt.ppo_epochs == 1 and opt.minibatches == 1 and self.accelerator.num_processes == 1
 
     def _denominator(self, mask: torch.Tensor) -> float | torch.Tensor:
         """What the loss of a minibatch shard divides by: the seq-mean-token-sum-norm constant,
@@ -419,19 +446,20 @@ class Trainer:
         old = batch.old_logprobs
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
 
-        shadows = {"decoupled": prox - old}
-        if self.track_proximal_t:
-            prox_t = batch.proximal_logprobs_t
-            shadows["segment_wise"] = prox_t - old
-            kappa = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP
-            shadows["segment_wise_drift"] = behavior_log_ratio(
-                old, prox, prox_t, mode="segment_wise", drift_clip=kappa
-            )
-            _, clipped = drift_log_factor(prox, prox_t, kappa)
-            out["shadow/segment_wise_drift/kappa"] = float(kappa)
-            out["shadow/segment_wise_drift/drift_clipped_fraction"] = float((clipped & valid).sum()) / max(
-                float(valid.sum()), 1.0
-            )
+        # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
+        # drift-clipped one of each mode that takes κ (config/modes.py shadow_weights).
+        prox_t = batch.proximal_logprobs_t if self.track_proximal_t else None
+        shadows: dict[str, torch.Tensor] = {}
+        for name, spec in MODE_WEIGHTS.items():
+            if not has_weight(name) or (prox_t is None and "proximal_logprobs_t" in spec.needs):
+                continue
+            shadows[name] = behavior_log_ratio(old, prox, prox_t, mode=name)
+            if takes_drift_clip(name) and prox_t is not None:  # the drift factor is π_prox/π_prox_t
+                kappa, drift = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP, name + DRIFT_SUFFIX
+                shadows[drift] = behavior_log_ratio(old, prox, prox_t, mode=name, drift_clip=kappa)
+                clipped = drift_log_factor(prox, prox_t, kappa)[1] & valid
+                out[f"shadow/{drift}/kappa"] = float(kappa)
+                out[f"shadow/{drift}/drift_clipped_fraction"] = float(clipped.sum()) / max(float(valid.sum()), 1.0)
         for name, lr in shadows.items():
             _, raw = importance_weights(lr, mask, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):

@@ -2,11 +2,11 @@
 the weights the batch was built with (docs/math.md §2, §4), plus invariants between the modes.
 
 The batch ``hand_batch`` (trainer version c = 3) is built from chosen weights, not logprobs:
-every token has log π_behav = ln 0.1, log π_prox_t = ln 0.1 + ln w_sdp, log π_prox = ln 0.1 +
-ln w_dec, so that w_sdp = π_prox_t/π_behav, w_dec = π_prox/π_behav and the factor segment-wise
-drops is w_dec / w_sdp.
+every token has log π_behav = ln 0.1, log π_prox_t = ln 0.1 + ln w_seg, log π_prox = ln 0.1 +
+ln w_dec, so that w_seg = π_prox_t/π_behav (the segment-wise weight), w_dec = π_prox/π_behav and
+the factor segment-wise drops is w_dec / w_seg.
 
-    sequence A (prompt 2 tokens):  token  lag  w_dec  w_sdp  dropped
+    sequence A (prompt 2 tokens):  token  lag  w_dec  w_seg  dropped
                                    a0     2    4      2      2
                                    a1     1    0.5    0.5    1       (π_prox_t := π_prox, lag-1 fill)
                                    a2     0    1      1      1       (π_prox_t := π_behav = π_prox)
@@ -30,7 +30,7 @@ from sdp_cli.rollout.records import RolloutSample
 
 LN_B = math.log(0.1)
 C = 3
-# (lag, w_dec, w_sdp) per output token
+# (lag, w_dec, w_seg) per output token
 SEQ_A = [(2, 4.0, 2.0), (1, 0.5, 0.5), (0, 1.0, 1.0)]
 SEQ_B = [(2, 0.25, 1.0), (1, 2.0, 2.0)]
 
@@ -39,19 +39,19 @@ Tokens = list[tuple[int, float, float]]
 
 
 def sample(prompt_len: int, tokens: Tokens, c: int) -> tuple[RolloutSample, list[float]]:
-    """A sample whose output tokens have the given (lag, w_dec, w_sdp), and its π_prox list.
+    """A sample whose output tokens have the given (lag, w_dec, w_seg), and its π_prox list.
 
     Tokens with lag ≥ 1 carry π_prox_t of version v + 1; lag-0 tokens keep π_prox_t = π_behav.
     """
     s = RolloutSample(prompt_ids=list(range(1, prompt_len + 1)))
     prox = []
-    for i, (lag, w_dec, w_sdp) in enumerate(tokens):
+    for i, (lag, w_dec, w_seg) in enumerate(tokens):
         v = c - lag
         s.append_tokens([10 + i], [LN_B], v)
         if lag >= 1:
-            s.set_proximal_t(i, LN_B + math.log(w_sdp), v + 1)
+            s.set_proximal_t(i, LN_B + math.log(w_seg), v + 1)
         else:
-            assert w_sdp == 1.0
+            assert w_seg == 1.0
         prox.append(LN_B + math.log(w_dec))
     return s, prox
 
@@ -110,13 +110,13 @@ def test_decoupled_weights_by_hand():
 
 def test_segment_wise_weights_by_hand():
     r = analyse_batches([hand_batch()], ["hand"])
-    sdp = r.modes["segment_wise"]
+    seg = r.modes["segment_wise"]
     # token: w = {2, 0.5, 1, 1, 2}: mean 1.3, mean w² 10.25/5 = 2.05, var 2.05 − 1.69 = 0.36.
-    t = sdp.weights["token"]
+    t = seg.weights["token"]
     assert (t["mean"], t["std"], t["ess"]) == (approx(1.3), approx(0.6), approx(1.69 / 2.05))
     # sequence: A = 2·0.5·1 = 1 on 3 tokens, B = 1·2 = 2 on 2 tokens: mean 7/5 = 1.4,
     # mean w² (3 + 8)/5 = 2.2, var 0.24.
-    s = sdp.weights["sequence"]
+    s = seg.weights["sequence"]
     assert (s["mean"], s["std"]) == (approx(1.4), approx(math.sqrt(0.24)))
     assert (s["min"], s["max"]) == (approx(1.0), approx(2.0))
 
@@ -183,22 +183,22 @@ def test_lag_breakdown_by_hand():
     rows = {row.lag: row for row in analyse_batches([hand_batch()], ["hand"]).lags}
     assert sorted(rows) == [0, 1, 2]
     assert [rows[k].tokens for k in (0, 1, 2)] == [1, 2, 2]
-    # lag 2: w_dec {4, 0.25}: mean 2.125, std 1.875; w_sdp {2, 1}: mean 1.5, std 0.5;
+    # lag 2: w_dec {4, 0.25}: mean 2.125, std 1.875; w_segment_wise {2, 1}: mean 1.5, std 0.5;
     # dropped {2, 0.25}: mean 1.125, std 0.875.
     r2 = rows[2]
     assert (r2.w_dec["mean"], r2.w_dec["std"]) == (approx(2.125), approx(1.875))
     assert r2.w_dec["ess"] == approx(ess(2.125, 1.875))
-    assert (r2.w_sdp["mean"], r2.w_sdp["std"], r2.w_sdp["ess"]) == (approx(1.5), approx(0.5), approx(0.9))
+    assert (r2.w_segment_wise["mean"], r2.w_segment_wise["std"], r2.w_segment_wise["ess"]) == (approx(1.5), approx(0.5), approx(0.9))
     assert (r2.dropped["mean"], r2.dropped["std"]) == (approx(1.125), approx(0.875))
-    # lag 1: w_dec = w_sdp = {0.5, 2}: mean 1.25, std 0.75.
+    # lag 1: w_dec = w_segment_wise = {0.5, 2}: mean 1.25, std 0.75.
     r1 = rows[1]
-    assert r1.w_dec == r1.w_sdp
-    assert (r1.w_sdp["mean"], r1.w_sdp["std"]) == (approx(1.25), approx(0.75))
-    assert r1.w_sdp["ess"] == approx(ess(1.25, 0.75))
+    assert r1.w_dec == r1.w_segment_wise
+    assert (r1.w_segment_wise["mean"], r1.w_segment_wise["std"]) == (approx(1.25), approx(0.75))
+    assert r1.w_segment_wise["ess"] == approx(ess(1.25, 0.75))
 
 
 def test_drift_clipped_row_by_hand():
-    # w = w_sdp · clip(w_dec / w_sdp, 1/κ, κ) with κ = 1.5, token by token:
+    # w = w_segment_wise · clip(w_dec / w_segment_wise, 1/κ, κ) with κ = 1.5, token by token:
     #   a0: 2 · clip(2, ⅔, 1.5) = 3;  a1: 0.5 · 1 = 0.5;  a2: 1;  b0: 1 · clip(0.25) = ⅔;  b1: 2
     # mean (3 + 0.5 + 1 + ⅔ + 2)/5 = 43/30; drift factor clipped on a0 and b0 (both lag 2).
     r = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=1.5))
@@ -252,7 +252,7 @@ def test_missing_proximal_logprobs_makes_decoupled_unavailable():
 
 
 def test_several_batches_keep_their_own_trainer_version():
-    # second batch at c = 5: one token of version 3 (lag 2, w_dec 8, w_sdp 2), one of version 5 (lag 0).
+    # second batch at c = 5: one token of version 3 (lag 2, w_dec 8, w_segment_wise 2), one of version 5 (lag 0).
     other = batch_of([(3, [(2, 8.0, 2.0), (0, 1.0, 1.0)])], c=5)
     r = analyse_batches([hand_batch(), other], ["a", "b"])
     rows = {row.lag: row for row in r.lags}
@@ -346,8 +346,8 @@ def test_decoupled_weight_is_segment_wise_weight_times_dropped_factor(b):
     r = analyse_batches([b], ["x"])
     covered = r.modes["segment_wise"].covered
     dec = r.modes["decoupled"].per_token["token"][covered]
-    sdp = r.modes["segment_wise"].per_token["token"][covered]
-    torch.testing.assert_close(dec, sdp * r.dropped[covered], rtol=1e-5, atol=0)
+    seg = r.modes["segment_wise"].per_token["token"][covered]
+    torch.testing.assert_close(dec, seg * r.dropped[covered], rtol=1e-5, atol=0)
     assert sum(row.tokens for row in r.lags) == r.tokens
     for row in r.lags:
         if row.lag <= 1:

@@ -124,9 +124,9 @@ def _batch_weights(run_dir):
         out = batch.versions >= 0  # response tokens (prompt tokens have version −1)
         old = batch.old_logprobs[out].double()
         w_dec = np.exp(np.clip((batch.proximal_logprobs[out].double() - old).numpy(), -20, 20))
-        w_sdp = np.exp(np.clip((batch.proximal_logprobs_t[out].double() - old).numpy(), -20, 20))
+        w_seg = np.exp(np.clip((batch.proximal_logprobs_t[out].double() - old).numpy(), -20, 20))
         lags = (batch.trainer_version - batch.versions[out]).numpy()
-        steps.append((w_dec, w_sdp, lags))
+        steps.append((w_dec, w_seg, lags))
     return steps
 
 
@@ -186,10 +186,10 @@ def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
         assert float(rows[(mode, 0)]["w_dec_std_mean"]) < 1e-5
         assert float(rows[(mode, 0)]["w_dec_ess_mean"]) == pytest.approx(1.0, abs=1e-9)
         steps = _batch_weights(_run_dir(smoke, mode, 2))
-        w_dec, w_sdp, lags = (np.concatenate(parts) for parts in zip(*steps))
-        assert np.allclose(w_dec[lags == 0], 1.0, atol=1e-4) and np.all(w_sdp[lags == 0] == 1.0)
-        assert np.array_equal(w_dec[lags == 1], w_sdp[lags == 1])
-        assert (lags == 2).any() and not np.allclose(w_dec[lags == 2], w_sdp[lags == 2])
+        w_dec, w_seg, lags = (np.concatenate(parts) for parts in zip(*steps))
+        assert np.allclose(w_dec[lags == 0], 1.0, atol=1e-4) and np.all(w_seg[lags == 0] == 1.0)
+        assert np.array_equal(w_dec[lags == 1], w_seg[lags == 1])
+        assert (lags == 2).any() and not np.allclose(w_dec[lags == 2], w_seg[lags == 2])
 
 
 @pytest.mark.slow

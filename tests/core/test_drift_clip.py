@@ -89,7 +89,7 @@ def test_kappa_infinity_is_decoupled_bit_for_bit(level, seed):
     st.floats(-5, 0), st.floats(-5, 0), st.floats(-5, 0), st.floats(1.0, 10.0, allow_nan=False)
 )
 def test_weight_lies_between_the_segment_wise_weight_times_the_bounds(old, prox_t, prox, kappa):
-    # w / w_sdp is the clipped drift factor: always in [1/κ, κ], and equal to d when d is inside.
+    # w / w_seg is the clipped drift factor: always in [1/κ, κ], and equal to d when d is inside.
     o, pt, p = (torch.tensor([[x]], dtype=torch.float64) for x in (old, prox_t, prox))
     lr = behavior_log_ratio(o, p, pt, mode="segment_wise", drift_clip=kappa)
     factor = float(lr - (pt - o))

@@ -141,3 +141,16 @@ def test_hook_names_and_registration_errors():
         hooks.register("during", lambda: None)
     with pytest.raises(TypeError):
         hooks.register_post_pause_hook(42)
+
+
+@pytest.mark.parametrize("phase", ["pre_pause", "post_pause", "pre_resume", "post_resume"])
+def test_a_hook_registered_without_wrapping_raises_its_own_exception(phase):
+    log, engine, ctl = setup()
+    getattr(ctl.hooks, f"register_{phase}_hook")(failing(log, phase), wrap_errors=False)
+    getattr(ctl.hooks, f"register_{phase}_hook")(logger(log, "later"))
+    if phase in ("pre_resume", "post_resume"):
+        ctl.pause()
+    with pytest.raises(ValueError, match="boom"):  # not HookError: callers catch it by type
+        ctl.resume() if phase.endswith("resume") else ctl.pause()
+    assert "later" not in log  # the first failure still stops the phase
+    assert not engine.is_paused  # and the engine is still never left paused

@@ -66,14 +66,14 @@ def test_segment_wise_equals_decoupled_when_every_token_is_one_version_behind(is
     groups = _groups(version=4)
     _set_old_logprobs(groups, model, 1.0, shift=-0.3)  # behaviour differs from the trainer
     dec, out_dec = _train(model, LossConfig(mode="decoupled", is_level=is_level), groups, version=5)
-    sdp, out_sdp = _train(
+    seg, out_seg = _train(
         model, LossConfig(mode="segment_wise", is_level=is_level), groups, version=5, proximal_t_source="trainer"
     )
     # lag 1 everywhere: π_prox_t := π_5 = π_prox, so the weight and therefore the update agree
-    assert out_sdp.metrics["recompute/tokens_trainer_fill"] == out_dec.metrics["batch/response_tokens"]
-    assert out_dec.metrics["weights/rollout_is_mean"] == pytest.approx(out_sdp.metrics["weights/rollout_is_mean"])
+    assert out_seg.metrics["recompute/tokens_trainer_fill"] == out_dec.metrics["batch/response_tokens"]
+    assert out_dec.metrics["weights/rollout_is_mean"] == pytest.approx(out_seg.metrics["weights/rollout_is_mean"])
     assert out_dec.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
-    assert _same_weights(dec, sdp)
+    assert _same_weights(dec, seg)
 
 
 @pytest.mark.parametrize("mode", ["decoupled", "segment_wise"])
@@ -154,3 +154,43 @@ def test_a_veto_alone_drops_sequences_with_a_catastrophic_token():
     dropped = (out.loss_mask.sum(-1) == 0).nonzero().flatten().tolist()
     assert dropped == [1]  # the second sample of the first group, and only it
     assert out.metrics["rejection/rollout_rs_veto_fraction"] == pytest.approx(1 / 8)
+
+
+@pytest.mark.parametrize("mode", ["decoupled", "segment_wise"])
+def test_one_optimizer_step_runs_one_forward_and_updates_exactly_as_two(mode, monkeypatch):
+    # ppo_epochs = minibatches = 1: π_prox is the training forward's own output, so the step
+    # runs one forward instead of two and must leave the same weights and π_prox, bit for bit.
+    model = _model()
+    groups = _groups(version=4)
+    _set_old_logprobs(groups, model, 1.0, shift=-0.3)  # a non-trivial weight
+    calls = []
+    forward = Trainer._forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(kwargs["grad"])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "_forward", counting)
+    one, out_one = _train(model, LossConfig(mode=mode), groups, version=5, proximal_t_source="trainer")
+    assert calls == [True]
+    calls.clear()
+    monkeypatch.setattr(Trainer, "_single_update", lambda self: False)
+    two, out_two = _train(model, LossConfig(mode=mode), groups, version=5, proximal_t_source="trainer")
+    assert calls == [False, True]
+    assert torch.equal(out_one.proximal_logprobs, out_two.proximal_logprobs)
+    assert out_one.metrics["weights/rollout_is_mean"] != pytest.approx(1.0, abs=1e-3)  # the weights do something
+    assert out_one.metrics["loss/pg_loss"] == out_two.metrics["loss/pg_loss"]
+    assert _same_weights(one, two)
+
+
+def test_step_metrics_keep_the_order_they_were_first_reported_in():
+    """metrics.jsonl rows of two runs list their keys in the same order: the per-minibatch mean
+    keeps first-seen order (a set would follow the process's string hash seed). 40 keys in a
+    fixed scrambled order: a hash order matching it by chance has probability 1/40!."""
+    from sdp_cli.train.trainer import _mean_of
+
+    keys = [f"loss/k{(7 * i) % 40}" for i in range(40)]
+    first, second = dict.fromkeys(keys[:30], 1.0), dict.fromkeys(keys[10:], 3.0)
+    means = _mean_of([first, second])
+    assert list(means) == keys
+    assert means[keys[0]] == 1.0 and means[keys[15]] == 2.0 and means[keys[39]] == 3.0
