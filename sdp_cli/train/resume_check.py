@@ -133,22 +133,20 @@ def check_ledger(run_dir: RunDir, checkpoint: ckpt.Checkpoint) -> None:
     path = run_dir.ledger
     if not offset:
         return
-    fix = "restore it, or start a new run (resume changed nothing)"
+    name, fix = checkpoint.path.name, "restore it, or start a new run (resume changed nothing)"
     if not path.is_file():
-        raise UserError(f"{path} is missing, but {checkpoint.path.name} records {offset} bytes of it; {fix}")
+        raise UserError(f"{path} is missing, but {name} records {offset} bytes of it; {fix}")
     with open(path, "rb") as fh:
         data = fh.read(offset)
     if len(data) < offset:
-        raise UserError(
-            f"{path} holds {len(data)} bytes, fewer than the {offset} that {checkpoint.path.name} records (it was cut short); {fix}"
-        )
+        raise UserError(f"{path} holds {len(data)} bytes, fewer than the {offset} that {name} records (it was cut short); {fix}")
     if not data.endswith(b"\n"):
-        raise UserError(f"{path} does not end a line at the {offset} bytes {checkpoint.path.name} records (damaged); {fix}")
+        raise UserError(f"{path} does not end a line at the {offset} bytes {name} records (damaged); {fix}")
     for number, line in enumerate(data.splitlines(), 1):
         try:
             json.loads(line)
         except ValueError:  # also UnicodeDecodeError
-            raise UserError(f"{path}: line {number}, before the end {checkpoint.path.name} records, is not JSON (damaged); {fix}") from None
+            raise UserError(f"{path}: line {number}, before the end {name} records, is not JSON (damaged); {fix}") from None
 
 
 def read_for_resume(

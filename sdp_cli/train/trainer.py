@@ -483,26 +483,18 @@ class Trainer:
         return merged_state_dict(self.unwrapped_model())
 
     def state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict[str, Any]:
-        """What continues this trainer exactly: the trained module's tensors (``model=False``
-        leaves them out: a checkpoint saves the policy directory instead), the optimizer state
-        (None with ``optimizer=False``, train.save_optimizer=false), the trainer's generator, the
-        process's CPU RNG (which training draws from) and the version."""
+        """What continues this trainer exactly (torch_rng: the CPU RNG training draws from). A checkpoint passes
+        model=False (its policy directory holds the weights), optimizer=False if not saved: None, skipped on load."""
         return {
-            # the trained module's own tensors (adapters included), not the merged weights
             "model": {k: v.detach() for k, v in self.unwrapped_model().state_dict().items()} if model else None,
             "optimizer": self.optimizer.state_dict() if optimizer else None,
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "version": self.version,
-        }
+            "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(), "version": self.version,
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of ``state_dict``; a None (or absent) model or optimizer state is left as it is."""
-        if state.get("model") is not None:
-            self.unwrapped_model().load_state_dict(state["model"])
-        if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        for key, target in (("model", self.unwrapped_model()), ("optimizer", self.optimizer)):
+            if state.get(key) is not None:
+                target.load_state_dict(state[key])
         self.generator.set_state(state["generator"])
-        if state.get("torch_rng") is not None:
-            torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"])
         self.version = int(state["version"])
