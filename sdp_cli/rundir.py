@@ -3,6 +3,8 @@
     config.yaml                 the resolved config
     overrides.json              the command-line overrides (``resume`` re-composes from them)
     config_source.json          --config-dir / --config-name, when given (``resume`` composes with them)
+    identity.json               the run's random id, written once when the directory is made; every
+                                checkpoint carries it (sdp_cli/train/resume_check.py)
     metrics.jsonl               one line per step
     events.jsonl                start / resume / crashes / checkpoints / stops / end
     ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
@@ -88,6 +90,10 @@ class RunDir:
     @property
     def overrides(self) -> Path:
         return self.path / "overrides.json"
+
+    @property
+    def identity(self) -> Path:
+        return self.path / "identity.json"
 
     @property
     def config_source(self) -> Path:

@@ -73,7 +73,7 @@ def test_a_real_run_writes_exactly_the_paths_rundir_names(tmp_path):
         ],
     )
     run = RunDir(path)
-    named = {run.config, run.overrides, run.metrics, run.events, run.ledger, run.summary, run.lock}
+    named = {run.config, run.identity, run.overrides, run.metrics, run.events, run.ledger, run.summary, run.lock}
     named |= {run.checkpoints, run.batches, run.versions}
     assert set(path.iterdir()) == named
     assert run.finished

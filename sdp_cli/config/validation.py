@@ -28,7 +28,7 @@ from sdp_cli.choices import (
 )
 from sdp_cli.config.modes import mode_names, reads_proximal_t
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
-from sdp_cli.redact import is_loopback
+from sdp_cli.redact import is_loopback, redact_urls
 
 
 class ConfigValueError(ValueError):
@@ -77,6 +77,46 @@ def _check_bypass(loss: LossConfig) -> None:
             f"loss.batch_normalize=true normalises a behavioural weight, {instead}; "
             "set loss.batch_normalize=false or use loss.loss_type=reinforce"
         )
+
+
+#: the longest timeout a key may name (30 days): longer ones overflow the OS's timers
+#: (``socket.settimeout(1e300)`` raises OverflowError) and mean "never", which sdp does not offer
+MAX_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+def _timeout(key: str, value: float) -> None:
+    _positive(key, value)
+    if value > MAX_TIMEOUT_S:
+        raise ConfigValueError(f"{key}={value} is longer than 30 days ({MAX_TIMEOUT_S:.0f} s); choose a shorter timeout")
+
+
+def _check_url(url: Any) -> None:
+    """An ``engine.urls`` entry must be an http(s) URL with a host and a valid port, checked
+    before any connection attempt (a typo would cost the retries; a bad port was a traceback)."""
+    from urllib.parse import urlsplit
+
+    shown = redact_urls(str(url))
+
+    def bad(reason: str) -> ConfigValueError:
+        return ConfigValueError(
+            f"engine.urls: {shown!r} is not a server URL ({reason}); give e.g. engine.urls=[http://127.0.0.1:8000]"
+        )
+
+    if not isinstance(url, str) or any(c.isspace() or not c.isprintable() for c in url):
+        raise bad("not one line of text")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise bad(redact_urls(str(err))) from None
+    if parts.scheme not in ("http", "https"):
+        raise bad("no http:// or https:// scheme")
+    if not parts.hostname:
+        raise bad("no host")
+    if port == 0:
+        raise bad("port 0")
+    if parts.query or parts.fragment:
+        raise bad("a query or fragment")
 
 
 #: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
@@ -181,7 +221,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("train.checkpoint_every", tr.checkpoint_every, strict=False)
     _positive("train.eval_every", tr.eval_every, strict=False)
     _positive("train.eval_samples", tr.eval_samples, strict=False)
-    _positive("train.batch_timeout_s", tr.batch_timeout_s)
+    _timeout("train.batch_timeout_s", tr.batch_timeout_s)
     _choice("train.dtype", tr.dtype, TRAIN_DTYPES)
     _choice("train.parallel", tr.parallel, PARALLEL_MODES)
     if tr.parallel == "fsdp" and cfg.model.lora.r > 0:
@@ -202,10 +242,12 @@ def validate(cfg: SdpConfig) -> None:
             f"engine.host={eng.host} would open the inference server to the network without a key; "
             "set engine.api_key_env to a variable holding one, or bind to 127.0.0.1"
         )
-    _positive("engine.startup_timeout_s", eng.startup_timeout_s)
-    _positive("engine.request_timeout_s", eng.request_timeout_s)
+    for url in eng.urls:
+        _check_url(url)
+    _timeout("engine.startup_timeout_s", eng.startup_timeout_s)
+    _timeout("engine.request_timeout_s", eng.request_timeout_s)
     _positive("engine.retries", eng.retries, strict=False)
-    _positive("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
+    _timeout("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
     _positive("engine.max_consecutive_faults", eng.max_consecutive_faults)
     _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
     _positive("engine.max_model_len", eng.max_model_len, allow_none=True)

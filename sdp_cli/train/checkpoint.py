@@ -100,6 +100,31 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], rest: dict[str, 
     return {"state": state, "param_groups": groups}
 
 
+def trainer_parts(trainer_state: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """``Trainer.state_dict(model=False)`` as a checkpoint stores it: the optimizer state (for
+    ``write_checkpoint``; None when not saved) and the JSON ``trainer`` entry of ``state.json``."""
+    assert trainer_state.get("model") is None, "the policy directory holds the weights, not state.json"
+    entry = {
+        "version": int(trainer_state["version"]),
+        "generator": trainer_state["generator"].tolist(),
+        "torch_rng": trainer_state["torch_rng"].tolist(),
+    }
+    return trainer_state["optimizer"], entry
+
+
+def trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The checkpoint's trainer state for ``Trainer.load_state_dict`` (inverse of
+    :func:`trainer_parts`; the weights come from the policy directory)."""
+    entry, optimizer = checkpoint.state["trainer"], checkpoint.state["optimizer"]
+    return {
+        "model": None,
+        "optimizer": unflatten_optimizer_state(checkpoint.optimizer_tensors, optimizer) if optimizer is not None else None,
+        "generator": torch.tensor(entry["generator"], dtype=torch.uint8),
+        "torch_rng": torch.tensor(entry["torch_rng"], dtype=torch.uint8),
+        "version": int(entry["version"]),
+    }
+
+
 def write_checkpoint(
     root: Path,
     step: int,

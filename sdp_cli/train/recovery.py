@@ -1,6 +1,6 @@
 """Creating a run directory, reading back its recipe, and tidying it after a crash.
 
-A crash can leave a JSON-lines log with a torn last line, a session that never wrote its end
+A crash can leave a JSON-lines log (metrics, events, ledger) with a torn last line, a session that never wrote its end
 event, and weight directories whose writing was killed (``.v*`` temporaries). Before a resume,
 ``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
 deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
@@ -36,13 +36,14 @@ class OwnedRunDir:
     lock: DirectoryLock
     #: whether this process started the run here (a failed start removes what it wrote)
     created: bool
-    #: whether the directory itself was made by this process (else it was there, empty)
-    made: bool = False
+    #: the highest directory this process made for it (the run directory, or a parent such as a
+    #: new run.root), None when the run directory was there, empty
+    made: Path | None = None
 
     def remove(self) -> None:
         """Undo a start that failed before training: remove what the run wrote, except the log of a
         server it launched (the error line names it), then the directory if this process made it
-        and nothing is left."""
+        and nothing is left, with the parents it made for it."""
         path = self.run_dir.path
         kept = [LOCK_NAME] + ([self.run_dir.logs.name] if _has_files(self.run_dir.logs) else [])
         for child in path.iterdir():
@@ -51,8 +52,14 @@ class OwnedRunDir:
         self.lock.release()
         if len(kept) == 1:
             (path / LOCK_NAME).unlink(missing_ok=True)
-            if self.made:
-                path.rmdir()
+            if self.made is not None:
+                for directory in [path, *path.parents]:
+                    try:
+                        directory.rmdir()
+                    except OSError:  # another process put something in a parent meanwhile
+                        break
+                    if directory == self.made:
+                        break
 
 
 def _has_files(directory: Path) -> bool:
@@ -78,7 +85,7 @@ def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
             raise UserError(
                 f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}"
             )
-        made = not path.exists()
+        made = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"  # a read-only file system or directory fails here, not later
         probe.write_bytes(b"")
@@ -128,9 +135,11 @@ def _last_event(path: Path) -> dict[str, Any] | None:
 
 def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     """Before a resume: cut lines a crash tore, say in the events that the last session
-    crashed, and delete weight directories whose writing was killed."""
-    _drop_torn_line(run_dir.events)
-    _drop_torn_line(run_dir.metrics)
+    crashed, and delete weight directories whose writing was killed. The ledger's tail is cut
+    only past the prefix its checkpoint recorded, which ``sdp_cli.train.resume_check`` found
+    whole (the resume then truncates it to that prefix, sdp_cli/train/ledger.py)."""
+    for log in (run_dir.events, run_dir.metrics, run_dir.ledger):
+        _drop_torn_line(log)
     last = _last_event(run_dir.events)
     if last is not None and last.get("event") not in END_EVENTS:
         events.write("crashed", last_event=last.get("event"), last_event_time=last.get("time"))
@@ -148,25 +157,35 @@ def started_here(run_dir: RunDir) -> bool:
         return any('"event": "started"' in line for line in fh)
 
 
-def resume_point(run_dir: RunDir, *, speak: bool) -> Path | None:
+def resume_point(run_dir: RunDir) -> Path | None:
     """The newest complete checkpoint of ``run_dir``; None when a resume starts the run over
-    (it started but never checkpointed). Newer checkpoints that fail their checks are skipped
-    with a warning; a run whose every checkpoint fails is refused. ``speak``: print (rank 0)."""
+    (it started but never checkpointed). A run whose every checkpoint fails its checks is
+    refused. Reads only."""
     found = ckpt.find_latest(run_dir.checkpoints)
-    newest = ckpt.step_of(found) if found is not None else -1
-    damaged = [path.name for step, path in step_dirs(run_dir.checkpoints) if step > newest]
+    damaged = _damaged_newer(run_dir, found)
     if found is None and damaged:
         raise UserError(
             f"{run_dir.path}: no checkpoint passes its checks ({', '.join(damaged)}); nothing to resume from"
         )
     if found is None and not started_here(run_dir):
         raise UserError(f"{run_dir.path}: no complete checkpoint to resume from; start a new run instead")
-    if speak and found is None:  # killed or stopped before its first checkpoint
+    return found
+
+
+def _damaged_newer(run_dir: RunDir, found: Path | None) -> list[str]:
+    """Names of the checkpoint directories newer than ``found`` (they failed their checks)."""
+    newest = ckpt.step_of(found) if found is not None else -1
+    return [path.name for step, path in step_dirs(run_dir.checkpoints) if step > newest]
+
+
+def announce_resume_point(run_dir: RunDir, found: Path | None) -> None:
+    """Say on stderr that the run starts over, or that newer checkpoints failed their checks."""
+    damaged = _damaged_newer(run_dir, found)
+    if found is None:  # killed or stopped before its first checkpoint
         print(f"note: {run_dir.path} has no complete checkpoint yet; starting it over", file=sys.stderr)
-    elif speak and damaged:
+    elif damaged:
         print(
             f"warning: {run_dir.path}: {', '.join(damaged)} failed its checks (damaged or incomplete); "
             f"resuming from the older {found.name}",
             file=sys.stderr,
         )
-    return found

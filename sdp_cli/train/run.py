@@ -45,11 +45,12 @@ from sdp_cli.train.policy_setup import (
     save_checkpoint_policy,
     save_version,
 )
-from sdp_cli.train.recovery import recover_after_crash, resume_point
+from sdp_cli.train.recovery import recover_after_crash
+from sdp_cli.train.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.display import Progress, StartDisplay
 from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.session_end import SessionEnd, summary_line
-from sdp_cli.train.start import RunStart, open_run
+from sdp_cli.train.start import RunStart, config_dict, open_run
 from sdp_cli.train.trackers import active_trackers, open_trackers
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trainer import Trainer
@@ -79,6 +80,7 @@ class TrainingRun(SessionEnd):
         resuming: bool,
         coordinator: Coordinator,
         task: Task | None = None,
+        checkpoint: ckpt.Checkpoint | None = None,
         stop_request: StopRequest | None = None,
         display: StartDisplay | None = None,
     ):
@@ -88,6 +90,8 @@ class TrainingRun(SessionEnd):
         self.overrides = overrides
         self.run_dir = run_dir
         self.resuming = resuming
+        #: the checkpoint a resume continues from, checked by sdp_cli/train/resume_check.py
+        self.resume_from = checkpoint
         self.coordinator = coordinator
         # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
         self.stop_request = stop_request or StopRequest()
@@ -109,13 +113,7 @@ class TrainingRun(SessionEnd):
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
 
-        checkpoint = None
-        if self.resuming:
-            if self.coordinator.is_main:
-                ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
-                recover_after_crash(self.run_dir, self.events)
-            found = resume_point(self.run_dir, speak=self.coordinator.is_main)
-            checkpoint = ckpt.read_checkpoint(found) if found is not None else None
+        checkpoint = self.resume_from
         # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
         over = self.resuming and checkpoint is None
 
@@ -155,26 +153,24 @@ class TrainingRun(SessionEnd):
         )
         self.coordinator.register_training(self.trainer, self.stop_request)
         self.whole = WholePolicy(self.policy, self.trainer, lambda: self.coordinator.call("model_state"))
+        if self.resuming and self.coordinator.is_main:
+            # the model loaded: from here on the resume is accepted and may tidy the directory
+            ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
+            recover_after_crash(self.run_dir, self.events)
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
         self.start_step = 0
         if checkpoint is not None:
-            state = checkpoint.state
-            if state["optimizer"] is not None:
-                self.trainer.load_optimizer_state(
-                    ckpt.unflatten_optimizer_state(checkpoint.optimizer_tensors, state["optimizer"])
-                )
-            else:  # train.save_optimizer=false (docs/training.md, "Checkpoints and resume")
+            self.trainer.load_state_dict(ckpt.trainer_state(checkpoint))
+            if checkpoint.state["optimizer"] is None:  # train.save_optimizer=false (docs/training.md)
                 print(
                     f"warning: {checkpoint.path.name} holds no optimizer state (train.save_optimizer=false); "
                     "AdamW restarts from zero moments",
                     file=sys.stderr,
                 )
-            self.trainer.generator.set_state(torch.tensor(state["trainer"]["generator"], dtype=torch.uint8))
-            torch.set_rng_state(torch.tensor(state["trainer"]["torch_rng"], dtype=torch.uint8))
-            self.trainer.version = int(state["trainer"]["version"])
             self.start_step = checkpoint.step
+        self.stamp = stamp(read_identity(self.run_dir), config_dict(self.raw))
         if not self.coordinator.is_main:
             return
         if cfg.train.parallel == "fsdp" and not self.coordinator.distributed:
@@ -244,7 +240,7 @@ class TrainingRun(SessionEnd):
                 names,
                 self.run_dir,
                 project=cfg.run.project,
-                config=_config_dict(self.raw),
+                config=config_dict(self.raw),
                 resume_step=start_step if cut else None,
             )
 
@@ -318,18 +314,18 @@ class TrainingRun(SessionEnd):
     def checkpoint(self, step: int) -> Path:
         if self._last_checkpoint is not None and self._last_checkpoint[0] == step:
             return self._last_checkpoint[1]  # e.g. a stop right after a scheduled checkpoint
-        trainer_state = {
-            "version": self.trainer.version,
-            "generator": self.trainer.generator.get_state().tolist(),
-            "torch_rng": torch.get_rng_state().tolist(),
-        }
+        # the trainer's state through its state_dict; the optimizer's from a gather every rank joins
+        optimizer = self.coordinator.call("optimizer_state") if self.cfg.train.save_optimizer else None
+        optimizer_state, trainer_entry = ckpt.trainer_parts(
+            {**self.trainer.state_dict(model=False, optimizer=False), "optimizer": optimizer}
+        )
         policy = self.whole.get()
         path = ckpt.write_checkpoint(
             self.run_dir.checkpoints,
             step,
             save_policy=lambda directory: save_checkpoint_policy(policy, directory),
-            optimizer_state=self.coordinator.call("optimizer_state") if self.cfg.train.save_optimizer else None,
-            state={"trainer": trainer_state, "loop": self._snapshot()},
+            optimizer_state=optimizer_state,
+            state={"trainer": trainer_entry, "loop": self._snapshot(), STAMP: self.stamp},
             keep=self.cfg.train.keep_checkpoints,
         )
         self._last_checkpoint = (step, path)
@@ -411,13 +407,6 @@ class TrainingRun(SessionEnd):
             groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)))
 
 
-def _config_dict(raw: Any) -> dict[str, Any]:
-    """The resolved config as plain data (what config.yaml holds)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
-
-
 def run_training(
     cfg: SdpConfig,
     raw: Any,
@@ -470,6 +459,7 @@ def _train(
             resuming=start.resuming,
             coordinator=coordinator,
             task=start.task,
+            checkpoint=start.checkpoint,
             stop_request=stop,
             display=display,
         )

@@ -2,8 +2,9 @@
 
 A new run's directory is made and locked only after the model, task data and engine settings
 passed (:func:`preflight`); a resume locks the directory it is given before reading it
-(docs/reliability.md, "One process per directory"). What a resume changes in the directory is
-returned as ``deferred`` writes, made once setup has accepted the checkpoint.
+(docs/reliability.md, "One process per directory") and checks the checkpoint, the overrides
+and the ledger before it changes anything (sdp_cli/train/resume_check.py). What a resume
+changes in the directory is returned as ``deferred`` writes, made once setup has accepted it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from sdp_cli.redact import is_loopback, is_redacted, redact_urls
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.recovery import OwnedRunDir, make_run_dir, read_overrides, resume_point
+from sdp_cli.train.checkpoint import Checkpoint
+from sdp_cli.train.recovery import OwnedRunDir, announce_resume_point, make_run_dir, read_overrides, resume_point
+from sdp_cli.train.resume_check import read_for_resume, refuse_structural_changes, write_identity
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trackers import active_trackers, check_installed
 
@@ -111,6 +114,8 @@ class RunStart:
     owned: OwnedRunDir | None
     #: (file, text) a resume writes once setup accepted it: a refused resume rewrites nothing
     deferred: list[tuple[Path, str]] = field(default_factory=list)
+    #: the checked checkpoint a resume continues from (None: a new run, or a resume starting over)
+    checkpoint: Checkpoint | None = None
 
 
 def open_run(
@@ -127,7 +132,7 @@ def open_run(
                     f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
                 )
             original = read_overrides(saved)  # a directory that is no run gets no lock file
-            resume_point(run_dir, speak=False)  # nothing to resume from: one line, before any output
+            found = resume_point(run_dir)  # nothing to resume from: one line, before any output
             if coordinator.is_main:
                 owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
             extra = [o for o in overrides if not o.startswith("resume=")]
@@ -139,7 +144,15 @@ def open_run(
                     f"{run_dir.path}: its engine.urls had credentials, which sdp does not store; "
                     "pass engine.urls=[...] again on the command line"
                 )
-            start = RunStart(cfg, raw, run_dir, preflight(cfg), True, owned)
+            config = config_dict(raw)
+            if extra:
+                _, saved_raw = compose_config([*original, f"resume={run_dir.path}"], source=source)
+                refuse_structural_changes(run_dir, config_dict(saved_raw), config)
+            task = preflight(cfg)
+            checkpoint = read_for_resume(run_dir, found, cfg, config, task, speak=coordinator.is_main)
+            if coordinator.is_main:
+                announce_resume_point(run_dir, found)
+            start = RunStart(cfg, raw, run_dir, task, True, owned, checkpoint=checkpoint)
             if extra:
                 start.deferred.append((saved, redact_urls(json.dumps([*original, *extra]))))
             start.deferred.append((run_dir.config, redact_urls(to_yaml(raw))))
@@ -148,6 +161,7 @@ def open_run(
         owned = make_run_dir(cfg) if coordinator.is_main else None
         run_dir = RunDir(Path(coordinator.broadcast_json(str(owned.run_dir.path) if owned else None)))
         if coordinator.is_main:
+            write_identity(run_dir)
             # credentials in URLs are masked: a resume asks for engine.urls again
             atomic_write_text(run_dir.overrides, redact_urls(json.dumps(overrides)))
             if source != ConfigSource():
@@ -185,6 +199,13 @@ def preflight(cfg: SdpConfig) -> Task:
             "export the key in it or unset engine.api_key_env"
         )
     return task
+
+
+def config_dict(raw: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what config.yaml holds)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(raw, resolve=True)  # type: ignore[return-value]
 
 
 def resume_source(run_dir: RunDir, given: ConfigSource) -> ConfigSource:

@@ -70,19 +70,26 @@ class TrainerState:
         """Load a whole optimizer state (every rank passes all of it)."""
         sharding.load_full_optimizer_state(self.model, self.optimizer, state, sharded=self.sharded)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The trained module's own tensors (adapters included, not merged), the optimizer state,
-        sampling RNG and version; when sharded a collective, whole on rank 0."""
+    def state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """What continues this trainer exactly: the trained module's own tensors (adapters
+        included, not merged), the optimizer state, the sampling generator, torch's CPU RNG (which
+        training draws from) and the version; when sharded, model and optimizer are collectives,
+        whole on rank 0. A checkpoint passes model=False (its policy directory holds the weights)
+        and optimizer=False when it is not saved: those entries are None, and loading skips them."""
         return {
-            "model": self.full_model_state(),
-            "optimizer": self.full_optimizer_state(),
+            "model": self.full_model_state() if model else None,
+            "optimizer": self.full_optimizer_state() if optimizer else None,
             "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
             "version": self.version,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        assert not self.sharded, "a sharded run loads whole weights before sharding (train/run.py)"
-        self.unwrapped_model().load_state_dict(state["model"])
-        self.load_optimizer_state(state["optimizer"])
+        if state.get("model") is not None:
+            assert not self.sharded, "a sharded run loads whole weights before sharding (train/run.py)"
+            self.unwrapped_model().load_state_dict(state["model"])
+        if state.get("optimizer") is not None:
+            self.load_optimizer_state(state["optimizer"])
         self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
         self.version = int(state["version"])

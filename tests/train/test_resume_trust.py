@@ -1,0 +1,269 @@
+"""A resume trusts nothing it finds (issue 13 item 3): checkpoints carry the run's identity and
+config hash; a checkpoint of another run, of another config or of another model, structural
+overrides, and a ledger that is gone, cut short or damaged are refused in one line; and a
+refused resume leaves every file of the run byte for byte as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sdp_cli.config.compose import compose_config
+from sdp_cli.errors import UserError
+from sdp_cli.models import load_policy, save_policy
+from sdp_cli.rundir import RunDir
+from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.ledger import audit
+from sdp_cli.train.run import run_training
+
+from ..fast_run import FAST, train_run
+
+#: a run of two steps with a checkpoint after each (step-000001, step-000002)
+RUN = [*FAST, "train.steps=2", "train.checkpoint_every=1"]
+GROUP_SIZE = 4  # rollout.group_size of +debug=fast
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return train_run(tmp_path_factory.mktemp("a"), RUN)
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """A second run of the very same config and seed: the same weights, another identity."""
+    return train_run(tmp_path_factory.mktemp("b"), RUN)
+
+
+def _copy(run, tmp_path):
+    target = tmp_path / "run"
+    shutil.copytree(run, target)
+    return target
+
+
+def resume(run_dir, *extra):
+    overrides = [f"resume={run_dir}", *extra]
+    threads = torch.get_num_threads()
+    try:
+        cfg, raw = compose_config(overrides)
+        return run_training(cfg, raw, overrides=overrides)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def snapshot(run_dir):
+    """Every file of the run (the lock file aside) and its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def crash_tails(run_dir):
+    """What a crash leaves: a torn last line in metrics, events and ledger (a resume that goes on
+    cuts them; a refused one must leave them)."""
+    for name in ("metrics.jsonl", "events.jsonl", "ledger.jsonl"):
+        with open(run_dir / name, "ab") as fh:
+            fh.write(b'{"step": 3, "torn')
+
+
+def refused(run_dir, *extra, match):
+    """Resume must raise one UserError line matching ``match`` and rewrite nothing."""
+    before = snapshot(run_dir)
+    with pytest.raises(UserError) as err:
+        resume(run_dir, *extra)
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert match in message, message
+    assert snapshot(run_dir) == before, "a refused resume changed the run directory"
+    return message
+
+
+def resign(checkpoint):
+    """Rewrite a checkpoint's manifest for its current files (sizes and sha256 of each file, as
+    sdp_cli/train/checkpoint.py writes it), so a test can change a file and keep it 'complete'."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "manifest.json")
+    manifest["files"] = {
+        str(p.relative_to(checkpoint)): {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in files
+    }
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+# --------------------------------------------------------------- structural overrides
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.group_size=2", "rollout.group_size"),
+        ("model.hidden_size=128", "model.hidden_size"),
+        ("task=arith2", "task.name"),
+        ("mode=segment_wise", "loss.mode"),
+        ("loss.kl_coef=0.5", "loss.kl_coef"),
+        ("optim.lr=0.5", "optim.lr"),
+        ("seed=7", "seed"),
+        ("train.dtype=bfloat16", "train.dtype"),
+    ],
+)
+def test_structural_overrides_at_resume_are_refused_naming_the_key(trained, tmp_path, override, key):
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)
+    message = refused(run_dir, "train.steps=3", override, match=f"a resume cannot change {key} (")
+    assert "start a new run instead" in message
+
+
+def test_a_structural_override_is_one_line_on_the_command_line(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    before = snapshot(run_dir)
+    done = subprocess.run(
+        [sys.executable, "-m", "sdp_cli", "train", f"resume={run_dir}", "rollout.group_size=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "rollout.group_size (4 -> 2)" in lines[0], lines[0]  # +debug=fast's group size is 4
+    assert snapshot(run_dir) == before
+
+
+def test_allowed_overrides_at_resume_are_taken_and_the_identity_is_kept(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    identity = (run_dir / "identity.json").read_text()
+    allowed = [
+        "train.steps=3",
+        "train.checkpoint_every=3",
+        "train.keep_checkpoints=3",
+        "train.eval_every=5",
+        "run.progress=false",
+        "run.trackers=[]",
+        "engine.request_timeout_s=60",
+        "engine.retries=2",
+    ]
+    assert resume(run_dir, *allowed)["steps"] == 3
+    assert json.loads((run_dir / "overrides.json").read_text())[-len(allowed):] == allowed
+    assert (run_dir / "identity.json").read_text() == identity
+    state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
+    assert state["run"]["run_id"] == json.loads(identity)["run_id"]
+    # the checkpoints of both sessions were trained with one structural config: one hash
+    first = json.loads((run_dir / "checkpoints" / "step-000002" / "state.json").read_text())
+    assert state["run"]["config_hash"] == first["run"]["config_hash"]
+
+
+def test_a_changed_overrides_file_no_longer_matches_the_checkpoint(trained, tmp_path):
+    """overrides.json edited by hand: the config a resume composes is not the one the checkpoint
+    was trained with (its hash differs)."""
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "overrides.json"
+    path.write_text(json.dumps([*json.loads(path.read_text()), "rollout.group_size=2"]))
+    refused(run_dir, "train.steps=3", match="config hash differs")
+
+
+# ------------------------------------------------------------------ foreign checkpoints
+def test_a_checkpoint_copied_from_another_run_is_refused(trained, twin, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    # the twin's step 2 as this run's newest checkpoint: same config, same weights, another run
+    shutil.copytree(twin / "checkpoints" / "step-000002", run_dir / "checkpoints" / "step-000003")
+    crash_tails(run_dir)
+    refused(run_dir, "train.steps=4", match="step-000003: this checkpoint belongs to another run")
+
+
+def test_a_checkpoint_without_identity_in_a_run_with_one_is_refused(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    newest = run_dir / "checkpoints" / "step-000002"
+    state = json.loads((newest / "state.json").read_text())
+    state.pop("run", None)  # (main wrote none)
+    (newest / "state.json").write_text(json.dumps(state))
+    resign(newest)
+    refused(run_dir, "train.steps=3", match="belongs to another run")
+
+
+def test_a_run_made_by_an_older_sdp_resumes_with_a_warning(trained, tmp_path, capsys):
+    """No identity.json and checkpoints without a run stamp (an sdp before identities): resumed,
+    with a warning that they cannot be checked (docs/reliability.md)."""
+    run_dir = _copy(trained, tmp_path)
+    (run_dir / "identity.json").unlink(missing_ok=True)  # (main had none)
+    for checkpoint in (run_dir / "checkpoints").glob("step-*"):
+        state = json.loads((checkpoint / "state.json").read_text())
+        state.pop("run", None)  # (main wrote none)
+        (checkpoint / "state.json").write_text(json.dumps(state))
+        resign(checkpoint)
+    capsys.readouterr()
+    assert resume(run_dir, "train.steps=3")["steps"] == 3
+    assert "was made by an older sdp: its checkpoints carry no run identity" in capsys.readouterr().err
+
+
+def test_an_unreadable_checkpoint_is_refused_before_any_repair(trained, tmp_path):
+    """A refusal that main already had (state.json that matches its manifest but is no sdp state)
+    now comes before the crash repair: the torn tails stay, no `crashed` event is written."""
+    run_dir = _copy(trained, tmp_path)
+    newest = run_dir / "checkpoints" / "step-000002"
+    (newest / "state.json").write_text('{"format": "something else"}')
+    resign(newest)
+    crash_tails(run_dir)
+    refused(run_dir, "train.steps=3", match="checkpoint cannot be read")
+
+
+# ------------------------------------------------------------------- the model's shape
+SMALL = dict(num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+
+
+def test_a_checkpoint_whose_model_differs_from_the_configs_is_refused(tmp_path):
+    """model.path now holds another model (32 wide instead of 64): the checkpoint's policy is not
+    the model the config builds, and is refused before it is loaded."""
+    model = tmp_path / "model"
+    save_policy(load_policy("tiny", task="arith1", warm_start_steps=0, seed=1, hidden_size=64, **SMALL), model)
+    run_dir = train_run(tmp_path / "hf", [*RUN, "model=hf", f"model.path={model}"])
+    save_policy(load_policy("tiny", task="arith1", warm_start_steps=0, seed=1, hidden_size=32, **SMALL), model)
+    crash_tails(run_dir)
+    message = refused(run_dir, "train.steps=3", match="its model is not the one the config builds (")
+    # the first tensor by name is the embedding, [vocabulary, hidden]: 64 wide saved, 32 now
+    vocabulary = load_policy("hf", path=str(model)).model.config.vocab_size
+    expected = f"model.embed_tokens.weight has shape [{vocabulary}, 64], the config's model [{vocabulary}, 32]"
+    assert expected in message, message
+
+
+# ----------------------------------------------------------------------------- the ledger
+def _ledger_offset(run_dir):
+    state = json.loads((run_dir / "checkpoints" / "step-000002" / "state.json").read_text())
+    return state["loop"]["ledger_offset"]
+
+
+def test_a_deleted_ledger_is_refused(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    (run_dir / "ledger.jsonl").unlink()
+    refused(run_dir, "train.steps=3", match="ledger.jsonl is missing, but step-000002 records")
+
+
+def test_a_ledger_shorter_than_its_checkpoint_offset_is_refused(trained, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    offset = _ledger_offset(run_dir)
+    with open(run_dir / "ledger.jsonl", "r+b") as fh:
+        fh.truncate(offset // 2)
+    refused(run_dir, "train.steps=3", match=f"holds {offset // 2} bytes, fewer than the {offset} that step-000002 records")
+
+
+def test_a_ledger_damaged_before_its_checkpoint_offset_is_refused(trained, tmp_path):
+    """A lost page: the first line's bytes became zeros (the length is unchanged)."""
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "ledger.jsonl"
+    data = path.read_bytes()
+    first = data.index(b"\n")
+    path.write_bytes(b"\0" * first + data[first:])
+    refused(run_dir, "train.steps=3", match="ledger.jsonl: line 1, before the end step-000002 records, is not JSON")
+
+
+def test_a_torn_ledger_tail_is_repaired_at_resume(trained, tmp_path):
+    """A crash tore the ledger's last line (past the checkpoint's offset): the resume cuts it, as
+    it cuts metrics and events, and the ledger of the finished run audits clean."""
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)
+    assert resume(run_dir, "train.steps=3")["steps"] == 3
+    lines = (run_dir / "ledger.jsonl").read_bytes().splitlines()
+    assert all(json.loads(line) for line in lines)  # every line is whole JSON again
+    final = ckpt.read_checkpoint(ckpt.find_latest(RunDir(run_dir).checkpoints))
+    result = audit(RunDir(run_dir).ledger, final.state["loop"], GROUP_SIZE)
+    assert result.ok, result
