@@ -43,7 +43,7 @@ def test_the_schema_defaults_have_no_structure():
 
 @pytest.mark.parametrize(
     "key, value",
-    [("train.steps", 9), ("run.dir", "/elsewhere"), ("engine.urls", ["http://127.0.0.1:8001"]), ("engine.request_timeout_s", 5.0)],
+    [("train.steps", 9), ("run.dir", "/elsewhere"), ("engine.urls", ["http://127.0.0.1:8001"]), ("engine.request_timeout_s", 5.0), ("train.parallel", "fsdp")],
 )
 def test_allowed_changes_keep_the_hash(key, value):
     base = _config(**{"rollout.group_size": 4})
