@@ -22,7 +22,6 @@ _EXPORTS = {
         "SegmentWiseStrategy",
         "StalenessControlStrategy",
         "StandardStrategy",
-        "check_segment_wise_invariant",
         "create_staleness_strategy",
         "segment_wise_stale_reason",
     ),

@@ -93,33 +93,6 @@ def segment_wise_stale_reason(
     return None
 
 
-def check_segment_wise_invariant(sample: Item, current_version: int) -> str | None:
-    """The strict invariant of docs/design.md §2 at trainer version c, checked after the trainer's
-    fill of π_prox_t for version c−1 tokens; a one-line reason, or ``None`` if it holds.
-
-    Every output token with v < c has ``proximal_t_versions == v + 1``; every token with
-    v == c has ``proximal_t_versions == c`` and π_prox_t == π_behav; no token has v > c.
-    """
-    c = current_version
-    for s in samples_of(sample):
-        for t in range(_check_lengths(s)):
-            v, pv = s.versions[t], s.proximal_t_versions[t]
-            status = token_status(v, pv, c)
-            if v > c:
-                return f"sample {s.sample_id} token {t}: version {v} > current version {c}"
-            if lacks_next_version(status):
-                return (
-                    f"sample {s.sample_id} token {t}: version {v} has π_prox_t from "
-                    f"version {pv}, expected {v + 1}"
-                )
-            if v == c and (status == INVALID or s.proximal_logprobs_t[t] != s.old_logprobs[t]):
-                return (
-                    f"sample {s.sample_id} token {t}: current-version token must have "
-                    f"π_prox_t = π_behav (got {s.proximal_logprobs_t[t]} vs {s.old_logprobs[t]})"
-                )
-    return None
-
-
 class StalenessControlStrategy(abc.ABC):
     """Decides which accepted rollouts are dropped before training, and counts the drops."""
 

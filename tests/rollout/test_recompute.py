@@ -10,7 +10,6 @@ from sdp_cli.engine.base import EngineError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.recompute import ProximalRecomputer
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.rollout.strategies import check_segment_wise_invariant
 
 
 def lp(version, position, token):
@@ -171,7 +170,12 @@ def test_timeline_with_a_pass_at_every_update_gives_each_token_pi_v_plus_1(
             else:
                 assert (s.proximal_t_versions[t], s.proximal_logprobs_t[t]) == (v, -3.0)
         # and after the trainer's fill of version final−1 tokens the strict invariant holds
+        # (docs/design.md §2): a token of version v < final has π_prox_t from v + 1, a token of
+        # the current version has π_prox_t = π_behav
         for t, v in enumerate(s.versions):
             if v == final - 1:
                 s.set_proximal_t(t, -0.5, final)
-        assert check_segment_wise_invariant(s, final) is None
+        for t, v in enumerate(s.versions):
+            assert s.proximal_t_versions[t] == (v + 1 if v < final else final)
+            if v == final:
+                assert s.proximal_logprobs_t[t] == s.old_logprobs[t]
