@@ -34,6 +34,7 @@ from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
+from sdp_cli.models.kv_cache import returned_cache, with_cache
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -369,10 +370,10 @@ class LocalEngine(InferenceEngine):
             input_ids=tokens,
             attention_mask=batch.attention_mask,
             position_ids=batch.next_positions,
-            past_key_values=batch.cache,
             use_cache=True,
+            **with_cache(batch.cache),
         )
-        batch.cache = out.past_key_values
+        batch.cache = returned_cache(out)
         batch.next_logits = out.logits[:, -1]
         batch.next_positions = batch.next_positions + 1
 
@@ -413,7 +414,7 @@ class LocalEngine(InferenceEngine):
             logits_to_keep=1,
         )
         rows = torch.tensor(owner, dtype=torch.long, device=self.device)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         if len(unique) < len(prefixes):
             cache.batch_select_indices(rows)
         logits, mask = out.logits[rows], mask[rows]
@@ -432,10 +433,10 @@ class LocalEngine(InferenceEngine):
                 input_ids=suffix_ids,
                 attention_mask=mask,
                 position_ids=start + torch.arange(span, device=self.device),
-                past_key_values=cache,
                 use_cache=True,
+                **with_cache(cache),
             )
-            cache = out.past_key_values
+            cache = returned_cache(out)
             logits = torch.cat([logits, out.logits], dim=1)
         return logits, mask, cache if use_cache else None
 

@@ -13,6 +13,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from sdp_cli.models.kv_cache import returned_cache, with_cache
+
 
 @dataclass(frozen=True)
 class Decoded:
@@ -65,10 +67,10 @@ def _decode_batch(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past,
             use_cache=True,
+            **with_cache(past),
         )
-        past = out.past_key_values
+        past = returned_cache(out)
         next_ids = out.logits[:, -1].argmax(-1)
         for row in (~stopped).nonzero().flatten().tolist():
             token = int(next_ids[row])
