@@ -7,7 +7,9 @@ functions, never at module level, so that ``sdp --help`` stays fast.
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import NoReturn
 
 import typer
 
@@ -54,6 +56,22 @@ def _fail(message: str, code: int) -> None:
     from sdp_cli.redact import redact_urls
 
     typer.secho(f"error: {' '.join(redact_urls(message).split())}", err=True, fg=typer.colors.RED)
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """``sys.exit(code)``; in a process of a torchrun job, leave without the interpreter's
+    teardown once stdout and stderr are flushed. The gloo threads of the process group outlive
+    ``destroy_process_group``, and the teardown then sometimes destroys them while joinable:
+    "terminate called without an active exception", SIGABRT, and torchrun reports the run as
+    failed although every output was written (``Coordinator.end_follower`` does the same for
+    the other ranks). Every log sdp writes is flushed line by line and the run lock is the
+    kernel's, so nothing is lost."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
@@ -78,5 +96,5 @@ def main(argv: list[str] | None = None) -> None:
         from sdp_cli.redact import redact_urls
 
         typer.echo(redact_urls(str(err)), err=True)
-        sys.exit(err.exit_code)
-    sys.exit(code if isinstance(code, int) else 0)
+        _exit(err.exit_code)
+    _exit(code if isinstance(code, int) else 0)

@@ -3,6 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
+from sdp_cli.cli.main import main
+
 from .run_main import run_main
 
 
@@ -66,3 +70,28 @@ def test_help_config_keeps_square_brackets(capsys):
     code, out, _ = run_main(["train", "--help-config"], capsys)
     assert code == 0
     assert "(clamp into [floor," in out  # the table may wrap after the comma
+
+
+@pytest.mark.parametrize("argv, expected", [(["--version"], 0), (["train", "rollout.group_size=0"], 2)])
+def test_a_torchrun_process_leaves_without_the_interpreter_teardown(argv, expected, monkeypatch, capsys):
+    # In a process of a torchrun job (a process group is up) every exit goes through os._exit
+    # after flushing stdio: the teardown could destroy gloo's threads while joinable (SIGABRT,
+    # and torchrun reports a finished run as failed). Without a process group, sys.exit.
+    import torch.distributed as dist
+
+    class Left(BaseException):
+        pass
+
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        raise Left
+
+    monkeypatch.setattr("sdp_cli.cli.main.os._exit", fake_exit)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    with pytest.raises(Left):
+        main(argv)
+    assert codes == [expected]
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert run_main(argv, capsys)[0] == expected and codes == [expected]
