@@ -12,10 +12,10 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from sdp_cli.choices import REMOTE_ENGINE_KINDS
 from sdp_cli.errors import UserError
+from sdp_cli.server_url import server_url_problem
 
 if TYPE_CHECKING:
     from sdp_cli.engine.base import InferenceEngine
@@ -51,27 +51,9 @@ def resolve_device(text: str) -> str:
 def check_server_url(url: str) -> str:
     """``url`` if it is an http(s) URL with a host and a valid port, else a one-line UserError
     (before any connection attempt, so a typo costs no retries)."""
-
-    def bad(reason: str) -> UserError:
-        return UserError(
-            f"--server {url!r} is not a server URL ({reason}); pass e.g. --server http://127.0.0.1:8000"
-        )
-
-    if any(c.isspace() or not c.isprintable() for c in url):
-        raise bad("spaces or control characters")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as err:
-        raise bad(str(err)) from None
-    if parts.scheme not in ("http", "https"):
-        raise bad("no http:// or https:// scheme")
-    if not parts.hostname:
-        raise bad("no host")
-    if port == 0:
-        raise bad("port 0")
-    if parts.query or parts.fragment:
-        raise bad("a query or fragment")
+    problem = server_url_problem(url)
+    if problem is not None:
+        raise UserError(f"--server {url!r} is not a server URL ({problem}); pass e.g. --server http://127.0.0.1:8000")
     return url
 
 

@@ -29,6 +29,7 @@ from sdp_cli.choices import (
 from sdp_cli.config.modes import mode_names, reads_proximal_t
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
 from sdp_cli.redact import is_loopback, redact_urls
+from sdp_cli.server_url import server_url_problem
 
 
 class ConfigValueError(ValueError):
@@ -93,30 +94,12 @@ def _timeout(key: str, value: float) -> None:
 def _check_url(url: Any) -> None:
     """An ``engine.urls`` entry must be an http(s) URL with a host and a valid port, checked
     before any connection attempt (a typo would cost the retries; a bad port was a traceback)."""
-    from urllib.parse import urlsplit
-
-    shown = redact_urls(str(url))
-
-    def bad(reason: str) -> ConfigValueError:
-        return ConfigValueError(
-            f"engine.urls: {shown!r} is not a server URL ({reason}); give e.g. engine.urls=[http://127.0.0.1:8000]"
+    problem = "not text" if not isinstance(url, str) else server_url_problem(url)
+    if problem is not None:
+        raise ConfigValueError(
+            f"engine.urls: {redact_urls(str(url))!r} is not a server URL ({problem}); "
+            "give e.g. engine.urls=[http://127.0.0.1:8000]"
         )
-
-    if not isinstance(url, str) or any(c.isspace() or not c.isprintable() for c in url):
-        raise bad("not one line of text")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as err:
-        raise bad(redact_urls(str(err))) from None
-    if parts.scheme not in ("http", "https"):
-        raise bad("no http:// or https:// scheme")
-    if not parts.hostname:
-        raise bad("no host")
-    if port == 0:
-        raise bad("port 0")
-    if parts.query or parts.fragment:
-        raise bad("a query or fragment")
 
 
 #: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
