@@ -265,16 +265,21 @@ def test_several_batches_keep_their_own_trainer_version():
     assert r.modes["decoupled"].reason.startswith("b has no proximal_logprobs")
 
 
-def test_tokens_without_next_version_logprobs_are_left_out_of_segment_wise():
-    # c = 2; first token of version 0 was never recomputed (π_prox_t version 0, not 1).
+def batch_with_an_unrecomputed_token() -> SavedBatch:
+    """c = 2; two output tokens of version 0 with π_behav = 0.1 and π_prox = 0.4 (w_dec = 4);
+    only the second has π_prox_t of version 1 (0.2: w_seg = 2), the first was never recomputed
+    (π_prox_t version 0, not 1)."""
     s = RolloutSample(prompt_ids=[1])
     s.append_tokens([5, 6], [LN_B, LN_B], 0)
     s.set_proximal_t(1, LN_B + math.log(2.0), 1)
-    b = SavedBatch.from_samples(
+    return SavedBatch.from_samples(
         [s], trainer_version=2, temperature=1.0, model="t", mode="decoupled",
         proximal_logprobs=[[LN_B + math.log(4.0), LN_B + math.log(4.0)]],
-    )
-    r = analyse_batches([b], ["x"])
+    )  # fmt: skip
+
+
+def test_tokens_without_next_version_logprobs_are_left_out_of_segment_wise():
+    r = analyse_batches([batch_with_an_unrecomputed_token()], ["x"])
     assert r.uncorrectable == 1
     assert r.modes["decoupled"].tokens == 2 and r.modes["segment_wise"].tokens == 1
     # segment-wise sees only token 1 (w 2); decoupled both (w 4, 4)

@@ -21,10 +21,10 @@ from sdp_cli.analysis.recompute_plan import RecomputeOptions
 from sdp_cli.config.compose import compose_config, config_source
 from sdp_cli.core.weights import MODE_WEIGHTS, drift_log_factor, register_mode
 from sdp_cli.errors import UserError
-from sdp_cli.rollout.batch_file import SavedBatch, write_batch
-from sdp_cli.rollout.records import RolloutSample
+from sdp_cli.rollout.batch_file import write_batch
 from sdp_cli.train.run import run_training
 
+from ..analysis.test_inspect import batch_with_an_unrecomputed_token
 from ..analysis.test_recompute_logic import SEQS, FakeScorer, fake_logprob, make_batch, version_dirs
 from ..cli.run_main import run_main
 from .conftest import FAST
@@ -136,18 +136,9 @@ def test_inspect_weights_has_a_row_for_every_registered_mode(capsys, toy_modes):
 
 
 def test_inspect_weights_covers_what_a_registered_mode_reads(toy_modes):
-    # c = 2; two output tokens of version 0 with π_behav = 0.1 and π_prox = 0.4 (w_dec = 4);
-    # only the second has π_prox_t of version 1 (0.2: w_seg = 2), the first was never
-    # recomputed, so a weight that reads π_prox_t leaves it out (docs/design.md §2)
-    ln_b = math.log(0.1)
-    s = RolloutSample(prompt_ids=[1])
-    s.append_tokens([5, 6], [ln_b, ln_b], 0)
-    s.set_proximal_t(1, ln_b + math.log(2.0), 1)
-    b = SavedBatch.from_samples(
-        [s], trainer_version=2, temperature=1.0, model="t", mode="decoupled",
-        proximal_logprobs=[[ln_b + math.log(4.0), ln_b + math.log(4.0)]],
-    )
-    r = analyse_batches([b], ["x"])
+    # w_dec = 4 on both tokens; the first lacks π_{v+1}, so a weight that reads π_prox_t leaves
+    # it out (docs/design.md §2)
+    r = analyse_batches([batch_with_an_unrecomputed_token()], ["x"])
     half_dec, half_seg = r.modes["half_decoupled"], r.modes["half_segment_wise"]
     assert (half_dec.tokens, half_seg.tokens, r.modes["half_segment_wise_drift"].tokens) == (2, 1, 1)
     # w = 4^½ = 2 on both tokens; 2^½ on the one token with π_{v+1}
