@@ -32,6 +32,7 @@ ALLOWED_AT_RESUME = (
     "train.eval_max_new_tokens",
     "train.batch_timeout_s",
     "train.gradient_checkpointing",
+    "train.share_prefixes",
     "train.parallel",  # DDP and FSDP checkpoints are the same files (docs/training.md)
     "engine.urls",
     "engine.launch",

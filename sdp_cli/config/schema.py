@@ -162,6 +162,9 @@ class TrainConfig:
     state (a LoRA base model is stored in bfloat16); the local engine then runs bfloat16 weights."""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in backward instead of storing them (less memory, ~30% slower)."""
+    share_prefixes: bool = True
+    """run each distinct prompt once per training forward and its samples' responses on its KV cache
+    (same result, fewer positions; off with gradient checkpointing; docs/training.md)."""
     save_optimizer: bool = True
     """store the optimizer state in checkpoints; false makes them ~3× smaller, and a resume restarts
     the optimizer with a warning."""

@@ -7,6 +7,11 @@ not [N, L, V]); ``core.logprobs_from_hidden`` makes the logits of the response t
 vocabulary block at a time. On the first forward the head is checked against the model's own
 last-position logits: a model that post-processes its logits (soft-capping, a logit scale)
 falls back to full logits and ``core.logprobs_from_logits``, with a warning.
+
+With ``share_prefixes`` each distinct prompt of a batch runs once (``train/shared_prefix.py``).
+The first batch that can share is also run plainly and the two compared: a model whose forward
+does not take position ids and a KV cache the way the shared forward needs falls back to the
+plain forward, with a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.train.batch import TrainBatch
+from sdp_cli.train.shared_prefix import PrefixPlan, plan_shared_prefix, shared_prefix_hidden
 
 
 class ResponseLogprobs:
@@ -31,15 +37,21 @@ class ResponseLogprobs:
         device: torch.device,
         autocast_dtype: torch.dtype | None,
         unwrap: Callable[[torch.nn.Module], torch.nn.Module],
+        share_prefixes: bool = True,
     ):
         """``autocast_dtype``: bfloat16 for autocast, None for none. ``unwrap`` strips a
-        data-parallel wrapper (the output embedding is looked up on the bare model)."""
+        data-parallel wrapper (the output embedding is looked up on the bare model).
+        ``share_prefixes``: run each distinct prompt once per forward."""
         self.temperature = float(temperature)
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.unwrap = unwrap
         #: whether logits = hidden · Wᵀ (+ b); decided at the first forward
         self.hidden_path: bool | None = None
+        #: whether to share prefixes; None = allowed but not yet checked against the plain forward
+        self.share_prefixes: bool | None = None if share_prefixes else False
+        #: the fraction of token positions the last forward did not run (0: a plain forward)
+        self.positions_saved = 0.0
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The training precision as a context: bfloat16 autocast, or nothing for float32."""
@@ -59,14 +71,15 @@ class ResponseLogprobs:
             if self.hidden_path is None:
                 self.hidden_path = self._logits_are_hidden_times_head(model, ids, attention_mask)
             if self.hidden_path:
-                out = model(
-                    input_ids=ids,
-                    attention_mask=attention_mask,
-                    use_cache=False,
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                )
-                hidden = out.hidden_states[-1][:, :-1][response]
+                plan = self._prefix_plan(model, batch)
+                if plan is not None and self.share_prefixes is None:
+                    self.share_prefixes = self._shared_matches_plain(model, plan, ids, attention_mask, response)
+                self.positions_saved = 0.0
+                if plan is not None and self.share_prefixes:
+                    hidden = shared_prefix_hidden(model, plan, self.device)
+                    self.positions_saved = plan.positions_saved
+                else:
+                    hidden = self._plain_hidden(model, ids, attention_mask)[:, :-1][response]
                 head = self.unwrap(model).get_output_embeddings()
                 result = logprobs_from_hidden(
                     hidden.to(self.autocast_dtype or hidden.dtype),
@@ -90,6 +103,49 @@ class ResponseLogprobs:
         zeros = torch.zeros(response.shape, dtype=torch.float32, device=self.device)
         logprobs = zeros.masked_scatter(response, values.float())
         return logprobs, None if entropy is None else zeros.masked_scatter(response, entropy.float())
+
+    @staticmethod
+    def _plain_hidden(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [N, L, hidden] of one forward over every row's whole sequence."""
+        out = model(
+            input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1
+        )
+        return out.hidden_states[-1]
+
+    def _prefix_plan(self, model: torch.nn.Module, batch: TrainBatch) -> PrefixPlan | None:
+        """The shared-prefix plan of ``batch``, or None for a plain forward: sharing is off or
+        was refused, the batch gains too little, or gradient checkpointing is on (its layers
+        run without a KV cache)."""
+        if self.share_prefixes is False or _checkpoints_activations(model):
+            return None
+        return plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0)
+
+    @torch.no_grad()
+    def _shared_matches_plain(
+        self,
+        model: torch.nn.Module,
+        plan: PrefixPlan,
+        ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        response: torch.Tensor,
+    ) -> bool:
+        """Whether the shared-prefix forward gives the plain forward's hidden states on this
+        batch (up to summation order); if not, warn once."""
+        plain = self._plain_hidden(model, ids, attention_mask)[:, :-1][response].float()
+        shared = shared_prefix_hidden(model, plan, self.device).float()
+        low_precision = self.autocast_dtype is not None or any(
+            p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()
+        )
+        tolerance = (5e-2 if low_precision else 1e-4) * float(plain.abs().max()) + 1e-5
+        same = shared.shape == plain.shape and bool((shared - plain).abs().max() <= tolerance)
+        if not same:
+            warnings.warn(
+                "this model's forward does not reproduce its hidden states when a prompt's KV cache "
+                "is shared by its samples (position ids or cache handling differ); every row runs "
+                "its whole sequence instead (train.share_prefixes=false silences this)",
+                stacklevel=4,
+            )
+        return same
 
     @torch.no_grad()
     def _logits_are_hidden_times_head(
@@ -118,3 +174,9 @@ class ResponseLogprobs:
                 stacklevel=4,
             )
         return same
+
+
+def _checkpoints_activations(model: torch.nn.Module) -> bool:
+    """Whether any layer of ``model`` recomputes its activations in backward (transformers marks
+    such layers with ``gradient_checkpointing = True``; they run without a KV cache)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())

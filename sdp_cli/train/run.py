@@ -150,6 +150,7 @@ class TrainingRun(SessionEnd):
             dtype=cfg.train.dtype,
             reference=reference,
             parallel=cfg.train.parallel,
+            share_prefixes=cfg.train.share_prefixes,
         )
         self.coordinator.register_training(self.trainer, self.stop_request)
         self.whole = WholePolicy(self.policy, self.trainer, lambda: self.coordinator.call("model_state"))

@@ -108,13 +108,15 @@ class Trainer(TrainerState):
         dtype: str = "float32",
         reference: torch.nn.Module | None = None,
         parallel: str = "ddp",
+        share_prefixes: bool = True,
     ):
         """``batch_sequences`` (rollout.batch_groups · rollout.group_size) sets, with
         ``loss.norm_length``, the constant of seq-mean-token-sum-norm (docs/math.md §5.2).
         ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
         the adapters disabled is the reference). Only parameters that require grad train.
-        ``parallel``: ddp, or fsdp to shard the model over several processes (``train/sharding.py``)."""
+        ``parallel``: ddp, or fsdp to shard the model over several processes (``train/sharding.py``).
+        ``share_prefixes``: each distinct prompt runs once per forward (``train/shared_prefix.py``)."""
         from accelerate import Accelerator
 
         assert track_proximal_t or "proximal_logprobs_t" not in MODE_WEIGHTS[loss.mode].needs, (
@@ -147,6 +149,7 @@ class Trainer(TrainerState):
             device=self.accelerator.device,
             autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
             unwrap=self.accelerator.unwrap_model,
+            share_prefixes=share_prefixes,
         )
         self.reference = None if reference is None else reference.requires_grad_(False).eval()
         self._place(
@@ -304,6 +307,8 @@ class Trainer(TrainerState):
         metrics.update(
             self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
         )
+        # of the last training forward: what running each distinct prompt once saved
+        metrics["batch/positions_saved"] = self.response_logprobs.positions_saved
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
 

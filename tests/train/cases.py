@@ -7,6 +7,7 @@ bit-identical models and batches from the same seeds.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
@@ -50,17 +51,22 @@ def groups(
     return out
 
 
-def random_groups(n_rows: int, *, seed: int = 0, version: int = 0) -> list[RolloutGroup]:
-    """``n_rows`` samples in groups of at most 2, with prompts of 2..6 and responses of 1..5
-    tokens, so that rows differ in length and in their number of valid tokens."""
+def random_groups(
+    n_rows: int, *, seed: int = 0, version: int = 0, group_size: int = 2, shared_prompts: bool = False
+) -> list[RolloutGroup]:
+    """``n_rows`` samples in groups of at most ``group_size``, with prompts of 2..6 and responses of
+    1..5 tokens, so that rows differ in length and in their number of valid tokens. The samples of
+    a group get one prompt with ``shared_prompts`` (as GRPO's do), else a prompt each."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for gid, start in enumerate(range(0, n_rows, 2)):
+    for gid, start in enumerate(range(0, n_rows, group_size)):
         samples = []
-        for _ in range(min(2, n_rows - start)):
-            plen = int(torch.randint(2, 7, (1,), generator=gen))
-            prompt = [1, *torch.randint(3, VOCAB, (plen - 1,), generator=gen).tolist()]
-            sample = RolloutSample(prompt_ids=prompt, group_id=gid)
+        prompt: list[int] = []
+        for k in range(min(group_size, n_rows - start)):
+            if k == 0 or not shared_prompts:
+                plen = int(torch.randint(2, 7, (1,), generator=gen))
+                prompt = [1, *torch.randint(3, VOCAB, (plen - 1,), generator=gen).tolist()]
+            sample = RolloutSample(prompt_ids=list(prompt), group_id=gid)
             tokens = torch.randint(3, VOCAB, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
             sample.append_tokens(tokens.tolist(), [0.0] * len(tokens), version)
             sample.finish("length")
@@ -109,61 +115,99 @@ def capture_gradients(
     return grads
 
 
-#: (name, loss, sequences, minibatches, gradient clip) of the sharded (FSDP) gradient test: an
-#: uneven split, a rank without rows at every optimizer step, the Dr.GRPO constant, REINFORCE's
-#: whole-minibatch normalisation, and a clip that binds (the tiny model's gradient norms are
-#: about 0.3-1 here, so 0.05 scales every step's gradient).
+@dataclass(frozen=True)
+class Case:
+    """One multi-process gradient case: a trainer step (2 PPO epochs) on a fixed batch of ``rows``
+    sequences in ``minibatches`` minibatches; ``shared_prompts``: groups of 8 samples with one
+    prompt, so that each process's shard runs its distinct prompts once (train/shared_prefix.py)."""
+
+    name: str
+    loss: LossConfig
+    rows: int
+    minibatches: int
+    grad_clip: float | None = None
+    shared_prompts: bool = False
+
+    def run(self, parallel: str = "ddp") -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int, float]:
+        """The gradients of every optimizer step in this process (single or one of several, whole
+        even when sharded), the whole weights after the step (on rank 0; ``{}`` on the other
+        ranks of a sharded run), the parameter elements this process held, and the fraction of
+        positions its last training forward saved by sharing prompts."""
+        model = tiny_model(seed=1)
+        batch_groups = random_groups(
+            self.rows, seed=2, group_size=8 if self.shared_prompts else 2, shared_prompts=self.shared_prompts
+        )
+        set_old_logprobs(batch_groups, model, noise=0.5, seed=3)
+        trainer = Trainer(
+            model,
+            loss=self.loss,
+            optim=OptimConfig(lr=1e-2, grad_clip=self.grad_clip, ppo_epochs=2, minibatches=self.minibatches),
+            temperature=1.0,
+            seed=4,
+            batch_sequences=self.rows,
+            parallel=parallel,
+        )
+        grads = capture_gradients(trainer)
+        saved = trainer.step(batch_of(batch_groups)).metrics["batch/positions_saved"]
+        return grads, trainer.full_model_state(), held_elements(trainer.model), saved
+
+
+_SHARED = LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3)
+
+#: The sharded (FSDP) gradient cases: an uneven split, a rank without rows at every optimizer
+#: step, the Dr.GRPO constant, REINFORCE's whole-minibatch normalisation, a clip that binds (the
+#: tiny model's gradient norms are about 0.3-1 here, so 0.05 scales every step's gradient), and
+#: groups that share their prompt.
 FSDP_CASES = [
-    ("token-mean-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, None),
-    ("token-mean-3x3", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 3, 3, None),
-    (
+    Case("token-mean-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1),
+    Case("token-mean-3x3", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 3, 3),
+    Case(
         "seq-mean-token-sum-norm-4x2",
         LossConfig(mode="decoupled", agg="seq-mean-token-sum-norm", weight_cap=1.3, norm_length=6),
         4,
         2,
-        None,
     ),
-    (
+    Case(
         "reinforce-sequence-batchnorm-5x1",
         LossConfig(mode="decoupled", loss_type="reinforce", is_level="sequence", weight_cap=1.3, batch_normalize=True),
         5,
         1,
-        None,
     ),
-    ("token-mean-clip-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, 0.05),
+    Case("token-mean-clip-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, grad_clip=0.05),
+    Case("shared-prompts-token-mean-16x1", _SHARED, 16, 1, shared_prompts=True),
 ]
 
-#: (name, loss, sequences in the batch, minibatches) of the multi-process gradient test. With
-#: two processes 5 rows in one minibatch split 3/2 with unequal token counts and 3 rows in 3
-#: minibatches leave the second process without a row at every optimizer step; with three,
-#: 4 rows in 2 minibatches leave the third process without a row while the others have one.
+#: The multi-process gradient cases. With two processes 5 rows in one minibatch split 3/2 with
+#: unequal token counts and 3 rows in 3 minibatches leave the second process without a row at
+#: every optimizer step; with three, 4 rows in 2 minibatches leave the third process without a
+#: row while the others have one. The shared-prompt cases run each shard's prompts once.
 DISTRIBUTED_CASES = [
     *(
-        (f"{agg}-{rows}x{mbs}", LossConfig(mode="decoupled", agg=agg, weight_cap=1.3, norm_length=6), rows, mbs)
+        Case(f"{agg}-{rows}x{mbs}", LossConfig(mode="decoupled", agg=agg, weight_cap=1.3, norm_length=6), rows, mbs)
         for agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
         for rows, mbs in ((5, 1), (3, 3), (4, 2))
     ),
-    (
+    Case(
         "reinforce-sequence-batchnorm-5x1",
         LossConfig(mode="decoupled", loss_type="reinforce", is_level="sequence", weight_cap=1.3, batch_normalize=True),
         5,
         1,
     ),
-    (
+    Case(
         "reinforce-bypass-token-batchnorm-3x3",
         LossConfig(mode="bypass", loss_type="reinforce", weight_cap=1.3, batch_normalize=True),
         3,
         3,
     ),
+    Case("shared-prompts-token-mean-16x1", _SHARED, 16, 1, shared_prompts=True),
+    Case(
+        "shared-prompts-seq-mean-token-sum-norm-16x2",
+        LossConfig(mode="decoupled", agg="seq-mean-token-sum-norm", weight_cap=1.3, norm_length=6),
+        16,
+        2,
+        shared_prompts=True,
+    ),
 ]
-
-
-def distributed_case_gradients(
-    loss: LossConfig, n_rows: int, minibatches: int, *, parallel: str = "ddp", grad_clip: float | None = None
-) -> list[dict[str, torch.Tensor]]:
-    """The gradients of every optimizer step of one trainer step (2 PPO epochs) on a fixed batch,
-    in this process (single or one of several), whole even when sharded."""
-    return distributed_case_run(loss, n_rows, minibatches, parallel=parallel, grad_clip=grad_clip)[0]
 
 
 def held_elements(model: torch.nn.Module) -> int:
@@ -171,25 +215,3 @@ def held_elements(model: torch.nn.Module) -> int:
     from torch.distributed.tensor import DTensor
 
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-
-
-def distributed_case_run(
-    loss: LossConfig, n_rows: int, minibatches: int, *, parallel: str = "ddp", grad_clip: float | None = None
-) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int]:
-    """``distributed_case_gradients``, the whole weights after the step (on rank 0; ``{}`` on
-    the other ranks of a sharded run) and the parameter elements this process held."""
-    model = tiny_model(seed=1)
-    batch_groups = random_groups(n_rows, seed=2)
-    set_old_logprobs(batch_groups, model, noise=0.5, seed=3)
-    trainer = Trainer(
-        model,
-        loss=loss,
-        optim=OptimConfig(lr=1e-2, grad_clip=grad_clip, ppo_epochs=2, minibatches=minibatches),
-        temperature=1.0,
-        seed=4,
-        batch_sequences=n_rows,
-        parallel=parallel,
-    )
-    grads = capture_gradients(trainer)
-    trainer.step(batch_of(batch_groups))
-    return grads, trainer.full_model_state(), held_elements(trainer.model)

@@ -17,20 +17,16 @@ def main(out_dir: str, parallel: str = "ddp") -> None:
     torch.set_num_threads(1)
     saved = {}
     rank = None
-    runs = (
-        [(name, loss, rows, mbs, clip) for name, loss, rows, mbs, clip in cases.FSDP_CASES]
-        if parallel == "fsdp"
-        else [(name, loss, rows, mbs, None) for name, loss, rows, mbs in cases.DISTRIBUTED_CASES]
-    )
-    for name, loss, n_rows, minibatches, clip in runs:
-        grads, weights, held = cases.distributed_case_run(loss, n_rows, minibatches, parallel=parallel, grad_clip=clip)
+    for case in cases.FSDP_CASES if parallel == "fsdp" else cases.DISTRIBUTED_CASES:
+        grads, weights, held, positions_saved = case.run(parallel)
+        saved[f"{case.name}/positions_saved"] = torch.tensor(positions_saved)
         for step, named in enumerate(grads):
             for param, grad in named.items():
-                saved[f"{name}/{step}/{param}"] = grad.contiguous()
+                saved[f"{case.name}/{step}/{param}"] = grad.contiguous()
         if parallel == "fsdp":
-            saved[f"{name}/held_elements"] = torch.tensor(held)
+            saved[f"{case.name}/held_elements"] = torch.tensor(held)
             for param, value in weights.items():
-                saved[f"{name}/weights/{param}"] = value.contiguous()
+                saved[f"{case.name}/weights/{param}"] = value.contiguous()
     import torch.distributed as dist
 
     rank = dist.get_rank()

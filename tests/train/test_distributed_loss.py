@@ -6,7 +6,7 @@ the gradients; a process without a row of a minibatch contributes an exact 0. Th
 every optimizer step must equal those of one process on the same batch (≤ 1e-6), for every
 aggregation, for REINFORCE's batch-normalised weights, and when a process gets no row (with
 three processes and two rows, the old stand-in — a duplicate of the first row — counted that
-row twice).
+row twice), and when groups share a prompt that each process's shard runs once.
 """
 
 import os
@@ -39,9 +39,12 @@ def test_several_processes_compute_the_single_process_gradient(tmp_path, process
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(processes)]
     torch.set_num_threads(1)
-    for name, loss, n_rows, minibatches in cases.DISTRIBUTED_CASES:
-        reference = cases.distributed_case_gradients(loss, n_rows, minibatches)
-        assert len(reference) == 2 * minibatches, name
+    for case in cases.DISTRIBUTED_CASES:
+        name = case.name
+        reference = case.run()[0]
+        assert len(reference) == 2 * case.minibatches, name
+        if case.shared_prompts:  # each process ran its shard's distinct prompts once
+            assert all(float(saved[f"{name}/positions_saved"]) > 0 for saved in ranks), name
         for step, named in enumerate(reference):
             for param, grad in named.items():
                 for rank, saved in enumerate(ranks):

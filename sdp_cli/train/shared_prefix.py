@@ -1,0 +1,121 @@
+"""The trainer's forward with each distinct prompt computed once (docs/training.md, "Shared
+prompts").
+
+A GRPO batch holds ``group_size`` samples of every prompt. A plain forward runs the prompt's
+tokens once per sample; this one runs every distinct prefix once, then the response tokens of
+all rows on top of its KV cache (selected per row, so the gradient of the prefix sums over the
+rows that share it). The result is the same function of θ: the same tokens at the same
+positions attend to the same keys, and only floating-point summation order may differ.
+
+A row's prefix is everything before its first trained token (the prompt, plus any leading
+response tokens the loss mask leaves out), so rows share a prefix exactly when those token ids
+are equal; no group id is trusted. Prefixes are right-padded to one width and the responses
+carry explicit position ids, so the padding between a short prompt and its response is masked
+out and never shifts a position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sdp_cli.models.kv_cache import returned_cache, with_cache
+
+#: share prefixes only when that removes at least this fraction of the forward's token positions
+MIN_SAVING = 0.2
+
+
+@dataclass
+class PrefixPlan:
+    """How a batch's rows map onto distinct prefixes and a response window.
+
+    ``prefix_ids``/``prefix_mask`` [U, P]: the distinct prefixes, right-padded; ``row_prefix``
+    [N]: each row's prefix; ``prefix_len`` [N]; ``window_ids``/``window_mask``/``positions``
+    [N, W]: the tokens after each row's prefix (W = the longest), their attention mask and
+    positions; ``targets`` [N, W]: which window columns predict a trained token.
+    """
+
+    prefix_ids: torch.Tensor
+    prefix_mask: torch.Tensor
+    row_prefix: torch.Tensor
+    prefix_len: torch.Tensor
+    window_ids: torch.Tensor
+    window_mask: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    #: the fraction of the plain forward's token positions (N · L) this plan does not run
+    positions_saved: float
+
+
+def plan_shared_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response: torch.Tensor, *, min_saving: float = MIN_SAVING
+) -> PrefixPlan | None:
+    """The plan for a batch (ids/attention [N, L], trained targets ``response`` [N, L-1], with
+    ``response[i, t]`` meaning token t+1 of row i is trained), or None when sharing would save
+    less than ``min_saving`` of the positions or the batch's layout does not allow it (a row
+    without trained tokens, or with padding inside its tokens)."""
+    n, width = input_ids.shape
+    lengths = attention_mask.sum(1)
+    contiguous = bool((attention_mask == (torch.arange(width) < lengths[:, None])).all())
+    if n < 2 or not contiguous or not bool(response.any(1).all()):
+        return None
+    # first trained target t = the first position whose next token is trained: prefix = ids[:t+1]
+    prefix_len = response.to(torch.int8).argmax(1) + 1
+    rows_of: dict[tuple[int, ...], int] = {}
+    row_prefix = torch.tensor(
+        [rows_of.setdefault(tuple(ids[: int(p)].tolist()), len(rows_of)) for ids, p in zip(input_ids, prefix_len)]
+    )
+    distinct = len(rows_of)
+    prefix_width = int(prefix_len.max())
+    window_width = int((lengths - prefix_len).max())
+    saved = 1 - (distinct * prefix_width + n * window_width) / (n * width)
+    if saved < min_saving:
+        return None
+    prefix_ids = torch.zeros(distinct, prefix_width, dtype=input_ids.dtype)
+    prefix_mask = torch.zeros(distinct, prefix_width, dtype=attention_mask.dtype)
+    for ids, index in rows_of.items():
+        prefix_ids[index, : len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
+        prefix_mask[index, : len(ids)] = 1
+    columns = prefix_len[:, None] + torch.arange(window_width)[None]  # full positions of the window
+    inside = columns < lengths[:, None]
+    window_ids = torch.where(inside, input_ids.gather(1, columns.clamp_max(width - 1)), torch.zeros_like(input_ids[:1, :1]))
+    # window column j holds full position p+j; the hidden state predicting it is the one before
+    targets = response.gather(1, (columns - 1).clamp_max(width - 2)) & inside
+    if int(targets.sum()) != int(response.sum()):  # a trained token outside the window: impossible
+        return None
+    return PrefixPlan(
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        row_prefix=row_prefix,
+        prefix_len=prefix_len,
+        window_ids=window_ids,
+        window_mask=inside.to(attention_mask.dtype),
+        positions=columns,
+        targets=targets,
+        positions_saved=saved,
+    )
+
+
+def shared_prefix_hidden(model: torch.nn.Module, plan: PrefixPlan, device: torch.device) -> torch.Tensor:
+    """The final hidden states that predict the trained tokens, [trained tokens, hidden], in the
+    order of ``hidden_states[:, :-1][response]`` of the plain forward."""
+    row_prefix = plan.row_prefix.to(device)
+    kwargs: dict[str, Any] = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1}
+    prefix_mask = plan.prefix_mask.to(device)
+    out = model(input_ids=plan.prefix_ids.to(device), attention_mask=prefix_mask, **kwargs)
+    # the state after each row's last prefix token predicts its first window token
+    last_of_prefix = out.hidden_states[-1][row_prefix, plan.prefix_len.to(device) - 1]
+    cache = returned_cache(out)
+    cache.reorder_cache(row_prefix)  # each row's copy of its prefix's keys and values (index_select)
+    out = model(
+        input_ids=plan.window_ids.to(device),
+        attention_mask=torch.cat([prefix_mask[row_prefix], plan.window_mask.to(device)], 1),
+        position_ids=plan.positions.to(device),
+        **with_cache(cache),
+        **kwargs,
+    )
+    # window column j is predicted by the state before it: the prefix's last, then window j-1
+    before = torch.cat([last_of_prefix[:, None], out.hidden_states[-1][:, :-1]], 1)
+    return before[plan.targets.to(device)]
