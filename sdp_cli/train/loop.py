@@ -84,6 +84,7 @@ class AsyncLoop(RolloutProducer):
         max_consecutive_engine_faults: int = 5,
         ledger: LedgerLog | None = None,
         recompute_threads: int | None = None,
+        rollout_threads: int | None = None,
         should_stop: Callable[[], bool] | None = None,
     ):
         self.cfg = cfg
@@ -102,6 +103,8 @@ class AsyncLoop(RolloutProducer):
         self.should_stop = should_stop
         # The producer is paused during the recompute pass, so its core is free for scoring.
         self.recompute_threads = recompute_threads
+        #: torch's intra-op threads of the producer thread (None: what it inherits)
+        self.rollout_threads = rollout_threads
 
         ro = cfg.rollout
         self.batch_groups = ro.batch_groups

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Iterator
 
+import torch
+
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams
 from sdp_cli.faults import fault_point
@@ -65,8 +67,11 @@ class RolloutProducer:
     _group_ids: Iterator[int]
     _recomputed_for: int | None
     _ahead: PassTotals
+    rollout_threads: int | None
 
     def _produce(self) -> None:
+        if self.rollout_threads is not None:  # per thread: the trainer's own count stays
+            torch.set_num_threads(self.rollout_threads)
         rng = random.Random()
         rng.setstate(self.state.producer_rng)
         consecutive_faults = 0
