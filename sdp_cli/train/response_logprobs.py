@@ -38,14 +38,17 @@ class ResponseLogprobs:
         autocast_dtype: torch.dtype | None,
         unwrap: Callable[[torch.nn.Module], torch.nn.Module],
         share_prefixes: bool = True,
+        every_process: Callable[[bool], bool] | None = None,
     ):
         """``autocast_dtype``: bfloat16 for autocast, None for none. ``unwrap`` strips a
         data-parallel wrapper (the output embedding is looked up on the bare model).
-        ``share_prefixes``: run each distinct prompt once per forward."""
+        ``share_prefixes``: run each distinct prompt once per forward. ``every_process(flag)``:
+        whether ``flag`` holds in every training process (a collective; None with one process)."""
         self.temperature = float(temperature)
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.unwrap = unwrap
+        self.every_process = every_process or (lambda flag: flag)
         #: whether logits = hidden · Wᵀ (+ b); decided at the first forward
         self.hidden_path: bool | None = None
         #: whether to share prefixes; None = allowed but not yet checked against the plain forward
@@ -72,8 +75,13 @@ class ResponseLogprobs:
                 self.hidden_path = self._logits_are_hidden_times_head(model, ids, attention_mask)
             if self.hidden_path:
                 plan = self._prefix_plan(model, batch)
+                # Every process takes the same path: a sharded or DDP model's forward runs
+                # collectives, and the shared path calls it twice where the plain one calls it once.
+                if not self.every_process(plan is not None):
+                    plan = None
                 if plan is not None and self.share_prefixes is None:
-                    self.share_prefixes = self._shared_matches_plain(model, plan, ids, attention_mask, response)
+                    same = self._shared_matches_plain(model, plan, ids, attention_mask, response)
+                    self.share_prefixes = self.every_process(same)
                 self.positions_saved = 0.0
                 if plan is not None and self.share_prefixes:
                     hidden = shared_prefix_hidden(model, plan, self.device)
@@ -116,7 +124,7 @@ class ResponseLogprobs:
         """The shared-prefix plan of ``batch``, or None for a plain forward: sharing is off or
         was refused, the batch gains too little, or gradient checkpointing is on (its layers
         run without a KV cache)."""
-        if self.share_prefixes is False or _checkpoints_activations(model):
+        if self.share_prefixes is False or _checkpoints_activations(model):  # the same in every process
             return None
         return plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0)
 

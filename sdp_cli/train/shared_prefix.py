@@ -63,21 +63,18 @@ def plan_shared_prefix(
         return None
     # first trained target t = the first position whose next token is trained: prefix = ids[:t+1]
     prefix_len = response.to(torch.int8).argmax(1) + 1
-    rows_of: dict[tuple[int, ...], int] = {}
-    row_prefix = torch.tensor(
-        [rows_of.setdefault(tuple(ids[: int(p)].tolist()), len(rows_of)) for ids, p in zip(input_ids, prefix_len)]
-    )
-    distinct = len(rows_of)
     prefix_width = int(prefix_len.max())
+    # each row's prefix, -1 past its end (token ids are ≥ 0): equal keys = the same prefix
+    inside_prefix = torch.arange(prefix_width) < prefix_len[:, None]
+    keys = torch.where(inside_prefix, input_ids[:, :prefix_width], -1)
+    distinct_keys, row_prefix = torch.unique(keys, dim=0, return_inverse=True)
+    distinct = distinct_keys.shape[0]
     window_width = int((lengths - prefix_len).max())
     saved = 1 - (distinct * prefix_width + n * window_width) / (n * width)
     if saved < min_saving:
         return None
-    prefix_ids = torch.zeros(distinct, prefix_width, dtype=input_ids.dtype)
-    prefix_mask = torch.zeros(distinct, prefix_width, dtype=attention_mask.dtype)
-    for ids, index in rows_of.items():
-        prefix_ids[index, : len(ids)] = torch.tensor(ids, dtype=input_ids.dtype)
-        prefix_mask[index, : len(ids)] = 1
+    prefix_mask = (distinct_keys >= 0).to(attention_mask.dtype)
+    prefix_ids = distinct_keys.clamp_min(0).to(input_ids.dtype)
     columns = prefix_len[:, None] + torch.arange(window_width)[None]  # full positions of the window
     inside = columns < lengths[:, None]
     window_ids = torch.where(inside, input_ids.gather(1, columns.clamp_max(width - 1)), torch.zeros_like(input_ids[:1, :1]))

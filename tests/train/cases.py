@@ -119,7 +119,10 @@ def capture_gradients(
 class Case:
     """One multi-process gradient case: a trainer step (2 PPO epochs) on a fixed batch of ``rows``
     sequences in ``minibatches`` minibatches; ``shared_prompts``: groups of 8 samples with one
-    prompt, so that each process's shard runs its distinct prompts once (train/shared_prefix.py)."""
+    prompt, so that each process's shard runs its distinct prompts once (train/shared_prefix.py)
+    when ``ranks_share``; with ``ranks_share=False`` one process's shard could share and
+    another's could not, so none may (the shared forward calls the model twice, and the
+    forward's collectives must pair up)."""
 
     name: str
     loss: LossConfig
@@ -127,6 +130,7 @@ class Case:
     minibatches: int
     grad_clip: float | None = None
     shared_prompts: bool = False
+    ranks_share: bool = True
 
     def run(self, parallel: str = "ddp") -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor], int, float]:
         """The gradients of every optimizer step in this process (single or one of several, whole
@@ -175,6 +179,7 @@ FSDP_CASES = [
     ),
     Case("token-mean-clip-5x1", LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3), 5, 1, grad_clip=0.05),
     Case("shared-prompts-token-mean-16x1", _SHARED, 16, 1, shared_prompts=True),
+    Case("shared-prompts-uneven-3x1", _SHARED, 3, 1, shared_prompts=True, ranks_share=False),
 ]
 
 #: The multi-process gradient cases. With two processes 5 rows in one minibatch split 3/2 with
@@ -207,6 +212,8 @@ DISTRIBUTED_CASES = [
         2,
         shared_prompts=True,
     ),
+    # 2 rows that could share on one process, 1 row on the other
+    Case("shared-prompts-uneven-3x1", _SHARED, 3, 1, shared_prompts=True, ranks_share=False),
 ]
 
 

@@ -42,8 +42,8 @@ def test_a_sharded_step_equals_the_single_process_step(tmp_path):
     for case in cases.FSDP_CASES:
         name, minibatches = case.name, case.minibatches
         reference, weights, whole, _ = case.run()
-        if case.shared_prompts:  # each process ran its shard's distinct prompts once
-            assert all(float(saved[f"{name}/positions_saved"]) > 0 for saved in ranks), name
+        if case.shared_prompts:  # every process ran its shard's distinct prompts once, or none did
+            assert all((float(saved[f"{name}/positions_saved"]) > 0) == case.ranks_share for saved in ranks), name
         held = [int(saved[f"{name}/held_elements"]) for saved in ranks]
         assert sum(held) == whole and max(held) < whole, f"{name}: not sharded, {held} of {whole} elements"
         assert len(reference) == 2 * minibatches, name
@@ -56,8 +56,11 @@ def test_a_sharded_step_equals_the_single_process_step(tmp_path):
                     )  # fmt: skip
         gathered = {k.split("/", 2)[2]: v for k, v in ranks[0].items() if k.startswith(f"{name}/weights/")}
         assert sorted(gathered) == sorted(weights), name  # whole weights under the unsharded names
+        # 1e-4, not the gradients' 1e-5: the key bias's gradient is 0 in exact arithmetic (softmax
+        # ignores a shift shared by every key), and Adam scales its float noise up to steps of the
+        # learning rate's size, which the fused kernel rounds differently over shards than whole
         for param, value in weights.items():
-            torch.testing.assert_close(gathered[param], value, rtol=0, atol=1e-5, msg=lambda m: f"{name} {param}: {m}")
+            torch.testing.assert_close(gathered[param], value, rtol=0, atol=1e-4, msg=lambda m: f"{name} {param}: {m}")
         assert not any(k.startswith(f"{name}/weights/") for k in ranks[1]), "the gather lands on rank 0 only"
 
 
