@@ -75,10 +75,6 @@ class ResponseLogprobs:
                 self.hidden_path = self._logits_are_hidden_times_head(model, ids, attention_mask)
             if self.hidden_path:
                 plan = self._prefix_plan(model, batch)
-                # Every process takes the same path: a sharded or DDP model's forward runs
-                # collectives, and the shared path calls it twice where the plain one calls it once.
-                if not self.every_process(plan is not None):
-                    plan = None
                 if plan is not None and self.share_prefixes is None:
                     same = self._shared_matches_plain(model, plan, ids, attention_mask, response)
                     self.share_prefixes = self.every_process(same)
@@ -122,11 +118,14 @@ class ResponseLogprobs:
 
     def _prefix_plan(self, model: torch.nn.Module, batch: TrainBatch) -> PrefixPlan | None:
         """The shared-prefix plan of ``batch``, or None for a plain forward: sharing is off or
-        was refused, the batch gains too little, or gradient checkpointing is on (its layers
-        run without a KV cache)."""
+        was refused, the batch (in any process) gains too little, or gradient checkpointing is
+        on (its layers run without a KV cache)."""
         if self.share_prefixes is False or _checkpoints_activations(model):  # the same in every process
             return None
-        return plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0)
+        plan = plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0)
+        # Every process takes the same path: a sharded or DDP model's forward runs collectives,
+        # and the shared path calls it twice where the plain one calls it once.
+        return plan if self.every_process(plan is not None) else None
 
     @torch.no_grad()
     def _shared_matches_plain(

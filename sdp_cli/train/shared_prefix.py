@@ -1,5 +1,5 @@
-"""The trainer's forward with each distinct prompt computed once (docs/training.md, "Shared
-prompts").
+"""The trainer's forward with each distinct prompt computed once (docs/training.md, "The
+trainer's policy and loss").
 
 A GRPO batch holds ``group_size`` samples of every prompt. A plain forward runs the prompt's
 tokens once per sample; this one runs every distinct prefix once, then the response tokens of

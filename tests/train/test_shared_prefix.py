@@ -235,3 +235,26 @@ def test_a_lora_model_and_its_reference_share_prompts_with_the_same_gradients():
     assert plain and sorted(plain) == sorted(shared)
     for name, value in plain.items():
         torch.testing.assert_close(shared[name], value, rtol=1e-4, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
+def test_every_process_must_be_able_to_share():
+    """With several processes the path is agreed on (one all-reduce per forward): when another
+    process's shard cannot share, this one runs plainly too, though its own batch could."""
+    model, groups = _shared_prompt_batch()
+    batch = cases.batch_of(groups)
+    asked: list[bool] = []
+
+    def others_cannot(flag: bool) -> bool:
+        asked.append(flag)
+        return False
+
+    engine = ResponseLogprobs(
+        temperature=0.7, device=torch.device("cpu"), autocast_dtype=None, unwrap=lambda m: m, every_process=others_cannot
+    )
+    logprobs, _ = engine.forward(model, batch, grad=False, with_entropy=False)
+    assert asked == [True] and engine.positions_saved == 0 and engine.share_prefixes is None
+    plain, _ = _logprobs(False).forward(model, batch, grad=False, with_entropy=False)
+    torch.testing.assert_close(logprobs, plain, rtol=0, atol=0)
+    asked.clear()
+    _logprobs(False).forward(model, batch, grad=False, with_entropy=False)
+    assert asked == []  # sharing off everywhere: nothing to agree on
