@@ -311,7 +311,8 @@ class Trainer(TrainerState):
         metrics.update(
             self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
         )
-        # of the last training forward: what running each distinct prompt once saved
+        # of the step's last forward (a training forward, or the KL reference's on the same
+        # rows): the fraction of positions that running each distinct prompt once saved
         metrics["batch/positions_saved"] = self.response_logprobs.positions_saved
         self.version += 1
         return StepOutput(metrics=metrics, proximal_logprobs=prox, loss_mask=loss_mask)
