@@ -7,6 +7,9 @@ For a saved batch of trainer version c (docs/design.md §1, §2):
   every output token under one chosen checkpoint, by default c;
 - the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c.
 
+The work depends on the versions present (in the batch and among the checkpoints), never on
+their magnitude: a chain is checked against the checkpoints as a span (``missing_spans``).
+
 ``make_plan`` turns the batches into prefill jobs grouped by (version, temperature) and refuses
 a missing checkpoint before any model is loaded; ``run_plan`` loads each checkpoint once and
 scores its jobs in length-sorted calls of at most ``max_tokens_per_call`` tokens.
@@ -121,11 +124,37 @@ def output_mask(batch: SavedBatch) -> torch.Tensor:
     return pos >= batch.prompt_lens[seq_idx]
 
 
-def token_requests(batch: SavedBatch, proximal_version: int | None, exact: bool) -> dict[int, torch.Tensor]:
+def chain_versions(batch: SavedBatch) -> range:
+    """The checkpoints the exact chain of ``batch`` needs: v + 1 … c for its oldest lagged
+    output token v (empty when no output token lags). A range, so that its size never costs
+    anything: a chain over 2⁵³ versions is refused by its gaps, not enumerated."""
+    out = output_mask(batch)
+    lagged = out & (batch.versions < batch.trainer_version)
+    if not bool(lagged.any()):
+        return range(0)
+    return range(int(batch.versions[lagged].min()) + 1, batch.trainer_version + 1)
+
+
+def missing_spans(needed: range, available: Iterable[int]) -> list[tuple[int, int]]:
+    """The gaps of ``needed`` that ``available`` leaves, as inclusive (first, last) pairs; the
+    work is O(|available|), whatever the size of ``needed``."""
+    spans: list[tuple[int, int]] = []
+    start = needed.start
+    for k in sorted(k for k in set(available) if k in needed):
+        if k > start:
+            spans.append((start, k - 1))
+        start = k + 1
+    if start < needed.stop:
+        spans.append((start, needed.stop - 1))
+    return spans
+
+
+def token_requests(batch: SavedBatch, proximal_version: int | None, chain: Iterable[int] = ()) -> dict[int, torch.Tensor]:
     """Version k → [N] bool mask of the tokens that need log π_k(token).
 
     π_prox_t: output tokens of version v < c need k = v + 1. π_prox: every output token needs
-    ``proximal_version``. Exact chain: output tokens of version v < c need every k in v+1 … c.
+    ``proximal_version``. Exact chain: for each k of ``chain`` (the checkpoints of
+    :func:`chain_versions`), the output tokens of version v < k ≤ c.
     """
     out = output_mask(batch)
     v, c = batch.versions, batch.trainer_version
@@ -140,10 +169,20 @@ def token_requests(batch: SavedBatch, proximal_version: int | None, exact: bool)
         add(int(k), lagged & (v + 1 == k))
     if proximal_version is not None:
         add(proximal_version, out)
-    if exact:
-        for k in range(1, c + 1):
-            add(k, lagged & (v < k))
+    for k in chain:
+        add(k, lagged & (v < k))
     return requests
+
+
+def _format_spans(spans: Iterable[tuple[int, int]]) -> str:
+    """Inclusive spans, merged: ``[(1, 2), (3, 3), (6, 9)]`` → ``"1–3, 6–9"``."""
+    merged: list[list[int]] = []
+    for first, last in sorted(spans):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in merged)
 
 
 @dataclass
@@ -190,15 +229,19 @@ def make_plan(
     available = set(available)
     choice = options.proximal_choice
     plan = Plan(jobs={}, requests=[], proximal_versions=[])
-    missing: dict[int, list[str]] = {}
+    missing: list[tuple[int, int, str]] = []  # (first, last, batch name): spans, never enumerated
     for i, (path, batch) in enumerate(batches):
         prox = None if choice is None else choice.resolve(batch.trainer_version, available)
-        requests = token_requests(batch, prox, options.exact)
+        needed = chain_versions(batch) if options.exact else range(0)
+        gaps = missing_spans(needed, available)
+        missing += [(first, last, path.name) for first, last in gaps]
+        chain = [] if gaps else [k for k in sorted(available) if k in needed]
+        requests = token_requests(batch, prox, chain)
         plan.requests.append(requests)
         plan.proximal_versions.append(prox)
-        for k in requests:
-            if k not in available:
-                missing.setdefault(k, []).append(path.name)
+        missing += [(k, k, path.name) for k in requests if k not in available]
+        if missing:  # the plan is refused: no jobs to build
+            continue
         cu = batch.cu_seqlens.tolist()
         for k, mask in requests.items():
             key = (k, float(batch.temperature))
@@ -218,12 +261,12 @@ def make_plan(
                     )
                 )
     if missing:
-        names = sorted({n for ns in missing.values() for n in ns})
+        names = sorted({name for _, _, name in missing})
         where = f" in {checkpoint_root}" if checkpoint_root is not None else ""
         have = f" (it has {format_versions(available)})" if available else " (it has none)"
         raise MissingCheckpoints(
-            f"checkpoints of version(s) {format_versions(missing)} are missing{where}{have}, needed by "
-            f"{names[0]}{f' and {len(names) - 1} more batch(es)' if len(names) > 1 else ''}; "
+            f"checkpoints of version(s) {_format_spans((a, b) for a, b, _ in missing)} are missing{where}{have}, "
+            f"needed by {names[0]}{f' and {len(names) - 1} more batch(es)' if len(names) > 1 else ''}; "
             f"{KEEP_VERSIONS_FIX}"
         )
     return plan

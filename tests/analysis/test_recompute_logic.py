@@ -14,7 +14,14 @@ import torch
 import sdp_cli.analysis.recompute as rc
 from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
 from sdp_cli.analysis.checkpoints import MissingCheckpoints, find_checkpoints, format_versions
-from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions, make_plan, token_requests
+from sdp_cli.analysis.recompute_plan import (
+    ProximalChoice,
+    RecomputeOptions,
+    chain_versions,
+    make_plan,
+    missing_spans,
+    token_requests,
+)
 import sdp_cli.analysis.scorers as scorers
 from sdp_cli import fileio
 from sdp_cli.errors import UserError
@@ -111,14 +118,16 @@ def hand(tmp_path):
 
 # ------------------------------------------------------------------------ version logic
 def test_token_requests_default_rescoring_under_the_next_version():
-    requests = token_requests(make_batch(3, SEQS), None, exact=False)
+    requests = token_requests(make_batch(3, SEQS), None)
     got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
     # version-v tokens (v < 3) go to v + 1; version-3 tokens (6, 8, 9) and prompts to none
     assert got == {1: [2, 3], 2: [4, 13], 3: [5, 14]}
 
 
 def test_token_requests_exact_chain_and_proximal():
-    requests = token_requests(make_batch(3, SEQS), 3, exact=True)
+    batch = make_batch(3, SEQS)
+    assert chain_versions(batch) == range(1, 4)  # the oldest lagged token has version 0: 1 … 3
+    requests = token_requests(batch, 3, chain_versions(batch))
     got = {k: m.nonzero().squeeze(1).tolist() for k, m in requests.items()}
     # chain: every lagged token under each of v+1 … 3; π_prox: every output token under 3
     assert got == {1: [2, 3], 2: [2, 3, 4, 13], 3: [2, 3, 4, 5, 6, 8, 9, 13, 14]}
@@ -466,3 +475,64 @@ def test_report_dict_is_json_ready(hand):
     assert data["batches"][0]["proximal_t"]["tokens"] == 6
     assert [v["version"] for v in data["versions"]] == [1, 2, 3]
     assert [lag["lag"] for lag in data["lags"]] == [1, 2, 3] and data["proximal"] == "trainer"
+
+
+# ---------------------------------------------------- cost by the versions present (issue 24)
+TOP = 2**53 - 1  # the largest trainer version a batch may carry (docs/batch-format.md)
+
+
+@pytest.fixture
+def deadline():
+    """Fail a test that runs for more than 10 s (on main, --exact at 2⁵³−1 looped over every
+    version below it and never finished; at 200000 it took 154 s and 3.2 GB)."""
+    import signal
+
+    def expired(*_):
+        raise TimeoutError("took more than 10 s: the cost depends on the versions' magnitude")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_exact_chain_at_the_largest_trainer_version_costs_what_the_versions_present_cost(deadline):
+    # one sequence: prompt 0–1, outputs 2,3,4 with versions TOP−2, TOP−1, TOP
+    batch = make_batch(TOP, [(2, [TOP - 2, TOP - 1, TOP], None)])
+    plan = make_plan([(Path("b"), batch)], RecomputeOptions(exact=True), [TOP - 1, TOP])
+    got = {k: m.nonzero().squeeze(1).tolist() for k, m in plan.requests[0].items()}
+    # chain: token 2 (v = TOP−2) under TOP−1 and TOP, token 3 (v = TOP−1) under TOP;
+    # π_prox under TOP: every output token 2, 3, 4
+    assert got == {TOP - 1: [2], TOP: [2, 3, 4]}
+    assert plan.versions == [TOP - 1, TOP]
+
+
+def test_a_chain_over_2_to_the_53_versions_is_refused_at_once_naming_the_gap(deadline):
+    # a token of version 0 in a batch of version TOP needs every checkpoint 1 … TOP; there are
+    # three: 0, 5 and TOP, so 1–4 and 6–(TOP − 1) are missing
+    batch = make_batch(TOP, [(1, [0, TOP], None)])
+    with pytest.raises(MissingCheckpoints) as err:
+        make_plan([(Path("b"), batch)], RecomputeOptions(exact=True), [0, 5, TOP])
+    message = str(err.value)
+    assert f"version(s) 1–4, 6–{TOP - 1} are missing" in message, message
+    assert "\n" not in message
+
+
+def test_a_chain_at_200000_with_its_checkpoints_missing_is_refused_at_once(deadline, tmp_path):
+    """The red team's case through `sdp recompute --exact`: trainer version 200000, a token of
+    version 0, checkpoints only of the versions the batch's own tokens carry."""
+    c = 200_000
+    path = tmp_path / "b.safetensors"
+    write_batch(path, make_batch(c, [(1, [0, c], None)]))
+    run = version_dirs(tmp_path / "versions", [1, c])
+    with pytest.raises(MissingCheckpoints, match=f"version\\(s\\) 2–{c - 1} are missing"):
+        rc.recompute([path], run, lambda b: pytest.fail("no scorer before the check"), RecomputeOptions(exact=True))
+
+
+def test_missing_spans_by_hand():
+    # needed 1 … 9, available 0, 3, 4, 9, 12: gaps 1–2 and 5–8 (0 and 12 are outside)
+    assert missing_spans(range(1, 10), [12, 4, 0, 9, 3]) == [(1, 2), (5, 8)]
+    assert missing_spans(range(1, 4), [1, 2, 3]) == []
+    assert missing_spans(range(0), [1]) == []
+    assert missing_spans(range(5, 2**53), []) == [(5, 2**53 - 1)]
