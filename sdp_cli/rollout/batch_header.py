@@ -10,7 +10,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sdp_cli.errors import UserError
 
@@ -19,6 +19,10 @@ FORMAT_VERSION = 1
 #: a header longer than this is refused before it is read: a real one is a few kB, and parsing
 #: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
 MAX_HEADER_BYTES = 1024 * 1024
+#: a batch file larger than this is refused before it is read (docs/batch-format.md, "Limits"):
+#: the reader holds the whole file in memory, and sdp writes about 33 bytes per token plus 16
+#: per optional tensor, so 4 GiB is over 60 million tokens; a sparse file can claim terabytes
+MAX_BATCH_BYTES = 4 * 2**30
 REQUIRED_TENSORS = (
     "input_ids",
     "cu_seqlens",
@@ -89,8 +93,10 @@ def _refuse_foreign(where: str, head: bytes) -> None:
 
 
 def read_file(where: str, path: Path) -> tuple[bytes, int]:
-    """(the whole file, its header length), copied into memory once. Sizes are checked on the
-    first 8 bytes, before anything else is read or allocated."""
+    """(the whole file, its header length), copied into memory once. The file's size is checked
+    against ``MAX_BATCH_BYTES`` and the header length against the size on the first 8 bytes,
+    before anything else is read or allocated; a machine that lacks the memory for a file within
+    the limit gets one line too."""
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -104,6 +110,13 @@ def read_file(where: str, path: Path) -> tuple[bytes, int]:
             raise
         size = info.st_size
         with f:
+            if size > MAX_BATCH_BYTES:
+                raise BatchFormatError(
+                    where,
+                    f"is {size / 2**30:.1f} GiB, over the {MAX_BATCH_BYTES // 2**30} GiB limit on a batch file "
+                    "(docs/batch-format.md; a sparse or corrupt file can claim any size)",
+                    "split the batches (train.save_batches writes one file per step)",
+                )
             head = f.read(8)
             if not _looks_like_safetensors(head, size, f.read(1)):
                 _refuse_foreign(where, head)
@@ -125,11 +138,15 @@ def read_file(where: str, path: Path) -> tuple[bytes, int]:
                     f"is truncated: the header claims {header_len} bytes but {size - 8} follow",
                 )
             f.seek(0)
-            data = f.read(size + 1)
+            data = read_whole(f, size)
     except FileNotFoundError:
         raise BatchFormatError(where, "file not found", "check the path") from None
     except PermissionError:
         raise BatchFormatError(where, "permission denied", "check the file's permissions") from None
+    except MemoryError:
+        raise BatchFormatError(
+            where, f"not enough memory to read its {size / 2**20:.0f} MB", "free memory, or read fewer batches at once"
+        ) from None
     except OSError as err:
         raise BatchFormatError(
             where, f"cannot be read ({err.strerror or err})", "check the file"
@@ -141,6 +158,12 @@ def read_file(where: str, path: Path) -> tuple[bytes, int]:
             "read it again once the process writing it has finished",
         )
     return data, header_len
+
+
+def read_whole(f: BinaryIO, size: int) -> bytes:
+    """The rest of ``f``, at most ``size + 1`` bytes: one more than the size it had, so that a
+    file that grew while it was read is told from a whole one."""
+    return f.read(size + 1)
 
 
 def parse_header(where: str, data: bytes, header_len: int) -> tuple[dict[str, Any], int]:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save, save_file
 
 from sdp_cli.errors import UserError
-from sdp_cli.rollout import batch_file
+from sdp_cli.rollout import batch_file, batch_header
 from sdp_cli.rollout.batch_file import (
     BatchFormatError,
     SavedBatch,
@@ -552,3 +552,75 @@ def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
     assert proc.returncode == 0, f"the reader died with {proc.returncode} ({out!r})"
     ok, bad = map(int, out.split())
     assert ok + bad == 100 and ok > 0, (ok, bad)
+
+
+# ------------------------------------------------------------- sparse huge files (issue 24)
+def sparse_batch(path: Path, tokens: int) -> Path:
+    """A batch file whose header is consistent with ``tokens`` tokens in one sequence (every
+    required tensor, byte ranges laid end to end) and whose data is a hole: the file has the
+    size the header claims but takes a few kB on disk."""
+    entries, offset = {}, 0
+    for name, (dtype, itemsize) in [
+        ("input_ids", ("I64", 8)), ("cu_seqlens", ("I64", 8)), ("prompt_lens", ("I64", 8)),
+        ("old_logprobs", ("F32", 4)), ("versions", ("I64", 8)), ("proximal_logprobs_t", ("F32", 4)),
+        ("proximal_t_versions", ("I64", 8)),
+    ]:  # fmt: skip
+        n = {"cu_seqlens": 2, "prompt_lens": 1}.get(name, tokens)
+        entries[name] = {"dtype": dtype, "shape": [n], "data_offsets": [offset, offset + n * itemsize]}
+        offset += n * itemsize
+    entries["__metadata__"] = {
+        "format": "sdp-batch", "format_version": "1", "trainer_version": "1", "temperature": "1.0",
+        "model": "m", "mode": "decoupled", "sdp_version": "0",
+    }  # fmt: skip
+    header = json.dumps(entries).encode()
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(header)) + header)
+        fh.truncate(8 + len(header) + offset)
+    return path
+
+
+def test_a_sparse_64_gib_batch_is_refused_before_it_is_read(tmp_path):
+    """2³¹ tokens × (8 + 4 + 8 + 4 + 8 bytes) = 64 GiB of declared data in a 4 kB file: on main
+    the reader allocated the whole size (a MemoryError traceback in inspect-weights and
+    recompute). It is refused by its size, reading nothing past the first bytes."""
+    import tracemalloc
+
+    path = sparse_batch(tmp_path / "huge.safetensors", 2**31)
+    assert path.stat().st_size > 64 * 2**30 and path.stat().st_blocks * 512 < 2**20
+    tracemalloc.start()
+    started = time.perf_counter()
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)), message
+    assert f"over the {batch_header.MAX_BATCH_BYTES // 2**30} GiB limit" in message, message
+    assert peak < 2**20 and time.perf_counter() - started < 1.0, (peak, time.perf_counter() - started)
+
+
+def test_a_batch_just_over_the_limit_is_refused_and_one_at_it_is_measured_not_refused(tmp_path, monkeypatch):
+    """The limit is on the file's size: at the limit the file is read (here it then fails its
+    checks, its data being zeros), one byte more and it is refused unread."""
+    path = sparse_batch(tmp_path / "b.safetensors", 1000)
+    size = path.stat().st_size
+    monkeypatch.setattr(batch_header, "MAX_BATCH_BYTES", size - 1)
+    with pytest.raises(BatchFormatError, match="over the .* limit"):
+        read_batch(path)
+    monkeypatch.setattr(batch_header, "MAX_BATCH_BYTES", size)
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    assert "limit" not in str(err.value)  # read, then refused for its content (zero cu_seqlens)
+
+
+def test_not_enough_memory_to_read_a_batch_is_one_line(tmp_path, monkeypatch):
+    """Within the limit, a machine may still lack the memory: one line, not a MemoryError."""
+    path = tmp_path / "b.safetensors"
+    write_batch(path, good_batch())
+
+    def starved(f, size):
+        raise MemoryError
+
+    monkeypatch.setattr(batch_header, "read_whole", starved)
+    with pytest.raises(BatchFormatError, match="not enough memory to read its"):
+        read_batch(path)
