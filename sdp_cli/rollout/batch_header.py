@@ -20,8 +20,8 @@ FORMAT_VERSION = 1
 #: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
 MAX_HEADER_BYTES = 1024 * 1024
 #: a batch file larger than this is refused before it is read (docs/batch-format.md, "Limits"):
-#: the reader holds the whole file in memory, and sdp writes about 33 bytes per token plus 16
-#: per optional tensor, so 4 GiB is over 60 million tokens; a sparse file can claim terabytes
+#: the reader holds the whole file in memory, and sdp writes 33 to 45 bytes per token (with
+#: every optional tensor), so 4 GiB is over 90 million tokens; a sparse file can claim terabytes
 MAX_BATCH_BYTES = 4 * 2**30
 REQUIRED_TENSORS = (
     "input_ids",
