@@ -5,11 +5,19 @@ row 3``) goes into every error message about it, so a bad record is found in one
 that is not what its extension says (binary bytes in a .jsonl, a text file named .parquet) is
 refused in one line before anything else happens. Parquet needs pyarrow, the optional extra
 ``sdp-cli[parquet]``.
+
+Every record is checked where it enters, so that no record reaches the tokenizer or the warm
+start that would fail there (docs/tasks.md, "Limits on a record"): nesting at most
+``MAX_DEPTH`` deep, at most ``MAX_RECORD_CHARS`` characters of strings, no lone UTF-16
+surrogate (``"\ud800"`` is valid JSON but not text), and integers that Python converts (at most
+4300 digits). JSON lines end at ``\n`` only: U+2028 or U+0085 inside a string is text.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +27,15 @@ from sdp_cli.errors import UserError
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet")
 _PARQUET_MAGIC = b"PAR1"
+#: how deep a record may nest (the record's object is level 1): real records are a few levels
+#: deep, and Python's JSON parser and the reward pool's pickling recurse per level
+MAX_DEPTH = 64
+#: characters of strings (keys included) a record may hold: a prompt is tokenized whole and a
+#: warm start trains on it, so a 10 MB prompt failed there with an allocation error
+MAX_RECORD_CHARS = 1_000_000
+#: the characters of JSON's own whitespace; str.strip() would also take U+2028, U+0085, ...
+_JSON_SPACE = " \t\r"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -69,10 +86,61 @@ def _check_text(path: Path, data: bytes) -> str:
         raise UserError(f"{path}:{line}: not UTF-8 text; save the file as UTF-8") from None
 
 
+def _unreadable(where: str, err: ValueError | RecursionError, hint: str) -> UserError:
+    """Valid JSON that Python's parser cannot hold: nesting past its recursion limit, or an
+    integer past its digit limit (``sys.get_int_max_str_digits``)."""
+    if isinstance(err, RecursionError):
+        return UserError(f"{where}: the record is nested deeper than {MAX_DEPTH} levels; flatten it{hint}")
+    return UserError(
+        f"{where}: a number has more than {sys.get_int_max_str_digits()} digits, more than sdp reads; "
+        f"write it as a string{hint}"
+    )
+
+
 def _object(value: Any, where: str, hint: str) -> Record:
     if not isinstance(value, dict):
         raise UserError(f"{where}: a record must be a JSON object, got {type(value).__name__}{hint}")
+    check_values(value, where, hint)
     return Record(value, where)
+
+
+def check_values(record: dict[str, Any], where: str, hint: str = "") -> None:
+    """Refuse, in one line naming the top-level field: nesting deeper than ``MAX_DEPTH``, a
+    string (value or key) with a lone surrogate, more than ``MAX_RECORD_CHARS`` characters of
+    strings in all. Iterative, so a deep record costs no recursion."""
+    chars = 0
+    stack: list[tuple[Any, int, str]] = [(record, 1, "")]
+    while stack:
+        value, depth, field = stack.pop()
+        if depth > MAX_DEPTH and isinstance(value, (dict, list)):
+            raise UserError(f"{where}: field {field!r} is nested deeper than {MAX_DEPTH} levels; flatten it{hint}")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                name = field or str(key)
+                if isinstance(key, str):
+                    chars += len(key)
+                    _refuse_surrogates(key, where, name, hint)
+                stack.append((item, depth + 1, name))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, field) for item in value)
+        elif isinstance(value, str):
+            chars += len(value)
+            _refuse_surrogates(value, where, field, hint)
+    if chars > MAX_RECORD_CHARS:
+        raise UserError(
+            f"{where}: the record holds {chars} characters of text, over the {MAX_RECORD_CHARS} a record may "
+            f"have (docs/tasks.md); shorten or drop it (task.max_prompt_tokens drops long prompts only after "
+            f"they were read and tokenized){hint}"
+        )
+
+
+def _refuse_surrogates(text: str, where: str, field: str, hint: str) -> None:
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise UserError(
+            f"{where}: field {field!r} holds a lone surrogate (\\u{ord(found.group()):04x}), which is not text "
+            f"(a UTF-16 half, e.g. from a cut emoji); fix or drop the record{hint}"
+        )
 
 
 def _read_json(path: Path, hint: str, *, lines: bool) -> list[Record]:
@@ -83,16 +151,19 @@ def _read_json(path: Path, hint: str, *, lines: bool) -> list[Record]:
         return _read_array(path, text, start, decoder, hint)
     # JSON lines (also a .json file that is not an array: `datasets` writes JSON lines as .json)
     records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip(_JSON_SPACE):
             continue
+        where = f"{path}:{lineno}"
         try:
-            value, end = decoder.raw_decode(line, len(line) - len(line.lstrip()))
+            value, end = decoder.raw_decode(line, len(line) - len(line.lstrip(_JSON_SPACE)))
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg}, column {err.colno}){hint}") from None
-        if line[end:].strip():
-            raise UserError(f"{path}:{lineno}: more than one JSON value on the line; put one record per line")
-        records.append(_object(value, f"{path}:{lineno}", hint))
+            raise UserError(f"{where}: not valid JSON ({err.msg}, column {err.colno}){hint}") from None
+        except (ValueError, RecursionError) as err:
+            raise _unreadable(where, err, hint) from None
+        if line[end:].strip(_JSON_SPACE):
+            raise UserError(f"{where}: more than one JSON value on the line; put one record per line")
+        records.append(_object(value, where, hint))
     return records
 
 
@@ -117,6 +188,8 @@ def _read_array(path: Path, text: str, start: int, decoder: json.JSONDecoder, hi
                 value, end = decoder.raw_decode(text, index)
             except json.JSONDecodeError as err:
                 raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg}){hint}") from None
+            except (ValueError, RecursionError) as err:
+                raise _unreadable(f"{path}:{line_of(index)}", err, hint) from None
             records.append(_object(value, f"{path}:{line_of(index)}", hint))
             index = skip(end)
             if text[index : index + 1] == ",":
@@ -148,4 +221,4 @@ def _read_parquet(path: Path, hint: str) -> list[Record]:
     except Exception as err:  # pyarrow raises several unrelated types for a bad file
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(f"{path}: not a readable parquet file ({first}); re-write it, e.g. with pandas.to_parquet") from None
-    return [Record(row, f"{path} row {i + 1}") for i, row in enumerate(rows)]
+    return [_object(row, f"{path} row {i + 1}", hint) for i, row in enumerate(rows)]

@@ -101,3 +101,75 @@ def test_unicode_and_nested_fields_survive(tmp_path):
     record = {"prompt": [{"role": "user", "content": "Grüße"}], "meta": {"x": [1, 2]}}
     path.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
     assert read_records(path)[0].data == record
+
+
+# ------------------------------------------------------ deep, huge and odd records (issue 24)
+def _deep(depth: int) -> str:
+    return '{"prompt": "q", "answer": "1", "x": ' + "[" * depth + "]" * depth + "}"
+
+
+ODD = [
+    # on main: RecursionError from the JSON parser
+    ("d.jsonl", '{"prompt": "q", "answer": "1"}\n' + _deep(100_000) + "\n", ["d.jsonl:2:", "nested deeper than"]),
+    ("d.json", '[{"prompt": "q", "answer": "1"},\n' + _deep(100_000) + "]\n", ["d.json:2:", "nested deeper than"]),
+    # deep enough to parse, deeper than the documented limit (the parser's own limit is ~1000)
+    ("d.jsonl", _deep(200) + "\n", ["d.jsonl:1:", "nested deeper than 64"]),
+    # on main: ValueError (Python refuses to convert integers of more than 4300 digits)
+    ("d.jsonl", '{"prompt": "q", "answer": ' + "9" * 5000 + "}\n", ["d.jsonl:1:", "more than 4300 digits"]),
+    ("d.json", '[{"prompt": "q", "answer": ' + "9" * 5000 + "}]\n", ["d.json:1:", "more than 4300 digits"]),
+    # on main: accepted, then a TypeError in the tokenizer (warm start, --show-prompts)
+    ("d.jsonl", '{"prompt": "q\\ud800", "answer": "1"}\n', ["d.jsonl:1:", "field 'prompt'", "lone surrogate"]),
+    ("d.jsonl", '{"prompt": "q", "answer": "1\\udc00"}\n', ["d.jsonl:1:", "field 'answer'", "lone surrogate"]),
+    ("d.jsonl", '{"prompt": "q", "meta": {"\\udfff": 1}}\n', ["d.jsonl:1:", "field 'meta'", "lone surrogate"]),
+    # on main: accepted, then an allocation error in the warm start; 13 characters × 800000
+    # + "prompt" (6) + "answer" (6) + "2" (1) = 10400013 characters of text
+    ("d.jsonl", json.dumps({"prompt": "What is 1+1? " * 800_000, "answer": "2"}) + "\n",
+     ["d.jsonl:1:", "holds 10400013 characters", "over the 1000000"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "content", "fragments"), ODD, ids=[f"{n}-{f[-1]}" for n, _, f in ODD])
+def test_deep_huge_and_odd_records_are_one_line(tmp_path, name, content, fragments):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8", errors="surrogatepass")
+    with pytest.raises(UserError) as err:
+        read_records(path)
+    message = _one_line(err)
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_the_limits_themselves_are_accepted(tmp_path):
+    """64 levels of nesting (the record's object is level 1) and 1,000,000 characters of strings
+    in a record (keys included) are read."""
+    from sdp_cli.tasks.datafile import MAX_DEPTH, MAX_RECORD_CHARS
+
+    path = tmp_path / "d.jsonl"
+    deep = {"p": "x"}
+    for _ in range(MAX_DEPTH - 2):
+        deep = {"p": deep}
+    big = {"prompt": "y" * (MAX_RECORD_CHARS - len("prompt"))}
+    path.write_text(json.dumps({"x": deep}) + "\n" + json.dumps(big) + "\n")
+    assert [r.where for r in read_records(path)] == [f"{path}:1", f"{path}:2"]
+    path.write_text(json.dumps({"x": {"p": deep}}) + "\n")
+    with pytest.raises(UserError, match="nested deeper than 64"):
+        read_records(path)
+    path.write_text(json.dumps({"prompt": "y" * (MAX_RECORD_CHARS - len("prompt") + 1)}) + "\n")
+    with pytest.raises(UserError, match="1000001 characters"):
+        read_records(path)
+
+
+def test_line_separators_inside_strings_are_text_not_line_breaks(tmp_path):
+    """U+2028, U+2029 and U+0085 are valid inside a JSON string; only \\n ends a JSON line (on
+    main, str.splitlines split the record there: refused, and later line numbers shifted)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a\u2028b", "answer": "1"}\r\n{"prompt": "c\u0085d\u2029"}\n\n{"q": 3}\n', encoding="utf-8")
+    records = read_records(path)
+    assert [(r.data, r.where) for r in records] == [
+        ({"prompt": "a\u2028b", "answer": "1"}, f"{path}:1"),
+        ({"prompt": "c\u0085d\u2029"}, f"{path}:2"),
+        ({"q": 3}, f"{path}:4"),  # line 3 is blank; the line numbers are the file's
+    ]
+    path.write_text('{"q": 1}\n\u2028{"q": 2}\n', encoding="utf-8")  # outside a string: not JSON
+    with pytest.raises(UserError, match="d.jsonl:2: not valid JSON"):
+        read_records(path)

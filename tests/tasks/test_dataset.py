@@ -206,3 +206,20 @@ def test_require_answers_names_the_record(tmp_path):
     with pytest.raises(UserError) as err:
         task.require_answers("the warm start imitates")
     assert "d.jsonl:1: no field 'answer'" in _one_line(err)
+
+
+def test_show_prompts_refuses_a_lone_surrogate_in_one_line(tmp_path, capsys, monkeypatch):
+    """On main the record was accepted and the tokenizer raised a TypeError traceback in
+    `sdp train --show-prompts` (and in the warm start); it is refused where the file is read."""
+    from sdp_cli.cli.main import main
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "q\\ud83d", "answer": "3"}\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main(["train", "task=dataset", f"task.path={path}", "task.reward=final_number", "--show-prompts", "2"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert err.strip() == f"error: {path}:2: field 'prompt' holds a lone surrogate (\\ud83d), which is not text " \
+        "(a UTF-16 half, e.g. from a cut emoji); fix or drop the record", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]  # nothing written
