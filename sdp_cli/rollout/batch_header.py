@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 #: a header longer than this is refused before it is read: a real one is a few kB, and parsing
 #: an adversarial 100 MB header (safetensors' own limit) takes seconds and gigabytes
 MAX_HEADER_BYTES = 1024 * 1024
-#: a batch file larger than this is refused before it is read (docs/batch-format.md, "Limits"):
+#: a batch file larger than this is refused before it is read (docs/batch-format.md, "Validation"):
 #: the reader holds the whole file in memory, and sdp writes 33 to 45 bytes per token (with
 #: every optional tensor), so 4 GiB is over 90 million tokens; a sparse file can claim terabytes
 MAX_BATCH_BYTES = 4 * 2**30
