@@ -3,7 +3,8 @@
 The lock belongs to the open file, so the kernel releases it when the holder exits, however it
 exits (``kill -9`` included): a crash never leaves a stale lock, and the file itself may stay.
 The holder writes its PID into the file so that a refused process can name it
-(docs/reliability.md, "One process per directory"). Torch-free.
+(docs/reliability.md, "One process per directory"). The file is never opened through a symbolic
+link, nor when it is a FIFO or another special file (``fileio.open_fd_in_place``). Torch-free.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from sdp_cli.errors import UserError
+from sdp_cli.fileio import open_fd_in_place
 
 LOCK_NAME = ".lock"
 
@@ -33,7 +35,7 @@ class DirectoryLock:
         holds it. ``what`` names the directory in the message ("run directory")."""
         path = Path(directory) / LOCK_NAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_fd_in_place(path, os.O_RDWR | os.O_CREAT)
         except OSError as err:
             raise UserError(f"{what} {directory}: cannot create its lock file ({err.strerror})") from None
         try:

@@ -9,6 +9,13 @@ crash. A reader therefore sees the old file or the new one, never a partial one.
 A command's output files (``--plot``, ``--dump-weights``, ``-o``) go through one
 :class:`OutputPlan`: declared and checked before any work (docs/reliability.md, "Outputs"),
 then written together at the end, all of them or none.
+
+Files sdp writes in place inside a run or sweep directory (the lock, the JSON-lines logs, a
+server's log) are opened with :func:`open_in_place`: never through a symbolic link, and only
+when they are regular files with one name; :func:`check_tree` refuses a directory that holds a
+link or a special file before anything is written in it (docs/reliability.md, "Links and
+special files in a run directory"). An atomic write replaces a link by its rename and never
+writes through it.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from sdp_cli.errors import UserError
 
@@ -128,6 +135,111 @@ def json_document(doc: Any) -> str:
     """``doc`` as indented JSON that every parser accepts (``--json`` of every command): a
     non-finite number (NaN, ±inf: not JSON) becomes null, "no defined value"."""
     return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+# ---------------------------------------------------------------- files written in place
+#: what a name in a run directory may not be, by ``stat.S_IFMT``
+_KIND_NAMES = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+#: never follow a link at the last component; never wait on a FIFO while opening
+_IN_PLACE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+#: ``open_in_place`` modes: what each opens
+_MODES = {
+    "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "r+b": os.O_RDWR,
+    "rw+": os.O_RDWR | os.O_CREAT,
+}
+
+
+def _kind(mode: int) -> str:
+    return _KIND_NAMES.get(stat.S_IFMT(mode), "a special file")
+
+
+def _refusal(path: Path, info: os.stat_result) -> str | None:
+    """Why sdp must not write ``path`` in place (None: it may): a link, not a regular file, or
+    a file with a second name (a hard link: the write would change that one too)."""
+    if not stat.S_ISREG(info.st_mode):
+        fix = "remove it" if stat.S_ISLNK(info.st_mode) else "move it away"
+        return f"{path} is {_kind(info.st_mode)}, not a regular file; sdp never writes through it: {fix}"
+    if info.st_nlink > 1:
+        return (
+            f"{path} has {info.st_nlink} hard links: writing it would change the other names too; "
+            "replace it with a copy of its own (cp, not cp -l)"
+        )
+    return None
+
+
+def refuse_in_place(path: Path) -> None:
+    """Refuse, in one line, a ``path`` that exists and that :func:`open_fd_in_place` would
+    refuse to open (a check before anything is written; the open checks again)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    problem = _refusal(Path(path), info)
+    if problem is not None:
+        raise UserError(problem)
+
+
+def open_fd_in_place(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags)`` refusing, in one line, a symbolic link (``O_NOFOLLOW``), a FIFO,
+    device, socket or directory (``O_NONBLOCK`` keeps a FIFO from blocking the open; ``fstat``
+    then checks the file itself) and a hard-linked file. Returns a blocking descriptor; any
+    other failure (permissions, a missing directory) is the ``OSError`` of ``os.open``."""
+    path = Path(path)
+    try:
+        fd = os.open(path, flags | _IN_PLACE_FLAGS, mode)
+    except OSError:
+        refuse_in_place(path)  # a link (ELOOP), a FIFO without reader (ENXIO), a directory, ...
+        raise
+    try:
+        problem = _refusal(path, os.fstat(fd))
+        if problem is not None:
+            raise UserError(problem)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_in_place(path: Path, mode: str) -> IO[Any]:
+    """A file sdp writes in place inside a run or sweep directory, opened as
+    :func:`open_fd_in_place` allows: ``a`` (text, appended, line-buffered), ``ab`` (appended),
+    ``r+b`` (an existing file, read and written) or ``rw+`` (the same, created if missing)."""
+    fd = open_fd_in_place(path, _MODES[mode])
+    if mode == "a":
+        return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+    return os.fdopen(fd, "ab" if mode == "ab" else "r+b")
+
+
+def check_tree(root: Path, *, skip: Iterable[str] = ()) -> None:
+    """Refuse, in one line, a directory tree in which sdp is about to write that holds a
+    symbolic link or anything but regular files and directories: it would write through it or
+    wait on it. Directories named in ``skip`` (``wandb``, whose files W&B manages and links)
+    are checked themselves but not entered. ``root`` itself may be a link (the user named it)."""
+    skipped = set(skip)
+    pending = [Path(root)]
+    while pending:
+        directory = pending.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError as err:
+            raise UserError(f"{directory}: cannot be listed ({err.strerror}); check its permissions") from None
+        for entry in entries:
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                if entry.name not in skipped:
+                    pending.append(Path(entry.path))
+            elif not stat.S_ISREG(info.st_mode):
+                raise UserError(_refusal(Path(entry.path), info) or f"{entry.path}: not a regular file")
 
 
 # ----------------------------------------------------------------------- command outputs

@@ -44,6 +44,8 @@ STEP_GLOB = "step-*"
 VERSION_GLOB = "v*"
 #: the directory in ``versions/`` that holds the base model of LoRA adapter versions
 VERSION_BASE = "base"
+#: the directory W&B writes in a run: its files, links among them, are W&B's own
+WANDB = "wandb"
 _STEP_NAME = re.compile(r"^step-(\d+)$")
 _VERSION_NAME = re.compile(r"^v(\d+)$")
 

@@ -153,3 +153,96 @@ def test_a_name_of_the_maximum_length_can_be_written(tmp_path):
     out = plan.add(tmp_path / name, "--plot")
     plan.commit({out: b"y"})
     assert (tmp_path / name).read_bytes() == b"y" and len(list(tmp_path.iterdir())) == 1
+
+
+# -------------------------------------------------- files written in place (issue 24 item 15)
+def _special(tmp_path, kind):
+    """A name in tmp_path that is not a plain file of its own, and a file outside it that a
+    write through it would change."""
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"keep me\n")
+    path = tmp_path / "log.jsonl"
+    if kind == "symbolic link":
+        path.symlink_to(outside)
+    elif kind == "dangling symbolic link":
+        path.symlink_to(tmp_path / "nowhere.txt")
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "hard link":
+        os.link(outside, path)
+    return path, outside
+
+
+IN_PLACE_REFUSALS = [
+    ("symbolic link", "is a symbolic link, not a regular file; sdp never writes through it: remove it"),
+    ("dangling symbolic link", "is a symbolic link, not a regular file"),
+    ("FIFO", "is a FIFO, not a regular file; sdp never writes through it: move it away"),
+    ("directory", "is a directory, not a regular file"),
+    ("hard link", "has 2 hard links: writing it would change the other names too"),
+]
+
+
+@pytest.mark.parametrize("kind,fragment", IN_PLACE_REFUSALS, ids=[k for k, _ in IN_PLACE_REFUSALS])
+@pytest.mark.parametrize("mode", ["a", "ab", "r+b", "rw+"])
+def test_open_in_place_refuses_what_is_not_a_plain_file_and_writes_nothing(tmp_path, kind, fragment, mode):
+    path, outside = _special(tmp_path, kind)
+    with pytest.raises(UserError) as err:
+        fileio.open_in_place(path, mode)
+    assert str(err.value).startswith(f"{path} ") and fragment in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+    assert outside.read_bytes() == b"keep me\n" and not (tmp_path / "nowhere.txt").exists()
+    with pytest.raises(UserError, match=fragment.split(";")[0]):
+        fileio.refuse_in_place(path)  # the check before anything is written says the same
+
+
+def test_open_in_place_appends_to_and_creates_plain_files(tmp_path):
+    path = tmp_path / "log.jsonl"
+    with fileio.open_in_place(path, "a") as fh:  # created
+        fh.write("one\n")
+    with fileio.open_in_place(path, "ab") as fh:
+        fh.write(b"two\n")
+    with fileio.open_in_place(path, "r+b") as fh:
+        assert fh.read() == b"one\ntwo\n"
+        fh.truncate(4)
+    assert path.read_bytes() == b"one\n"
+    fileio.refuse_in_place(path)  # a plain file passes
+    fileio.refuse_in_place(tmp_path / "missing")  # so does a name that is not there
+    with pytest.raises(FileNotFoundError):  # r+b creates nothing
+        fileio.open_in_place(tmp_path / "missing", "r+b")
+
+
+def test_a_blocking_descriptor_comes_back(tmp_path):
+    fd = fileio.open_fd_in_place(tmp_path / "x", os.O_RDWR | os.O_CREAT)
+    try:
+        assert os.get_blocking(fd)  # O_NONBLOCK served the open only
+    finally:
+        os.close(fd)
+
+
+def test_check_tree_finds_a_link_or_special_file_at_any_depth(tmp_path):
+    root = tmp_path / "run"
+    (root / "checkpoints" / "step-000001" / "policy").mkdir(parents=True)
+    (root / "metrics.jsonl").write_text("{}\n")
+    (root / "wandb").mkdir()
+    (root / "wandb" / "latest-run").symlink_to(root / "wandb")  # W&B's own link: skipped
+    fileio.check_tree(root, skip=("wandb",))
+    deep = root / "checkpoints" / "step-000001" / "policy" / "model.safetensors"
+    deep.symlink_to(tmp_path)
+    with pytest.raises(UserError, match=f"^{deep} is a symbolic link"):
+        fileio.check_tree(root, skip=("wandb",))
+    deep.unlink()
+    os.mkfifo(root / "events.jsonl")
+    with pytest.raises(UserError, match="events.jsonl is a FIFO"):
+        fileio.check_tree(root, skip=("wandb",))
+    (root / "events.jsonl").unlink()
+    (root / "wandb").rename(root / "w")
+    (root / "wandb").symlink_to(root / "w")  # a skipped name is still checked itself
+    with pytest.raises(UserError, match="wandb is a symbolic link"):
+        fileio.check_tree(root, skip=("wandb",))
+    (root / "wandb").unlink()
+    (root / "w").rename(root / "wandb")
+    linked_root = tmp_path / "alias"
+    linked_root.symlink_to(root)
+    fileio.check_tree(linked_root, skip=("wandb",))  # the root itself may be a link

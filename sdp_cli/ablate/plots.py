@@ -15,12 +15,14 @@ slightly along η so that their bars do not overlap.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sdp_cli.ablate.records import Curves, GroupRow, shadows
 from sdp_cli.ablate.stats import ModeComparison
+from sdp_cli.fileio import atomic_write_bytes
 
 #: line styles of the shadow weights, in ``records.shadows`` order (decoupled, segment-wise,
 #: drift-clipped, then any registered mode)
@@ -82,9 +84,12 @@ def _colours(labels: Sequence[str]) -> dict[str, Any]:
 
 
 def _save(fig: Any, path: Path) -> Path:
+    """The figure as a PNG, written by a rename (never through a link in the sweep directory)."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
     _pyplot().close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
     return path
 
 

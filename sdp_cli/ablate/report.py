@@ -56,6 +56,7 @@ from sdp_cli.ablate.comparison import (
     comparisons_csv,
 )
 from sdp_cli.ablate.stats import ModeComparison, compare_modes
+from sdp_cli.fileio import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -394,18 +395,20 @@ def write_report(sweep_dir: Path, *, plots: bool = True, against: Sequence[str] 
     check_against((g.mode for g in groups), against)
     csv_path = sweep_dir / "summary.csv"
     md_path = sweep_dir / "summary.md"
-    csv_path.write_text(to_csv(groups))
+    # renames, never writes through a link (docs/reliability.md, "Links and special files in a run directory")
+    atomic_write_text(csv_path, to_csv(groups))
     comparisons = compare_modes(groups, against=against)
     extra_paths = [sweep_dir / "comparison.csv", sweep_dir / "runs.csv"]
-    extra_paths[0].write_text(comparisons_csv(comparisons))
-    extra_paths[1].write_text(runs_csv(sweep.records))
+    atomic_write_text(extra_paths[0], comparisons_csv(comparisons))
+    atomic_write_text(extra_paths[1], runs_csv(sweep.records))
     common = (
         f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
     )
-    md_path.write_text(
+    atomic_write_text(
+        md_path,
         f"# sdp ablate: {sweep_dir.name}\n\n{common}"
         "mean ± sample std over seeds (n runs per row).\n\n"
-        f"{to_markdown(groups, against)}"
+        f"{to_markdown(groups, against)}",
     )
     written: list[Path] = []
     if plots and groups:

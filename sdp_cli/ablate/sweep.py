@@ -35,7 +35,8 @@ from typing import Any
 
 from sdp_cli.config.compose import ConfigSource
 from sdp_cli.errors import Interrupted, UserError
-from sdp_cli.rundir import RunDir
+from sdp_cli.fileio import atomic_write_text, check_tree, open_fd_in_place
+from sdp_cli.rundir import WANDB, RunDir
 
 SWEEP_GROUP = "ablate"
 APP_MODULE = "sdp_cli.ablate.app"
@@ -373,7 +374,8 @@ def run_sweep(plan: SweepPlan) -> int:
 
         def forward(signum: int) -> None:
             received.append(signum)
-            marker.touch()  # a launcher with a pool (joblib) would start the next jobs
+            # a launcher with a pool (joblib) would start the next jobs
+            os.close(open_fd_in_place(marker, os.O_WRONLY | os.O_CREAT))
             with suppress(ProcessLookupError):
                 os.killpg(process.pid, signum)
 
@@ -476,7 +478,13 @@ def write_plan(plan: SweepPlan) -> Path:
         "axes": plan.axes,
         "runs": [job.name for job in plan.jobs],
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")  # a rename: never through a link
     return path
+
+
+def check_sweep_dir(sweep_dir: Path) -> None:
+    """Refuse, in one line, a sweep directory that holds a symbolic link or a special file
+    anywhere (its runs included; W&B's own directories aside): sdp ablate and its runs would
+    write through it (docs/reliability.md, "Links and special files in a run directory")."""
+    if sweep_dir.is_dir():
+        check_tree(sweep_dir, skip=(WANDB,))

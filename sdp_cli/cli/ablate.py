@@ -106,11 +106,15 @@ def ablate_command(
                 "--report only aggregates an existing sweep; "
                 "drop the sweep name, overrides and other options"
             )
+        from sdp_cli.ablate.sweep import check_sweep_dir
+
+        check_sweep_dir(report)
         _print_report(report, plots=not no_plots, against=_modes(against))
         return
 
     from sdp_cli.ablate.comparison import check_against
     from sdp_cli.ablate.sweep import (
+        check_sweep_dir,
         plan_sweep,
         prune_checkpoints,
         run_sweep,
@@ -132,6 +136,7 @@ def ablate_command(
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     # one sweep process per sweep directory: its jobs would otherwise train the same runs twice
     with DirectoryLock.acquire(plan.sweep_dir, "sweep directory"):
+        check_sweep_dir(plan.sweep_dir)  # links and special files: before anything is written
         write_plan(plan)
         code = run_sweep(plan)
         pruned = 0 if keep_checkpoints else prune_checkpoints(plan)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from sdp_cli.engine.base import EngineUnavailable
+from sdp_cli.fileio import open_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,8 @@ class ManagedServer:
             "starting %s: %s (log: %s)", spec.label, self._redacted(spec.command), spec.log_path
         )
         env = {**os.environ, **spec.env}
-        with open(spec.log_path, "ab") as log:
+        # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
+        with open_in_place(spec.log_path, "ab") as log:
             try:
                 # Its own session, so stop() can end the server's worker processes too.
                 self._process = subprocess.Popen(

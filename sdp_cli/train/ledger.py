@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.fileio import fsync_directory
+from sdp_cli.fileio import fsync_directory, open_in_place
 
 EVENTS = ("consumed", "dropped", "rejected", "abandoned")
 
@@ -47,7 +47,7 @@ class LedgerLog:
     def __init__(self, path: Path, *, truncate_to: int | None = None):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._fh = open(self.path, "ab")
+        self._fh = open_in_place(self.path, "ab")
         if truncate_to is not None and self._fh.tell() > truncate_to:
             self._fh.truncate(truncate_to)
             self._fh.seek(truncate_to)

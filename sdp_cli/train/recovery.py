@@ -5,11 +5,16 @@ event, and weight directories whose writing was killed (``.v*`` temporaries). Be
 ``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
 deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
 (sdp_cli/train/checkpoint.py).
+
+Before a resume writes anything, ``check_run_files`` refuses a run directory that holds a
+symbolic link or a special file, a hard-linked log, and logs damaged before their torn tail
+(docs/reliability.md, "Links and special files in a run directory" and "Damaged logs").
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -20,9 +25,11 @@ from typing import Any
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError
-from sdp_cli.rundir import RunDir, step_dirs
+from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
+from sdp_cli.rundir import WANDB, RunDir, step_dirs
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.reporting import EventLog
+from sdp_cli.train.trackers import saved_ids
 
 #: events that end a session; a resume after any other last event follows a crash
 END_EVENTS = ("stopped", "interrupted", "aborted", "finished")
@@ -88,7 +95,7 @@ def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
         made = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"  # a read-only file system or directory fails here, not later
-        probe.write_bytes(b"")
+        os.close(open_fd_in_place(probe, os.O_WRONLY | os.O_CREAT))
         probe.unlink()
     except OSError as err:
         raise UserError(
@@ -101,31 +108,72 @@ def read_overrides(path: Path) -> list[str]:
     """The overrides a run was started with (``overrides.json``), checked to be what sdp wrote."""
     try:
         overrides = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise UserError(f"{path} cannot be read ({err}); it must hold the JSON list sdp wrote there") from None
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise UserError(f"{path} is not a JSON list of overrides; restore the one sdp wrote there")
     return overrides
 
 
-def _drop_torn_line(path: Path) -> None:
-    """Cut the tail a crash tore from an append-only JSON-lines log: a last line without its
-    newline, then trailing lines that are not JSON (a half-written line that got its newline,
-    the zeros a lost page leaves). Lines before the tail are left as they are."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
+def whole_prefix(data: bytes) -> int:
+    """The length of ``data`` without the tail a crash tore from an append-only JSON-lines log:
+    a last line without its newline, then trailing lines that are not JSON (a half-written line
+    that got its newline, the zeros a lost page leaves). Lines before the tail are kept as
+    they are."""
     keep = data.rfind(b"\n") + 1 if data and not data.endswith(b"\n") else len(data)
     while keep > 0:
         start = data.rfind(b"\n", 0, keep - 1) + 1
         try:
             json.loads(data[start:keep])
             break
-        except ValueError:  # also UnicodeDecodeError
+        except (ValueError, RecursionError):  # also UnicodeDecodeError
             keep = start
-    if keep != len(data):
-        with open(path, "r+b") as fh:
+    return keep
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut the torn tail (:func:`whole_prefix`) of a log that :func:`check_run_files` passed."""
+    if not path.is_file():
+        return
+    with open_in_place(path, "r+b") as fh:
+        data = fh.read()
+        keep = whole_prefix(data)
+        if keep != len(data):
             fh.truncate(keep)
+
+
+def check_run_files(run_dir: RunDir) -> None:
+    """Everything a resume reads or writes in place, checked before it writes anything (one
+    ``UserError`` line each): no symbolic link or special file anywhere in the run directory
+    (``wandb/`` is W&B's own), the lock and the logs regular files of one name, every line of
+    ``metrics.jsonl`` and ``events.jsonl`` before its torn tail a JSON object (a metrics row
+    with an integer ``step``), and ``trackers.json`` what sdp wrote. The ledger is checked
+    against its checkpoint (sdp_cli/train/resume_check.py)."""
+    check_tree(run_dir.path, skip=(WANDB,))
+    for path in (run_dir.lock, run_dir.metrics, run_dir.events, run_dir.ledger):
+        refuse_in_place(path)
+    for path, row in ((run_dir.metrics, "a metrics row"), (run_dir.events, "an event")):
+        if path.is_file():
+            _check_log(path, row)
+    if run_dir.trackers.exists():
+        saved_ids(run_dir.trackers)
+
+
+def _check_log(path: Path, row: str) -> None:
+    data = path.read_bytes()
+    fix = "fix or delete that line, then resume again (this resume changed nothing)"
+    for number, line in enumerate(data[: whole_prefix(data)].split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):  # also UnicodeDecodeError
+            raise UserError(f"{path}: line {number} is not JSON (damaged); {fix}") from None
+        if not isinstance(value, dict):
+            raise UserError(f"{path}: line {number} is {type(value).__name__}, not {row} (damaged); {fix}")
+        step = value.get("step")
+        if row == "a metrics row" and (type(step) is not int or step < 0):
+            raise UserError(f"{path}: line {number} has step {json.dumps(step)[:40]}, not a step number (damaged); {fix}")
 
 
 def _last_event(path: Path) -> dict[str, Any] | None:

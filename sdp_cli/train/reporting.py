@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from sdp_cli.fileio import atomic_write_text, open_in_place
 from sdp_cli.redact import redact_urls
 
 
@@ -20,18 +21,19 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends one JSON object per step; on resume, drops lines past the checkpoint step."""
+    """Appends one JSON object per step; on resume, drops lines past the checkpoint step (the
+    lines were checked by ``sdp_cli.train.recovery.check_run_files``; the rewrite is a rename,
+    so it never writes through a link)."""
 
     def __init__(self, path: Path, *, resume_step: int | None = None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._fh: TextIO = open(path, "a", buffering=1)
+            with open_in_place(path, "r+b") as fh:
+                lines = [line for line in fh.read().decode().split("\n") if line.strip()]
+            kept = [line for line in lines if json.loads(line)["step"] <= resume_step]
+            if kept != lines:
+                atomic_write_text(path, "".join(line + "\n" for line in kept))
+        self._fh: TextIO = open_in_place(path, "a")  # type: ignore[assignment]
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, "time": time.time(), **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
@@ -45,7 +47,7 @@ class EventLog:
     """Human-meaningful events with timestamps, appended and flushed immediately."""
 
     def __init__(self, path: Path):
-        self._fh: TextIO = open(path, "a", buffering=1)
+        self._fh: TextIO = open_in_place(path, "a")  # type: ignore[assignment]
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"time": time.time(), "event": event, **fields}, default=str)

@@ -27,7 +27,14 @@ from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.checkpoint import Checkpoint
-from sdp_cli.train.recovery import OwnedRunDir, announce_resume_point, make_run_dir, read_overrides, resume_point
+from sdp_cli.train.recovery import (
+    OwnedRunDir,
+    announce_resume_point,
+    check_run_files,
+    make_run_dir,
+    read_overrides,
+    resume_point,
+)
 from sdp_cli.train.resume_check import read_for_resume, refuse_structural_changes, write_identity
 from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trackers import active_trackers, check_installed
@@ -135,6 +142,7 @@ def open_run(
             found = resume_point(run_dir)  # nothing to resume from: one line, before any output
             if coordinator.is_main:
                 owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
+            check_run_files(run_dir)  # links, special files, damaged logs: before anything is written
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)

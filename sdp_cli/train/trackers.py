@@ -277,7 +277,7 @@ def open_trackers(
     W&B and MLflow runs recorded in ``trackers.json`` and purges TensorBoard after that step.
     A tracker that cannot start is a one-line UserError (nothing has been trained yet)."""
     check_installed(names)
-    saved = _read_ids(run_dir.trackers) if resume_step is not None else {}
+    saved = saved_ids(run_dir.trackers) if resume_step is not None else {}
     safe = redacted_config(config)
     opened: list[Tracker] = []
     try:
@@ -318,13 +318,13 @@ _HINTS = {
 }
 
 
-def _read_ids(path: Path) -> dict[str, str]:
+def saved_ids(path: Path) -> dict[str, str]:
     """Tracker run ids saved by an earlier session ({} when there are none)."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
         raise UserError(f"{path} is unreadable ({err}); delete it to start new tracker runs") from None
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise UserError(f"{path} is not a JSON object of run ids; delete it to start new tracker runs")

@@ -267,3 +267,118 @@ def test_a_torn_ledger_tail_is_repaired_at_resume(trained, tmp_path):
     final = ckpt.read_checkpoint(ckpt.find_latest(RunDir(run_dir).checkpoints))
     result = audit(RunDir(run_dir).ledger, final.state["loop"], GROUP_SIZE)
     assert result.ok, result
+
+
+# ------------------------------------------------- links and special files in the run (issue 24)
+def _outside(tmp_path, name, content=b"a file of the user's, outside the run\n"):
+    path = tmp_path / "elsewhere" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+def _entries(run_dir):
+    """Every entry of the run as (kind, bytes of a regular file), read without following links
+    or opening special files (a FIFO would block a reader)."""
+    import os
+    import stat as st
+
+    out = {}
+    for path in sorted(run_dir.rglob("*")):
+        info = os.lstat(path)
+        kind = "link" if st.S_ISLNK(info.st_mode) else "dir" if st.S_ISDIR(info.st_mode) else "file" if st.S_ISREG(info.st_mode) else "special"
+        out[str(path.relative_to(run_dir))] = (kind, path.read_bytes() if kind == "file" and path.name != ".lock" else None)
+    return out
+
+
+def refused_unchanged(run_dir, *extra, match, outside=()):
+    """Resume is refused in one line matching ``match``; the run and the files ``outside`` it
+    are as they were."""
+    before, around = _entries(run_dir), {p: p.read_bytes() for p in outside}
+    with pytest.raises(UserError) as err:
+        resume(run_dir, *extra)
+    message = str(err.value)
+    assert "\n" not in message and match in message, message
+    assert _entries(run_dir) == before, "a refused resume changed the run directory"
+    assert {p: p.read_bytes() for p in outside} == around, "a refused resume wrote outside the run"
+    return message
+
+
+def test_a_lock_file_linked_outside_the_run_is_never_written_through(trained, tmp_path):
+    """On main the lock was opened through the link: the file outside was truncated and got
+    the PID, even though the resume was then refused (here by a structural override)."""
+    run_dir = _copy(trained, tmp_path)
+    target = _outside(tmp_path, "notes.txt")
+    (run_dir / ".lock").unlink(missing_ok=True)
+    (run_dir / ".lock").symlink_to(target)
+    message = refused_unchanged(run_dir, "rollout.group_size=2", match=".lock is a symbolic link", outside=[target])
+    assert message.startswith(f"{run_dir}/.lock is a symbolic link"), message
+
+
+def test_a_lock_file_linked_to_another_runs_ledger_leaves_that_run_resumable(trained, twin, tmp_path):
+    run_dir = _copy(trained, tmp_path)
+    other = _copy(twin, tmp_path / "other")
+    (run_dir / ".lock").unlink(missing_ok=True)
+    (run_dir / ".lock").symlink_to(other / "ledger.jsonl")
+    refused_unchanged(run_dir, "train.steps=3", match="is a symbolic link", outside=[other / "ledger.jsonl"])
+    assert resume(other, "train.steps=3")["steps"] == 3  # on main: its ledger held a PID
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "events.jsonl", "ledger.jsonl"])
+def test_a_log_linked_outside_the_run_is_refused_and_its_target_kept(trained, tmp_path, name):
+    """On main an accepted resume rewrote metrics.jsonl's target (and appended to the targets
+    of events and ledger)."""
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)  # a resume that went on would cut them: refused, they stay
+    target = _outside(tmp_path, name, (run_dir / name).read_bytes())
+    (run_dir / name).unlink()
+    (run_dir / name).symlink_to(target)
+    refused_unchanged(run_dir, "train.steps=3", match=f"{name} is a symbolic link", outside=[target])
+
+
+@pytest.mark.parametrize("name", ["checkpoints", "weights", "tensorboard"])
+def test_a_directory_linked_outside_the_run_is_refused(trained, tmp_path, name):
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)
+    target = tmp_path / "elsewhere" / name
+    if (run_dir / name).is_dir():
+        shutil.move(run_dir / name, target)
+    else:
+        target.mkdir(parents=True)
+    (run_dir / name).symlink_to(target, target_is_directory=True)
+    refused_unchanged(run_dir, "train.steps=3", match=f"{name} is a symbolic link")
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "events.jsonl"])
+def test_a_fifo_in_place_of_a_run_file_is_one_line(trained, tmp_path, name):
+    """On main a FIFO named .lock was a traceback, and a FIFO metrics.jsonl or events.jsonl
+    blocked the resume for ever (reading a FIFO waits for a writer): 20 s fail the test."""
+    import os
+    import signal
+
+    def blocked(*_):
+        raise TimeoutError(f"the resume waited on the FIFO {name}")
+
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)
+    (run_dir / name).unlink(missing_ok=True)
+    os.mkfifo(run_dir / name)
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)
+    try:
+        refused_unchanged(run_dir, "train.steps=3", match=f"{name} is a FIFO, not a regular file")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_hard_linked_ledger_is_refused(trained, tmp_path):
+    """A hard link is a second name of one file: appending would change the other run's too."""
+    import os
+
+    run_dir = _copy(trained, tmp_path)
+    crash_tails(run_dir)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    os.link(run_dir / "ledger.jsonl", other / "ledger.jsonl")
+    refused_unchanged(run_dir, "train.steps=3", match="ledger.jsonl has 2 hard links", outside=[other / "ledger.jsonl"])
