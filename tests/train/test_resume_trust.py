@@ -382,3 +382,68 @@ def test_a_hard_linked_ledger_is_refused(trained, tmp_path):
     other.mkdir()
     os.link(run_dir / "ledger.jsonl", other / "ledger.jsonl")
     refused_unchanged(run_dir, "train.steps=3", match="ledger.jsonl has 2 hard links", outside=[other / "ledger.jsonl"])
+
+
+# ----------------------------------------------------------- damaged logs (issue 24 item 17)
+def _damage(path, line):
+    """``line`` inserted as the second line of ``path`` (before the end: not a torn tail)."""
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + line + b"\n" + b"".join(lines[1:]))
+
+
+DAMAGED_METRICS = [
+    (b"\0" * 40, "line 2 is not JSON"),
+    (b"garbage", "line 2 is not JSON"),
+    (b"5", "line 2 is int, not a metrics row"),
+    (b'{"step": "x"}', 'line 2 has step "x", not a step number'),
+    (b'{"step": null}', "line 2 has step null, not a step number"),
+    (b'{"loss": 1.0}', "line 2 has step null, not a step number"),
+    (b"[" * 100_000, "line 2 is not JSON"),
+]
+
+
+@pytest.mark.parametrize("line, fragment", DAMAGED_METRICS, ids=[f[:20] for _, f in DAMAGED_METRICS])
+def test_a_damaged_metrics_line_is_refused_before_anything_is_written(trained, tmp_path, line, fragment):
+    """On main each was a traceback after the resume had written (a `resumed` event, an
+    `abandoned` ledger line); now one line, and every file as it was (torn tails included)."""
+    run_dir = _copy(trained, tmp_path)
+    _damage(run_dir / "metrics.jsonl", line)
+    crash_tails(run_dir)
+    message = refused_unchanged(run_dir, "train.steps=3", match=fragment)
+    assert message.startswith(f"{run_dir}/metrics.jsonl: {fragment} (damaged); fix or delete that line"), message
+
+
+@pytest.mark.parametrize("line, fragment", [(b"\0" * 40, "line 2 is not JSON"), (b"[1, 2]", "line 2 is list, not an event")])
+def test_a_damaged_events_line_is_refused_before_anything_is_written(trained, tmp_path, line, fragment):
+    run_dir = _copy(trained, tmp_path)
+    _damage(run_dir / "events.jsonl", line)
+    refused_unchanged(run_dir, "train.steps=3", match=f"events.jsonl: {fragment} (damaged)")
+
+
+def test_a_last_event_that_is_json_but_no_event_is_refused(trained, tmp_path):
+    """On main `5` as the last line of events.jsonl was an AttributeError after the resume had
+    cut the other logs' torn tails."""
+    run_dir = _copy(trained, tmp_path)
+    with open(run_dir / "events.jsonl", "ab") as fh:
+        fh.write(b"5\n")
+    refused_unchanged(run_dir, "train.steps=3", match="events.jsonl: line")
+
+
+def test_a_deeply_nested_trackers_file_is_refused_before_anything_is_written(trained, tmp_path):
+    """trackers.json was read only once the resume had written; 100000 levels of nesting were a
+    RecursionError traceback."""
+    run_dir = _copy(trained, tmp_path)
+    (run_dir / "trackers.json").write_text("[" * 100_000 + "]" * 100_000)
+    crash_tails(run_dir)
+    refused_unchanged(run_dir, "train.steps=3", match="trackers.json is unreadable")
+
+
+def test_a_torn_metrics_tail_is_still_repaired(trained, tmp_path):
+    """What a crash leaves (a torn last line, zeros of a lost page at the end) is cut, as
+    documented (docs/reliability.md, "Crash recovery"), and the resume goes on."""
+    run_dir = _copy(trained, tmp_path)
+    with open(run_dir / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"step": 2, "lo' + b"\n" + b"\0" * 64)
+    assert resume(run_dir, "train.steps=3")["steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "version" in r] == [1, 2, 3]
