@@ -23,7 +23,7 @@ from sdp_cli.ablate.sweep import (
     split_override,
 )
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
-from sdp_cli.config.modes import drift_clipped_mode, shadow_weights
+from sdp_cli.modes import drift_clipped_mode, shadow_weights
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
@@ -84,7 +84,7 @@ _BUILT_IN_SHADOWS = {
 
 def shadows() -> tuple[Shadow, ...]:
     """The shadow weights of the report, one per weight the mode registry defines
-    (``config.modes.shadow_weights``; built in: dec, segment_wise, drift)."""
+    (``modes.shadow_weights``; built in: dec, segment_wise, drift)."""
     return tuple(Shadow.of(name) for name in shadow_weights())
 
 

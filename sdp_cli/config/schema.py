@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from sdp_cli.config.modes import reads_proximal_t
+from sdp_cli.modes import resolve_mode
 
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,7 +42,8 @@ class LossConfig:
     """Off-policy correction and the policy loss (docs/design.md §4)."""
 
     mode: str = "decoupled"
-    """bypass | decoupled | segment_wise: which behavioural weight multiplies the PPO loss."""
+    """bypass | decoupled | segment_wise | path/to/file.py:function (your own, docs/design.md "Adding a
+    mode"): which behavioural weight multiplies the PPO loss."""
     is_level: str = "token"
     """token | sequence | geometric aggregation of the behavioural weight (group `is_agg`)."""
     weight_cap: float | None = 5.0
@@ -342,7 +343,7 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     (a mode whose weight reads π_prox_t needs it, e.g. segment_wise; ``rollout.recompute=always``
     measures it in other modes)."""
     return cfg.rollout.recompute == "always" or (
-        cfg.rollout.recompute == "auto" and reads_proximal_t(cfg.loss.mode)
+        cfg.rollout.recompute == "auto" and resolve_mode(cfg.loss.mode).reads_proximal_t
     )
 
 
