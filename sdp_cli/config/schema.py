@@ -69,6 +69,12 @@ class LossConfig:
     step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
     """ppo_clip | reinforce (−A·log π_θ·w)."""
+    ratio_level: str = "token"
+    """token | sequence: the PPO ratio per token, or per sequence as exp(mean_t log π_θ/π_anchor), one
+    clip decision per sequence (GSPO; AReaL/TRL call it importance_sampling_level; docs/math.md §9.3)."""
+    m2_threshold: float | None = None
+    """M2PO: drop the tokens with the largest squared behavioural log ratio until the batch's mean of
+    it is below this (AReaL m2_threshold, 0.04 in the paper; docs/math.md §9.2); null = off."""
     scale_adv_by_std: bool = True
     """GRPO advantages divide by the group std; false gives Dr.GRPO."""
     drift_clip: float | None = None

@@ -18,6 +18,7 @@ from sdp_cli.choices import (
     MODEL_KINDS,
     PARALLEL_MODES,
     PROXIMAL_T_SOURCES,
+    RATIO_LEVELS,
     RECOMPUTE_POLICIES,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
@@ -61,6 +62,28 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False, 
         raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
 
 
+def _check_sequence_ratio(loss: LossConfig) -> None:
+    """A sequence-level PPO ratio (GSPO) decides per sequence: it needs the PPO clip, and every token
+    of a sequence in the loss or out of it together (docs/math.md §5.4)."""
+    if loss.ratio_level != "sequence":
+        return
+    if loss.loss_type != "ppo_clip":
+        raise ConfigValueError(
+            f"loss.ratio_level=sequence is the ratio of the PPO clip; loss.loss_type={loss.loss_type} has none: "
+            "use loss.loss_type=ppo_clip or loss.ratio_level=token"
+        )
+    if loss.rejection.level == "token":
+        raise ConfigValueError(
+            "loss.ratio_level=sequence clips whole sequences, but loss.rejection.level=token drops single "
+            "tokens from them; use loss.rejection.level=sequence or geometric, or loss.ratio_level=token"
+        )
+    if loss.m2_threshold is not None:
+        raise ConfigValueError(
+            "loss.ratio_level=sequence clips whole sequences, but loss.m2_threshold (M2PO) drops single tokens "
+            "from them; set loss.m2_threshold=null or loss.ratio_level=token"
+        )
+
+
 def _check_without_weight(loss: LossConfig) -> None:
     """Refuse what a mode without a weight (bypass) would ignore (docs/training.md, "bypass"): it
     has no behavioural log ratio to reject on, and with ppo_clip no behavioural weight to bound
@@ -70,6 +93,11 @@ def _check_without_weight(loss: LossConfig) -> None:
         raise ConfigValueError(
             f"loss.rejection needs a behavioural log ratio, which loss.mode={loss.mode} does not have; "
             "set loss.rejection.level=null and loss.rejection.veto=null, or use mode=decoupled"
+        )
+    if loss.m2_threshold is not None:
+        raise ConfigValueError(
+            f"loss.m2_threshold (M2PO) masks by the behavioural log ratio, which loss.mode={loss.mode} does not "
+            "have; set loss.m2_threshold=null or use mode=decoupled"
         )
     if loss.loss_type != "ppo_clip":
         return
@@ -127,6 +155,9 @@ def validate(cfg: SdpConfig) -> None:
     _choice("loss.weight_action", loss.weight_action, WEIGHT_ACTIONS)
     _choice("loss.agg", loss.agg, LOSS_AGGS)
     _choice("loss.loss_type", loss.loss_type, LOSS_TYPES)
+    _choice("loss.ratio_level", loss.ratio_level, RATIO_LEVELS)
+    _check_sequence_ratio(loss)
+    _positive("loss.m2_threshold", loss.m2_threshold, allow_none=True)
     _positive("loss.weight_cap", loss.weight_cap, allow_none=True)
     _positive("loss.weight_floor", loss.weight_floor, allow_none=True)
     if loss.weight_cap is not None and loss.weight_floor is not None and loss.weight_floor > loss.weight_cap:

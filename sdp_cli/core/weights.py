@@ -247,16 +247,24 @@ def _is_metrics(
         ess = 1.0
     else:
         ess = mean * mean / (mean * mean + std * std) if mean > 0 else 0.0
+    seq_mean, seq_std = host["seq_mean"], host["seq_std"]
+    if host["rows"] == 0:
+        seq_ess = 1.0
+    else:
+        seq_ess = seq_mean * seq_mean / (seq_mean * seq_mean + seq_std * seq_std) if seq_mean > 0 else 0.0
     metrics = {
         "rollout_is_mean": mean,
         "rollout_is_std": std,
         "rollout_is_min": host["min"],
         "rollout_is_max": host["max"],
         "rollout_is_eff_sample_size": ess,
+        # over sequences, each weighing its mean token weight: at the sequence and geometric
+        # levels every token of a sequence has its weight, so this is the per-sequence ESS
+        "rollout_is_seq_eff_sample_size": seq_ess,
         "rollout_is_ratio_fraction_high": host.get("high", 0.0) / among,
         "rollout_is_ratio_fraction_low": host.get("low", 0.0) / among,
-        "rollout_is_seq_mean": host["seq_mean"],
-        "rollout_is_seq_std": host["seq_std"],
+        "rollout_is_seq_mean": seq_mean,
+        "rollout_is_seq_std": seq_std,
         "rollout_is_seq_min": host["seq_min"],
         "rollout_is_seq_max": host["seq_max"],
         "rollout_is_seq_fraction_high": host.get("seq_high", 0.0) / rows,
@@ -348,3 +356,36 @@ def rejection_mask(
             rollout_rs_mean=host["mean"], rollout_rs_min=host["min"], rollout_rs_max=host["max"]
         )
     return new_mask, metrics
+
+
+def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> tuple[Tensor, dict[str, float]]:
+    """M2PO's token mask (docs/math.md §9.2; arXiv 2510.01161, AReaL ``m2_threshold``): drop the
+    valid tokens with the largest squared log ratio lr², fewest first, until the mean lr² of the
+    tokens kept is below ``threshold`` (strictly); at least one token is kept.
+
+    With the kept values sorted ascending, their running means never decrease, so the kept set is
+    the longest prefix whose mean is below the threshold. The result has the dtype of ``mask``.
+    """
+    mk = masked(mask, log_ratio, "log_ratio")
+    with torch.no_grad():
+        m2 = mk.select(log_ratio.detach()).square()
+        flat_valid = mk.valid.flatten()
+        values = m2.flatten()[flat_valid].double()
+        n = values.numel()
+        kept_flat = torch.zeros_like(flat_valid)
+        before = after = 0.0
+        if n:
+            ascending, order = torch.sort(values, stable=True)
+            running_mean = ascending.cumsum(0) / torch.arange(1, n + 1, dtype=ascending.dtype)
+            keep_n = max(int((running_mean < threshold).sum()), 1)
+            positions = flat_valid.nonzero().squeeze(-1)
+            kept_flat[positions[order[:keep_n]]] = True
+            before, after = float(values.mean()), float(running_mean[keep_n - 1])
+        kept = kept_flat.view_as(mk.valid)
+        new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
+        masked_n = n - int(kept.sum())
+    return new_mask, {
+        "m2_before": before,
+        "m2_after": after,
+        "masked_fraction": masked_n / max(n, 1),
+    }

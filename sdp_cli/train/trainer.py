@@ -42,7 +42,7 @@ from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
-from sdp_cli.core.weights import drift_log_factor, importance_weights, rejection_mask
+from sdp_cli.core.weights import drift_log_factor, importance_weights, rejection_mask, second_moment_mask
 from sdp_cli.models.lora import is_lora
 from sdp_cli.modes import DRIFT_SUFFIX, MODES, resolve_mode
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
@@ -258,6 +258,8 @@ class Trainer(TrainerState):
                 # π_{v+1} window closed cannot be corrected, so it leaves the loss.
                 loss_mask = torch.where(uncorrectable, torch.zeros_like(mask), mask)
 
+        # the tokens this step trains on before any rejection: what every weight is measured on
+        trained = loss_mask > 0
         old = batch.old_logprobs
         params = {} if cfg.drift_clip is None else {"drift_clip": cfg.drift_clip}
         log_ratio = mode.log_ratio(
@@ -280,6 +282,7 @@ class Trainer(TrainerState):
                 batch_normalize=cfg.batch_normalize,
             )
             metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
+            metrics.update(self._trained_ess(log_ratio, loss_mask, wmetrics))
             rej = cfg.rejection
             if rej.level is not None or rej.veto is not None:
                 # a veto needs no bounds (verl's token veto): level null leaves only the veto
@@ -293,8 +296,11 @@ class Trainer(TrainerState):
                     veto=rej.veto,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
+            if cfg.m2_threshold is not None:
+                loss_mask, mmetrics = second_moment_mask(log_ratio, loss_mask, cfg.m2_threshold)
+                metrics.update({f"m2po/{k}": v for k, v in mmetrics.items()})
 
-        metrics.update(self._diagnostics(batch, prox))
+        metrics.update(self._diagnostics(batch, prox, trained))
         anchor = prox if mode.anchor == "proximal" else old
         metrics.update(
             self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
@@ -363,6 +369,7 @@ class Trainer(TrainerState):
                     agg=cfg.agg,
                     loss_type=cfg.loss_type,
                     denominator=denominator,
+                    ratio_level=cfg.ratio_level,
                 )
                 ref_rows = None if reference is None else reference[rows].to(dev)
                 extra, rmetrics = self._regularizers(logprobs, entropy, mb_mask, ref_rows, denominator)
@@ -391,6 +398,17 @@ class Trainer(TrainerState):
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _trained_ess(
+        self, log_ratio: torch.Tensor, mask: torch.Tensor, bounded: dict[str, float]
+    ) -> dict[str, float]:
+        """ESS of the weight this step trains with, at the level it trains with (per token, or per
+        sequence at the sequence and geometric levels), after its bounds (``trained_ess``) and
+        before them (``trained_ess_raw``): docs/math.md §2.2."""
+        level = self.loss_cfg.is_level
+        key = "rollout_is_eff_sample_size" if level == "token" else "rollout_is_seq_eff_sample_size"
+        _, raw = importance_weights(log_ratio, mask, level=level)
+        return {"weights/trained_ess": bounded[key], "weights/trained_ess_raw": raw[key]}
 
     def _single_update(self) -> bool:
         """Whether a batch gets exactly one optimizer step, in one process (which then holds
@@ -439,8 +457,10 @@ class Trainer(TrainerState):
         )
         return weights
 
-    def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None) -> dict[str, float]:
-        """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown."""
+    def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None, trained: torch.Tensor) -> dict[str, float]:
+        """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown.
+        ``trained``: the tokens the step trains on before rejection, the base of every weight's
+        coverage (the tokens a saved batch's loss mask holds when no rejection runs)."""
         c = batch.trainer_version
         mask = batch.mask
         valid = mask > 0
@@ -461,19 +481,20 @@ class Trainer(TrainerState):
 
         # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
         # drift-clipped one of each mode that takes κ (modes.shadow_weights), each over the tokens
-        # it covers: a weight that reads π_prox_t leaves out stale tokens without π_{v+1}, as the
-        # loss and inspect-weights do (core/token_status.py covered_tokens, docs/math.md §1).
+        # it covers among those trained: a weight that reads π_prox_t leaves out stale tokens
+        # without π_{v+1}, as the loss and inspect-weights do (core/token_status.py
+        # covered_tokens, docs/math.md §1).
         prox_t = batch.proximal_logprobs_t if self.track_proximal_t else None
         status = token_status(batch.versions, batch.proximal_t_versions, c, mask) if prox_t is not None else None
         shadows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, spec in MODES.items():
             if not spec.has_weight or (prox_t is None and spec.reads_proximal_t):
                 continue
-            covered = covered_tokens(valid, status, reads_proximal_t=spec.reads_proximal_t)
+            covered = covered_tokens(trained, status, reads_proximal_t=spec.reads_proximal_t)
             shadows[name] = (spec.log_ratio(old, prox, prox_t, covered), covered)
             if spec.takes_drift_clip and prox_t is not None:  # the drift factor is π_prox/π_prox_t
                 kappa, drift = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP, name + DRIFT_SUFFIX
-                with_next = covered_tokens(valid, status, reads_proximal_t=True)
+                with_next = covered_tokens(trained, status, reads_proximal_t=True)
                 shadows[drift] = (spec.log_ratio(old, prox, prox_t, with_next, drift_clip=kappa), with_next)
                 clipped = drift_log_factor(prox, prox_t, kappa)[1] & with_next
                 out[f"shadow/{drift}/kappa"] = float(kappa)
