@@ -118,22 +118,23 @@ def _pairs(
 def _contrast(
     pairs: _Pairs,
     study: Study,
+    test: PairedT | None,
     *,
-    primary: bool,
     mde_alpha: float,
-    p_holm: float | None = None,
-    tost_p_holm: float | None = None,
+    holm_p: tuple[float | None, float | None] | None = None,
 ) -> Contrast:
+    """The contrast of ``pairs`` with its ``test`` (None below 2 pairs); ``holm_p``: a
+    secondary's Holm-adjusted p and TOST p (None for the primary, judged by its own)."""
     n = len(pairs.seeds)
-    test = paired_t(pairs.differences, study.alpha) if n >= 2 else None
     equivalence = tost_p(test, study.margin) if test is not None and study.margin is not None else None
-    p_judged, tost_judged = (test.p if test else None, equivalence) if primary else (p_holm, tost_p_holm)
+    p_holm, tost_p_holm = holm_p if holm_p is not None else (None, None)
+    judged = (test.p if test else None, equivalence) if holm_p is None else (p_holm, tost_p_holm)
     return Contrast(
         treatment=pairs.treatment,
         baseline=study.baseline,
         max_head_offpolicyness=pairs.cell[0],
         extra=pairs.cell[1],
-        primary=primary,
+        primary=holm_p is None,
         seeds=pairs.seeds,
         treatment_mean=_mean(pairs.treatment_values),
         baseline_mean=_mean(pairs.baseline_values),
@@ -144,8 +145,12 @@ def _contrast(
         tost_p_holm=tost_p_holm,
         mde=minimum_detectable_effect(test.sd, n, mde_alpha, study.power) if test is not None else None,
         mde_alpha=mde_alpha,
-        verdict=verdict(n, test.mean if test else None, p_judged, tost_judged, study.alpha),
+        verdict=verdict(n, test.mean if test else None, *judged, study.alpha),
     )
+
+
+def _test(pairs: _Pairs, study: Study) -> PairedT | None:
+    return paired_t(pairs.differences, study.alpha) if len(pairs.seeds) >= 2 else None
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -161,7 +166,7 @@ def study_contrasts(
     values = _by_cell(runs, study.metric)
     cells = sorted({cell for _, cell in values})
     modes = sorted({mode for mode, _ in values if mode != study.baseline})
-    primary = None
+    primary, primary_key = None, None
     if study.primary is not None:
         matching = [c for c in cells if study.primary.matches(c[0], [*c[1], *common])]
         if len(matching) > 1:
@@ -172,28 +177,23 @@ def study_contrasts(
             )
         cell = matching[0] if matching else _named_cell(study)
         pairs = _pairs(values, study.primary.treatment, study.baseline, cell)
-        primary = _contrast(pairs, study, primary=True, mde_alpha=study.alpha)
-    family = []
-    for cell in cells:
-        for mode in modes:
-            if primary is not None and (mode, cell) == (primary.treatment, (primary.max_head_offpolicyness, primary.extra)):
-                continue  # tested alone
-            pairs = _pairs(values, mode, study.baseline, cell)
-            if pairs.seeds:
-                family.append(pairs)
-    testable = [p for p in family if len(p.seeds) >= 2]
-    tests = [paired_t(p.differences, study.alpha) for p in testable]
-    adjusted = dict(zip(map(id, testable), holm([t.p for t in tests]), strict=True))
-    adjusted_tost: dict[int, float] = {}
-    if study.margin is not None:
-        equivalence = holm([tost_p(t, study.margin) for t in tests])
-        adjusted_tost = dict(zip(map(id, testable), equivalence, strict=True))
+        primary = _contrast(pairs, study, _test(pairs, study), mde_alpha=study.alpha)
+        primary_key = (study.primary.treatment, cell)
+    family = [
+        pairs
+        for cell in cells
+        for mode in modes
+        if (mode, cell) != primary_key and (pairs := _pairs(values, mode, study.baseline, cell)).seeds
+    ]
+    tests = [_test(pairs, study) for pairs in family]
+    testable = [i for i, test in enumerate(tests) if test is not None]
+    p_holm = holm([tests[i].p for i in testable])
+    tost_holm = holm([tost_p(tests[i], study.margin) for i in testable]) if study.margin is not None else None
+    adjusted = {i: (p_holm[k], None if tost_holm is None else tost_holm[k]) for k, i in enumerate(testable)}
     mde_alpha = study.alpha / max(len(testable), 1)
     secondary = [
-        _contrast(
-            p, study, primary=False, mde_alpha=mde_alpha, p_holm=adjusted.get(id(p)), tost_p_holm=adjusted_tost.get(id(p))
-        )
-        for p in family
+        _contrast(pairs, study, test, mde_alpha=mde_alpha, holm_p=adjusted.get(i, (None, None)))
+        for i, (pairs, test) in enumerate(zip(family, tests, strict=True))
     ]
     return primary, secondary
 

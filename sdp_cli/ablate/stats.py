@@ -73,11 +73,19 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
     return 1.0 - front * _betacf(b, a, 1.0 - x) / b
 
 
+def _two_sided(t: float, df: float) -> float:
+    """P(|T| ≥ |t|) = I_{ν/(ν+t²)}(ν/2, 1/2) = 1 − I_{t²/(ν+t²)}(1/2, ν/2): the second form for
+    |t| < 1 (a result above 0.3, where ν/(ν+t²) may round to 1), the first for the small tails."""
+    if math.isinf(t):
+        return 0.0
+    if t * t < 1.0:
+        return 1.0 - _incomplete_beta(0.5, df / 2.0, t * t / (df + t * t))
+    return _incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+
+
 def student_t_sf(t: float, df: float) -> float:
     """P(T > t) for Student's t with ``df`` > 0 degrees of freedom (accurate in both tails)."""
-    if math.isinf(t):
-        return 0.0 if t > 0 else 1.0
-    tail = 0.5 * _incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    tail = 0.5 * _two_sided(t, df)
     return tail if t > 0 else 1.0 - tail
 
 
@@ -140,8 +148,7 @@ def paired_t(differences: Sequence[float], alpha: float) -> PairedT:
         return PairedT(n, mean, 0.0, 0.0, dof, t, 1.0 if mean == 0.0 else 0.0, mean, mean)
     t = mean / se
     half = student_t_quantile(1.0 - alpha / 2.0, dof) * se
-    # two-sided p = I_{ν/(ν+t²)}(ν/2, 1/2): no 1 − CDF cancellation for small p
-    p = _incomplete_beta(dof / 2.0, 0.5, dof / (dof + t * t))
+    p = _two_sided(t, dof)  # not 2·(1 − CDF): that cancels for small p
     return PairedT(n, mean, sd, se, dof, t, p, mean - half, mean + half)
 
 

@@ -11,7 +11,7 @@ A study file is a YAML mapping; every key is optional:
     alpha: 0.05
     power: 0.8                        # of the minimum detectable effect
 
-The study of sweep NAME is ``sdp_cli/conf/ablate/study/NAME.yaml`` (``--study FILE`` names
+The study of a sweep is ``sdp_cli/conf/ablate/study/<sweep>.yaml`` (``--study FILE`` names
 another). It cannot live in the sweep file: Hydra composes that file into every run's config,
 whose schema is strict. ``sdp ablate`` checks the study against the plan (labels, cell) and
 writes it to ``<sweep dir>/study.json`` before the first run; the report reads it from there, so

@@ -91,9 +91,16 @@ def secondary_note(secondary: Sequence[Contrast], study: Study) -> str:
 
 
 def secondary_columns(secondary: Sequence[Contrast], study: Study) -> list[str]:
-    """Header of the console table (short: it has to fit 80 columns)."""
+    """Header of the console table: short, to fit 80 columns (the paired t interval is
+    symmetric, so Δ ± its half-width is the whole interval)."""
     other = ["other"] if any(c.extra for c in secondary) else []
-    return ["η", *other, "mode", "n", "Δ", f"{1 - study.alpha:.0%} CI", "Holm p", "MDE", "verdict"]
+    return ["η", *other, "mode", "n", f"Δ ± {1 - study.alpha:.0%} CI", "Holm p", "MDE", "verdict"]
+
+
+def _plus_minus(c: Contrast) -> str:
+    if c.test is None:
+        return _f(c.difference)
+    return f"{c.test.mean:+.3f} ± {c.test.high - c.test.mean:.3f}"
 
 
 def secondary_rows(secondary: Sequence[Contrast], study: Study) -> list[list[str]]:
@@ -104,8 +111,7 @@ def secondary_rows(secondary: Sequence[Contrast], study: Study) -> list[list[str
             *([" ".join(c.extra)] if with_extra else []),
             c.treatment,
             str(c.n),
-            _f(c.difference),
-            _interval(None if c.test is None else (c.test.low, c.test.high)),
+            _plus_minus(c),
             _p(c.p_holm),
             "n/a" if c.mde is None else f"{c.mde:.3f}",
             c.verdict,

@@ -21,7 +21,7 @@ ABLATE_HELP = """Sweep staleness η × correction mode × seeds and measure what
 
 Every job is one `sdp train` run with the shadow recompute pass on, so both behavioural weights (decoupled π_prox/π_behav and segment-wise π_{v+1}/π_behav) are measured on the same tokens whatever the mode trains. Sweeps live in sdp_cli/conf/ablate/ (default, harsh, smoke); any axis or config key can be overridden (a comma list or range(...) makes an axis), and the launcher is a Hydra override (hydra/launcher=basic|joblib|submitit_slurm|ray). Re-running the same command resumes: finished runs are skipped, interrupted ones continue from their checkpoint (finished runs keep their results but not their checkpoints, unless --keep-checkpoints).
 
-Before the first run, the sweep's study (sdp_cli/conf/ablate/study/SWEEP.yaml, or --study FILE: the metric, the fixed baseline, the one primary contrast, the equivalence margin) is checked against the plan and written to DIR/study.json. The report pairs runs by seed, tests the primary contrast alone and Holm-adjusts the others, and gives each a verdict: better, worse, equivalent within the margin, or inconclusive with its minimum detectable effect. Writes DIR/summary.md, DIR/summary.csv, DIR/study.csv, DIR/runs.csv and DIR/plots/*.png; see docs/ablate.md.
+Before the first run, the sweep's study (sdp_cli/conf/ablate/study/<sweep>.yaml, or --study FILE: the metric, the fixed baseline, the one primary contrast, the equivalence margin) is checked against the plan and written to DIR/study.json. The report pairs runs by seed, tests the primary contrast alone and Holm-adjusts the others, and gives each a verdict: better, worse, equivalent within the margin, or inconclusive with its minimum detectable effect. Writes DIR/summary.md, DIR/summary.csv, DIR/study.csv, DIR/runs.csv and DIR/plots/*.png; see docs/ablate.md.
 
 [bold]Examples[/bold]
 
@@ -35,7 +35,7 @@ Before the first run, the sweep's study (sdp_cli/conf/ablate/study/SWEEP.yaml, o
 
   sdp ablate --report runs/ablate/default      # re-aggregate without running anything
 
-  sdp ablate --report docs/results/default/runs.csv --study S.yaml --out DIR   # from the run table
+  sdp ablate --report DIR/runs.csv --study S.yaml --out OUT   # from the run table alone
 """
 
 
@@ -252,7 +252,10 @@ def _print_report(directory: Path, *, plots: bool, study_file: Path | None = Non
         console.print(line, highlight=False, markup=False)
     if result.secondary:
         columns = [escape(c) for c in secondary_columns(result.secondary, result.study)]
-        table = Table(*columns, title=secondary_title(result.secondary, result.study), title_justify="left")
+        # no borders: the table fits 80 columns with the longest mode labels
+        table = Table(
+            *columns, title=secondary_title(result.secondary, result.study), title_justify="left", box=None
+        )
         for cells in secondary_rows(result.secondary, result.study):
             table.add_row(*(escape(c) for c in cells))
         console.print(table)
