@@ -172,7 +172,7 @@ def study_contrasts(
         if len(matching) > 1:
             found = "; ".join(" ".join([f"η={c[0]}", *c[1]]) for c in matching)
             raise UserError(
-                f"the primary contrast's cell ({study.primary.describe()}) matches several cells of these runs "
+                f"the primary contrast ({study.primary.describe(study.baseline)}) matches several cells of these runs "
                 f"({found}); name the key that tells them apart in primary.at of a study file (--study FILE)"
             )
         cell = matching[0] if matching else _named_cell(study)

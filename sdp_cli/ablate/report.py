@@ -399,25 +399,25 @@ def _num(value: float | None) -> str:
 
 # ------------------------------------------------------------------ inputs
 @dataclass
-class Runs:
+class RunTable:
     """What a report aggregates: the finished runs' numbers, the overrides every run shares, the
-    names of unfinished runs, the reward curves (None when read from a runs.csv) and the
-    directory that may hold the sweep's study.json."""
+    names of unfinished runs, the reward curves (None when read from a runs.csv), the directory
+    that may hold the sweep's study.json, and the runs.csv read (None for a sweep directory)."""
 
     runs: list[RunValues]
     common: tuple[str, ...]
     unfinished: list[str]
     curves: Curves | None
     directory: Path
-    table: Path | None = None
+    csv_path: Path | None = None
 
     @classmethod
-    def load(cls, source: Path) -> Runs:
+    def load(cls, source: Path) -> RunTable:
         """A sweep directory, or the runs.csv of a report (then its directory holds study.json)."""
         source = Path(source)
-        if source.is_file():
-            if source.suffix != ".csv":
-                raise UserError(f"--report {source}: pass a sweep directory or the runs.csv of a report")
+        if source.suffix == ".csv" or source.is_file():
+            if source.suffix != ".csv" or not source.is_file():
+                raise UserError(f"--report {source}: no such sweep directory or runs.csv; pass one that a sweep or report wrote")
             return cls(read_runs_csv(source), (), [], None, source.parent, source)
         sweep = load_sweep(source)
         unfinished = [r.name for r in sweep.records if not r.finished]
@@ -438,18 +438,18 @@ def _axes(runs: Sequence[RunValues]) -> dict[str, list[str]]:
 DEFAULT_STUDY = Study()
 
 
-def resolve_study(runs: Runs, study_file: Path | None) -> tuple[Study, str]:
+def resolve_study(table: RunTable, study_file: Path | None) -> tuple[Study, str]:
     """The study to test and where it comes from: ``--study FILE`` (checked against the runs;
     post hoc), else the sweep's registration (study.json), else ``DEFAULT_STUDY``."""
-    registration = read_registration(runs.directory)
+    registration = read_registration(table.directory)
     if study_file is not None:
         study = read_study_file(study_file)
-        check_study(study, {r.mode for r in runs.runs}, _axes(runs.runs), f"--study {study_file}", "fix the study file")
-        instead = f", instead of the registered {study_path(runs.directory)}" if registration else ""
+        check_study(study, {r.mode for r in table.runs}, _axes(table.runs), f"--study {study_file}", "fix the study file")
+        instead = f", instead of the registered {study_path(table.directory)}" if registration else ""
         return study, f"from {study_file}{instead}; chosen after the runs (post hoc)"
     if registration is not None:
         return registration.study, (
-            f"registered in {study_path(runs.directory)} at {registration.registered}, before the sweep ran "
+            f"registered in {study_path(table.directory)} at {registration.registered}, before the sweep ran "
             f"(from {registration.source})"
         )
     return DEFAULT_STUDY, (
@@ -464,7 +464,7 @@ class Report:
     """What ``write_report`` computed and wrote."""
 
     groups: list[GroupRow]
-    runs: Runs
+    table: RunTable
     study: Study
     provenance: str
     primary: Contrast | None
@@ -474,7 +474,7 @@ class Report:
 
     @property
     def unfinished(self) -> list[str]:
-        return self.runs.unfinished
+        return self.table.unfinished
 
 
 def write_report(
@@ -486,11 +486,11 @@ def write_report(
     directory of the runs.csv). Everything is checked before anything is written."""
     from sdp_cli.ablate.study_tables import study_csv, study_markdown
 
-    runs = Runs.load(Path(source))
-    study, provenance = resolve_study(runs, study_file)
-    groups = aggregate(runs.runs)
-    primary, secondary = study_contrasts(runs.runs, study, runs.common)
-    directory = Path(out) if out is not None else runs.directory
+    table = RunTable.load(Path(source))
+    study, provenance = resolve_study(table, study_file)
+    groups = aggregate(table.runs)
+    primary, secondary = study_contrasts(table.runs, study, table.common)
+    directory = Path(out) if out is not None else table.directory
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--out {directory}: not a directory; pass a directory for the report's files")
     directory.mkdir(parents=True, exist_ok=True)
@@ -498,12 +498,12 @@ def write_report(
         "summary.csv": to_csv(groups),
         "study.csv": study_csv(primary, secondary, study),
     }
-    if runs.table is None:
-        files["runs.csv"] = runs_csv(runs.runs)
-    common = f"Overrides shared by every run: `{' '.join(runs.common)}`.\n\n" if runs.common else ""
-    read_from = f"Read from `{runs.table}`.\n\n" if runs.table is not None else ""
+    if table.csv_path is None:
+        files["runs.csv"] = runs_csv(table.runs)
+    common = f"Overrides shared by every run: `{' '.join(table.common)}`.\n\n" if table.common else ""
+    read_from = f"Read from `{table.csv_path}`.\n\n" if table.csv_path is not None else ""
     files["summary.md"] = (
-        f"# sdp ablate: {runs.directory.name}\n\n{read_from}{common}"
+        f"# sdp ablate: {table.directory.name}\n\n{read_from}{common}"
         f"{study_markdown(primary, secondary, study, provenance)}\n"
         "## Tables\n\nmean ± sample std over seeds (n runs per row).\n\n"
         f"{to_markdown(groups)}"
@@ -516,5 +516,5 @@ def write_report(
     if plots and groups:
         from sdp_cli.ablate.plots import write_plots
 
-        made = write_plots(groups, runs.curves, directory / "plots", [*([primary] if primary else []), *secondary], study)
-    return Report(groups, runs, study, provenance, primary, secondary, written, made)
+        made = write_plots(groups, table.curves, directory / "plots", [*([primary] if primary else []), *secondary], study)
+    return Report(groups, table, study, provenance, primary, secondary, written, made)

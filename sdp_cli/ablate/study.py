@@ -68,9 +68,10 @@ class Primary:
                 return False
         return True
 
-    def describe(self) -> str:
+    def describe(self, baseline: str) -> str:
+        """``treatment − baseline at η = 8, key = value``."""
         cell = ", ".join(f"{'η' if k == MAX_HEAD_OFFPOLICYNESS_KEY else k} = {v}" for k, v in self.at)
-        return self.treatment + (f" at {cell}" if cell else "")
+        return f"{self.treatment} − {baseline}" + (f" at {cell}" if cell else "")
 
 
 @dataclass(frozen=True)
@@ -249,11 +250,11 @@ def check_registration(sweep_dir: Path, study: Study) -> None:
 
 def register(sweep_dir: Path, study: Study, source: str) -> Path:
     """Write ``study.json`` unless the directory registered this study already (then its first
-    registration, with its time, stays); call ``check_registration`` first."""
+    registration, with its time, stays); another registered study is refused
+    (``check_registration``, which the CLI also calls before it plans anything)."""
     path = study_path(sweep_dir)
-    existing = read_registration(sweep_dir)
-    if existing is not None:
-        assert existing.study == study, f"{path}: unchecked change of the registered study"
+    check_registration(sweep_dir, study)
+    if path.is_file():
         return path
     data = {
         "study": study.to_dict(),

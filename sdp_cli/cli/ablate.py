@@ -206,7 +206,7 @@ def _print_plan(plan: SweepPlan, study: Study | None, study_file: Path | None, *
     if study is None:
         console.print("  study: none registered (--no-study, or the sweep has none)", highlight=False)
         return
-    primary = f"primary {study.primary.describe()} − {study.baseline}" if study.primary else "no primary"
+    primary = f"primary {study.primary.describe(study.baseline)}" if study.primary else "no primary"
     margin = f", margin ±{study.margin:g}" if study.margin is not None else ""
     where = "registered in study.json" if written else "checked, not written (--dry-run)"
     console.print(
@@ -235,9 +235,9 @@ def _print_report(directory: Path, *, plots: bool, study_file: Path | None = Non
     if not console.is_terminal:
         console = Console(width=200, emoji=False)  # logs keep whole table lines
     console.print(f"[bold]sdp ablate[/bold] {escape(str(directory))}: mean ± std over seeds", highlight=False)
-    if result.runs.common:
+    if result.table.common:
         console.print(
-            f"overrides shared by every run: {' '.join(result.runs.common)}",
+            f"overrides shared by every run: {' '.join(result.table.common)}",
             highlight=False,
             markup=False,
         )

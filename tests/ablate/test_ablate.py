@@ -560,8 +560,8 @@ def test_the_report_runs_from_its_runs_csv_alone(tmp_path):
     assert (tmp_path / "again" / "study.csv").read_text() == (sweep / "study.csv").read_text()
     assert (tmp_path / "again" / "summary.csv").read_text() == (sweep / "summary.csv").read_text()
     assert not (tmp_path / "again" / "runs.csv").exists()  # the input is the run table
-    assert again.runs.curves is None and again.primary.verdict == "worse"
-    with pytest.raises(UserError, match=r"^--report .*summary.md: pass a sweep directory or the runs.csv"):
+    assert again.table.curves is None and again.primary.verdict == "worse"
+    with pytest.raises(UserError, match=r"^--report .*summary.md: no such sweep directory or runs.csv"):
         write_report(sweep / "summary.md")
 
 

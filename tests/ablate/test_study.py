@@ -81,7 +81,7 @@ def test_the_primary_cell_matches_values_as_hydra_and_yaml_spell_them():
     assert not primary.matches(8, ["optim.lr=1e-4"])
     assert not primary.matches(4, ["optim.lr=3e-4"])
     assert not primary.matches(8, [])  # a key the cell does not have
-    assert primary.describe() == "segment_wise at η = 8, optim.lr = 0.0003"
+    assert primary.describe("decoupled") == "segment_wise − decoupled at η = 8, optim.lr = 0.0003"
 
 
 @pytest.mark.parametrize(

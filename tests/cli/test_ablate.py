@@ -103,7 +103,7 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
 def test_the_study_is_registered_before_the_first_run_and_tested_by_the_report(smoke):
     out = smoke.proc.stdout
     # sdp_cli/conf/ablate/study/smoke.yaml: segment_wise − decoupled at η = 2 in final reward
-    assert "study " in out and "reward_last, primary segment_wise at η = 2 − decoupled" in out
+    assert "study " in out and "reward_last, primary segment_wise − decoupled at η = 2, margin ±0.05" in out
     registration = json.loads((smoke.dir / "study.json").read_text())
     assert registration["study"]["primary"] == {"treatment": "segment_wise", "at": {"rollout.max_head_offpolicyness": "2"}}
     registered = datetime.fromisoformat(registration["registered"]).timestamp()
