@@ -255,7 +255,7 @@ def read_run(run_dir: Path) -> RunRecord:
     return RunRecord(
         name=run_dir.name,
         run_dir=run_dir,
-        mode=mode_label(config),
+        mode=mode_label(config, overrides),
         max_head_offpolicyness=int(config["rollout"]["max_head_offpolicyness"]),
         seed=int(config["seed"]),
         extra=tuple(sorted(extra)),

@@ -112,6 +112,12 @@ def ablate_command(
         help="A primary config in --config-dir to use instead of sdp's, as for sdp train.",
         show_default=False,
     ),
+    mode: list[str] = typer.Option(
+        None,
+        "--mode",
+        help="With --report: your own mode, path/to/file.py:function (as loss.mode takes it; repeatable), so "
+        "its shadow weight gets columns. Run files never make sdp import code.",
+    ),
 ) -> None:
     overrides = list(ctx.args)
     if "=" in sweep:  # `sdp ablate seed=0,1`: an override in the sweep's place
@@ -128,8 +134,15 @@ def ablate_command(
                 "--report only aggregates an existing sweep; "
                 "drop the sweep name, overrides and other options"
             )
+        if mode:
+            from sdp_cli.modes import resolve_mode
+
+            for spec in mode:
+                resolve_mode(spec)  # registers it: every registered mode's shadow gets columns
         _print_report(report, plots=not no_plots, study_file=study, out=out)
         return
+    if mode:
+        raise UserError("--mode only applies to --report; a sweep's runs load their own loss.mode")
     if out is not None:
         raise UserError("--out only applies to --report; a sweep writes its report into its directory (--dir)")
     if study is not None and no_study:

@@ -628,3 +628,19 @@ def test_report_of_a_directory_that_is_no_sweep(tmp_path):
     (tmp_path / "runs" / "x" / "overrides.json").write_text("{not json")
     with pytest.raises(UserError, match="overrides.json: cannot read"):
         load_sweep(tmp_path)
+
+
+def test_a_run_is_labelled_by_the_correction_it_trains_with():
+    from sdp_cli.ablate.sweep import mode_label
+
+    def label(loss, overrides=()):
+        return mode_label({"loss": loss}, overrides)
+
+    # the field's presets train mode=decoupled with their own options: the preset names them
+    assert label({"mode": "decoupled"}, ["+preset=gspo", "seed=0"]) == "gspo"
+    assert label({"mode": "decoupled"}, ["+preset=decoupled"]) == "decoupled"
+    assert label({"mode": "segment_wise"}, []) == "segment_wise"
+    # each drift clip κ is a mode of its own, whatever preset set it
+    assert label({"mode": "segment_wise", "drift_clip": 4.0}, ["+preset=segment_wise_drift"]) == "segment_wise_drift(κ=4)"
+    # a mode of yours is named by its function, never by its path
+    assert label({"mode": "/x/own.py:tempered"}, []) == "tempered"

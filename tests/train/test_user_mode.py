@@ -168,3 +168,21 @@ def test_recompute_takes_a_mode_of_yours_from_the_command_line(tmp_path, capsys,
     assert "is not a registered mode" not in err
     assert "tempered_decoupled" in MODES
     assert code != 0 and "\n" not in err.strip()
+
+
+def test_the_ablate_report_has_a_row_for_a_mode_of_yours_and_its_columns_when_told_the_file(
+    tmp_path, capsys, forget_user_modes
+):
+    import csv
+
+    # a run under a sweep's runs/ is a sweep of one for the report
+    root = tmp_path / "sweep" / "runs"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", f"run.root={root}", f"loss.mode={SPEC}"], capsys)
+    assert code == 0, err
+    unregister("tempered_decoupled")  # a fresh report process knows nothing of the file
+    code, _, err = run_main(["ablate", "--report", tmp_path / "sweep", "--no-plots", "--mode", SPEC], capsys)
+    assert code == 0, err
+    (group,) = list(csv.DictReader((tmp_path / "sweep" / "summary.csv").open()))
+    assert group["mode"] == "tempered_decoupled"
+    # its shadow's largest weight is the square root of decoupled's, as in the run's metrics
+    assert float(group["w_tempered_decoupled_max_mean"]) == pytest.approx(math.sqrt(float(group["w_dec_max_mean"])), rel=1e-5)
