@@ -1,4 +1,5 @@
 """Every closed set of names sdp accepts, in one place (torch-free, imported by the CLI).
+The correction modes are an open set: their registry is ``sdp_cli/modes.py``.
 
 The config schema validates against these tuples, the kernels check their arguments against
 them and the batch reader checks file metadata against them, so a name added here is accepted
@@ -7,8 +8,6 @@ everywhere at once. The order is the order in which help texts and reports list 
 
 from __future__ import annotations
 
-#: correction modes (``loss.mode``; docs/design.md §1)
-MODES = ("bypass", "decoupled", "segment_wise")
 #: aggregation levels of importance weights and rejection sampling (``loss.is_level``,
 #: ``loss.rejection.level``; docs/math.md §2)
 IS_LEVELS = ("token", "sequence", "geometric")
@@ -18,6 +17,8 @@ WEIGHT_ACTIONS = ("truncate", "mask")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 #: policy losses (``loss.loss_type``; docs/math.md §5.1)
 LOSS_TYPES = ("ppo_clip", "reinforce")
+#: the level of the PPO ratio π_θ/π_anchor (``loss.ratio_level``; sequence = GSPO, docs/math.md §9.3)
+RATIO_LEVELS = ("token", "sequence")
 #: consume-time staleness strategies (``staleness.strategy``; docs/design.md §3)
 STALENESS_STRATEGIES = ("standard", "segment_wise")
 #: when the engine recompute pass runs (``rollout.recompute``; docs/training.md)

@@ -26,7 +26,7 @@ def _group(name: str) -> set[str]:
 @pytest.mark.parametrize(
     ("group", "names"),
     [
-        ("mode", choices.MODES),
+        ("mode", ("bypass", "decoupled", "segment_wise")),
         ("is_agg", choices.IS_LEVELS),
         ("staleness", choices.STALENESS_STRATEGIES),
         ("engine", choices.ENGINE_KINDS),
@@ -47,22 +47,28 @@ def test_registries_are_keyed_by_the_allowed_names():
     assert set(choices.REMOTE_ENGINE_KINDS) < set(choices.ENGINE_KINDS)
 
 
-def test_the_mode_registry_holds_exactly_the_config_modes():
-    from sdp_cli.core.weights import MODE_WEIGHTS
+def test_the_mode_registry_holds_the_built_in_modes_and_what_they_read():
+    from sdp_cli.modes import MODES
 
     # same names, same order (the order of error messages and of the modes' help)
-    assert tuple(MODE_WEIGHTS) == choices.MODES
+    assert tuple(MODES) == ("bypass", "decoupled", "segment_wise")
     # what the trainer reads of each: bypass trains against π_behav, the others against π_prox;
     # decoupled's weight reads π_prox, segment_wise's π_prox_t (docs/design.md §1 table)
-    assert {name: (w.anchor, w.needs) for name, w in MODE_WEIGHTS.items()} == {
+    assert {name: (m.anchor, m.needs) for name, m in MODES.items()} == {
         "bypass": ("behav", ()),
         "decoupled": ("proximal", ("proximal_logprobs",)),
         "segment_wise": ("proximal", ("proximal_logprobs_t",)),
     }
+    # each built-in kernel resolves to the function of core/weights.py named for it
+    from sdp_cli.core import weights
+
+    assert [m.function() for m in MODES.values()] == [
+        weights.bypass_log_ratio, weights.decoupled_log_ratio, weights.segment_wise_log_ratio
+    ]
 
 
 def test_the_schema_validates_against_the_choices():
-    for mode in choices.MODES:
+    for mode in ("bypass", "decoupled", "segment_wise"):
         cfg, _ = compose_config([f"mode={mode}"])  # validated on the way
         assert cfg.loss.mode == mode
     cfg = SdpConfig()
@@ -106,23 +112,20 @@ def test_choices_imports_nothing_heavy():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_config_knows_the_modes_without_torch_and_agrees_with_the_registry():
-    # without the registry loaded (a fresh process, torch never imported) ...
+def test_the_config_knows_the_modes_without_importing_torch():
+    # validating a config reads the one registry (sdp_cli/modes.py) and never imports torch
     code = (
-        "import sys, json; from sdp_cli.config import modes; from sdp_cli.choices import MODES; "
-        "print(json.dumps([modes.mode_names(), [modes.reads_proximal_t(m) for m in MODES], 'torch' in sys.modules, "
-        "[modes.has_weight(m) for m in MODES], [modes.takes_drift_clip(m) for m in MODES], modes.shadow_weights()]))"
+        "import sys, json; from sdp_cli import modes; from sdp_cli.config.compose import compose_config; "
+        "cfg, _ = compose_config(['mode=segment_wise']); m = modes.MODES; "
+        "print(json.dumps([list(m), [x.reads_proximal_t for x in m.values()], 'torch' in sys.modules, "
+        "[x.has_weight for x in m.values()], [x.takes_drift_clip for x in m.values()], modes.shadow_weights()]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     names, reads, torch_loaded, weighted, drift, shadows = json.loads(out.stdout)
     assert torch_loaded is False
-    # ... and with it: the same names and the same answers (only segment_wise reads π_prox_t)
-    from sdp_cli.config import modes
-    from sdp_cli.core.weights import MODE_WEIGHTS
-
-    assert tuple(names) == modes.mode_names() == tuple(MODE_WEIGHTS) == choices.MODES
-    assert reads == [modes.reads_proximal_t(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]
-    # bypass alone has no weight (it reads neither π_prox nor π_prox_t); segment_wise alone takes κ
-    assert weighted == [modes.has_weight(m) for m in choices.MODES] == [m != "bypass" for m in choices.MODES]
-    assert drift == [modes.takes_drift_clip(m) for m in choices.MODES] == [m == "segment_wise" for m in choices.MODES]
-    assert tuple(shadows) == modes.shadow_weights() == ("decoupled", "segment_wise", "segment_wise_drift")
+    assert names == ["bypass", "decoupled", "segment_wise"]
+    # only segment_wise reads π_prox_t; bypass alone has no weight; segment_wise alone takes κ
+    assert reads == [False, False, True]
+    assert weighted == [False, True, True]
+    assert drift == [False, False, True]
+    assert shadows == ["decoupled", "segment_wise", "segment_wise_drift"]

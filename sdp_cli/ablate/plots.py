@@ -3,10 +3,12 @@
 - ``weights_vs_eta.png``: std and ESS of the shadow weights vs η, one colour per training mode;
   solid = decoupled weight π_prox/π_behav, dashed = segment-wise weight π_{v+1}/π_behav,
   dotted = drift-clipped weight (dash-dot and onwards: any registered mode).
-- ``reward_difference_vs_eta.png``: each mode's final reward minus the best other mode's at the
-  same η, with Welch's 95 % interval (``sdp_cli.ablate.stats``).
+- ``difference_vs_eta.png``: the study's contrasts (``sdp_cli.ablate.contrasts``): each mode's
+  paired difference to the baseline in the study's metric vs η, with its paired t interval;
+  the primary contrast is drawn as a star.
 - ``reward_vs_eta.png``: final reward and greedy accuracy vs η per mode.
-- ``reward_curves.png``: reward per step (mean over seeds, band = ± std, moving average) per η.
+- ``reward_curves.png``: reward per step (mean over seeds, band = ± std, moving average) per η;
+  not from a runs.csv, which has no per-step numbers.
 - ``throughput_vs_eta.png``: generated tokens/s and training steps/s vs η per mode.
 
 Error bars are ± one sample std over seeds (none for a single seed); series are shifted
@@ -20,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.ablate.contrasts import Contrast
 from sdp_cli.ablate.records import Curves, GroupRow, shadows
-from sdp_cli.ablate.stats import ModeComparison
+from sdp_cli.ablate.study import Study
 from sdp_cli.fileio import atomic_write_bytes
 
 #: line styles of the shadow weights, in ``records.shadows`` order (decoupled, segment-wise,
@@ -205,32 +208,30 @@ def plot_throughput(groups: Sequence[GroupRow], path: Path) -> Path:
     )
 
 
-def plot_reward_differences(
-    comparisons: Sequence[ModeComparison], path: Path, against: Sequence[str] = ()
-) -> Path:
-    """Each mode's final reward minus the best other mode's (or the better of ``against``) vs η,
-    with Welch's 95 % interval."""
+def plot_differences(contrasts: Sequence[Contrast], study: Study, path: Path) -> Path:
+    """Each mode's paired difference to the study's baseline vs η, with its paired t interval
+    (a point alone where there is one pair); the primary contrast is a star."""
     plt = _pyplot()
-    labels = sorted({" ".join([c.mode, *c.extra]) for c in comparisons})
+    shown = [c for c in contrasts if c.difference is not None and c.max_head_offpolicyness is not None]
+    labels = sorted({" ".join([c.treatment, *c.extra]) for c in shown})
     colours = _colours(labels)
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     for i, label in enumerate(labels):
-        points = [
-            c
-            for c in comparisons
-            if " ".join([c.mode, *c.extra]) == label and c.comparison is not None
-        ]
-        if not points:
-            continue
+        points = sorted(
+            (c for c in shown if " ".join([c.treatment, *c.extra]) == label), key=lambda c: c.max_head_offpolicyness
+        )
         xs = [c.max_head_offpolicyness + _dodge(i, len(labels)) for c in points]
-        ys = [c.comparison.difference for c in points]
-        low = [y - (c.comparison.low if c.comparison.low is not None else y) for y, c in zip(ys, points)]
-        high = [(c.comparison.high if c.comparison.high is not None else y) - y for y, c in zip(ys, points)]
+        ys = [c.difference for c in points]
+        low = [0.0 if c.test is None else c.test.mean - c.test.low for c in points]
+        high = [0.0 if c.test is None else c.test.high - c.test.mean for c in points]
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", markersize=4, capsize=3, color=colours[label], label=label)
+        for x, y, c in zip(xs, ys, points, strict=True):
+            if c.primary:
+                ax.plot([x], [y], marker="*", markersize=14, color=colours[label], label=f"{label} (primary)")
     ax.axhline(0.0, color="black", linewidth=1)
-    baseline = f"better of {', '.join(against)}" if against else "best other mode"
-    ax.set_ylabel(f"final reward − {baseline} (95 % Welch)", fontsize=8 if against else None)
-    ax.set_xticks(sorted({c.max_head_offpolicyness for c in comparisons}))
+    level = f"{1 - study.alpha:.0%}"
+    ax.set_ylabel(f"{study.metric} − {study.baseline} (paired, {level} t CI)", fontsize=8)
+    ax.set_xticks(sorted({c.max_head_offpolicyness for c in shown}))
     ax.set_xlabel("η (max_head_offpolicyness)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -239,19 +240,20 @@ def plot_reward_differences(
 
 def write_plots(
     groups: Sequence[GroupRow],
-    curves: Curves,
+    curves: Curves | None,
     directory: Path,
-    comparisons: Sequence[ModeComparison] = (),
-    against: Sequence[str] = (),
+    contrasts: Sequence[Contrast],
+    study: Study,
 ) -> list[Path]:
-    """Write every plot into ``directory``; returns the paths."""
+    """Write every plot into ``directory`` (``reward_curves.png`` only with ``curves``)."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = [
         plot_weights(groups, directory / "weights_vs_eta.png"),
         plot_rewards(groups, directory / "reward_vs_eta.png"),
-        plot_reward_curves(curves, directory / "reward_curves.png"),
         plot_throughput(groups, directory / "throughput_vs_eta.png"),
     ]
-    if any(c.comparison is not None for c in comparisons):
-        paths.append(plot_reward_differences(comparisons, directory / "reward_difference_vs_eta.png", against))
-    return paths
+    if curves is not None:
+        paths.append(plot_reward_curves(curves, directory / "reward_curves.png"))
+    if any(c.difference is not None and c.max_head_offpolicyness is not None for c in contrasts):
+        paths.append(plot_differences(contrasts, study, directory / "difference_vs_eta.png"))
+    return sorted(paths)

@@ -1,13 +1,16 @@
-"""The runs of a sweep directory as read from disk, and the per-group rows the report computes.
+"""The runs of a sweep as read from disk, and the per-group rows the report computes.
 
-Reads only ``<sweep>/runs/*/`` (``overrides.json``, ``config.yaml``, ``summary.json``,
-``metrics.jsonl``), so it works the same for a sweep that ran on a cluster and for the run
-directories of any earlier sdp version: the metric names it reads (``shadow/<mode>/rollout_is_*``,
-``staleness/*``, ``time/*``, ``throughput/*``) are those every sdp train run has written.
+A sweep directory is read from ``<sweep>/runs/*/`` only (``overrides.json``, ``config.yaml``,
+``summary.json``, ``metrics.jsonl``), so it works the same for a sweep that ran on a cluster and
+for the run directories of any earlier sdp version: the metric names it reads
+(``shadow/<mode>/rollout_is_*``, ``staleness/*``, ``time/*``, ``throughput/*``) are those every
+sdp train run has written. The report's own per-run table, ``runs.csv``, is read back by
+``read_runs_csv``: the statistics need nothing else.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +26,7 @@ from sdp_cli.ablate.sweep import (
     split_override,
 )
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
-from sdp_cli.config.modes import drift_clipped_mode, shadow_weights
+from sdp_cli.modes import drift_clipped_mode, shadow_weights
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
@@ -84,7 +87,7 @@ _BUILT_IN_SHADOWS = {
 
 def shadows() -> tuple[Shadow, ...]:
     """The shadow weights of the report, one per weight the mode registry defines
-    (``config.modes.shadow_weights``; built in: dec, segment_wise, drift)."""
+    (``modes.shadow_weights``; built in: dec, segment_wise, drift)."""
     return tuple(Shadow.of(name) for name in shadow_weights())
 
 
@@ -114,6 +117,61 @@ class RunRecord:
     @property
     def group(self) -> GroupKey:
         return (self.mode, self.max_head_offpolicyness, self.extra)
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """A finished run's per-run numbers (``report.run_metrics``): one row of ``runs.csv``."""
+
+    mode: str
+    max_head_offpolicyness: int
+    extra: tuple[str, ...]
+    seed: int
+    name: str
+    values: dict[str, float | None]
+
+    @property
+    def group(self) -> GroupKey:
+        return (self.mode, self.max_head_offpolicyness, self.extra)
+
+
+#: the columns of ``runs.csv`` before the per-run metrics
+RUN_KEY_COLUMNS = ("mode", "eta", "other", "seed", "run")
+
+
+def read_runs_csv(path: Path) -> list[RunValues]:
+    """The rows of a ``runs.csv`` the report wrote: key columns, then one column per metric
+    (blank: the run has no such value). Columns of metrics this sdp does not know are kept."""
+    path = Path(path)
+    try:
+        with path.open(newline="") as fh:
+            reader = csv.DictReader(fh)
+            header = reader.fieldnames or []
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise UserError(f"{path}: cannot read ({err}); pass a runs.csv written by sdp ablate --report") from None
+    missing = [c for c in RUN_KEY_COLUMNS if c not in header]
+    if missing:
+        raise UserError(
+            f"{path}: no column {missing[0]!r}; pass a runs.csv written by sdp ablate --report"
+        )
+    if not rows:
+        raise UserError(f"{path}: no runs; pass a runs.csv written by sdp ablate --report")
+    metrics = [c for c in header if c not in RUN_KEY_COLUMNS]
+    out = []
+    for number, row in enumerate(rows, 2):
+        try:
+            values = {c: _optional_float(row[c]) for c in metrics}
+            eta, seed = int(row["eta"]), int(row["seed"])
+        except (TypeError, ValueError):
+            raise UserError(f"{path}:{number}: a value is not a number; restore the file sdp ablate wrote") from None
+        extra = tuple(row["other"].split()) if row["other"] else ()
+        out.append(RunValues(row["mode"], eta, extra, seed, row["run"], values))
+    return out
+
+
+def _optional_float(text: str | None) -> float | None:
+    return None if text is None or text == "" else float(text)
 
 
 @dataclass
@@ -197,7 +255,7 @@ def read_run(run_dir: Path) -> RunRecord:
     return RunRecord(
         name=run_dir.name,
         run_dir=run_dir,
-        mode=mode_label(config),
+        mode=mode_label(config, overrides),
         max_head_offpolicyness=int(config["rollout"]["max_head_offpolicyness"]),
         seed=int(config["seed"]),
         extra=tuple(sorted(extra)),

@@ -1,7 +1,9 @@
-"""Aggregate a sweep's run directories: per-run numbers, per-group mean ± std, CSV, Markdown.
+"""Aggregate a sweep: per-run numbers, per-group mean ± std, the study's paired contrasts; CSV,
+Markdown, plots.
 
-Runs are read by ``sdp_cli.ablate.records``. A run belongs to the group of its overrides minus the
-seed; groups are shown by mode, η and any other swept key.
+Runs are read by ``sdp_cli.ablate.records``, from a sweep directory or from the ``runs.csv`` a
+report wrote. A run belongs to the group of its overrides minus the seed; groups are shown by
+mode, η and any other swept key.
 
 Per run (``run_metrics``), from ``metrics.jsonl`` rows that carry ``reward/mean``, for every
 shadow weight the mode registry defines (``records.shadows``: built in ``dec``, ``segment_wise``
@@ -15,8 +17,11 @@ and ``drift``; a registered mode adds ``w_<mode>_*``):
   drift-clipped weight with κ = the run's ``loss.drift_clip`` (choices.RECOMMENDED_DRIFT_CLIP
   where it trains without one);
   ``drift_clipped``: mean over steps of the share of tokens whose drift factor the clip changed.
-- The comparison (``sdp_cli.ablate.stats.compare_modes``): at every η, each mode's final reward
-  minus that of the best other mode, with Welch's 95 % interval over the seeds.
+- ``trained_ess``, ``trained_ess_raw``: mean over steps of ``weights/trained_ess`` and
+  ``weights/trained_ess_raw``, the ESS fraction of the weight the run trained with at the level
+  it trained with (per sequence for sequence-level runs), after and before truncation or
+  masking; ``trained_token_ess``: mean of ``weights/rollout_is_eff_sample_size``, the token-level
+  ESS of the weights the loss used. Blank for runs that did not log them.
 - ``lag``: mean over steps of the mean token lag c − v; ``kl``: mean of ``offpolicy/kl``
   (π_behav vs π_prox); ``ppo_kl``: mean of ``loss/ppo_kl`` (how far each update moves).
 - ``filtered``: groups dropped by the staleness strategy / groups generated.
@@ -26,6 +31,10 @@ and ``drift``; a registered mode adds ``w_<mode>_*``):
   likewise. Summed per step rather than taken from summary.json, so a resumed run counts the time
   of both sessions.
 - from ``summary.json``: final reward (mean of the last window), greedy accuracy at the end.
+
+The study (``sdp_cli.ablate.study``: registered in the sweep directory, given with ``--study``,
+or the default) decides the paired contrasts (``sdp_cli.ablate.contrasts``), written to
+``study.csv`` and as the first section of ``summary.md`` (``sdp_cli.ablate.study_tables``).
 """
 
 from __future__ import annotations
@@ -38,24 +47,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.ablate.contrasts import Contrast, study_contrasts
 from sdp_cli.ablate.records import (
     Curves,
     GroupKey,
     GroupRow,
     RunRecord,
-    Sweep,
+    RunValues,
     load_sweep,
+    read_runs_csv,
     shadows,
 )
-from sdp_cli.ablate.comparison import (
-    check_against,
-    comparison_columns,
-    comparison_note,
-    comparison_rows,
-    comparison_title,
-    comparisons_csv,
-)
-from sdp_cli.ablate.stats import ModeComparison, compare_modes
+from sdp_cli.ablate.study import Study, check_study, read_registration, read_study_file, study_path
+from sdp_cli.ablate.sweep import MAX_HEAD_OFFPOLICYNESS_KEY, split_override
+from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
 
 
@@ -84,6 +89,28 @@ _LEADING: tuple[Metric, ...] = (
     Metric("acc_end", "acc", "greedy accuracy after training", ".3f", "outcome"),
 )
 _TRAILING: tuple[Metric, ...] = (
+    Metric(
+        "trained_ess",
+        "ESS trained",
+        "mean per-step ESS fraction of the weight the run trained with, at its training level "
+        "(per sequence for sequence-level runs), after truncation or masking",
+        ".3f",
+        "weights",
+    ),
+    Metric(
+        "trained_ess_raw",
+        "ESS trained raw",
+        "the same before truncation or masking",
+        ".3f",
+        "weights",
+    ),
+    Metric(
+        "trained_token_ess",
+        "ESS trained tok",
+        "mean per-step token-level ESS fraction of the weights the loss used",
+        ".3f",
+        "weights",
+    ),
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
     Metric(
@@ -176,6 +203,9 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         "lag": _mean(_values(rows, "staleness/lag_mean")),
         "kl": _mean(_values(rows, "offpolicy/kl")),
         "ppo_kl": _mean(_values(rows, "loss/ppo_kl")),
+        "trained_ess": _mean(_values(rows, "weights/trained_ess")),
+        "trained_ess_raw": _mean(_values(rows, "weights/trained_ess_raw")),
+        "trained_token_ess": _mean(_values(rows, "weights/rollout_is_eff_sample_size")),
     }
     for shadow in shadows():
         short = shadow.short
@@ -224,19 +254,26 @@ def _std(values: Sequence[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def aggregate(records: Sequence[RunRecord]) -> list[GroupRow]:
-    """One row per (mode, η, other swept values) over the finished runs: mean, std, n."""
-    groups: dict[GroupKey, list[RunRecord]] = {}
-    for record in records:
-        if record.finished:
-            groups.setdefault(record.group, []).append(record)
+def run_values(records: Sequence[RunRecord]) -> list[RunValues]:
+    """The per-run numbers of the finished runs (the rows of runs.csv)."""
+    return [
+        RunValues(r.mode, r.max_head_offpolicyness, r.extra, r.seed, r.name, run_metrics(r))
+        for r in records
+        if r.finished
+    ]
+
+
+def aggregate(runs: Sequence[RunValues]) -> list[GroupRow]:
+    """One row per (mode, η, other swept values): mean, std and n over the runs."""
+    groups: dict[GroupKey, list[RunValues]] = {}
+    for run in runs:
+        groups.setdefault(run.group, []).append(run)
     out = []
     columns = metrics()
     for (mode, bound, extra), members in sorted(groups.items()):
         row = GroupRow(mode, bound, extra, sorted(r.seed for r in members))
-        per_run = [run_metrics(r) for r in members]
         for metric in columns:
-            values = [float(m[metric.key]) for m in per_run if m[metric.key] is not None]
+            values = [float(v) for r in members if (v := r.values.get(metric.key)) is not None]
             row.mean[metric.key] = _mean(values)
             row.std[metric.key] = _std(values)
             row.count[metric.key] = len(values)
@@ -278,15 +315,17 @@ def _cell(mean: float | None, std: float | None, fmt: str) -> str:
     return format(mean, fmt) if std is None else f"{mean:{fmt}} ± {std:{fmt}}"
 
 
-def _metrics_of(table: str) -> list[Metric]:
+def _metrics_of(table: str, groups: Sequence[GroupRow]) -> list[Metric]:
+    """The table's metrics that some group has a value of (a column no run logged is left out
+    of the human tables; the CSV keeps it)."""
     assert table in TABLES, f"unknown table {table!r}"
-    return [m for m in metrics() if m.table == table]
+    return [m for m in metrics() if m.table == table and any(g.count.get(m.key) for g in groups)]
 
 
 def table_columns(groups: Sequence[GroupRow], table: str) -> list[str]:
     """Header of a human table: group keys, n, then the table's metric labels."""
     extra = ["other"] if any(g.extra for g in groups) else []
-    return ["mode", "η", *extra, "n", *(m.label for m in _metrics_of(table))]
+    return ["mode", "η", *extra, "n", *(m.label for m in _metrics_of(table, groups))]
 
 
 def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
@@ -295,48 +334,38 @@ def table_rows(groups: Sequence[GroupRow], table: str) -> list[list[str]]:
     rows = []
     for g in groups:
         cells = [g.mode, str(g.max_head_offpolicyness), *([" ".join(g.extra)] if with_extra else []), str(g.n)]
-        cells += [_cell(g.mean[m.key], g.std[m.key], m.fmt) for m in _metrics_of(table)]
+        cells += [_cell(g.mean[m.key], g.std[m.key], m.fmt) for m in _metrics_of(table, groups)]
         rows.append(cells)
     return rows
 
 
-def to_markdown(groups: Sequence[GroupRow], against: Sequence[str] = ()) -> str:
-    """Both tables and the comparison in GitHub Markdown, each followed by what it means."""
+def to_markdown(groups: Sequence[GroupRow]) -> str:
+    """Both tables in GitHub Markdown, each followed by what its columns mean."""
     parts = []
     for table, title in TABLES.items():
         header = table_columns(groups, table)
         lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(groups, table)]
-        lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table)]
-        parts.append("\n".join(lines))
-    comparisons = compare_modes(groups, against=against)
-    if any(c.comparison is not None for c in comparisons):
-        header = comparison_columns(comparisons)
-        lines = [f"### {comparison_title(against)}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in comparison_rows(comparisons)]
-        lines += ["", comparison_note(against)]
+        lines += [""] + [f"- **{m.label}**: {m.doc}" for m in _metrics_of(table, groups)]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
 
-def runs_csv(records: Sequence[RunRecord]) -> str:
+def runs_csv(runs: Sequence[RunValues]) -> str:
     """One row per finished run: its group, seed and every per-run metric (per-seed numbers)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     columns = metrics()
     writer.writerow(["mode", "eta", "other", "seed", "run", *(m.key for m in columns)])
-    for record in records:
-        if not record.finished:
-            continue
-        values = run_metrics(record)
+    for run in runs:
         writer.writerow(
             [
-                record.mode,
-                record.max_head_offpolicyness,
-                " ".join(record.extra),
-                record.seed,
-                record.name,
-                *(_num(values[m.key]) for m in columns),
+                run.mode,
+                run.max_head_offpolicyness,
+                " ".join(run.extra),
+                run.seed,
+                run.name,
+                *(_num(run.values.get(m.key)) for m in columns),
             ]
         )
     return buf.getvalue()
@@ -369,50 +398,125 @@ def _num(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
+# ------------------------------------------------------------------ inputs
+@dataclass
+class RunTable:
+    """What a report aggregates: the finished runs' numbers, the overrides every run shares, the
+    names of unfinished runs, the reward curves (None when read from a runs.csv), the directory
+    that may hold the sweep's study.json, and the runs.csv read (None for a sweep directory)."""
+
+    runs: list[RunValues]
+    common: tuple[str, ...]
+    unfinished: list[str]
+    curves: Curves | None
+    directory: Path
+    csv_path: Path | None = None
+
+    @classmethod
+    def load(cls, source: Path) -> RunTable:
+        """A sweep directory, or the runs.csv of a report (then its directory holds study.json)."""
+        source = Path(source)
+        if source.suffix == ".csv" or source.is_file():
+            if source.suffix != ".csv" or not source.is_file():
+                raise UserError(f"--report {source}: no such sweep directory or runs.csv; pass one that a sweep or report wrote")
+            return cls(read_runs_csv(source), (), [], None, source.parent, source)
+        sweep = load_sweep(source)
+        unfinished = [r.name for r in sweep.records if not r.finished]
+        return cls(run_values(sweep.records), sweep.common, unfinished, reward_curves(sweep.records), source)
+
+
+def _axes(runs: Sequence[RunValues]) -> dict[str, list[str]]:
+    """The keys the runs vary (η always), with their values, for checking a study against them."""
+    axes: dict[str, set[str]] = {MAX_HEAD_OFFPOLICYNESS_KEY: {str(r.max_head_offpolicyness) for r in runs}}
+    for run in runs:
+        for override in run.extra:
+            key, value = split_override(override)
+            axes.setdefault(key, set()).add(value)
+    return {k: sorted(v) for k, v in axes.items()}
+
+
+#: the study a report tests when none is registered and none is given
+DEFAULT_STUDY = Study()
+
+
+def resolve_study(table: RunTable, study_file: Path | None) -> tuple[Study, str]:
+    """The study to test and where it comes from: ``--study FILE`` (checked against the runs;
+    post hoc), else the sweep's registration (study.json), else ``DEFAULT_STUDY``."""
+    registration = read_registration(table.directory)
+    if study_file is not None:
+        study = read_study_file(study_file)
+        check_study(study, {r.mode for r in table.runs}, _axes(table.runs), f"--study {study_file}", "fix the study file")
+        instead = f", instead of the registered {study_path(table.directory)}" if registration else ""
+        return study, f"from {study_file}{instead}; chosen after the runs (post hoc)"
+    if registration is not None:
+        return registration.study, (
+            f"registered in {study_path(table.directory)} at {registration.registered}, before the sweep ran "
+            f"(from {registration.source})"
+        )
+    return DEFAULT_STUDY, (
+        "none registered; the default: baseline decoupled, no primary contrast, no equivalence margin "
+        "(give one with --study FILE)"
+    )
+
+
+# ----------------------------------------------------------------- reports
 @dataclass
 class Report:
-    """What ``write_report`` produced."""
+    """What ``write_report`` computed and wrote."""
 
     groups: list[GroupRow]
-    sweep: Sweep
-    csv_path: Path
-    markdown_path: Path
+    table: RunTable
+    study: Study
+    provenance: str
+    primary: Contrast | None
+    secondary: list[Contrast]
+    written: list[Path]
     plots: list[Path]
-    comparisons: list[ModeComparison]
-    extra_paths: list[Path]
 
     @property
-    def unfinished(self) -> list[RunRecord]:
-        return [r for r in self.sweep.records if not r.finished]
+    def unfinished(self) -> list[str]:
+        return self.table.unfinished
 
 
-def write_report(sweep_dir: Path, *, plots: bool = True, against: Sequence[str] = ()) -> Report:
-    """Aggregate ``sweep_dir`` and write ``summary.csv``, ``summary.md`` and ``plots/*.png``.
-    ``against``: compare every mode with the better of these modes only (see ``compare_modes``)."""
-    sweep_dir = Path(sweep_dir)
-    sweep = load_sweep(sweep_dir)
-    groups = aggregate(sweep.records)
-    check_against((g.mode for g in groups), against)
-    csv_path = sweep_dir / "summary.csv"
-    md_path = sweep_dir / "summary.md"
-    # renames, never writes through a link (docs/reliability.md, "Links and special files in a run directory")
-    atomic_write_text(csv_path, to_csv(groups))
-    comparisons = compare_modes(groups, against=against)
-    extra_paths = [sweep_dir / "comparison.csv", sweep_dir / "runs.csv"]
-    atomic_write_text(extra_paths[0], comparisons_csv(comparisons))
-    atomic_write_text(extra_paths[1], runs_csv(sweep.records))
-    common = (
-        f"Overrides shared by every run: `{' '.join(sweep.common)}`.\n\n" if sweep.common else ""
+def write_report(
+    source: Path, *, plots: bool = True, study_file: Path | None = None, out: Path | None = None
+) -> Report:
+    """Aggregate a sweep directory or a runs.csv (``source``) and test its study (``resolve_study``);
+    write ``summary.csv``, ``summary.md``, ``study.csv``, ``runs.csv`` (not from a runs.csv: that
+    is the input) and ``plots/*.png`` into ``out`` (default: the sweep directory, or the
+    directory of the runs.csv). Everything is checked before anything is written."""
+    from sdp_cli.ablate.study_tables import study_csv, study_markdown
+
+    table = RunTable.load(Path(source))
+    study, provenance = resolve_study(table, study_file)
+    groups = aggregate(table.runs)
+    primary, secondary = study_contrasts(table.runs, study, table.common)
+    directory = Path(out) if out is not None else table.directory
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--out {directory}: not a directory; pass a directory for the report's files")
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {
+        "summary.csv": to_csv(groups),
+        "study.csv": study_csv(primary, secondary, study),
+    }
+    if table.csv_path is None:
+        files["runs.csv"] = runs_csv(table.runs)
+    common = f"Overrides shared by every run: `{' '.join(table.common)}`.\n\n" if table.common else ""
+    read_from = f"Read from `{table.csv_path}`.\n\n" if table.csv_path is not None else ""
+    files["summary.md"] = (
+        f"# sdp ablate: {table.directory.name}\n\n{read_from}{common}"
+        f"{study_markdown(primary, secondary, study, provenance)}\n"
+        "## Tables\n\nmean ± sample std over seeds (n runs per row).\n\n"
+        f"{to_markdown(groups)}"
     )
-    atomic_write_text(
-        md_path,
-        f"# sdp ablate: {sweep_dir.name}\n\n{common}"
-        "mean ± sample std over seeds (n runs per row).\n\n"
-        f"{to_markdown(groups, against)}",
-    )
-    written: list[Path] = []
+    written = []
+    for name, text in files.items():
+        # a rename: never writes through a link (docs/reliability.md, "Links and special files in a run directory")
+        atomic_write_text(directory / name, text)
+        written.append(directory / name)
+    made: list[Path] = []
     if plots and groups:
         from sdp_cli.ablate.plots import write_plots
 
-        written = write_plots(groups, reward_curves(sweep.records), sweep_dir / "plots", comparisons, against)
-    return Report(groups, sweep, csv_path, md_path, written, comparisons, extra_paths)
+        made = write_plots(groups, table.curves, directory / "plots", [*([primary] if primary else []), *secondary], study)
+    return Report(groups, table, study, provenance, primary, secondary, written, made)

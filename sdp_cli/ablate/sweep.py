@@ -124,14 +124,21 @@ def default_sweep_dir(sweep: str) -> Path:
     return Path("runs") / "ablate" / sweep
 
 
-def mode_label(config: dict[str, Any]) -> str:
-    """The training mode of a run's resolved config: ``loss.mode``, and with a drift clip
-    ``segment_wise_drift(κ=…)`` (docs/math.md §1.1), so that each κ is a mode of its own."""
+def mode_label(config: dict[str, Any], overrides: Sequence[str] = ()) -> str:
+    """The correction a run trains with, as reports and studies name it: with a drift clip
+    ``segment_wise_drift(κ=…)`` (docs/math.md §1.1), so that each κ is a mode of its own; else the
+    ``+preset`` the run was given when it names a correction other than its mode (the field's
+    presets ``gspo``, ``m2po``, ``icepop``, … train ``mode=decoupled`` with their own options,
+    docs/math.md §9); else ``loss.mode`` (the registered name of a mode of yours)."""
     loss = config["loss"]
     kappa = loss.get("drift_clip")
-    if kappa is None:
-        return str(loss["mode"])
-    return f"{loss['mode']}_drift(κ={float(kappa):g})"
+    if kappa is not None:
+        return f"{loss['mode']}_drift(κ={float(kappa):g})"
+    mode = str(loss["mode"])
+    if ":" in mode:  # a mode of yours, named by its function (sdp_cli/modes.py)
+        mode = mode.rpartition(":")[2]
+    preset = next((split_override(o)[1] for o in overrides if split_override(o)[0] == MODE_KEY), None)
+    return preset if preset is not None and preset != mode else mode
 
 
 @dataclass(frozen=True)
@@ -338,7 +345,7 @@ def plan_sweep(
                 typed, raw = compose_config(job.train_overrides(), source=source)
             except UserError as err:
                 raise UserError(f"run {name}: {err}") from None
-            modes.add(mode_label({"loss": {"mode": typed.loss.mode, "drift_clip": typed.loss.drift_clip}}))
+            modes.add(mode_label({"loss": {"mode": typed.loss.mode, "drift_clip": typed.loss.drift_clip}}, job_list))
             _check_same_config(run_dir, to_yaml(raw))
         jobs.append(job)
 

@@ -1,6 +1,6 @@
 """Importance weights of saved batches, mode by mode (``sdp inspect-weights``; docs/design.md §1, §4).
 
-One row per correction mode registered in ``core.weights.MODE_WEIGHTS`` (docs/design.md §4,
+One row per correction mode registered in ``sdp_cli.modes`` (docs/design.md §4,
 "Adding a mode"), in registration order — built in: ``bypass`` (the reference, w ≡ 1),
 ``decoupled`` (log w = π_prox − π_behav), ``segment_wise`` (log w = π_prox_t − π_behav) — and,
 after each mode that takes a drift clip, its drift-clipped row ``<mode>_drift`` (built in:
@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from sdp_cli.choices import IS_LEVELS, RECOMMENDED_DRIFT_CLIP
-from sdp_cli.config.modes import DRIFT_SUFFIX, weight_names
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
-from sdp_cli.core.token_status import lacks_next_version, token_status
-from sdp_cli.core.weights import MODE_WEIGHTS, behavior_log_ratio, drift_log_factor, importance_weights
+from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
+from sdp_cli.core.weights import drift_log_factor, importance_weights
+from sdp_cli.modes import DRIFT_SUFFIX, MODES, weight_names
 from sdp_cli.rollout.batch_file import SavedBatch
 
 #: the divergences reported per mode (names as in docs/math.md §4)
@@ -66,7 +66,7 @@ OTHER_TARGET = "π_behav·w"
 
 def report_rows() -> tuple[str, ...]:
     """The rows of the report: every registered mode, each followed by its drift-clipped row
-    when it takes ``drift_clip`` (``config.modes.weight_names``)."""
+    when it takes ``drift_clip`` (``modes.weight_names``)."""
     return weight_names()
 
 
@@ -207,18 +207,21 @@ class _Stacked:
     mask: Tensor
     lag: Tensor
     uncorrectable: Tensor
+    #: the tokens a weight that reads π_prox_t covers (token_status.covered_tokens, the trainer's rule)
+    with_next: Tensor
     layout: _Layout
 
     def lacks_proximal(self, mode: str, drift_clip: float | None = None) -> bool:
         """Whether the registered mode's weight (or its drift clip) reads π_prox, which the
         batches lack."""
-        return self.prox is None and (drift_clip is not None or "proximal_logprobs" in MODE_WEIGHTS[mode].needs)
+        return self.prox is None and (drift_clip is not None or MODES[mode].reads_proximal)
 
     def log_ratio(self, mode: str, drift_clip: float | None = None) -> Tensor | None:
-        """The registered mode's behavioural log ratio (``core.weights.behavior_log_ratio``);
-        None for a mode without a weight (bypass). The caller checks ``lacks_proximal`` first."""
+        """The registered mode's behavioural log ratio (``sdp_cli.modes``); None for a mode without
+        a weight (bypass). The caller checks ``lacks_proximal`` first."""
         assert not self.lacks_proximal(mode, drift_clip), f"mode {mode} needs π_prox"
-        return behavior_log_ratio(self.old, self.prox, self.prox_t, mode=mode, drift_clip=drift_clip)
+        params = {} if drift_clip is None else {"drift_clip": drift_clip}
+        return MODES[mode].log_ratio(self.old, self.prox, self.prox_t, self.mask, **params)
 
     def target(self, row: str, log_ratio: Tensor) -> Tensor:
         """The log-probs of ``row``'s target policy (``TARGETS``): one stored input, else
@@ -248,14 +251,15 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
     trainer = cat([torch.full_like(p.versions, b.trainer_version) for p, b in zip(padded, batches)], -1)
     # An output token older than the trainer whose π_{v+1} was never computed has no
     # segment-wise weight (docs/design.md §2): the trainer drops it from a segment-wise loss.
-    uncorrectable = lacks_next_version(token_status(versions, t_versions, trainer, mask))
+    status = token_status(versions, t_versions, trainer, mask)
     return _Stacked(
         old=cat([p.old_logprobs for p in padded], 0.0),
         prox=cat([p.proximal_logprobs for p in padded], 0.0) if has_prox else None,  # type: ignore[misc]
         prox_t=cat([p.proximal_logprobs_t for p in padded], 0.0),
         mask=mask,
         lag=torch.where(mask, trainer - versions, -1),
-        uncorrectable=uncorrectable,
+        uncorrectable=lacks_next_version(status),
+        with_next=covered_tokens(mask, status, reads_proximal_t=True),
         layout=_layout(batches),
     )
 
@@ -322,7 +326,7 @@ def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
     lr_segment_wise = s.log_ratio("segment_wise")
     lr_dec = None if s.lacks_proximal("decoupled") else s.log_ratio("decoupled")
     assert lr_segment_wise is not None and (lr_dec is not None or s.prox is None)
-    with_next = s.mask & ~s.uncorrectable
+    with_next = s.with_next
     w_dec = {} if lr_dec is None else lag_weight_stats(lr_dec, s.mask, s.lag)
     w_segment_wise = lag_weight_stats(lr_segment_wise, with_next, s.lag)
     dropped = {} if s.prox is None else lag_weight_stats(s.prox - s.prox_t, with_next, s.lag)
@@ -371,12 +375,12 @@ def analyse_batches(
         else None
     )
     modes: dict[str, ModeReport] = {}
-    with_next = s.mask & ~s.uncorrectable
-    for name, spec in MODE_WEIGHTS.items():
+    with_next = s.with_next
+    for name, spec in MODES.items():
         # a weight that reads π_prox_t (a drift factor π_prox/π_prox_t does) leaves out the stale
-        # tokens without π_{v+1} (token_status)
-        variants = [(name, None, with_next if "proximal_logprobs_t" in spec.needs else s.mask)]
-        if "drift_clip" in spec.params:
+        # tokens without π_{v+1} (token_status.covered_tokens: the trainer's rule too)
+        variants = [(name, None, with_next if spec.reads_proximal_t else s.mask)]
+        if spec.takes_drift_clip:
             variants.append((name + DRIFT_SUFFIX, options.drift_clip, with_next))
         for row, kappa, covered in variants:
             if s.lacks_proximal(name, kappa):

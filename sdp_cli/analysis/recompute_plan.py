@@ -28,9 +28,8 @@ import torch
 from sdp_cli.analysis.checkpoints import KEEP_VERSIONS_FIX, MissingCheckpoints, format_versions
 from sdp_cli.analysis.scorers import Scorer
 from sdp_cli.choices import STUDIED_DRIFT_CLIPS
-from sdp_cli.config.modes import drift_clipped_mode, weight_names
-from sdp_cli.core.weights import MODE_WEIGHTS
 from sdp_cli.errors import UserError
+from sdp_cli.modes import drift_clipped_mode, weight_mode, weight_names
 from sdp_cli.rollout.batch_file import SavedBatch
 from sdp_cli.rollout.recompute import token_packs
 
@@ -73,12 +72,10 @@ class ProximalChoice:
 
 def reads_proximal(weight: str) -> bool:
     """Whether the weight ``weight`` reads π_prox: a registered mode whose ``needs`` name it
-    (``core.weights.MODE_WEIGHTS``), or a drift-clipped weight ``<mode>_drift``, whose drift
-    factor is π_prox/π_prox_t (``config.modes.weight_names`` lists both kinds)."""
+    (``sdp_cli.modes``), or a drift-clipped weight ``<mode>_drift``, whose drift factor is
+    π_prox/π_prox_t (``modes.weight_names`` lists both kinds)."""
     assert weight in weight_names(), f"unknown weight {weight!r}"
-    if drift_clipped_mode(weight) is not None:
-        return True
-    return "proximal_logprobs" in MODE_WEIGHTS[weight].needs
+    return drift_clipped_mode(weight) is not None or weight_mode(weight).reads_proximal
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ class RecomputeOptions:
             trainer version c.
         max_tokens_per_call: prefill tokens per scoring call (a longer sequence goes alone).
         drift_clips: with ``exact``, the κ values whose effect on the dropped factor is reported.
-        modes: weights (``config.modes.weight_names``) whose inputs must be filled: when one
+        modes: weights (``modes.weight_names``) whose inputs must be filled: when one
             reads π_prox (``reads_proximal``), π_prox is computed (under ``proximal``, by
             default each batch's trainer version).
     """

@@ -27,7 +27,7 @@ EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.sa
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
-For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav), segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip) and any mode registered in sdp_cli/core/weights.py, at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
+For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav), segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip) any mode registered in sdp_cli/modes.py and your own (--mode FILE:FUNCTION), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
 
 [bold]Examples[/bold]
 
@@ -38,6 +38,8 @@ For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wis
   sdp inspect-weights runs/my-run/batches/step-000012.safetensors --json
 
   sdp inspect-weights runs/my-run/batches --per-file --plot weights.png --dump-weights weights.safetensors
+
+  sdp inspect-weights runs/my-run/batches --mode examples/own_mode/tempered.py:tempered_decoupled
 """
 
 
@@ -82,8 +84,19 @@ def inspect_weights_command(
     force: bool = typer.Option(
         False, "--force", help="Replace existing --plot / --dump-weights files (never an input batch)."
     ),
+    mode: list[str] = typer.Option(
+        None,
+        "--mode",
+        help="Add a row for your own mode, path/to/file.py:function or package.module:function (as "
+        "loss.mode takes it; repeatable). A batch file never makes sdp import code.",
+    ),
 ) -> None:
     _check_options(cap, floor, action, drift_clip)
+    if mode:
+        from sdp_cli.modes import resolve_mode
+
+        for spec in mode:
+            resolve_mode(spec)  # registers it: every registered mode gets a row
     paths = _batch_paths(files or [], example)
     from sdp_cli.fileio import OutputPlan
 

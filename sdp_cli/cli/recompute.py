@@ -126,17 +126,23 @@ def recompute_command(
         raise UserError(f"--drift-clip {bad} must be >= 1 (1 = segment-wise, inf = decoupled); pass e.g. --drift-clip 2")
     if drift_clip and not exact:
         raise UserError("--drift-clip reports on the exact decomposition; add --exact")
-    from sdp_cli.config.modes import weight_names
+    from sdp_cli.modes import resolve_mode, weight_names
+    from sdp_cli.user_code import is_code_spec
 
+    # a mode of yours named on the command line is loaded (never one a batch file names)
+    mode = [resolve_mode(m).name if is_code_spec(m) else m for m in mode or []]
     known = weight_names()
-    unknown = next((m for m in mode or [] if m not in known), None)
+    unknown = next((m for m in mode if m not in known), None)
     if unknown is not None:
-        raise UserError(f"--mode {unknown!r} is not a registered mode; choose one of {', '.join(known)}")
+        raise UserError(
+            f"--mode {unknown!r} is not a registered mode; choose one of {', '.join(known)}, or give your own "
+            "as path/to/file.py:function"
+        )
     options = RecomputeOptions(
         proximal=None if proximal is None else ProximalChoice.parse(proximal),
         exact=exact,
         drift_clips=kappas,
-        modes=tuple(dict.fromkeys(mode or [])),
+        modes=tuple(dict.fromkeys(mode)),
     )
     result = _run(batches, checkpoints, options, output, force, engine, servers, device, as_json)
     if not dry_run:

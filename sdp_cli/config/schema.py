@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from sdp_cli.config.modes import reads_proximal_t
+from sdp_cli.modes import resolve_mode
 
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,7 +42,8 @@ class LossConfig:
     """Off-policy correction and the policy loss (docs/design.md §4)."""
 
     mode: str = "decoupled"
-    """bypass | decoupled | segment_wise: which behavioural weight multiplies the PPO loss."""
+    """bypass | decoupled | segment_wise | path/to/file.py:function (your own, docs/design.md "Adding a
+    mode"): which behavioural weight multiplies the PPO loss."""
     is_level: str = "token"
     """token | sequence | geometric aggregation of the behavioural weight (group `is_agg`)."""
     weight_cap: float | None = 5.0
@@ -68,6 +69,12 @@ class LossConfig:
     step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
     """ppo_clip | reinforce (−A·log π_θ·w)."""
+    ratio_level: str = "token"
+    """token | sequence: the PPO ratio per token, or per sequence as exp(mean_t log π_θ/π_anchor), one
+    clip decision per sequence (GSPO; AReaL/TRL call it importance_sampling_level; docs/math.md §9.3)."""
+    m2_threshold: float | None = None
+    """M2PO: drop the tokens with the largest squared behavioural log ratio until the batch's mean of
+    it is below this (AReaL m2_threshold, 0.04 in the paper; docs/math.md §9.2); null = off."""
     scale_adv_by_std: bool = True
     """GRPO advantages divide by the group std; false gives Dr.GRPO."""
     drift_clip: float | None = None
@@ -342,7 +349,7 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     (a mode whose weight reads π_prox_t needs it, e.g. segment_wise; ``rollout.recompute=always``
     measures it in other modes)."""
     return cfg.rollout.recompute == "always" or (
-        cfg.rollout.recompute == "auto" and reads_proximal_t(cfg.loss.mode)
+        cfg.rollout.recompute == "auto" and resolve_mode(cfg.loss.mode).reads_proximal_t
     )
 
 

@@ -18,6 +18,7 @@ from sdp_cli.choices import (
     MODEL_KINDS,
     PARALLEL_MODES,
     PROXIMAL_T_SOURCES,
+    RATIO_LEVELS,
     RECOMPUTE_POLICIES,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
@@ -26,8 +27,9 @@ from sdp_cli.choices import (
     TRAIN_DTYPES,
     WEIGHT_ACTIONS,
 )
-from sdp_cli.config.modes import mode_names, reads_proximal_t
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
+from sdp_cli.errors import UserError
+from sdp_cli.modes import Mode, resolve_mode
 from sdp_cli.redact import is_loopback, redact_urls
 from sdp_cli.server_url import server_url_problem
 
@@ -41,6 +43,14 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigValueError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
 
 
+def _mode(value: str) -> Mode:
+    """The registered mode ``loss.mode`` names (a function of yours is loaded and tried here)."""
+    try:
+        return resolve_mode(value)
+    except UserError as err:
+        raise ConfigValueError(str(err)) from None
+
+
 def _positive(key: str, value: float | int | None, *, allow_none: bool = False, strict: bool = True) -> None:
     if value is None:
         if allow_none:
@@ -52,19 +62,47 @@ def _positive(key: str, value: float | int | None, *, allow_none: bool = False, 
         raise ConfigValueError(f"{key}={value} must be {'> 0' if strict else '>= 0'}")
 
 
-def _check_bypass(loss: LossConfig) -> None:
-    """Refuse what bypass would ignore (docs/training.md, "bypass"): it has no behavioural log
-    ratio to reject on, and with ppo_clip no behavioural weight to bound (the PPO ratio
-    π_θ/π_behav is clipped by loss.clip); reinforce's importance weight π_θ/π_behav is bounded."""
+def _check_sequence_ratio(loss: LossConfig) -> None:
+    """A sequence-level PPO ratio (GSPO) decides per sequence: it needs the PPO clip, and every token
+    of a sequence in the loss or out of it together (docs/math.md §5.4)."""
+    if loss.ratio_level != "sequence":
+        return
+    if loss.loss_type != "ppo_clip":
+        raise ConfigValueError(
+            f"loss.ratio_level=sequence is the ratio of the PPO clip; loss.loss_type={loss.loss_type} has none: "
+            "use loss.loss_type=ppo_clip or loss.ratio_level=token"
+        )
+    if loss.rejection.level == "token":
+        raise ConfigValueError(
+            "loss.ratio_level=sequence clips whole sequences, but loss.rejection.level=token drops single "
+            "tokens from them; use loss.rejection.level=sequence or geometric, or loss.ratio_level=token"
+        )
+    if loss.m2_threshold is not None:
+        raise ConfigValueError(
+            "loss.ratio_level=sequence clips whole sequences, but loss.m2_threshold (M2PO) drops single tokens "
+            "from them; set loss.m2_threshold=null or loss.ratio_level=token"
+        )
+
+
+def _check_without_weight(loss: LossConfig) -> None:
+    """Refuse what a mode without a weight (bypass) would ignore (docs/training.md, "bypass"): it
+    has no behavioural log ratio to reject on, and with ppo_clip no behavioural weight to bound
+    (the PPO ratio π_θ/π_behav is clipped by loss.clip); reinforce's importance weight
+    π_θ/π_behav is bounded."""
     if loss.rejection.level is not None or loss.rejection.veto is not None:
         raise ConfigValueError(
-            "loss.rejection needs a behavioural log ratio, which loss.mode=bypass does not have; "
+            f"loss.rejection needs a behavioural log ratio, which loss.mode={loss.mode} does not have; "
             "set loss.rejection.level=null and loss.rejection.veto=null, or use mode=decoupled"
+        )
+    if loss.m2_threshold is not None:
+        raise ConfigValueError(
+            f"loss.m2_threshold (M2PO) masks by the behavioural log ratio, which loss.mode={loss.mode} does not "
+            "have; set loss.m2_threshold=null or use mode=decoupled"
         )
     if loss.loss_type != "ppo_clip":
         return
     instead = (
-        "which loss.mode=bypass with loss.loss_type=ppo_clip does not have "
+        f"which loss.mode={loss.mode} with loss.loss_type=ppo_clip does not have "
         "(loss.clip bounds its ratio π_θ/π_behav)"
     )
     for key, value in (("weight_cap", loss.weight_cap), ("weight_floor", loss.weight_floor)):
@@ -112,11 +150,14 @@ def validate(cfg: SdpConfig) -> None:
     if not isinstance(cfg.seed, int) or abs(cfg.seed) > MAX_SEED:
         raise ConfigValueError(f"seed={cfg.seed} must be an integer between -{MAX_SEED} and {MAX_SEED} (2**62)")
     loss = cfg.loss
-    _choice("loss.mode", loss.mode, mode_names())
+    mode = _mode(loss.mode)
     _choice("loss.is_level", loss.is_level, IS_LEVELS)
     _choice("loss.weight_action", loss.weight_action, WEIGHT_ACTIONS)
     _choice("loss.agg", loss.agg, LOSS_AGGS)
     _choice("loss.loss_type", loss.loss_type, LOSS_TYPES)
+    _choice("loss.ratio_level", loss.ratio_level, RATIO_LEVELS)
+    _check_sequence_ratio(loss)
+    _positive("loss.m2_threshold", loss.m2_threshold, allow_none=True)
     _positive("loss.weight_cap", loss.weight_cap, allow_none=True)
     _positive("loss.weight_floor", loss.weight_floor, allow_none=True)
     if loss.weight_cap is not None and loss.weight_floor is not None and loss.weight_floor > loss.weight_cap:
@@ -126,7 +167,7 @@ def validate(cfg: SdpConfig) -> None:
     if loss.weight_action == "mask" and loss.weight_cap is None and loss.weight_floor is None:
         raise ConfigValueError("loss.weight_action=mask needs loss.weight_cap or loss.weight_floor")
     if loss.drift_clip is not None:
-        if loss.mode != "segment_wise":
+        if not mode.takes_drift_clip:
             raise ConfigValueError(
                 f"loss.drift_clip={loss.drift_clip} needs loss.mode=segment_wise "
                 "(or +preset=segment_wise_drift); set loss.drift_clip=null for other modes"
@@ -154,8 +195,8 @@ def validate(cfg: SdpConfig) -> None:
                 f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
             )
     _positive("loss.rejection.veto", rej.veto, allow_none=True)
-    if loss.mode == "bypass":
-        _check_bypass(loss)
+    if not mode.has_weight:
+        _check_without_weight(loss)
 
     ro = cfg.rollout
     _positive("rollout.max_head_offpolicyness", ro.max_head_offpolicyness, strict=False)
@@ -173,12 +214,12 @@ def validate(cfg: SdpConfig) -> None:
     _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)
 
     _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
-    if cfg.staleness.strategy == "segment_wise" and loss.mode == "bypass":
+    if cfg.staleness.strategy == "segment_wise" and not mode.has_weight:
         raise ConfigValueError(
-            "staleness=segment_wise needs π_prox_t, which loss.mode=bypass never uses; "
+            f"staleness=segment_wise needs π_prox_t, which loss.mode={loss.mode} never uses; "
             "use mode=segment_wise (or +preset=segment_wise)"
         )
-    if ro.recompute == "never" and reads_proximal_t(loss.mode):
+    if ro.recompute == "never" and mode.reads_proximal_t:
         raise ConfigValueError(
             f"loss.mode={loss.mode} needs the recompute pass; set rollout.recompute=auto or always"
         )

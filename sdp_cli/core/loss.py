@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sdp_cli.choices import LOSS_AGGS, LOSS_TYPES
+from sdp_cli.choices import LOSS_AGGS, LOSS_TYPES, RATIO_LEVELS
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -124,14 +124,17 @@ def policy_loss(
     agg: str = "token-mean",
     loss_type: str = "ppo_clip",
     denominator: float | Tensor | None = None,
+    ratio_level: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """Aggregated policy loss and its metrics (docs/math.md §5).
 
     ppo_clip: ℓ = max(−A·r, −A·clip(r, 1−ε, 1+ε_high)) with r = exp(clamp(lp − prox, ±20));
-    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. reinforce: ℓ = −A·lp, with ``weights``
-    the detached importance weight π_θ/π_behav (the caller recomputes it for every optimizer
-    step). Then ℓ·w, and ``agg`` reduces over valid tokens, dividing by ``denominator`` when
-    given (``_aggregate``). Only ``logprobs`` receives a gradient.
+    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. ``ratio_level="sequence"`` (GSPO,
+    docs/math.md §9.3) takes r per sequence, the length-normalised s_i = exp(mean_t(lp − prox)),
+    for every token of row i. reinforce: ℓ = −A·lp, with ``weights`` the detached importance
+    weight π_θ/π_behav (the caller recomputes it for every optimizer step). Then ℓ·w, and
+    ``agg`` reduces over valid tokens, dividing by ``denominator`` when given (``_aggregate``).
+    Only ``logprobs`` receives a gradient.
     """
     check_float_tensor("logprobs", logprobs)
     check_2d("logprobs", logprobs)
@@ -142,6 +145,9 @@ def policy_loss(
     mk = masked(mask, logprobs, "logprobs")
     check_choice("agg", agg, LOSS_AGGS)
     check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    if ratio_level == "sequence" and loss_type != "ppo_clip":
+        raise ValueError(f"ratio_level='sequence' is a PPO-clip ratio; got loss_type={loss_type!r}")
     _check_denominator(agg, denominator)
     check_number("clip", clip, above=0)
     clip_high = clip if clip_high is None else clip_high
@@ -158,7 +164,9 @@ def policy_loss(
         # −A written as 0 − A: it is +0.0 (not −0.0) at padding, so every padded gradient is +0.
         neg_adv = 0.0 - adv
         if loss_type == "ppo_clip":
-            log_ratio = delta.clamp(-LOG_CLAMP, LOG_CLAMP)
+            # GSPO: every token of a row sees the row's mean log ratio (padding stays 0)
+            level_delta = delta if ratio_level == "token" else mk.select(mk.row_mean(delta).unsqueeze(-1).expand_as(delta))
+            log_ratio = level_delta.clamp(-LOG_CLAMP, LOG_CLAMP)
             ratio = torch.exp(log_ratio)
             unclipped = neg_adv * ratio
             clipped = neg_adv * ratio.clamp(1 - clip, 1 + clip_high)
@@ -177,7 +185,7 @@ def policy_loss(
                 counts["dual"] = count(dual_bound)
             # The gradient −A·r flows where no clip binds and the ±20 clamp is inactive (a
             # clamp passes the gradient on its closed interval, where it returns its input).
-            slope = unclipped * as_float(~was_clipped & (log_ratio == delta), unclipped.dtype)
+            slope = unclipped * as_float(~was_clipped & (log_ratio == level_delta), unclipped.dtype)
         else:
             slope = neg_adv
             value = slope * lp
@@ -185,6 +193,11 @@ def policy_loss(
             w = mk.select(weights.detach())
             value = value * w
             slope = slope * w
+        if ratio_level == "sequence":
+            # ∂s_i/∂lp_u = s_i/|y_i| for every valid token u of row i, and every sdp aggregation
+            # weighs the tokens of a row alike, so token u's slope is the row mean of the
+            # token slopes (docs/math.md §9.3)
+            slope = mk.select(mk.row_mean(slope).unsqueeze(-1).expand_as(slope))
 
     loss = _aggregate(_TokenLoss.apply(logprobs, value, slope), mk, agg, denominator)
     host = to_host({"loss": loss, "n": mk.n_tokens, "delta": delta.sum(), **counts})

@@ -38,3 +38,13 @@ def lacks_next_version(status: Any) -> Any:
     trainer's fill are done, a FILL token has missed its window too: the trainer leaves both out
     of a segment-wise loss and inspect-weights leaves them out of the segment-wise weight."""
     return (status == FILL) | (status == UNCORRECTABLE)
+
+
+def covered_tokens(valid: Any, status: Any, *, reads_proximal_t: bool) -> Any:
+    """The tokens a weight is measured and trained on (docs/math.md §1, "Which tokens a weight
+    covers"): every valid token, less — for a weight that reads π_prox_t — the stale tokens without
+    π_{v+1} (``lacks_next_version``). ``status`` is ``token_status`` (None: π_prox_t not tracked).
+    The trainer's loss mask, its shadow metrics and inspect-weights all use this one rule."""
+    if not reads_proximal_t or status is None:
+        return valid
+    return valid & ~lacks_next_version(status)

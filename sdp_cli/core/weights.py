@@ -1,7 +1,7 @@
 """Behavioural importance weights and rejection masks (docs/design.md §4, docs/math.md §1–§3).
 
-The correction modes differ only in the log ratio of the behavioural weight, a function
-registered per mode (``register_mode``, ``MODE_WEIGHTS``):
+The correction modes differ only in the log ratio of the behavioural weight; the kernels below
+are the built-in modes' (declared, with what they read, in ``sdp_cli/modes.py``):
 
     bypass        no weight (the PPO ratio is anchored at π_behav instead)
     decoupled     lr = log π_prox   − log π_behav
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -38,6 +37,7 @@ from sdp_cli.core._masked import (
     masked,
     to_host,
 )
+from sdp_cli.modes import MODES, mode_names
 
 
 def drift_log_factor(
@@ -57,59 +57,18 @@ def drift_log_factor(
     return clipped_log_d, clipped_log_d != log_d
 
 
-@dataclass(frozen=True)
-class ModeWeight:
-    """One correction mode's behavioural weight (docs/design.md "Adding a mode").
-
-    ``log_ratio(old, proximal, proximal_t, **params)`` returns the detached log ratio of the
-    weight, or None for no weight; ``needs`` names the log-probs it reads besides π_behav
-    (``proximal_logprobs`` = π_prox, ``proximal_logprobs_t`` = π_prox_t); ``anchor`` is the
-    policy the PPO ratio is taken against ("proximal": π_prox, "behav": π_behav); ``params`` the
-    keyword parameters it accepts (segment_wise: ``drift_clip``).
-    """
-
-    log_ratio: Callable[..., Tensor | None]
-    needs: tuple[str, ...]
-    anchor: str
-    params: tuple[str, ...] = ()
-
-
-#: name → behavioural weight; the config's mode names (sdp_cli/choices.py MODES) are its keys
-MODE_WEIGHTS: dict[str, ModeWeight] = {}
-_INPUTS = ("proximal_logprobs", "proximal_logprobs_t")
-_ANCHORS = ("proximal", "behav")
-
-
-def register_mode(
-    name: str, *, needs: tuple[str, ...], anchor: str, params: tuple[str, ...] = ()
-) -> Callable[[Callable[..., Tensor | None]], Callable[..., Tensor | None]]:
-    """Decorator: register ``fn`` as the behavioural weight of mode ``name`` (see ``ModeWeight``)."""
-    assert name not in MODE_WEIGHTS, f"mode {name!r} is registered already"
-    assert set(needs) <= set(_INPUTS), f"mode {name!r}: needs must be among {_INPUTS}, got {needs}"
-    assert anchor in _ANCHORS, f"mode {name!r}: anchor must be one of {_ANCHORS}, got {anchor!r}"
-
-    def register(fn: Callable[..., Tensor | None]) -> Callable[..., Tensor | None]:
-        MODE_WEIGHTS[name] = ModeWeight(fn, tuple(needs), anchor, tuple(params))
-        return fn
-
-    return register
-
-
-@register_mode("bypass", needs=(), anchor="behav")
-def _bypass(old: Tensor, proximal: Tensor | None, proximal_t: Tensor | None) -> None:
+def bypass_log_ratio(old: Tensor, proximal: Tensor | None, proximal_t: Tensor | None, mask: Tensor) -> None:
     """No behavioural weight: the PPO ratio is anchored at π_behav instead."""
     return None
 
 
-@register_mode("decoupled", needs=("proximal_logprobs",), anchor="proximal")
-def _decoupled(old: Tensor, proximal: Tensor, proximal_t: Tensor | None) -> Tensor:
+def decoupled_log_ratio(old: Tensor, proximal: Tensor, proximal_t: Tensor | None, mask: Tensor) -> Tensor:
     """log π_prox − log π_behav."""
     return proximal - old
 
 
-@register_mode("segment_wise", needs=("proximal_logprobs_t",), anchor="proximal", params=("drift_clip",))
-def _segment_wise(
-    old: Tensor, proximal: Tensor | None, proximal_t: Tensor, drift_clip: float | None = None
+def segment_wise_log_ratio(
+    old: Tensor, proximal: Tensor | None, proximal_t: Tensor, mask: Tensor, drift_clip: float | None = None
 ) -> Tensor:
     """log π_prox_t − log π_behav; with ``drift_clip`` = κ, times the drift factor
     π_prox/π_prox_t clipped into [1/κ, κ] (docs/math.md §1.1). Where the clip does not bind the
@@ -117,9 +76,6 @@ def _segment_wise(
     log_ratio = proximal_t - old
     if drift_clip is None:
         return log_ratio
-    if proximal is None:
-        raise ValueError("proximal_logprobs is required for drift_clip")
-    check_like("proximal_logprobs", proximal, old, "old_logprobs")
     clipped_log_d, clipped = drift_log_factor(proximal, proximal_t, drift_clip)
     return torch.where(clipped, log_ratio + clipped_log_d, proximal - old)
 
@@ -131,30 +87,34 @@ def behavior_log_ratio(
     *,
     mode: str,
     drift_clip: float | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor | None:
-    """Log ratio of the behavioural weight of the registered ``mode`` (``MODE_WEIGHTS``;
-    docs/design.md §1 table), detached.
+    """Log ratio of the behavioural weight of the registered ``mode`` (``sdp_cli.modes``;
+    docs/design.md §1 table), detached; None for a mode without a weight (bypass).
 
-    decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav;
-    bypass: None (no behavioural weight). ``drift_clip`` = κ ≥ 1 (segment_wise only): κ = 1 is
-    segment-wise, κ = ∞ decoupled (docs/math.md §1.1).
+    decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav.
+    ``drift_clip`` = κ ≥ 1 (modes that take it): κ = 1 is segment-wise, κ = ∞ decoupled
+    (docs/math.md §1.1). ``mask`` marks valid tokens (default: all), for modes that aggregate.
+    The public entry point: it checks its arguments; callers inside sdp pass validated ones.
     """
-    check_choice("mode", mode, tuple(MODE_WEIGHTS))
+    check_choice("mode", mode, mode_names())
     check_float_tensor("old_logprobs", old_logprobs)
-    spec = MODE_WEIGHTS[mode]
-    if drift_clip is not None and "drift_clip" not in spec.params:
-        takes = ", ".join(f"mode={name!r}" for name, s in MODE_WEIGHTS.items() if "drift_clip" in s.params)
+    spec = MODES[mode]
+    if drift_clip is not None and not spec.takes_drift_clip:
+        takes = ", ".join(f"mode={m.name!r}" for m in MODES.values() if m.takes_drift_clip)
         raise ValueError(f"drift_clip applies to {takes} only; got mode={mode!r}")
-    # π_prox, π_prox_t and π_behav are fixed numbers during the update: no gradient flows here.
     inputs = {"proximal_logprobs": proximal_logprobs, "proximal_logprobs_t": proximal_logprobs_t}
-    for name in spec.needs:
+    needs = spec.needs + (("proximal_logprobs",) if drift_clip is not None else ())
+    for name in needs:
         given = inputs[name]
         if given is None:
-            raise ValueError(f"{name} is required for mode={mode!r}")
+            why = f"mode={mode!r}" if name in spec.needs else "drift_clip"
+            raise ValueError(f"{name} is required for {why}")
         check_like(name, given, old_logprobs, "old_logprobs")
-    detached = [None if x is None else x.detach() for x in (old_logprobs, proximal_logprobs, proximal_logprobs_t)]
+    if mask is None:
+        mask = torch.ones_like(old_logprobs, dtype=torch.bool)
     params = {} if drift_clip is None else {"drift_clip": drift_clip}
-    return spec.log_ratio(*detached, **params)
+    return spec.log_ratio(old_logprobs, proximal_logprobs, proximal_logprobs_t, mask, **params)
 
 
 def _level_log_ratio(log_ratio: Tensor, mk: Masked, level: str) -> Tensor:
@@ -287,16 +247,24 @@ def _is_metrics(
         ess = 1.0
     else:
         ess = mean * mean / (mean * mean + std * std) if mean > 0 else 0.0
+    seq_mean, seq_std = host["seq_mean"], host["seq_std"]
+    if host["rows"] == 0:
+        seq_ess = 1.0
+    else:
+        seq_ess = seq_mean * seq_mean / (seq_mean * seq_mean + seq_std * seq_std) if seq_mean > 0 else 0.0
     metrics = {
         "rollout_is_mean": mean,
         "rollout_is_std": std,
         "rollout_is_min": host["min"],
         "rollout_is_max": host["max"],
         "rollout_is_eff_sample_size": ess,
+        # over sequences, each weighing its mean token weight: at the sequence and geometric
+        # levels every token of a sequence has its weight, so this is the per-sequence ESS
+        "rollout_is_seq_eff_sample_size": seq_ess,
         "rollout_is_ratio_fraction_high": host.get("high", 0.0) / among,
         "rollout_is_ratio_fraction_low": host.get("low", 0.0) / among,
-        "rollout_is_seq_mean": host["seq_mean"],
-        "rollout_is_seq_std": host["seq_std"],
+        "rollout_is_seq_mean": seq_mean,
+        "rollout_is_seq_std": seq_std,
         "rollout_is_seq_min": host["seq_min"],
         "rollout_is_seq_max": host["seq_max"],
         "rollout_is_seq_fraction_high": host.get("seq_high", 0.0) / rows,
@@ -388,3 +356,36 @@ def rejection_mask(
             rollout_rs_mean=host["mean"], rollout_rs_min=host["min"], rollout_rs_max=host["max"]
         )
     return new_mask, metrics
+
+
+def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> tuple[Tensor, dict[str, float]]:
+    """M2PO's token mask (docs/math.md §9.2; arXiv 2510.01161, AReaL ``m2_threshold``): drop the
+    valid tokens with the largest squared log ratio lr², fewest first, until the mean lr² of the
+    tokens kept is below ``threshold`` (strictly); at least one token is kept.
+
+    With the kept values sorted ascending, their running means never decrease, so the kept set is
+    the longest prefix whose mean is below the threshold. The result has the dtype of ``mask``.
+    """
+    mk = masked(mask, log_ratio, "log_ratio")
+    with torch.no_grad():
+        m2 = mk.select(log_ratio.detach()).square()
+        flat_valid = mk.valid.flatten()
+        values = m2.flatten()[flat_valid].double()
+        n = values.numel()
+        kept_flat = torch.zeros_like(flat_valid)
+        before = after = 0.0
+        if n:
+            ascending, order = torch.sort(values, stable=True)
+            running_mean = ascending.cumsum(0) / torch.arange(1, n + 1, dtype=ascending.dtype)
+            keep_n = max(int((running_mean < threshold).sum()), 1)
+            positions = flat_valid.nonzero().squeeze(-1)
+            kept_flat[positions[order[:keep_n]]] = True
+            before, after = float(values.mean()), float(running_mean[keep_n - 1])
+        kept = kept_flat.view_as(mk.valid)
+        new_mask = mask * as_float(kept, mask.dtype) if mask.is_floating_point() else mask & kept
+        masked_n = n - int(kept.sum())
+    return new_mask, {
+        "m2_before": before,
+        "m2_after": after,
+        "masked_fraction": masked_n / max(n, 1),
+    }

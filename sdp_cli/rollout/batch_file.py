@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sdp_cli import __version__
-from sdp_cli.config.modes import mode_names
+from sdp_cli.modes import mode_names
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_bytes
@@ -271,8 +271,10 @@ def validate_batch(batch: SavedBatch, where: str, fix: str = FIX_RECREATE) -> No
     def fail(problem: str) -> None:
         raise BatchFormatError(where, problem, fix)
 
-    if batch.mode not in mode_names():  # the registered modes (docs/design.md §4)
-        fail(f"mode {batch.mode!r} is not one of {', '.join(mode_names())}")
+    # a registered mode, or the name of a mode of yours (docs/design.md §4): its code is never
+    # imported because a file names it, so any identifier is accepted
+    if not batch.mode.isidentifier():
+        fail(f"mode {batch.mode!r} is not a mode name (e.g. {', '.join(mode_names())})")
     if not 0 <= batch.trainer_version <= MAX_TRAINER_VERSION:
         fail(f"trainer_version {batch.trainer_version} is outside [0, {MAX_TRAINER_VERSION}]")
     if not MIN_TEMPERATURE <= batch.temperature <= MAX_TEMPERATURE:  # also refuses NaN

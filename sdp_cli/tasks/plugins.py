@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
 import re
-import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from sdp_cli.errors import UserError
 from sdp_cli.tasks.rewards import BUILTINS, NEEDS_ANSWER
+from sdp_cli.user_code import canonical, file_target, is_code_spec, load_function
 
 
 class RewardError(UserError):
@@ -50,62 +46,9 @@ class RewardSpec:
     kwargs: tuple[tuple[str, Any], ...] = ()
 
 
-def _where_in(exc: BaseException, path: Path | None) -> str:
-    """``file:line`` of the deepest traceback frame in ``path`` (or the deepest frame at all)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if path is not None:
-        inside = [f for f in frames if Path(f.filename).resolve() == path.resolve()]
-        frames = inside or frames
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else str(path or "")
-
-
-def _import_file(path: Path, spec: str) -> Any:
-    if not path.is_file():
-        raise UserError(f"task.reward={spec}: {path} does not exist; give path/to/file.py:function")
-    # one module per file version: an edited file is imported afresh, never a stale copy
-    stat = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_mtime_ns}:{stat.st_size}".encode()).hexdigest()[:12]
-    name = f"sdp_reward_{path.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    assert module_spec is not None and module_spec.loader is not None, f"no import spec for {path}"
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and process pools look the module up by name
-    try:
-        module_spec.loader.exec_module(module)
-    except SyntaxError as err:
-        del sys.modules[name]
-        raise UserError(f"{err.filename}:{err.lineno}: SyntaxError: {err.msg} (task.reward={spec}); fix the file") from None
-    except Exception as err:
-        del sys.modules[name]
-        raise UserError(
-            f"{_where_in(err, path)}: {type(err).__name__}: {err} while importing task.reward={spec}; fix the file"
-        ) from None
-    return module
-
-
-def _import_module(module_name: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            raise UserError(
-                f"task.reward={spec}: no module {err.name!r} on the Python path; install it, "
-                "add its directory to PYTHONPATH, or give a file: task.reward=path/to/file.py:function"
-            ) from None
-        raise UserError(f"{_where_in(err, None)}: {err} while importing task.reward={spec}; fix the import") from None
-    except SyntaxError as err:
-        raise UserError(f"{err.filename}:{err.lineno}: SyntaxError: {err.msg} (task.reward={spec}); fix the file") from None
-    except Exception as err:
-        raise UserError(
-            f"{_where_in(err, None)}: {type(err).__name__}: {err} while importing task.reward={spec}; fix the module"
-        ) from None
-
-
 def _resolve(spec: str) -> tuple[Callable[..., Any], str]:
     """(function, display name) for a ``task.reward`` value."""
-    if ":" not in spec or spec.startswith(("http:", "https:")):
+    if not is_code_spec(spec):
         if spec in BUILTINS:
             return BUILTINS[spec], spec
         near = difflib.get_close_matches(spec, list(BUILTINS), n=1)
@@ -114,34 +57,7 @@ def _resolve(spec: str) -> tuple[Callable[..., Any], str]:
             f"task.reward={spec}: not a built-in reward ({', '.join(BUILTINS)}); {hint}"
             "for your own function give package.module:function or path/to/file.py:function"
         )
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr.isidentifier():
-        raise UserError(f"task.reward={spec}: expected package.module:function or path/to/file.py:function")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _import_file(Path(target).expanduser(), spec) if is_file else _import_module(target, spec)
-    fn = getattr(module, attr, None)
-    if fn is None:
-        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        near = difflib.get_close_matches(attr, defined, n=1)
-        hint = f"did you mean {near[0]}?" if near else f"it defines {', '.join(defined) or 'no functions'}"
-        raise UserError(f"task.reward={spec}: {target} has no function {attr!r}; {hint}")
-    if not callable(fn):
-        raise UserError(f"task.reward={spec}: {target}.{attr} is a {type(fn).__name__}, not a function")
-    return fn, f"{Path(target).name if is_file else target}:{attr}"
-
-
-def _file_target(spec: str) -> Path | None:
-    """The file of a ``path/to/file.py:function`` spec (None for other forms)."""
-    target = spec.rpartition(":")[0]
-    if ":" not in spec or not (target.endswith(".py") or "/" in target or "\\" in target):
-        return None
-    return Path(target).expanduser()
-
-
-def _canonical(spec: str) -> str:
-    """The spec with an absolute file path, the same from any working directory or worker."""
-    path = _file_target(spec)
-    return spec if path is None else f"{path.resolve()}:{spec.rpartition(':')[2]}"
+    return load_function(spec, "task.reward", module_prefix="sdp_reward")
 
 
 @functools.lru_cache(maxsize=16)
@@ -151,7 +67,7 @@ def _resolve_version(spec: str, stamp: tuple[int, int]) -> tuple[Callable[..., A
 
 def _cached(spec: str) -> tuple[Callable[..., Any], str]:
     """``_resolve`` once per spec and file version (size and modification time)."""
-    path = _file_target(spec)
+    path = file_target(spec)
     stat = path.stat() if path is not None and path.is_file() else None
     return _resolve_version(spec, (stat.st_mtime_ns, stat.st_size) if stat else (0, 0))
 
@@ -163,11 +79,11 @@ def load_reward(spec: str, kwargs: Mapping[str, Any], *, answer_key: str) -> Rew
     Raises a one-line UserError when the function cannot be imported or called as
     ``fn(prompt, completion, record, **kwargs)``.
     """
-    given, spec = spec, _canonical(spec)
+    given, spec = spec, canonical(spec)
     try:
         fn, name = _cached(spec)
     except UserError as err:  # name the file as the user wrote it
-        path = _file_target(given)
+        path = file_target(given)
         text = str(err) if path is None else str(err).replace(str(path.resolve()), str(path))
         raise UserError(text) from None
     kwargs = dict(kwargs)

@@ -26,6 +26,7 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
+from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import WANDB, RunDir, step_dirs
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.reporting import EventLog
@@ -80,7 +81,7 @@ def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
     if cfg.run.dir:
         path = Path(cfg.run.dir)
     else:
-        name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.loss.mode}-{cfg.task.name}"
+        name = cfg.run.name or f"{datetime.now():%Y%m%d-%H%M%S}-{resolve_mode(cfg.loss.mode).name}-{cfg.task.name}"
         path = Path(cfg.run.root) / name
     key = "run.dir" if cfg.run.dir else "run.root/run.name"
     try:

@@ -28,6 +28,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.models.gguf import dequantised_note, is_gguf
+from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
@@ -319,7 +320,7 @@ class TrainingRun(SessionEnd):
             record.output,
             temperature=self.cfg.rollout.temperature,
             model=self.policy.name,
-            mode=self.cfg.loss.mode,
+            mode=resolve_mode(self.cfg.loss.mode).name,
         )
 
     def checkpoint(self, step: int) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.errors import Interrupted, UserError, describe_os_error
+from sdp_cli.modes import resolve_mode
 from sdp_cli.stopsignals import signal_name
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
@@ -141,7 +142,7 @@ class SessionEnd:
         return {
             "run_dir": str(self.run_dir.path),
             "steps": self.loop.state.step,
-            "mode": self.cfg.loss.mode,
+            "mode": resolve_mode(self.cfg.loss.mode).name,
             "staleness": self.cfg.staleness.strategy,
             "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
             "wall_seconds": wall,

@@ -36,21 +36,15 @@ from typing import Any
 
 import torch
 
-from sdp_cli.choices import PARALLEL_MODES, PROXIMAL_T_SOURCES, RECOMMENDED_DRIFT_CLIP, TRAIN_DTYPES
-from sdp_cli.config.modes import DRIFT_SUFFIX, has_weight, takes_drift_clip
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
-from sdp_cli.core.token_status import lacks_next_version, token_status
-from sdp_cli.core.weights import (
-    MODE_WEIGHTS,
-    behavior_log_ratio,
-    drift_log_factor,
-    importance_weights,
-    rejection_mask,
-)
+from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
+from sdp_cli.core.weights import drift_log_factor, importance_weights, rejection_mask, second_moment_mask
 from sdp_cli.models.lora import is_lora
+from sdp_cli.modes import DRIFT_SUFFIX, MODES, resolve_mode
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
 from sdp_cli.train.sharding import sharded_grad_norm
@@ -119,12 +113,10 @@ class Trainer(TrainerState):
         ``share_prefixes``: each distinct prompt runs once per forward (``train/shared_prefix.py``)."""
         from accelerate import Accelerator
 
-        assert track_proximal_t or "proximal_logprobs_t" not in MODE_WEIGHTS[loss.mode].needs, (
-            f"{loss.mode} trains on π_prox_t: track it"
-        )
-        assert proximal_t_source in PROXIMAL_T_SOURCES, f"unknown proximal_t_source {proximal_t_source!r}"
-        assert dtype in TRAIN_DTYPES, f"unsupported training dtype {dtype}"
-        assert parallel in PARALLEL_MODES, f"unknown parallel mode {parallel!r}"
+        # the config validated every choice (sdp_cli/config/validation.py); these are the
+        # contracts between arguments that a Python caller could still break
+        self.mode = resolve_mode(loss.mode)
+        assert track_proximal_t or not self.mode.reads_proximal_t, f"{loss.mode} trains on π_prox_t: track it"
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )
@@ -234,10 +226,9 @@ class Trainer(TrainerState):
         metrics: dict[str, float] = {}
         mask = batch.mask
 
-        mode_weight = MODE_WEIGHTS[cfg.mode]
-        uses_prox_t = "proximal_logprobs_t" in mode_weight.needs
+        mode = self.mode
         # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end
-        need_prox = mode_weight.anchor == "proximal" or "proximal_logprobs" in mode_weight.needs or self.track_proximal_t
+        need_prox = mode.anchor == "proximal" or mode.reads_proximal or self.track_proximal_t
         fused = None
         if need_prox and self._single_update():
             # θ does not move before the batch's only optimizer step: π_prox is the training
@@ -262,18 +253,17 @@ class Trainer(TrainerState):
             metrics["segment_wise/uncorrectable_token_fraction"] = float(uncorrectable.sum()) / max(
                 float(mask.sum()), 1.0
             )
-            if uses_prox_t and bool(uncorrectable.any()):
+            if mode.reads_proximal_t and bool(uncorrectable.any()):
                 # Reachable only without consume-time filtering (staleness=standard): a token whose
                 # π_{v+1} window closed cannot be corrected, so it leaves the loss.
                 loss_mask = torch.where(uncorrectable, torch.zeros_like(mask), mask)
 
+        # the tokens this step trains on before any rejection: what every weight is measured on
+        trained = loss_mask > 0
         old = batch.old_logprobs
-        log_ratio = behavior_log_ratio(
-            old,
-            proximal_logprobs=prox,
-            proximal_logprobs_t=batch.proximal_logprobs_t if uses_prox_t else None,
-            mode=cfg.mode,
-            drift_clip=cfg.drift_clip,
+        params = {} if cfg.drift_clip is None else {"drift_clip": cfg.drift_clip}
+        log_ratio = mode.log_ratio(
+            old, prox, batch.proximal_logprobs_t if mode.reads_proximal_t else None, loss_mask > 0, **params
         )
         weights = None
         if cfg.drift_clip is not None and prox is not None:
@@ -292,6 +282,7 @@ class Trainer(TrainerState):
                 batch_normalize=cfg.batch_normalize,
             )
             metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
+            metrics.update(self._trained_ess(log_ratio, loss_mask, wmetrics))
             rej = cfg.rejection
             if rej.level is not None or rej.veto is not None:
                 # a veto needs no bounds (verl's token veto): level null leaves only the veto
@@ -305,9 +296,12 @@ class Trainer(TrainerState):
                     veto=rej.veto,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
+            if cfg.m2_threshold is not None:
+                loss_mask, mmetrics = second_moment_mask(log_ratio, loss_mask, cfg.m2_threshold)
+                metrics.update({f"m2po/{k}": v for k, v in mmetrics.items()})
 
-        metrics.update(self._diagnostics(batch, prox))
-        anchor = prox if mode_weight.anchor == "proximal" else old
+        metrics.update(self._diagnostics(batch, prox, trained))
+        anchor = prox if mode.anchor == "proximal" else old
         metrics.update(
             self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
         )
@@ -375,6 +369,7 @@ class Trainer(TrainerState):
                     agg=cfg.agg,
                     loss_type=cfg.loss_type,
                     denominator=denominator,
+                    ratio_level=cfg.ratio_level,
                 )
                 ref_rows = None if reference is None else reference[rows].to(dev)
                 extra, rmetrics = self._regularizers(logprobs, entropy, mb_mask, ref_rows, denominator)
@@ -403,6 +398,17 @@ class Trainer(TrainerState):
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _trained_ess(
+        self, log_ratio: torch.Tensor, mask: torch.Tensor, bounded: dict[str, float]
+    ) -> dict[str, float]:
+        """ESS of the weight this step trains with, at the level it trains with (per token, or per
+        sequence at the sequence and geometric levels), after its bounds (``trained_ess``) and
+        before them (``trained_ess_raw``): docs/math.md §2.2."""
+        level = self.loss_cfg.is_level
+        key = "rollout_is_eff_sample_size" if level == "token" else "rollout_is_seq_eff_sample_size"
+        _, raw = importance_weights(log_ratio, mask, level=level)
+        return {"weights/trained_ess": bounded[key], "weights/trained_ess_raw": raw[key]}
 
     def _single_update(self) -> bool:
         """Whether a batch gets exactly one optimizer step, in one process (which then holds
@@ -451,8 +457,10 @@ class Trainer(TrainerState):
         )
         return weights
 
-    def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None) -> dict[str, float]:
-        """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown."""
+    def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None, trained: torch.Tensor) -> dict[str, float]:
+        """Rewards, lags, verl off-policy metrics, shadow weights and the per-lag breakdown.
+        ``trained``: the tokens the step trains on before rejection, the base of every weight's
+        coverage (the tokens a saved batch's loss mask holds when no rejection runs)."""
         c = batch.trainer_version
         mask = batch.mask
         valid = mask > 0
@@ -472,26 +480,32 @@ class Trainer(TrainerState):
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
 
         # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
-        # drift-clipped one of each mode that takes κ (config/modes.py shadow_weights).
+        # drift-clipped one of each mode that takes κ (modes.shadow_weights), each over the tokens
+        # it covers among those trained: a weight that reads π_prox_t leaves out stale tokens
+        # without π_{v+1}, as the loss and inspect-weights do (core/token_status.py
+        # covered_tokens, docs/math.md §1).
         prox_t = batch.proximal_logprobs_t if self.track_proximal_t else None
-        shadows: dict[str, torch.Tensor] = {}
-        for name, spec in MODE_WEIGHTS.items():
-            if not has_weight(name) or (prox_t is None and "proximal_logprobs_t" in spec.needs):
+        status = token_status(batch.versions, batch.proximal_t_versions, c, mask) if prox_t is not None else None
+        shadows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, spec in MODES.items():
+            if not spec.has_weight or (prox_t is None and spec.reads_proximal_t):
                 continue
-            shadows[name] = behavior_log_ratio(old, prox, prox_t, mode=name)
-            if takes_drift_clip(name) and prox_t is not None:  # the drift factor is π_prox/π_prox_t
+            covered = covered_tokens(trained, status, reads_proximal_t=spec.reads_proximal_t)
+            shadows[name] = (spec.log_ratio(old, prox, prox_t, covered), covered)
+            if spec.takes_drift_clip and prox_t is not None:  # the drift factor is π_prox/π_prox_t
                 kappa, drift = self.loss_cfg.drift_clip or SHADOW_DRIFT_CLIP, name + DRIFT_SUFFIX
-                shadows[drift] = behavior_log_ratio(old, prox, prox_t, mode=name, drift_clip=kappa)
-                clipped = drift_log_factor(prox, prox_t, kappa)[1] & valid
+                with_next = covered_tokens(trained, status, reads_proximal_t=True)
+                shadows[drift] = (spec.log_ratio(old, prox, prox_t, with_next, drift_clip=kappa), with_next)
+                clipped = drift_log_factor(prox, prox_t, kappa)[1] & with_next
                 out[f"shadow/{drift}/kappa"] = float(kappa)
-                out[f"shadow/{drift}/drift_clipped_fraction"] = float(clipped.sum()) / max(float(valid.sum()), 1.0)
-        for name, lr in shadows.items():
-            _, raw = importance_weights(lr, mask, level="token")
+                out[f"shadow/{drift}/drift_clipped_fraction"] = float(clipped.sum()) / max(float(with_next.sum()), 1.0)
+        for name, (lr, covered) in shadows.items():
+            _, raw = importance_weights(lr, covered, level="token")
             for key in ("rollout_is_mean", "rollout_is_std", "rollout_is_max", "rollout_is_eff_sample_size"):
                 out[f"shadow/{name}/{key}"] = raw[key]
             # per-lag breakdown with AReaL's names and signs: behav_kl is its behave_approx_kl,
             # mean(log π_x − log π_behav), the log of the weight (docs/training.md)
-            for lag, stats in lag_weight_stats(lr, valid, c - batch.versions).items():
+            for lag, stats in lag_weight_stats(lr, covered, c - batch.versions).items():
                 out[f"shadow/{name}/lag{lag}/tokens"] = stats["tokens"]
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/avg"] = stats["mean"]
                 out[f"shadow/{name}/lag{lag}/behav_imp_weight/std"] = stats["std"]

@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +27,12 @@ from sdp_cli.ablate.sweep import (
     run_state,
 )
 from sdp_cli.ablate.records import load_sweep, read_metrics
+from sdp_cli.ablate.study import Primary, Study, builtin_study_path, check_study, read_study_file, register
 from sdp_cli.ablate.report import (
     aggregate,
     pooled_std,
     reward_curves,
+    run_values,
     to_csv,
     to_markdown,
     write_report,
@@ -111,6 +114,11 @@ def test_drift_clip_study_sweeps_five_modes_by_eta_by_at_least_five_seeds(tmp_pa
     assert len(plan.axes["seed"]) >= 5
     assert len(plan.jobs) == len(DRIFT_STUDY_MODES) * len(etas) * len(plan.axes["seed"])
     assert {job.state for job in plan.jobs} == {NEW}
+    # issue 22: the sweep's study registers segment_wise − decoupled at η = 8 in greedy accuracy
+    study = read_study_file(builtin_study_path(sweep))
+    check_study(study, plan.modes, plan.axes, sweep)
+    assert (study.metric, study.baseline, study.margin) == ("acc_end", "decoupled", 0.05)
+    assert study.primary == Primary("segment_wise", (("rollout.max_head_offpolicyness", "8"),))
 
 
 def test_harsh_regime_moves_the_policy_more_than_the_default():
@@ -344,7 +352,7 @@ def test_aggregate_by_hand(fake_sweep):
     sweep = load_sweep(fake_sweep)
     assert [r.name for r in sweep.records if not r.finished] == ["decoupled-eta2-seed2"]
     assert sweep.common == ()  # +ablate=smoke is not an override the report keeps
-    bypass, dec = aggregate(sweep.records)
+    bypass, dec = aggregate(run_values(sweep.records))
     assert (bypass.mode, bypass.max_head_offpolicyness, bypass.n) == ("bypass", 0, 1)
     assert (dec.mode, dec.max_head_offpolicyness, dec.seeds) == ("decoupled", 2, [0, 1])
     # weight std per run 1 and √(8/3) (see the fixture); mean and sample std over the two seeds
@@ -378,7 +386,7 @@ def test_aggregate_by_hand(fake_sweep):
 
 
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
-    groups = aggregate(load_sweep(fake_sweep).records)
+    groups = aggregate(run_values(load_sweep(fake_sweep).records))
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
     assert [(r["mode"], r["eta"], r["n"], r["seeds"]) for r in rows] == [
         ("bypass", "0", "1", "0"),
@@ -412,7 +420,7 @@ def test_groups_differ_only_in_what_varies(tmp_path):
         )
     sweep = load_sweep(tmp_path)
     assert sweep.common == ("train.steps=5",)
-    assert [g.extra for g in aggregate(sweep.records)] == [("optim.lr=1e-4",), ("optim.lr=3e-4",)]
+    assert [g.extra for g in aggregate(run_values(sweep.records))] == [("optim.lr=1e-4",), ("optim.lr=3e-4",)]
 
 
 def test_reward_curves_keep_the_steps_every_seed_reached(tmp_path):
@@ -443,8 +451,11 @@ def test_reward_curves_keep_the_steps_every_seed_reached(tmp_path):
 
 def test_report_writes_tables_and_pngs(fake_sweep):
     report = write_report(fake_sweep)
-    assert report.csv_path.read_text() == to_csv(report.groups)
-    assert "# sdp ablate" in report.markdown_path.read_text()
+    assert [p.name for p in report.written] == ["summary.csv", "study.csv", "runs.csv", "summary.md"]
+    assert (fake_sweep / "summary.csv").read_text() == to_csv(report.groups)
+    assert "# sdp ablate" in (fake_sweep / "summary.md").read_text()
+    # decoupled (the default study's baseline) has no cell in common with bypass: no contrast
+    assert report.primary is None and report.secondary == []
     assert sorted(p.name for p in report.plots) == [
         "reward_curves.png",
         "reward_vs_eta.png",
@@ -453,43 +464,142 @@ def test_report_writes_tables_and_pngs(fake_sweep):
     ]
     for path in report.plots:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    assert [r.name for r in report.unfinished] == ["decoupled-eta2-seed2"]
+    assert report.unfinished == ["decoupled-eta2-seed2"]
 
 
-def test_drift_runs_form_their_own_mode_and_are_compared(tmp_path):
-    # decoupled at η = 4: final rewards 0.30, 0.26; drift κ = 2: 0.28, 0.24 (same spread)
-    for seed, (dec, drift) in enumerate([(0.30, 0.28), (0.26, 0.24)]):
-        rows = [_row(0.2, 4.0, 2, 1.0, 0.0, 0.9, 1.0)]
-        rows[0]["shadow/segment_wise_drift/drift_clipped_fraction"] = 0.1 * (seed + 1)
-        _fake_run(tmp_path, f"decoupled-eta4-seed{seed}", mode="decoupled", eta=4, seed=seed,
-                  rows=rows, summary=_summary(dec, 0, 10))
-        _fake_run(tmp_path, f"segment_wise_drift_k2-eta4-seed{seed}", mode="segment_wise_drift_k2",
-                  eta=4, seed=seed, rows=rows, summary=_summary(drift, 0, 10), drift_clip=2.0)
+def _paired_sweep(root, rewards, eta=4, accuracy=None):
+    """Finished runs of several modes at one η: ``rewards[mode]`` holds one final reward per seed."""
+    for mode, values in rewards.items():
+        for seed, reward in enumerate(values):
+            kappa = float(mode.rpartition("_k")[2]) if "_drift_k" in mode else None
+            summary = _summary(reward, 0, 10)
+            if accuracy is not None:
+                summary["greedy_accuracy_end"] = accuracy[mode][seed]
+            _fake_run(root, f"{mode}-eta{eta}-seed{seed}", mode=mode, eta=eta, seed=seed,
+                      rows=[_row(0.2, 4.0, 2, 1.0, 0.0, 0.9, 1.0)], summary=summary, drift_clip=kappa)
+
+
+def test_drift_runs_form_their_own_mode_and_are_compared_with_decoupled_seed_by_seed(tmp_path):
+    # decoupled at η = 4: final rewards 0.30, 0.26, 0.20; drift κ = 2: 0.28, 0.25, 0.17: the seeds
+    # differ a lot, the per-seed differences −0.02, −0.01, −0.03 hardly
+    _paired_sweep(tmp_path, {"decoupled": (0.30, 0.26, 0.20), "segment_wise_drift_k2": (0.28, 0.25, 0.17)})
     report = write_report(tmp_path)
     assert [g.mode for g in report.groups] == ["decoupled", "segment_wise_drift(κ=2)"]
-    # mean share of κ-clipped tokens over the seeds: (0.1 + 0.2) / 2
-    assert report.groups[1].mean["drift_clipped"] == pytest.approx(0.15)
-    by_mode = {c.mode: c for c in report.comparisons}
-    drift = by_mode["segment_wise_drift(κ=2)"]
-    # Δ = 0.26 − 0.28 = −0.02; each sample variance 2·0.02² = 0.0008, over n = 2 → 0.0004,
-    # so SE = √0.0008 and ν = 0.0008² / (2 · 0.0004² / 1) = 2 (t_{0.975, 2} = 4.3027)
-    assert drift.best_other == "decoupled"
-    assert drift.comparison.difference == pytest.approx(-0.02)
-    assert drift.comparison.standard_error == pytest.approx(math.sqrt(0.0008))
-    assert drift.comparison.dof == pytest.approx(2.0)
-    assert drift.comparison.high == pytest.approx(-0.02 + 4.3027 * math.sqrt(0.0008), abs=1e-4)
-    markdown = report.markdown_path.read_text()
-    assert "Final reward against the best other mode" in markdown and "| 4 | segment_wise_drift(κ=2) |" in markdown
-    table = list(csv.DictReader(io.StringIO((tmp_path / "comparison.csv").read_text())))
-    assert {r["mode"]: float(r["difference"]) for r in table} == pytest.approx(
-        {"decoupled": 0.02, "segment_wise_drift(κ=2)": -0.02}
+    (drift,) = report.secondary
+    # d = (−0.02, −0.01, −0.03): mean −0.02, s_d = 0.01, SE = 0.01/√3, t = −2√3 = −3.4641, ν = 2
+    assert (drift.treatment, drift.baseline, drift.seeds) == ("segment_wise_drift(κ=2)", "decoupled", (0, 1, 2))
+    assert drift.test.mean == pytest.approx(-0.02) and drift.test.t == pytest.approx(-2 * math.sqrt(3))
+    # t_{0.975, 2} = 4.302653: the interval is −0.02 ± 4.302653 · 0.01/√3 = [−0.044841, +0.004841];
+    # Welch's unpaired interval of the same runs would be [−0.137, +0.097]
+    assert (drift.test.low, drift.test.high) == (pytest.approx(-0.044841, abs=1e-6), pytest.approx(0.004841, abs=1e-6))
+    # a family of one: Holm changes nothing; p = 0.0742 (scipy.stats.ttest_rel) ≥ 0.05, no margin
+    assert drift.p_holm == pytest.approx(drift.test.p) and drift.test.p == pytest.approx(0.074180, abs=1e-6)
+    assert drift.verdict == "inconclusive" and drift.mde_alpha == 0.05
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "## Study" in markdown and "none registered; the default: baseline decoupled" in markdown
+    assert "| 4 | segment_wise_drift(κ=2) | 3 | -0.020 | [-0.045, +0.005] |" in markdown
+    (row,) = csv.DictReader(io.StringIO((tmp_path / "study.csv").read_text()))
+    assert (row["role"], row["treatment"], row["eta"], row["n"], row["seeds"]) == (
+        "secondary", "segment_wise_drift(κ=2)", "4", "3", "0 1 2"
     )
+    assert float(row["difference"]) == pytest.approx(-0.02) and float(row["p"]) == pytest.approx(0.074180, abs=1e-6)
+    assert row["verdict"].startswith("inconclusive (MDE = ")
     runs = list(csv.DictReader(io.StringIO((tmp_path / "runs.csv").read_text())))
-    assert sorted((r["mode"], r["seed"], float(r["reward_last"])) for r in runs) == [
+    assert sorted((r["mode"], r["seed"], float(r["reward_last"])) for r in runs)[:2] == [
         ("decoupled", "0", 0.30), ("decoupled", "1", 0.26),
-        ("segment_wise_drift(κ=2)", "0", 0.28), ("segment_wise_drift(κ=2)", "1", 0.24),
     ]
-    assert "reward_difference_vs_eta.png" in [p.name for p in report.plots]
+    assert "difference_vs_eta.png" in [p.name for p in report.plots]
+
+
+def test_the_registered_study_decides_the_report_and_a_study_file_replaces_it_post_hoc(tmp_path):
+    rewards = {"decoupled": (0.30, 0.26, 0.20), "segment_wise": (0.20, 0.17, 0.12), "segment_wise_drift_k2": (0.31, 0.27, 0.21)}
+    _paired_sweep(tmp_path, rewards, eta=8)
+    registered = Study("reward_last", "decoupled", Primary("segment_wise", (("rollout.max_head_offpolicyness", "8"),)), 0.02)
+    register(tmp_path, registered, "conf/study.yaml")
+    report = write_report(tmp_path, plots=False)
+    assert report.study == registered and report.provenance.startswith(f"registered in {tmp_path / 'study.json'} at ")
+    # primary: d = (−0.10, −0.09, −0.08), mean −0.09, s_d = 0.01 → t = −15.588, ν = 2,
+    # p = 0.00409 (scipy.stats.ttest_rel), tested alone at α: worse
+    primary = report.primary
+    assert (primary.treatment, primary.primary, primary.p_holm) == ("segment_wise", True, None)
+    assert primary.test.p == pytest.approx(0.004090, abs=1e-6) and primary.verdict == "worse"
+    # the other contrast is the secondary family: κ = 2 − decoupled = +0.01 on every seed (up to
+    # float rounding), within the margin 0.02: equivalent, p_TOST ≈ 0
+    (drift,) = report.secondary
+    assert (drift.treatment, drift.verdict) == ("segment_wise_drift(κ=2)", "equivalent")
+    assert drift.tost_p_holm == pytest.approx(0.0, abs=1e-12)
+    text = (tmp_path / "summary.md").read_text()
+    assert "Primary: segment_wise − decoupled at η = 8" in text and "verdict: worse" in text
+    assert "equivalent within ±0.02" in text
+
+    # a study file chosen now replaces the registration, and says so
+    other = tmp_path / "other.yaml"
+    other.write_text("baseline: segment_wise\nmetric: acc_end\n")
+    report = write_report(tmp_path, plots=False, study_file=other)
+    assert report.study.baseline == "segment_wise" and report.primary is None
+    assert report.provenance == f"from {other}, instead of the registered {tmp_path / 'study.json'}; chosen after the runs (post hoc)"
+    assert [c.treatment for c in report.secondary] == ["decoupled", "segment_wise_drift(κ=2)"]
+    other.write_text("baseline: decoupld\n")
+    with pytest.raises(UserError, match=r"^--study .*other.yaml: baseline 'decoupld' is not a mode of this sweep "
+                       r"\(decoupled, segment_wise, segment_wise_drift\(κ=2\)\); fix the study file$"):
+        write_report(tmp_path, plots=False, study_file=other)
+
+
+def test_the_report_runs_from_its_runs_csv_alone(tmp_path):
+    sweep = tmp_path / "sweep"
+    rewards = {"decoupled": (0.30, 0.26, 0.20), "segment_wise": (0.20, 0.17, 0.12)}
+    _paired_sweep(sweep, rewards, eta=8)
+    study = tmp_path / "study.yaml"
+    study.write_text("margin: 0.05\nprimary: {treatment: segment_wise, at: {rollout.max_head_offpolicyness: 8}}\n")
+    write_report(sweep, plots=False, study_file=study)
+    # the run directories are gone; runs.csv (and the study file) give every number again
+    table = tmp_path / "table"
+    table.mkdir()
+    shutil.copy(sweep / "runs.csv", table / "runs.csv")
+    again = write_report(table / "runs.csv", plots=False, study_file=study, out=tmp_path / "again")
+    assert (tmp_path / "again" / "study.csv").read_text() == (sweep / "study.csv").read_text()
+    assert (tmp_path / "again" / "summary.csv").read_text() == (sweep / "summary.csv").read_text()
+    assert not (tmp_path / "again" / "runs.csv").exists()  # the input is the run table
+    assert again.table.curves is None and again.primary.verdict == "worse"
+    with pytest.raises(UserError, match=r"^--report .*summary.md: no such sweep directory or runs.csv"):
+        write_report(sweep / "summary.md")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("mode,eta,seed\nx,1,0\n", "runs.csv: no column 'other'"),
+        ("mode,eta,other,seed,run,reward_last\n", "runs.csv: no runs"),
+        ("mode,eta,other,seed,run,reward_last\nx,1,,0,r,high\n", "runs.csv:2: a value is not a number"),
+    ],
+)
+def test_a_runs_csv_that_is_not_the_reports_is_one_line(tmp_path, text, message):
+    (tmp_path / "runs.csv").write_text(text)
+    with pytest.raises(UserError, match=message):
+        write_report(tmp_path / "runs.csv", plots=False)
+    assert not (tmp_path / "summary.md").exists()
+
+
+def test_trained_weight_ess_columns(tmp_path):
+    # two steps logging the trained weight's ESS after / before bounds and the loss's token ESS
+    rows = [_row(0.2, 2.0, 2, 1.0, 0.0, 0.9, 1.0), _row(0.3, 2.0, 2, 1.0, 0.0, 0.9, 1.0)]
+    for row, (after, before, token) in zip(rows, [(0.9, 0.7, 0.95), (0.8, 0.5, 0.85)], strict=True):
+        row.update({"weights/trained_ess": after, "weights/trained_ess_raw": before,
+                    "weights/rollout_is_eff_sample_size": token})
+    _fake_run(tmp_path, "a", mode="decoupled", eta=2, seed=0, rows=rows, summary=_summary(0.3, 0, 1))
+    (group,) = aggregate(run_values(load_sweep(tmp_path).records))
+    # means over the steps: (0.9 + 0.8)/2, (0.7 + 0.5)/2, (0.95 + 0.85)/2
+    assert group.mean["trained_ess"] == pytest.approx(0.85)
+    assert group.mean["trained_ess_raw"] == pytest.approx(0.6)
+    assert group.mean["trained_token_ess"] == pytest.approx(0.9)
+    assert "| ESS trained | ESS trained raw | ESS trained tok |" in to_markdown([group])
+
+
+def test_columns_no_run_logged_are_left_out_of_the_tables_not_the_csv(fake_sweep):
+    groups = aggregate(run_values(load_sweep(fake_sweep).records))
+    assert "ESS trained" not in to_markdown(groups) and "ppo kl" not in to_markdown(groups)
+    header = to_csv(groups).splitlines()[0].split(",")
+    assert {"trained_ess_mean", "trained_ess_raw_mean", "trained_token_ess_mean", "ppo_kl_mean"} <= set(header)
 
 
 def test_a_torn_last_metrics_line_is_skipped_a_bad_middle_line_is_an_error(tmp_path):
@@ -520,20 +630,17 @@ def test_report_of_a_directory_that_is_no_sweep(tmp_path):
         load_sweep(tmp_path)
 
 
-def test_report_against_named_baselines_and_a_mode_that_is_not_there(tmp_path):
-    rewards = {"decoupled": (0.30, 0.26), "segment_wise": (0.20, 0.22), "segment_wise_drift_k2": (0.31, 0.29)}
-    for mode, values in rewards.items():
-        for seed, reward in enumerate(values):
-            _fake_run(tmp_path, f"{mode}-eta4-seed{seed}", mode=mode, eta=4, seed=seed,
-                      rows=[_row(0.2, 4.0, 2, 1.0, 0.0, 0.9, 1.0)], summary=_summary(reward, 0, 10),
-                      drift_clip=2.0 if mode.endswith("k2") else None)
-    with pytest.raises(UserError, match=r"^--against decoupld: no such mode in this sweep; its modes are "
-                       r"decoupled, segment_wise, segment_wise_drift\(κ=2\)$"):
-        write_report(tmp_path, plots=False, against=("decoupld",))
-    assert not (tmp_path / "summary.md").exists()  # a bad option writes nothing
-    report = write_report(tmp_path, plots=False, against=("decoupled", "segment_wise"))
-    drift = {c.mode: c for c in report.comparisons}["segment_wise_drift(κ=2)"]
-    # 0.30 − 0.28 (decoupled, the better baseline; κ=2 itself is not a baseline)
-    assert drift.best_other == "decoupled" and drift.comparison.difference == pytest.approx(0.02)
-    text = report.markdown_path.read_text()
-    assert "against the better of decoupled, segment_wise at the same η" in text
+def test_a_run_is_labelled_by_the_correction_it_trains_with():
+    from sdp_cli.ablate.sweep import mode_label
+
+    def label(loss, overrides=()):
+        return mode_label({"loss": loss}, overrides)
+
+    # the field's presets train mode=decoupled with their own options: the preset names them
+    assert label({"mode": "decoupled"}, ["+preset=gspo", "seed=0"]) == "gspo"
+    assert label({"mode": "decoupled"}, ["+preset=decoupled"]) == "decoupled"
+    assert label({"mode": "segment_wise"}, []) == "segment_wise"
+    # each drift clip κ is a mode of its own, whatever preset set it
+    assert label({"mode": "segment_wise", "drift_clip": 4.0}, ["+preset=segment_wise_drift"]) == "segment_wise_drift(κ=4)"
+    # a mode of yours is named by its function, never by its path
+    assert label({"mode": "/x/own.py:tempered"}, []) == "tempered"

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
@@ -89,17 +90,40 @@ def test_smoke_sweep_prints_the_table_and_writes_csv_markdown_and_plots(smoke):
     assert md.count("| segment_wise | 2 | 1 |") == 2  # one row in each of the two tables
     pngs = sorted((smoke.dir / "plots").glob("*.png"))
     assert [p.name for p in pngs] == [
+        "difference_vs_eta.png",
         "reward_curves.png",
-        "reward_difference_vs_eta.png",
         "reward_vs_eta.png",
         "throughput_vs_eta.png",
         "weights_vs_eta.png",
     ]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
-    # one seed: every mode is compared with the best other one, without an interval
-    assert "Final reward against the best other mode" in out
-    comparison = list(csv.DictReader(open(smoke.dir / "comparison.csv")))
-    assert len(comparison) == len(MODES) * len(ETAS) and all(r["low"] == "" for r in comparison)
+
+
+@pytest.mark.slow
+def test_the_study_is_registered_before_the_first_run_and_tested_by_the_report(smoke):
+    out = smoke.proc.stdout
+    # sdp_cli/conf/ablate/study/smoke.yaml: segment_wise − decoupled at η = 2 in final reward
+    assert "study " in out and "reward_last, primary segment_wise − decoupled at η = 2, margin ±0.05" in out
+    registration = json.loads((smoke.dir / "study.json").read_text())
+    assert registration["study"]["primary"] == {"treatment": "segment_wise", "at": {"rollout.max_head_offpolicyness": "2"}}
+    registered = datetime.fromisoformat(registration["registered"]).timestamp()
+    for run_dir in (smoke.dir / "runs").iterdir():
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+        started = min(e["time"] for e in events if e["event"] == "started")
+        assert registered <= started + 1.0, run_dir.name  # the record keeps whole seconds
+    # one seed: nothing to test with, every verdict inconclusive
+    assert "Primary: segment_wise − decoupled at η = 2" in out and "verdict: inconclusive (1 pair: no variance)" in out
+    rows = list(csv.DictReader(open(smoke.dir / "study.csv")))
+    assert [(r["role"], r["treatment"], r["eta"]) for r in rows] == [
+        ("primary", "segment_wise", "2"),
+        ("secondary", "bypass", "0"),
+        ("secondary", "segment_wise", "0"),
+        ("secondary", "bypass", "2"),
+    ]
+    reward = {(m, e): float(r["reward_last_mean"]) for (m, e), r in _csv_rows(smoke).items()}
+    assert float(rows[0]["difference"]) == pytest.approx(reward["segment_wise", 2] - reward["decoupled", 2])
+    assert all(r["n"] == "1" and r["p"] == "" and r["verdict"] == "inconclusive (1 pair: no variance)" for r in rows)
+    assert "## Study" in (smoke.dir / "summary.md").read_text()
 
 
 @pytest.mark.slow
@@ -235,8 +259,24 @@ def test_report_reaggregates_without_running(smoke, capsys):
             "error: /nonexistent/sweep: no runs/ directory",
         ),
         (
-            ["ablate", "smoke", "--against", "decoupled,decoupld"],
-            "error: --against decoupld: no such mode in this sweep; its modes are bypass, decoupled, segment_wise",
+            ["ablate", "smoke", "--against", "decoupled,segment_wise"],
+            "error: --against was removed: the report compares every mode with the study's fixed baseline",
+        ),
+        (
+            ["ablate", "smoke", "--out", "x"],
+            "error: --out only applies to --report",
+        ),
+        (
+            ["ablate", "smoke", "--no-study", "--study", "x.yaml"],
+            "error: --study and --no-study contradict each other",
+        ),
+        (
+            ["ablate", "smoke", "rollout.max_head_offpolicyness=0,4"],
+            "error: study ",
+        ),
+        (
+            ["ablate", "--report", "x", "--no-study"],
+            "error: --report only aggregates an existing sweep",
         ),
         (
             ["ablate", "--report", "x", "seed=1"],
@@ -250,12 +290,51 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), err
     assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "study.json").exists() and not (tmp_path / "ablate.json").exists()
+
+
+def test_a_study_that_does_not_fit_the_plan_stops_before_anything_is_written(capsys, tmp_path):
+    study = tmp_path / "s.yaml"
+    study.write_text("primary: {treatment: segment_wse, at: {rollout.max_head_offpolicyness: 2}}\n")
+    sweep = tmp_path / "sweep"
+    code, _, err = run_main(["ablate", "smoke", "--study", str(study), "--dir", str(sweep)], capsys)
+    assert code == 2
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line == (
+        f"error: study {study}: primary.treatment 'segment_wse' is not a mode of this sweep "
+        "(bypass, decoupled, segment_wise); fix the study, pass another with --study FILE, "
+        "or run without one (--no-study)"
+    )
+    assert not sweep.exists()
+    # the primary's cell must be in the grid (η = 2 is not, here); --no-study runs without one
+    code, _, err = run_main(["ablate", "smoke", "rollout.max_head_offpolicyness=0,4", "--dir", str(sweep), "--dry-run"], capsys)
+    assert code == 2 and "primary.at rollout.max_head_offpolicyness=2 is not in this sweep" in err
+    code, out, err = run_main(
+        ["ablate", "smoke", "rollout.max_head_offpolicyness=0,4", "--dir", str(sweep), "--dry-run", "--no-study"], capsys
+    )
+    assert code == 0, err
+    assert "study: none registered" in out and not sweep.exists()
+
+
+def test_a_sweep_directory_keeps_the_study_it_registered(capsys, tmp_path):
+    from sdp_cli.ablate.study import Study, register
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    register(sweep, Study(margin=0.1), "earlier.yaml")
+    before = (sweep / "study.json").read_text()
+    code, _, err = run_main(["ablate", "smoke", "--dir", str(sweep), "--dry-run"], capsys)
+    assert code == 2
+    assert f"error: {sweep / 'study.json'} registered another study (metric: 'reward_last' → 'reward_last'" not in err
+    assert f"error: {sweep / 'study.json'} registered another study (primary: None → " in err
+    assert (sweep / "study.json").read_text() == before
 
 
 def test_a_failing_run_does_not_stop_the_sweep_and_ends_in_exit_2(tmp_path):
     env = {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache")}
     # two jobs whose data file is missing: valid config, a UserError inside each run
-    argv = ["ablate", "smoke", "--dir", str(tmp_path / "sweep"), "hydra/launcher=basic"]
+    # one mode: the smoke study (segment_wise − decoupled) does not fit, so none is registered
+    argv = ["ablate", "smoke", "--dir", str(tmp_path / "sweep"), "--no-study", "hydra/launcher=basic"]
     argv += ["+preset=bypass", "seed=0,1", "task=gsm8k", f"task.path={tmp_path}/none.jsonl"]
     argv += ["rollout.max_head_offpolicyness=0"]
     proc = _sdp(argv, env)

@@ -41,11 +41,15 @@ def test_every_group_combination_composes(mode, is_agg, staleness):
     assert (cfg.loss.mode, cfg.loss.is_level, cfg.staleness.strategy) == (mode, is_agg, staleness)
 
 
+#: the presets of other frameworks' corrections (docs/math.md §9): decoupled PPO with their options
+FIELD_PRESETS = ("gspo", "icepop", "m2po")
+
+
 @pytest.mark.parametrize("preset", _options("preset"))
 def test_presets_compose_and_set_mode_and_staleness(preset):
     cfg, _ = compose_config([f"+preset={preset}"])
     drift = preset.startswith("segment_wise_drift")
-    assert cfg.loss.mode == ("segment_wise" if drift else preset)
+    assert cfg.loss.mode == ("segment_wise" if drift else "decoupled" if preset in FIELD_PRESETS else preset)
     expected_staleness = "segment_wise" if preset.startswith("segment_wise") else "standard"
     assert cfg.staleness.strategy == expected_staleness
     # the drift presets: the plain one carries the recommended κ, the _kX ones fix κ = X

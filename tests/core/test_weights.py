@@ -187,11 +187,12 @@ def test_empty_mask_gives_defined_metrics(level):
     )
     assert torch.equal(w, torch.zeros(2, 2, dtype=torch.float64))
     assert m["rollout_is_eff_sample_size"] == 1.0  # empty batch: ESS 1
+    assert m["rollout_is_seq_eff_sample_size"] == 1.0  # no sequence either: ESS 1
     assert m["rollout_is_batch_norm_factor"] == 1.0  # nothing to normalise
     others = {
         k: v
         for k, v in m.items()
-        if k not in ("rollout_is_eff_sample_size", "rollout_is_batch_norm_factor")
+        if k not in ("rollout_is_eff_sample_size", "rollout_is_seq_eff_sample_size", "rollout_is_batch_norm_factor")
     }
     assert all(v == 0.0 for v in others.values()), others
 

@@ -19,7 +19,8 @@ from sdp_cli.analysis import recompute as rc
 from sdp_cli.analysis.inspect import analyse_batches
 from sdp_cli.analysis.recompute_plan import RecomputeOptions
 from sdp_cli.config.compose import compose_config, config_source
-from sdp_cli.core.weights import MODE_WEIGHTS, drift_log_factor, register_mode
+from sdp_cli.core.weights import drift_log_factor
+from sdp_cli.modes import register_mode, unregister
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import write_batch
 from sdp_cli.train.run import run_training
@@ -39,13 +40,13 @@ def toy_modes():
     as segment_wise does). Both anchored at π_prox."""
 
     @register_mode("half_decoupled", needs=("proximal_logprobs",), anchor="proximal")
-    def half(old, proximal, proximal_t):
+    def half(old, proximal, proximal_t, mask):
         return 0.5 * (proximal - old)
 
     @register_mode(
         "half_segment_wise", needs=("proximal_logprobs_t",), anchor="proximal", params=("drift_clip",)
     )
-    def half_segment_wise(old, proximal, proximal_t, drift_clip=None):
+    def half_segment_wise(old, proximal, proximal_t, mask, drift_clip=None):
         log_ratio = 0.5 * (proximal_t - old)
         return log_ratio if drift_clip is None else log_ratio + drift_log_factor(proximal, proximal_t, drift_clip)[0]
 
@@ -53,7 +54,7 @@ def toy_modes():
         yield
     finally:
         for name in TOY_MODES:
-            del MODE_WEIGHTS[name]  # the registry is process-wide: leave it as it was
+            unregister(name)  # the registry is process-wide: leave it as it was
 
 
 def test_a_registered_mode_with_one_yaml_trains_and_the_ablate_report_has_its_columns(tmp_path, toy_modes):
