@@ -153,8 +153,8 @@ _IN_PLACE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MODES = {
     "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
     "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+    "a+b": os.O_RDWR | os.O_APPEND | os.O_CREAT,
     "r+b": os.O_RDWR,
-    "rw+": os.O_RDWR | os.O_CREAT,
 }
 
 
@@ -213,11 +213,11 @@ def open_fd_in_place(path: Path, flags: int, mode: int = 0o644) -> int:
 def open_in_place(path: Path, mode: str) -> IO[Any]:
     """A file sdp writes in place inside a run or sweep directory, opened as
     :func:`open_fd_in_place` allows: ``a`` (text, appended, line-buffered), ``ab`` (appended),
-    ``r+b`` (an existing file, read and written) or ``rw+`` (the same, created if missing)."""
+    ``a+b`` (appended, and read) or ``r+b`` (an existing file, read and written)."""
     fd = open_fd_in_place(path, _MODES[mode])
     if mode == "a":
         return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
-    return os.fdopen(fd, "ab" if mode == "ab" else "r+b")
+    return os.fdopen(fd, mode if mode in ("ab", "a+b") else "r+b")
 
 
 def check_tree(root: Path, *, skip: Iterable[str] = ()) -> None:

@@ -13,8 +13,9 @@ version c. ``rejected``: generation failed (an engine fault); the capacity came 
 ``abandoned``: in flight when the checkpoint a resume started from was taken; that generation
 belonged to the crashed session, the resumed run never had it and the capacity came back.
 
-Crash consistency: a checkpoint records the ledger's length, taken in the same critical
-section as the loop snapshot, and a resume truncates the file to that length. The ledger then
+Crash consistency: a checkpoint records the ledger's length and the sha256 of those bytes,
+taken in the same critical section as the loop snapshot (:meth:`LedgerLog.mark`), and a resume
+checks both, audits the ledger against the snapshot and truncates the file to that length. The ledger then
 describes one lineage: the checkpointed past plus the resumed session. Events of a crashed
 session after its last checkpoint are removed, because the state they changed was lost with
 it (its group ids are handed out again by the resumed run).
@@ -27,6 +28,7 @@ consumed twice). It also checks the staleness manager's counters against the fat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -42,29 +44,38 @@ EVENTS = ("consumed", "dropped", "rejected", "abandoned")
 
 
 class LedgerLog:
-    """Appends ledger events; thread-safe; every event reaches the OS before ``write`` returns."""
+    """Appends ledger events; thread-safe; every event reaches the OS before ``write`` returns.
+    Keeps the sha256 of the whole file as it grows, for :meth:`mark`."""
 
     def __init__(self, path: Path, *, truncate_to: int | None = None):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._fh = open_in_place(self.path, "ab")
-        if truncate_to is not None and self._fh.tell() > truncate_to:
+        self._fh = open_in_place(self.path, "a+b")
+        if truncate_to is not None and self._fh.seek(0, os.SEEK_END) > truncate_to:
             self._fh.truncate(truncate_to)
-            self._fh.seek(truncate_to)
+        self._fh.seek(0)
+        self._digest = hashlib.sha256(self._fh.read())  # the file as it is kept (one read at start)
 
     def write(self, event: str, groups: list[int], **fields: Any) -> None:
         assert event in EVENTS, f"unknown ledger event {event!r}"
         line = json.dumps(
             {"event": event, "time": time.time(), "groups": [int(g) for g in groups], **fields}
-        )
+        ).encode() + b"\n"
         with self._lock:
-            self._fh.write(line.encode() + b"\n")
+            self._fh.write(line)
             self._fh.flush()
+            self._digest.update(line)
 
     def offset(self) -> int:
-        """Bytes written so far (what a checkpoint records)."""
+        """Bytes written so far."""
         with self._lock:
             return self._fh.tell()
+
+    def mark(self) -> dict[str, Any]:
+        """What a checkpoint records (``ledger_offset``, ``ledger_sha256``): the length and the
+        sha256 of the ledger, read together."""
+        with self._lock:
+            return {"ledger_offset": self._fh.tell(), "ledger_sha256": self._digest.hexdigest()}
 
     def sync(self) -> None:
         """Make the ledger durable (before a checkpoint that records its length)."""
@@ -77,12 +88,52 @@ class LedgerLog:
             self._fh.close()
 
 
+def parse_events(data: bytes) -> list[dict[str, Any]]:
+    """The events of a ledger's bytes, each checked to be what :class:`LedgerLog` writes;
+    ``ValueError("line N: ...")`` names the first that is not."""
+    events = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):  # also UnicodeDecodeError
+            raise ValueError(f"line {number}: not JSON") from None
+        problem = _event_problem(event)
+        if problem is not None:
+            raise ValueError(f"line {number}: {problem}")
+        events.append(event)
+    return events
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _event_problem(event: Any) -> str | None:
+    if not isinstance(event, dict):
+        return f"a {type(event).__name__}, not an event object"
+    name = event.get("event")
+    if name not in EVENTS:
+        return f"event {json.dumps(name)[:40]} is not one of {', '.join(EVENTS)}"
+    groups = event.get("groups")
+    if not isinstance(groups, list) or not all(_is_count(g) for g in groups):
+        return "groups is not a list of group ids"
+    if name == "consumed":
+        samples = event.get("samples")
+        if not isinstance(samples, list) or not all(_is_count(n) for n in samples):
+            return "samples is not a list of sample counts"
+        if len(samples) != len(groups):
+            return f"{len(samples)} sample counts for {len(groups)} groups"
+        if not _is_count(event.get("step")):
+            return "a consumed event without a step number"
+    return None
+
+
 def read_events(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """The events in the first ``limit`` bytes of a ledger (all when None)."""
     data = Path(path).read_bytes()
-    if limit is not None:
-        data = data[:limit]
-    return [json.loads(line) for line in data.splitlines() if line.strip()]
+    return parse_events(data if limit is None else data[:limit])
 
 
 @dataclass
@@ -113,11 +164,28 @@ class Audit:
             self.lost or self.duplicated or self.bad_sample_counts or self.counter_mismatches
         )
 
+    def problems(self) -> str:
+        """What is wrong, in one line (``group 7 lost, group 6 duplicated``); empty when ok."""
+
+        def groups(ids: list[int], what: str) -> str:
+            shown = ", ".join(map(str, sorted(ids)[:5])) + (", ..." if len(ids) > 5 else "")
+            return f"group{'s' if len(ids) > 1 else ''} {shown} {what}"
+
+        parts = [groups(ids, what) for ids, what in (
+            (self.lost, "lost"), (self.duplicated, "duplicated"),
+            (self.bad_sample_counts, f"consumed with other than {self.group_size} samples"),
+        ) if ids]  # fmt: skip
+        return ", ".join(parts + [f"counter {m}" for m in self.counter_mismatches])
+
 
 def audit(ledger_path: Path, loop_snapshot: dict[str, Any], group_size: int) -> Audit:
     """Check the ledger prefix a checkpoint's loop snapshot points at (see the module docstring)."""
+    return audit_events(read_events(ledger_path, int(loop_snapshot["ledger_offset"])), loop_snapshot, group_size)
+
+
+def audit_events(events: list[dict[str, Any]], loop_snapshot: dict[str, Any], group_size: int) -> Audit:
+    """:func:`audit` of events already read (``parse_events``)."""
     snap = loop_snapshot
-    events = read_events(ledger_path, int(snap["ledger_offset"]))
     fates: dict[int, list[str]] = {}
     result = Audit(groups=int(snap["next_group_id"]), group_size=group_size)
     consumed_steps: Counter[int] = Counter()

@@ -392,7 +392,7 @@ class AsyncLoop(RolloutProducer):
                 "cache": [g.to_dict() for g in self.cache.get_all()],
                 "in_flight_groups": len(self._in_hand),
                 "in_flight_group_ids": sorted(self._in_hand),
-                "ledger_offset": None if self.ledger is None else self.ledger.offset(),
+                **({"ledger_offset": None} if self.ledger is None else self.ledger.mark()),
             }
 
     def restore(self, snap: dict[str, Any]) -> None:

@@ -9,8 +9,10 @@
   composes must hash to the ``config_hash`` its checkpoint was trained with.
 - The model: the checkpoint's policy must have the parameter names and shapes of the model
   the config builds (``sdp_cli.train.model_shape``).
-- The ledger: present, at least as long as the offset the checkpoint recorded, and whole
-  JSON lines up to it.
+- The ledger: present, at least as long as the offset the checkpoint recorded, whole JSON
+  lines up to it, those bytes the sha256 the checkpoint recorded, each line an event sdp
+  writes, and the fates they give, with the groups the snapshot holds and had in flight, one
+  per group id below its ``next_group_id`` (``sdp_cli.train.ledger.audit``).
 
 Every refusal is one ``UserError`` line raised before anything is written, so a refused resume
 leaves every file of the run as it was. Runs made by an sdp without identities (no
@@ -19,6 +21,7 @@ leaves every file of the run as it was. Runs made by an sdp without identities (
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import sys
@@ -32,6 +35,7 @@ from sdp_cli.fileio import atomic_write_text
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
 from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.ledger import audit_events, parse_events
 
 #: the key of ``state.json`` that holds a checkpoint's run id and config hash
 STAMP = "run"
@@ -115,7 +119,7 @@ def check_checkpoint(
             f"{where}: trained with another config than the one this resume composes (config hash differs): "
             f"{run_dir.overrides.name} or the config files changed since; restore them, or start a new run instead"
         )
-    check_ledger(run_dir, checkpoint)
+    check_ledger(run_dir, checkpoint, cfg.rollout.group_size)
     if cfg.model.lora.r == 0:
         from sdp_cli.train.model_shape import policy_mismatch
 
@@ -127,9 +131,12 @@ def check_checkpoint(
             )
 
 
-def check_ledger(run_dir: RunDir, checkpoint: ckpt.Checkpoint) -> None:
-    """The ledger must hold, as whole JSON lines, the prefix the checkpoint recorded."""
-    offset = checkpoint.state["loop"].get("ledger_offset")
+def check_ledger(run_dir: RunDir, checkpoint: ckpt.Checkpoint, group_size: int) -> None:
+    """The ledger must hold, as whole JSON lines of ledger events, the prefix the checkpoint
+    recorded, with the recorded sha256 (checkpoints of an sdp before ledger digests have none),
+    and account for every group of the checkpoint's snapshot exactly once."""
+    loop = checkpoint.state["loop"]
+    offset = loop.get("ledger_offset")
     path = run_dir.ledger
     if not offset:
         return
@@ -145,8 +152,26 @@ def check_ledger(run_dir: RunDir, checkpoint: ckpt.Checkpoint) -> None:
     for number, line in enumerate(data.splitlines(), 1):
         try:
             json.loads(line)
-        except ValueError:  # also UnicodeDecodeError
+        except (ValueError, RecursionError):  # also UnicodeDecodeError
             raise UserError(f"{path}: line {number}, before the end {name} records, is not JSON (damaged); {fix}") from None
+    recorded = loop.get("ledger_sha256")
+    if recorded is not None and hashlib.sha256(data).hexdigest() != recorded:
+        raise UserError(
+            f"{path}: its first {offset} bytes are not the ones {name} recorded (their sha256 differs from the one "
+            f"{name} records: edited or damaged); {fix}"
+        )
+    try:
+        events = parse_events(data)
+    except ValueError as err:
+        raise UserError(f"{path}: {err}, not a ledger event sdp writes (damaged); {fix}") from None
+    try:
+        result = audit_events(events, loop, group_size)
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{checkpoint.path}: its state.json has no loop snapshot sdp wrote; move it away to resume from an earlier one") from None
+    if not result.ok:
+        raise UserError(
+            f"{path} does not account for the groups {name} records ({result.problems()}): edited or damaged; {fix}"
+        )
 
 
 def read_for_resume(

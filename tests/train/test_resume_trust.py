@@ -447,3 +447,74 @@ def test_a_torn_metrics_tail_is_still_repaired(trained, tmp_path):
     assert resume(run_dir, "train.steps=3")["steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "version" in r] == [1, 2, 3]
+
+
+# ------------------------------------ a ledger edited into another valid one (issue 24 item 18)
+def _edit_ledger(run_dir, old: bytes, new: bytes):
+    """Replace ``old`` by ``new`` (the same length) in the ledger: the offset check passes."""
+    assert len(old) == len(new)
+    path = run_dir / "ledger.jsonl"
+    data = path.read_bytes()
+    assert data.count(old) == 1, data
+    path.write_bytes(data.replace(old, new))
+
+
+def _drop_digests(run_dir):
+    """Checkpoints as an sdp before ledger digests wrote them (no ``ledger_sha256``)."""
+    for checkpoint in (run_dir / "checkpoints").glob("step-*"):
+        state = json.loads((checkpoint / "state.json").read_text())
+        state["loop"].pop("ledger_sha256", None)  # (main wrote none)
+        (checkpoint / "state.json").write_text(json.dumps(state))
+        resign(checkpoint)
+
+
+def test_a_ledger_edited_into_another_valid_ledger_is_refused(trained, tmp_path):
+    """Step 2 consumed groups [4, 5, 6, 7]; edited to [4, 5, 6, 6] (same length, whole JSON) the
+    ledger loses group 7 and counts 6 twice. On main the resume exited 0 and the audit of the
+    finished run showed the loss."""
+    run_dir = _copy(trained, tmp_path)
+    _edit_ledger(run_dir, b'"groups": [4, 5, 6, 7]', b'"groups": [4, 5, 6, 6]')
+    crash_tails(run_dir)
+    message = refused_unchanged(run_dir, "train.steps=3", match="ledger.jsonl: its first")
+    assert "sha256 differs from the one step-000002 records" in message, message
+
+
+def test_without_a_digest_the_audit_finds_the_lost_and_duplicated_group(trained, tmp_path):
+    """A checkpoint of an sdp before ledger digests: the ledger is audited against the
+    checkpoint's own record (next_group_id 8, queue, cache, in-flight ids, counters): group 7
+    has no fate, group 6 has two."""
+    run_dir = _copy(trained, tmp_path)
+    _drop_digests(run_dir)
+    _edit_ledger(run_dir, b'"groups": [4, 5, 6, 7]', b'"groups": [4, 5, 6, 6]')
+    message = refused_unchanged(run_dir, "train.steps=3", match="does not account for the groups step-000002 records")
+    assert "group 7 lost, group 6 duplicated" in message, message
+
+
+def test_a_ledger_whose_steps_were_swapped_is_refused(trained, tmp_path):
+    """Both lines consistent, fates exactly one per group, but step 2's groups said to be step
+    1's and the other way round: the digest notices, and without it the audit's step order does
+    not (the groups' fates are still one each), so the digest is what refuses it."""
+    run_dir = _copy(trained, tmp_path)
+    _edit_ledger(run_dir, b'"groups": [0, 1, 2, 3], "step": 1', b'"groups": [0, 1, 2, 3], "step": 2')
+    _edit_ledger(run_dir, b'"groups": [4, 5, 6, 7], "step": 2', b'"groups": [4, 5, 6, 7], "step": 1')
+    refused_unchanged(run_dir, "train.steps=3", match="sha256 differs")
+
+
+@pytest.mark.parametrize(
+    "old, new, fragment",
+    [
+        (b'"event": "consumed"', b'"event": "consumer"', 'line 1: event "consumer" is not one of'),
+        (b'"samples": [4, 4, 4, 4]}', b'"samples": [4, 4, 4]}   ', "line 1: 3 sample counts for 4 groups"),
+        (b'"groups": [0, 1, 2, 3]', b'"groups": [0,1,2,"x"] ', "line 1: groups is not a list of group ids"),
+    ],
+)
+def test_a_ledger_line_sdp_never_writes_is_refused_in_one_line(trained, tmp_path, old, new, fragment):
+    """Whole JSON of the recorded length, but not a ledger event: one line (on main accepted,
+    and a KeyError or TypeError traceback where the audit read it), checked without a digest."""
+    assert len(old) == len(new)
+    run_dir = _copy(trained, tmp_path)
+    _drop_digests(run_dir)
+    data = (run_dir / "ledger.jsonl").read_bytes()
+    first = data.index(b"\n")
+    (run_dir / "ledger.jsonl").write_bytes(data[:first].replace(old, new) + data[first:])
+    refused_unchanged(run_dir, "train.steps=3", match=fragment)
