@@ -138,8 +138,8 @@ def json_document(doc: Any) -> str:
 
 
 # ---------------------------------------------------------------- files written in place
-#: what a name in a run directory may not be, by ``stat.S_IFMT``
-_KIND_NAMES = {
+#: what a file that sdp writes may not be, by ``stat.S_IFMT`` (a link only where it is not followed)
+_KINDS = {
     stat.S_IFLNK: "a symbolic link",
     stat.S_IFDIR: "a directory",
     stat.S_IFIFO: "a FIFO",
@@ -159,7 +159,7 @@ _MODES = {
 
 
 def _kind(mode: int) -> str:
-    return _KIND_NAMES.get(stat.S_IFMT(mode), "a special file")
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
 def _refusal(path: Path, info: os.stat_result) -> str | None:
@@ -217,7 +217,7 @@ def open_in_place(path: Path, mode: str) -> IO[Any]:
     fd = open_fd_in_place(path, _MODES[mode])
     if mode == "a":
         return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
-    return os.fdopen(fd, mode if mode in ("ab", "a+b") else "r+b")
+    return os.fdopen(fd, mode)
 
 
 def check_tree(root: Path, *, skip: Iterable[str] = ()) -> None:
@@ -252,15 +252,6 @@ def file_identity(path: Path) -> tuple[object, ...]:
     except OSError:
         return ("path", real)
     return ("inode", info.st_dev, info.st_ino)
-
-
-_KINDS = {
-    stat.S_IFDIR: "a directory",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
 
 
 @dataclass(frozen=True)
@@ -340,9 +331,8 @@ class OutputPlan:
             raise UserError(f"{given}: cannot be checked ({err.strerror}); choose another path") from None
         if info is not None:
             if not stat.S_ISREG(info.st_mode):
-                kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
                 raise UserError(
-                    f"{given}: is {kind}, not a regular file; {out.option} writes a regular file: pass a file path"
+                    f"{given}: is {_kind(info.st_mode)}, not a regular file; {out.option} writes a regular file: pass a file path"
                 )
             if not replace:
                 raise UserError(f"{given}: already exists; pass --force to replace it, or choose another name")

@@ -153,14 +153,16 @@ def check_run_files(run_dir: RunDir) -> None:
     check_tree(run_dir.path, skip=(WANDB,))
     for path in (run_dir.lock, run_dir.metrics, run_dir.events, run_dir.ledger):
         refuse_in_place(path)
-    for path, row in ((run_dir.metrics, "a metrics row"), (run_dir.events, "an event")):
+    for path, row, stepped in ((run_dir.metrics, "a metrics row", True), (run_dir.events, "an event", False)):
         if path.is_file():
-            _check_log(path, row)
+            _check_log(path, row, stepped=stepped)
     if run_dir.trackers.exists():
         saved_ids(run_dir.trackers)
 
 
-def _check_log(path: Path, row: str) -> None:
+def _check_log(path: Path, row: str, *, stepped: bool) -> None:
+    """Every line before the torn tail is a JSON object (``row``), with a step number when
+    ``stepped``."""
     data = path.read_bytes()
     fix = "fix or delete that line, then resume again (this resume changed nothing)"
     for number, line in enumerate(data[: whole_prefix(data)].split(b"\n"), 1):
@@ -173,7 +175,7 @@ def _check_log(path: Path, row: str) -> None:
         if not isinstance(value, dict):
             raise UserError(f"{path}: line {number} is {type(value).__name__}, not {row} (damaged); {fix}")
         step = value.get("step")
-        if row == "a metrics row" and (type(step) is not int or step < 0):
+        if stepped and (type(step) is not int or step < 0):
             raise UserError(f"{path}: line {number} has step {json.dumps(step)[:40]}, not a step number (damaged); {fix}")
 
 

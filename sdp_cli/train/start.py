@@ -140,9 +140,9 @@ def open_run(
                 )
             original = read_overrides(saved)  # a directory that is no run gets no lock file
             found = resume_point(run_dir)  # nothing to resume from: one line, before any output
+            check_run_files(run_dir)  # links, special files, damaged logs: before anything is written
             if coordinator.is_main:
                 owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
-            check_run_files(run_dir)  # links, special files, damaged logs: before anything is written
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)

@@ -518,3 +518,27 @@ def test_a_ledger_line_sdp_never_writes_is_refused_in_one_line(trained, tmp_path
     first = data.index(b"\n")
     (run_dir / "ledger.jsonl").write_bytes(data[:first].replace(old, new) + data[first:])
     refused_unchanged(run_dir, "train.steps=3", match=fragment)
+
+
+def test_the_ledger_mark_is_the_sha256_of_the_bytes_before_it(tmp_path):
+    """mark() = (length, sha256 of exactly those bytes), also after a resume reopened the ledger
+    truncated to a checkpoint's length and appended to it."""
+    import hashlib
+
+    from sdp_cli.train.ledger import LedgerLog
+
+    log = LedgerLog(tmp_path / "ledger.jsonl")
+    log.write("consumed", [0, 1], step=1, samples=[4, 4])
+    first = log.mark()
+    log.write("dropped", [2], version=1, where="queue")
+    log.close()
+    data = (tmp_path / "ledger.jsonl").read_bytes()
+    assert first["ledger_offset"] == data.index(b"\n") + 1
+    assert first["ledger_sha256"] == hashlib.sha256(data[: first["ledger_offset"]]).hexdigest()
+    resumed = LedgerLog(tmp_path / "ledger.jsonl", truncate_to=first["ledger_offset"])
+    assert resumed.mark() == first  # the crashed session's line is gone, the digest continues
+    resumed.write("abandoned", [2], checkpoint_step=1)
+    mark = resumed.mark()
+    resumed.close()
+    data = (tmp_path / "ledger.jsonl").read_bytes()
+    assert mark == {"ledger_offset": len(data), "ledger_sha256": hashlib.sha256(data).hexdigest()}
