@@ -208,13 +208,13 @@ def _is_valid(path: Path) -> bool:
     manifest_path = path / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             return False
         for rel, meta in manifest["files"].items():
             file = path / rel
             if not file.is_file() or file.stat().st_size != meta["size"] or _sha256(file) != meta["sha256"]:
                 return False
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):  # a file sdp did not write
         return False
     return True
 

@@ -55,7 +55,7 @@ def read_identity(run_dir: RunDir) -> str | None:
         return None
     try:
         run_id = json.loads(path.read_text())["run_id"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         run_id = None
     if not isinstance(run_id, str) or not run_id:
         raise UserError(f"{path} is not what sdp wrote there; restore it, or start a new run")

@@ -542,3 +542,20 @@ def test_the_ledger_mark_is_the_sha256_of_the_bytes_before_it(tmp_path):
     resumed.close()
     data = (tmp_path / "ledger.jsonl").read_bytes()
     assert mark == {"ledger_offset": len(data), "ledger_sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("name, content", [
+    ("identity.json", "[" * 100_000 + "]" * 100_000),
+    ("checkpoints/step-000002/manifest.json", "[" * 100_000 + "]" * 100_000),
+    ("checkpoints/step-000002/manifest.json", "[]"),
+])  # fmt: skip
+def test_files_a_resume_reads_first_are_one_line_when_odd(trained, tmp_path, name, content):
+    """On main a RecursionError (100000 levels) or an AttributeError (a manifest that is a JSON
+    list) was a traceback. A manifest that is no manifest makes its checkpoint incomplete: the
+    resume goes back to the older one, with the warning; identity.json is refused."""
+    run_dir = _copy(trained, tmp_path)
+    (run_dir / name).write_text(content)
+    if name == "identity.json":
+        refused_unchanged(run_dir, "train.steps=3", match="identity.json is not what sdp wrote there")
+    else:
+        assert resume(run_dir, "train.steps=3")["steps"] == 3  # from step-000001
