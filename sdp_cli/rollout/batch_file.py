@@ -44,6 +44,9 @@ from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 MAX_TRAINER_VERSION = 2**53 - 1
 #: token ids are int32 in every engine sdp drives (vocabularies are far smaller)
 MAX_TOKEN_ID = 2**31 - 1
+#: entries of one padded [S, T] tensor (``SavedBatch.to_padded``, what inspect-weights reads):
+#: 512 sequences of 131072 tokens; a few such tensors take gigabytes
+MAX_PADDED_ENTRIES = 2**26
 #: the lowest log-prob accepted (docs/batch-format.md): a logit gap of 1000 at the lowest
 #: temperature, 0.01; float32 keeps two decimals there, and sums of such values stay finite
 LOGPROB_FLOOR = -1e5
@@ -230,12 +233,20 @@ class SavedBatch:
         return (pos >= self.prompt_lens[seq_idx]).to(torch.uint8)
 
     def to_padded(self) -> PaddedBatch:
-        """Right-pad the response tokens into ``[S, T]`` tensors (see :class:`PaddedBatch`)."""
+        """Right-pad the response tokens into ``[S, T]`` tensors (see :class:`PaddedBatch`);
+        refused in one line when S × T exceeds ``MAX_PADDED_ENTRIES`` (a small file of many
+        short sequences and one long one pads to tens of gigabytes)."""
+        response_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]) - self.prompt_lens
+        shape = (self.num_sequences, int(response_lens.max()) if self.num_sequences else 0)
+        if shape[0] * shape[1] > MAX_PADDED_ENTRIES:
+            raise UserError(
+                f"a batch of {shape[0]} sequences × {shape[1]} response tokens = {shape[0] * shape[1]} entries "
+                f"per padded tensor, over the {MAX_PADDED_ENTRIES} sdp pads (docs/batch-format.md); "
+                "save batches with fewer sequences or shorter responses"
+            )
         seq_idx, pos = self.token_layout()
         is_out = pos >= self.prompt_lens[seq_idx]
         rows, cols = seq_idx[is_out], (pos - self.prompt_lens[seq_idx])[is_out]
-        response_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]) - self.prompt_lens
-        shape = (self.num_sequences, int(response_lens.max()) if self.num_sequences else 0)
 
         def pad(values: torch.Tensor | None, fill: float | int) -> torch.Tensor | None:
             if values is None:

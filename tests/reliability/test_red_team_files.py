@@ -203,6 +203,26 @@ def _sparse(t: Path, tokens: int = 2**31) -> Path:
     return path
 
 
+def _lopsided(t: Path, sequences: int = 100_000, longest: int = 100_000) -> Path:
+    """A valid 11 MB batch: ``sequences − 1`` sequences of one prompt and one output token and
+    one of ``longest`` output tokens; padded to [S, T] it would take 80 GB per int64 tensor."""
+    from sdp_cli.rollout.batch_file import SavedBatch, write_batch
+
+    lens = [2] * (sequences - 1) + [1 + longest]
+    n = sum(lens)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    versions = torch.zeros(n, dtype=torch.int64)
+    versions[cu[:-1]] = -1
+    old = torch.where(versions >= 0, torch.full((n,), -0.5), torch.zeros(n))
+    path = t / "lopsided.safetensors"
+    write_batch(path, SavedBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64), cu_seqlens=cu, prompt_lens=torch.ones(sequences, dtype=torch.int64),
+        old_logprobs=old, versions=versions, proximal_logprobs_t=old.clone(), proximal_t_versions=versions.clone(),
+        trainer_version=0, temperature=1.0, model="m", mode="decoupled",
+    ))  # fmt: skip
+    return path
+
+
 def _versioned_batch(t: Path, c: int, versions: list[int]) -> Path:
     """A valid batch of trainer version ``c``: one sequence, prompt of 1 token, outputs of
     ``versions``; and ``t/versions`` holding empty directories of the versions the outputs
@@ -271,6 +291,8 @@ CASES = [
      lambda t, _: ["inspect-weights", str(_sparse(t))], None, "over the 4 GiB limit"),
     ("sparse huge batches", "recompute: sparse 64 GiB batch",
      lambda t, _: ["recompute", str(_sparse(t)), "-c", str(t)], None, "over the 4 GiB limit"),
+    ("sparse huge batches", "inspect-weights: 11 MB batch that pads to 10^10 entries",
+     lambda t, _: ["inspect-weights", str(_lopsided(t))], None, "= 10000000000 entries per padded tensor"),
     ("sparse huge batches", "recompute --exact: trainer version 2^53-1",
      lambda t, _: ["recompute", str(_versioned_batch(t, TOP, [0, TOP])), "-c", str(t), "--exact", "--dry-run"], None,
      f"version(s) 1–{TOP - 1} are missing"),
@@ -356,7 +378,7 @@ def test_the_red_team_classes_and_their_counts():
     assert counts == {
         "symlinked run files": 14,
         "damaged metrics and ledgers": 10,
-        "sparse huge batches": 4,
+        "sparse huge batches": 5,
         "deep/odd data files": 6,
     }
 

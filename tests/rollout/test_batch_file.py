@@ -625,3 +625,39 @@ def test_not_enough_memory_to_read_a_batch_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_header, "read_whole", starved)
     with pytest.raises(BatchFormatError, match="not enough memory to read its"):
         read_batch(path)
+
+
+def lopsided_batch(sequences: int, longest: int) -> SavedBatch:
+    """``sequences − 1`` sequences of one prompt and one output token, and one of one prompt
+    token and ``longest`` output tokens: few tokens, but ``sequences × longest`` when padded."""
+    lens = [2] * (sequences - 1) + [1 + longest]
+    n = sum(lens)
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    versions = torch.zeros(n, dtype=torch.int64)
+    versions[cu[:-1]] = -1  # the prompt tokens
+    old = torch.where(versions >= 0, torch.full((n,), -0.5), torch.zeros(n))
+    return SavedBatch(
+        input_ids=torch.zeros(n, dtype=torch.int64), cu_seqlens=cu, prompt_lens=torch.ones(sequences, dtype=torch.int64),
+        old_logprobs=old, versions=versions, proximal_logprobs_t=old.clone(), proximal_t_versions=versions.clone(),
+        trainer_version=0, temperature=1.0, model="m", mode="decoupled",
+    )  # fmt: skip
+
+
+def test_a_batch_whose_padded_view_would_not_fit_is_refused_in_one_line(tmp_path, monkeypatch):
+    """100000 sequences, one of them 100000 tokens long: an 11 MB file, but its padded view is
+    10¹⁰ entries per tensor (80 GB as int64); on main inspect-weights died with an allocation
+    traceback. Over the limit it is one line, at the limit it is padded."""
+    path = tmp_path / "lopsided.safetensors"
+    write_batch(path, lopsided_batch(100_000, 100_000))
+    with pytest.raises(UserError) as err:
+        read_batch(path).to_padded()
+    message = str(err.value)
+    assert "\n" not in message
+    # 100000 sequences × 100000 response tokens = 10000000000 entries
+    assert "100000 sequences × 100000 response tokens = 10000000000 entries" in message, message
+    assert f"over the {batch_file.MAX_PADDED_ENTRIES}" in message, message
+    # the limit itself: 3 sequences × 4 response tokens = 12 entries pass a limit of 12, × 5 do not
+    monkeypatch.setattr(batch_file, "MAX_PADDED_ENTRIES", 12)
+    assert lopsided_batch(3, 4).to_padded().old_logprobs.shape == (3, 4)
+    with pytest.raises(UserError, match="3 sequences × 5 response tokens = 15 entries"):
+        lopsided_batch(3, 5).to_padded()
