@@ -336,3 +336,61 @@ def test_attention_the_config_does_not_vouch_for_runs_plainly_with_one_warning()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         engine.forward(model, batch, grad=False, with_entropy=False)
+
+
+@pytest.fixture(scope="module")
+def sliding_hf_model(tmp_path_factory):
+    """The fast tiny Qwen2 (arith tokenizer), saved as a Hugging Face directory whose config
+    turns on a sliding window of 8 tokens in every layer (what issue 24 reproduced with)."""
+    import json
+
+    from sdp_cli.models import load_policy, save_policy
+
+    path = tmp_path_factory.mktemp("hf") / "tiny-qwen2-sliding"
+    small = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    save_policy(load_policy("tiny", task="arith1", warm_start_steps=0, seed=1, **small), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 2)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_sdp_train_on_a_sliding_window_model_keeps_lag_0_weights_at_1(sliding_hf_model, tmp_path):
+    """Issue 24's acceptance: `sdp train model=hf` on a sliding-window Qwen2, η = 0, decoupled,
+    default settings (prompts shared), the first steps' prompts short and of one length, later
+    steps mixing prompts of 4 and 19 tokens. At η = 0 every token is of lag 0: π_prox and π_behav
+    come from the same weights, so every weight π_prox/π_behav is 1 up to float32 noise."""
+    import json
+
+    from ..fast_run import FAST, train_run
+
+    short = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 9)]  # BOS + 4 characters
+    long = [{"prompt": f"{i}{i}{i}{i}{i}{i}{i}{i}+{i}{i}{i}{i}{i}{i}{i}{i}=", "answer": "0"} for i in range(1, 9)]
+    mixed = [record for pair in zip(short, long) for record in pair]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in short + mixed))
+    run = train_run(
+        tmp_path,
+        [
+            *FAST,
+            "model=hf",
+            f"model.path={sliding_hf_model}",
+            "task=dataset",
+            f"task.path={data}",
+            "task.reward=final_number",
+            "task.shuffle=false",
+            "task.require_stop=false",
+            "rollout.max_new_tokens=6",
+            "rollout.max_head_offpolicyness=0",
+            "loss.mode=decoupled",
+            "train.steps=6",
+        ],
+    )
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "weights/rollout_is_min" in r]
+    assert len(steps) == 6
+    for row in steps:
+        assert row["batch/positions_saved"] > 0  # the prompts were shared
+        assert row["staleness/lag_max"] == 0
+        assert abs(row["weights/rollout_is_min"] - 1) <= 1e-3 and abs(row["weights/rollout_is_max"] - 1) <= 1e-3, row
+        assert abs(row["shadow/decoupled/lag0/behav_imp_weight/avg"] - 1) <= 1e-3
