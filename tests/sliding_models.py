@@ -1,5 +1,5 @@
 """Tiny causal LMs with sliding-window attention for the shared-prompt tests of the trainer and
-the local engine (docs/training.md, "The shared-prompt forward").
+the local engine (docs/training.md, "The trainer's policy and loss").
 
 transformers builds a sliding window's mask from cache indices: a query at cache index q sees
 keys at k > q − window. A window of 4 tokens is far shorter than the test sequences, so any

@@ -1,5 +1,5 @@
 """Which padding layouts keep a causal LM's attention exact, read from its config
-(docs/training.md, "The shared-prompt forward").
+(docs/training.md, "The trainer's policy and loss").
 
 transformers builds attention masks from cache indices, not from position ids. Full causal
 attention asks only that a key's index is not after the query's, so padding anywhere in a row
