@@ -16,9 +16,12 @@ from functools import partial
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sdp_cli.engine.base import SamplingParams, WeightUpdate
 from sdp_cli.engine.local import LocalEngine
+from sdp_cli.models.kv_cache import with_cache
 from sdp_cli.rollout.records import RolloutSample
 
 from ..sliding_models import KINDS, sliding_model
@@ -158,3 +161,41 @@ def test_attention_the_engine_does_not_know_runs_each_row_plainly_with_one_warni
     state = snapshot(model)
     check_versions_and_proximal(samples, {0: state}, 1.0, model_of=lambda _: model)
     assert max(_worst(model, s, 0, v) for s, v in zip(samples, scored, strict=True)) <= 1e-5
+
+
+@st.composite
+def rows(draw):
+    """Prefixes (some shared) and suffixes of mixed lengths, the window (4) shorter than most rows."""
+    prefixes = draw(st.lists(st.lists(st.integers(1, EOS - 1), min_size=1, max_size=9), min_size=1, max_size=3))
+    owners = draw(st.lists(st.integers(0, len(prefixes) - 1), min_size=1, max_size=5))
+    suffixes = [draw(st.lists(st.integers(1, EOS - 1), min_size=0, max_size=7)) for _ in owners]
+    return [list(prefixes[o]) for o in owners], suffixes
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(KINDS), batch=rows(), use_cache=st.booleans(), token=st.integers(1, EOS - 1))
+def test_the_forward_and_a_decode_step_on_its_cache_are_exact(kind, batch, use_cache, token):
+    """``_forward_shared``: every logits column is the unpadded forward's, and with the cache kept,
+    one decode step after each row's last token (the next prefill turn) is exact too."""
+    model = sliding_model(kind)
+    engine = LocalEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    prefixes, suffixes = batch
+    with torch.inference_mode():
+        logits, mask, cache = engine._forward_shared(prefixes, suffixes, use_cache=use_cache)  # noqa: SLF001
+        worst = 0.0
+        for i, (prefix, suffix) in enumerate(zip(prefixes, suffixes, strict=True)):
+            full = model(input_ids=torch.tensor([prefix + suffix + [token]])).logits[0]
+            expected = full[len(prefix) - 1 : len(prefix) + len(suffix)]
+            worst = max(worst, float((logits[i, : len(suffix) + 1] - expected).abs().max()))
+        if use_cache:
+            step = model(
+                input_ids=torch.full((len(prefixes), 1), token),
+                attention_mask=torch.cat([mask, mask.new_ones(len(prefixes), 1)], 1),
+                position_ids=mask.sum(1, keepdim=True),
+                use_cache=True,
+                **with_cache(cache),
+            ).logits[:, -1]
+            for i, (prefix, suffix) in enumerate(zip(prefixes, suffixes, strict=True)):
+                full = model(input_ids=torch.tensor([prefix + suffix + [token]])).logits[0, -1]
+                worst = max(worst, float((step[i] - full).abs().max()))
+    assert worst <= 1e-5
