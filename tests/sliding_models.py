@@ -20,6 +20,7 @@ KINDS = ("qwen2", "qwen2_mixed", "mistral")
 def sliding_model(kind: str, *, vocab: int = 32, window: int = 4, seed: int = 0) -> torch.nn.Module:
     """A 2-layer model of ``kind`` (one of ``KINDS``) with a sliding window of ``window`` tokens,
     in eval mode; initializer_range 0.1 makes the next-token distributions clearly non-uniform."""
+    assert kind in KINDS, f"unknown kind {kind}"
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,
@@ -37,7 +38,6 @@ def sliding_model(kind: str, *, vocab: int = 32, window: int = 4, seed: int = 0)
     if kind == "mistral":
         return MistralForCausalLM(MistralConfig(**common)).eval()
     layer_types = ["sliding_attention"] * 2 if kind == "qwen2" else ["full_attention", "sliding_attention"]
-    assert kind in KINDS, f"unknown kind {kind}"
     config = Qwen2Config(**common, use_sliding_window=True, layer_types=layer_types)
     assert config.sliding_window == window and config.layer_types == layer_types
     return Qwen2ForCausalLM(config).eval()
