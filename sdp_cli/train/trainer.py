@@ -308,6 +308,7 @@ class Trainer(TrainerState):
                     upper=rej.upper if bounded else None,
                     lower=rej.lower if bounded else None,
                     veto=rej.veto,
+                    metric=rej.metric,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
             if cfg.m2_threshold is not None:
