@@ -24,13 +24,18 @@ def _rows(run):
 
 
 def test_m2po_keeps_the_batch_second_moment_below_its_threshold(tmp_path):
-    rows = _rows(train_run(tmp_path, [*FAST, "+preset=m2po", *ASYNC, "loss.m2_threshold=0.001"]))
+    run = train_run(tmp_path, [*FAST, "+preset=m2po", *ASYNC, "loss.m2_threshold=0.001", "train.save_batches=true"])
+    rows = _rows(run)
     assert len(rows) == 4
     for row in rows:
         # what is kept has a mean lr² below τ, or a single token is left
         assert row["m2po/m2_after"] < 0.001 or row["m2po/masked_fraction"] > 0.9
         assert row["m2po/m2_after"] <= row["m2po/m2_before"]
     assert any(row["m2po/masked_fraction"] > 0 for row in rows)
+    # the saved loss mask is M2PO's kept set: inspect-weights --m2-threshold drops nothing more from it
+    for batch in _batches(run):
+        report = analyse_batches([batch], ["b"], masks=MaskOptions(m2_threshold=0.001))
+        assert report.modes["decoupled"].masks["m2po"] == 0.0
 
 
 def test_icepop_masks_token_weights_outside_its_band(tmp_path):
@@ -86,6 +91,12 @@ def test_decoupled_k3_rs_rejects_exactly_the_sequences_whose_mean_k3_is_above_th
         assert torch.equal(kept[clear], (mean <= upper)[clear])
         outcomes |= set(kept[clear].tolist())
     assert outcomes == {True, False}  # rows on both sides of the threshold were checked
+    # inspect-weights with the same bounds rejects nothing more from the saved (kept) rows; a batch
+    # that kept none has no share to report
+    options = MaskOptions(rejection_level="geometric", rejection_metric="k3", rejection_upper=upper)
+    for batch in _batches(run):
+        expected = 0.0 if batch.to_padded().mask.any() else None
+        assert analyse_batches([batch], ["b"], masks=options).modes["decoupled"].masks["rejection"] == expected
 
 
 def test_opsm_drops_what_inspect_weights_measures_on_the_saved_batch(tmp_path):
