@@ -11,7 +11,8 @@ sequence, geometric) this module builds the weights with ``core.weights.importan
 and the divergences with ``core.metrics.offpolicy_metrics`` (rollout = π_behav, training = the
 mode's target policy), then breaks the raw token weights down by staleness, lag = c − v. The
 per-lag table includes the factor segment-wise drops, π_c/π_{v+1} = exp(π_prox − π_prox_t)
-(docs/math.md §1). No weight or metric is computed here: this module only selects tokens and
+(docs/math.md §1). With ``MaskOptions`` each row also gets the share of its tokens that rejection,
+M2PO and OPSM would drop (docs/math.md §3, §9.2, §9.4). No weight or metric is computed here: this module only selects tokens and
 arranges the kernels' results. Pure analysis: batches in, a report out; nothing is printed or
 written.
 

@@ -9,9 +9,11 @@ are the built-in modes' (declared, with what they read, in ``sdp_cli/modes.py``)
                   with drift_clip κ: + clamp(log π_prox − log π_prox_t, ±log κ)
 
 ``importance_weights`` turns lr into detached weights (token / sequence / geometric, bounded by
-truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it into a 0/1
-mask that drops whole tokens or sequences. The two are independent: a caller may use either,
-both, or neither.
+truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it, or verl's k2/k3
+divergence estimates of it, into a 0/1 mask that drops whole tokens or sequences. The two are
+independent: a caller may use either, both, or neither. The field's other masks and sources
+(docs/math.md §9): ``second_moment_mask`` (M2PO), ``off_policy_sequence_mask`` (OPSM, from π_θ at
+an optimizer step) and ``loglinear_proximal`` (A-3PO's π_prox without a forward).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ Per step (docs/design.md §1, §4):
    (``fill_one_step_proximal``). Tokens whose π_{v+1} window closed leave the loss.
 3. behavioural log ratio of the mode → bounded importance weights (+ optional rejection mask).
 4. ``ppo_epochs`` × ``minibatches`` optimizer steps on ``policy_loss`` with π_prox (or π_behav in
-   bypass) as the clip anchor; ``reinforce`` recomputes its importance weight π_θ/π_behav for
-   every optimizer step (docs/math.md §5.1).
+   bypass) as the clip anchor; what follows θ is recomputed at every optimizer step from its
+   detached π_θ (``_step_weights``): ``reinforce``'s importance weight π_θ/π_behav (docs/math.md
+   §5.1), OPSM's mask (§9.4) and, with ``loss.proximal_source=loglinear``, A-3PO's π_prox and
+   the weight built on it (§9.7; step 1 is then skipped).
 
 The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
