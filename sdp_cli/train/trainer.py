@@ -318,7 +318,7 @@ class Trainer(TrainerState):
                 metrics.update({f"m2po/{k}": v for k, v in mmetrics.items()})
 
         metrics.update(self._diagnostics(batch, prox, trained))
-        anchor = old if mode.anchor == "behav" else prox
+        anchor = prox if mode.anchor == "proximal" else old
         metrics.update(
             self._optimise(batch, anchor, loss_mask, weights, log_ratio, reference=reference, fused=fused)
         )
