@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP, WEIGHT_ACTIONS
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP, REJECTION_LEVELS, REJECTION_METRICS, WEIGHT_ACTIONS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wis
   sdp inspect-weights runs/my-run/batches --per-file --plot weights.png --dump-weights weights.safetensors
 
   sdp inspect-weights runs/my-run/batches --mode examples/own_mode/tempered.py:tempered_decoupled
+
+  sdp inspect-weights runs/my-run/batches --m2-threshold 0.04 --opsm-delta 0.5 --rejection-level geometric --rejection-metric k3 --rejection-upper 0.01
 """
 
 
@@ -90,8 +92,31 @@ def inspect_weights_command(
         help="Add a row for your own mode, path/to/file.py:function or package.module:function (as "
         "loss.mode takes it; repeatable). A batch file never makes sdp import code.",
     ),
+    rejection_level: str = typer.Option(
+        None,
+        "--rejection-level",
+        help="Measure rejection sampling per mode: token, sequence, geometric or max (loss.rejection.level).",
+    ),
+    rejection_metric: str = typer.Option(
+        "ratio", "--rejection-metric", help="ratio, k2 or k3: what rejection bounds (loss.rejection.metric)."
+    ),
+    rejection_upper: float = typer.Option(
+        2.0, "--rejection-upper", help="Keep where the ratio (or divergence) <= this (loss.rejection.upper)."
+    ),
+    rejection_lower: float = typer.Option(
+        None, "--rejection-lower", help="Keep where the ratio >= this; default 1/upper (loss.rejection.lower)."
+    ),
+    m2_threshold: float = typer.Option(
+        None, "--m2-threshold", help="Measure M2PO's token mask per mode at this τ (loss.m2_threshold)."
+    ),
+    opsm_delta: float = typer.Option(
+        None,
+        "--opsm-delta",
+        help="Measure OPSM's mask at this δ with π_θ = π_prox, the batch's first optimizer step (loss.opsm_delta).",
+    ),
 ) -> None:
     _check_options(cap, floor, action, drift_clip)
+    _check_masks(rejection_level, rejection_metric, rejection_upper, rejection_lower, m2_threshold, opsm_delta)
     if mode:
         from sdp_cli.modes import resolve_mode
 
@@ -104,7 +129,7 @@ def inspect_weights_command(
     plot_out = None if plot is None else plan.add(plot, "--plot")
     dump_out = None if dump_weights is None else plan.add(dump_weights, "--dump-weights")
 
-    from sdp_cli.analysis.inspect import WeightOptions, analyse_batches
+    from sdp_cli.analysis.inspect import MaskOptions, WeightOptions, analyse_batches
     from sdp_cli.rollout.batch_file import read_batch
 
     batches = [read_batch(p) for p in paths]
@@ -112,9 +137,17 @@ def inspect_weights_command(
     options = WeightOptions(
         cap=cap, floor=floor, action=action, batch_normalize=batch_normalize, drift_clip=drift_clip
     )
-    report = analyse_batches(batches, sources, options)
+    masks = MaskOptions(
+        rejection_level=rejection_level,
+        rejection_metric=rejection_metric,
+        rejection_upper=rejection_upper,
+        rejection_lower=rejection_lower,
+        m2_threshold=m2_threshold,
+        opsm_delta=opsm_delta,
+    )
+    report = analyse_batches(batches, sources, options, masks)
     per_file_reports = (
-        [analyse_batches([b], [src], options) for b, src in zip(batches, sources)] if per_file else []
+        [analyse_batches([b], [src], options, masks) for b, src in zip(batches, sources)] if per_file else []
     )
 
     contents: dict[Any, bytes] = {}
@@ -176,6 +209,32 @@ def _check_options(cap: float | None, floor: float | None, action: str, drift_cl
         raise UserError(f"--floor {floor} must be a finite number >= 0; pass e.g. --floor 0.2")
     if cap is not None and floor is not None and floor > cap:
         raise UserError(f"--floor {floor} is above --cap {cap}; pass a floor <= cap")
+
+
+def _check_masks(
+    level: str | None, metric: str, upper: float, lower: float | None, m2_threshold: float | None, opsm_delta: float | None
+) -> None:
+    """The mask options, checked as the config checks loss.rejection, loss.m2_threshold and loss.opsm_delta."""
+    if metric not in REJECTION_METRICS:
+        raise UserError(f"--rejection-metric {metric!r} is not one of {', '.join(REJECTION_METRICS)}; pick one of them")
+    if level is None:
+        if metric != "ratio" or lower is not None:
+            raise UserError("--rejection-metric and --rejection-lower need --rejection-level; pass e.g. --rejection-level token")
+    else:
+        if level not in REJECTION_LEVELS:
+            raise UserError(f"--rejection-level {level!r} is not one of {', '.join(REJECTION_LEVELS)}; pick one of them")
+        if not (math.isfinite(upper) and upper > 0):
+            raise UserError(f"--rejection-upper {upper} must be a finite number > 0; pass e.g. --rejection-upper 2")
+        if metric == "ratio" and level == "max":
+            raise UserError("--rejection-level max takes a sequence's largest divergence; pass --rejection-metric k2 or k3")
+        if metric != "ratio" and lower is not None:
+            raise UserError(f"--rejection-lower bounds a ratio, but --rejection-metric {metric} is a divergence; drop it")
+        if lower is not None and not (math.isfinite(lower) and 0 <= lower <= upper):
+            raise UserError(f"--rejection-lower {lower} must be a finite number in [0, --rejection-upper]")
+    if m2_threshold is not None and not (math.isfinite(m2_threshold) and m2_threshold > 0):
+        raise UserError(f"--m2-threshold {m2_threshold} must be a finite number > 0; pass e.g. --m2-threshold 0.04")
+    if opsm_delta is not None and not (math.isfinite(opsm_delta) and opsm_delta >= 0):
+        raise UserError(f"--opsm-delta {opsm_delta} must be a finite number >= 0; pass e.g. --opsm-delta 0.5")
 
 
 def _batch_paths(files: list[Path], example: bool) -> list[Path]:
@@ -295,6 +354,9 @@ def _render(console: Any, report: WeightReport) -> None:
     for note in notes:
         console.print(note)
 
+    if report.mask_options.any:
+        _render_masks(console, report)
+
     div = _table(
         "Divergence from π_behav (training policy = the mode's target)", ["mode", "target", *DIVERGENCES], left=2
     )
@@ -335,3 +397,17 @@ def _render(console: Any, report: WeightReport) -> None:
         "(segment_wise_drift keeps the rest of it).",
         style="dim",
     )
+
+
+def _render_masks(console: Any, report: WeightReport) -> None:
+    """Share of each mode's tokens that every configured mask drops (docs/inspect-weights.md)."""
+    from sdp_cli.analysis.inspect import MASKS
+
+    configured = [name for name in MASKS if any(name in m.masks for m in report.modes.values() if m.available)]
+    table = _table("Masked tokens (share of the mode's tokens)", ["mode", "tokens", *configured], left=1)
+    for name, m in report.modes.items():
+        if not m.available:
+            continue
+        values = [m.masks.get(mask) for mask in configured]
+        table.add_row(name, str(m.tokens), *("n/a" if v is None else f"{v:.1%}" for v in values))
+    console.print(table)

@@ -27,11 +27,15 @@ class RejectionConfig:
     """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
 
     level: str | None = None
-    """token | sequence | geometric; null turns the ratio bounds off (a veto still applies)."""
+    """token | sequence (sum over the tokens) | geometric (mean) | max (k2/k3 only); null turns the bounds
+    off (a veto still applies)."""
+    metric: str = "ratio"
+    """ratio (π_x/π_behav) | k2 (½lr²) | k3 (e^lr − 1 − lr): what is bounded, lr = log π_x − log π_behav
+    (verl's k2/k3; verl's k1 bounds are ratio bounds mirrored, docs/math.md §3)."""
     upper: float = 2.0
-    """keep where ratio <= upper."""
+    """keep where the ratio (or the divergence, in nats) <= upper."""
     lower: float | None = None
-    """keep where ratio >= lower; null means 1/upper."""
+    """keep where ratio >= lower; null means 1/upper (metric=ratio only)."""
     veto: float | None = None
     """drop a whole sequence if any token's ratio is below this, with or without level (verl's
     token veto); null = no veto."""
@@ -68,13 +72,23 @@ class LossConfig:
     """seq-mean-token-sum-norm: the constant length L of Σ_i s_i / (L · sequences per optimizer
     step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
-    """ppo_clip | reinforce (−A·log π_θ·w)."""
+    """ppo_clip | reinforce (−A·log π_θ·w) | cispo (−sg(clip(r))·A·log π_θ·w, §9.5) | dppo (probability
+    trust-region mask, §9.6; docs/math.md)."""
     ratio_level: str = "token"
     """token | sequence: the PPO ratio per token, or per sequence as exp(mean_t log π_θ/π_anchor), one
     clip decision per sequence (GSPO; AReaL/TRL call it importance_sampling_level; docs/math.md §9.3)."""
     m2_threshold: float | None = None
     """M2PO: drop the tokens with the largest squared behavioural log ratio until the batch's mean of
     it is below this (AReaL m2_threshold, 0.04 in the paper; docs/math.md §9.2); null = off."""
+    opsm_delta: float | None = None
+    """OPSM: zero the loss of a negative-advantage sequence whose mean log π_behav − log π_θ exceeds this,
+    at every optimizer step (TRL off_policy_mask_threshold; docs/math.md §9.4); null = off."""
+    dppo_kl_coef: float = 0.0
+    """loss_type=dppo: weight of (log π_θ − log π_anchor)² on every token (prime-rl kl_tau, 1e-3 there;
+    docs/math.md §9.6); 0 = off."""
+    proximal_source: str = "forward"
+    """forward (π_prox from the trainer's forward) | loglinear (A-3PO: interpolated between π_behav and
+    π_θ by staleness, no forward; mode=decoupled only; AReaL prox_logp_method; docs/math.md §9.7)."""
     scale_adv_by_std: bool = True
     """GRPO advantages divide by the group std; false gives Dr.GRPO."""
     drift_clip: float | None = None

@@ -17,9 +17,12 @@ from sdp_cli.choices import (
     LOSS_TYPES,
     MODEL_KINDS,
     PARALLEL_MODES,
+    PROXIMAL_SOURCES,
     PROXIMAL_T_SOURCES,
     RATIO_LEVELS,
     RECOMPUTE_POLICIES,
+    REJECTION_LEVELS,
+    REJECTION_METRICS,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
@@ -84,11 +87,83 @@ def _check_sequence_ratio(loss: LossConfig) -> None:
         )
 
 
+def _check_rejection(loss: LossConfig) -> None:
+    """The bounds of ``loss.rejection`` (docs/math.md §3): a ratio in [lower, upper], or a divergence
+    (k2, k3; verl's) at most upper, aggregated per sequence by sum, mean or max."""
+    rej = loss.rejection
+    _choice("loss.rejection.metric", rej.metric, REJECTION_METRICS)
+    if rej.level is None:
+        if rej.metric != "ratio":
+            raise ConfigValueError(
+                f"loss.rejection.metric={rej.metric} is bounded only with a level; "
+                "set loss.rejection.level (token, sequence, geometric or max) or loss.rejection.metric=ratio"
+            )
+        return
+    _choice("loss.rejection.level", rej.level, REJECTION_LEVELS)
+    _positive("loss.rejection.upper", rej.upper)
+    if rej.metric != "ratio":
+        if rej.lower is not None:
+            raise ConfigValueError(
+                f"loss.rejection.lower={rej.lower} bounds a ratio, but loss.rejection.metric={rej.metric} is a "
+                "divergence, bounded by loss.rejection.upper only; set loss.rejection.lower=null"
+            )
+        return
+    if rej.level == "max":
+        raise ConfigValueError(
+            "loss.rejection.level=max takes a sequence's largest divergence, which a ratio is not; "
+            "use loss.rejection.metric=k2 or k3, or level=token to bound every token's ratio"
+        )
+    _positive("loss.rejection.lower", rej.lower, allow_none=True)
+    lower = rej.lower if rej.lower is not None else 1.0 / rej.upper
+    if lower > rej.upper:
+        raise ConfigValueError(f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}")
+
+
+def _check_loss_variant(loss: LossConfig) -> None:
+    """What only some policy losses have (docs/math.md §5.1, §9.5, §9.6): the dual clip bounds the
+    PPO clip's loss, the DPPO penalty belongs to DPPO."""
+    if loss.dual_clip is not None and loss.loss_type != "ppo_clip":
+        raise ConfigValueError(
+            f"loss.dual_clip bounds the PPO clip's loss, which loss.loss_type={loss.loss_type} does not have; "
+            "set loss.dual_clip=null or loss.loss_type=ppo_clip"
+        )
+    _positive("loss.dppo_kl_coef", loss.dppo_kl_coef, strict=False)
+    if loss.dppo_kl_coef and loss.loss_type != "dppo":
+        raise ConfigValueError(
+            f"loss.dppo_kl_coef={loss.dppo_kl_coef} is DPPO's penalty; set loss.loss_type=dppo or loss.dppo_kl_coef=0"
+        )
+
+
+def _check_proximal_source(cfg: SdpConfig, mode: Mode) -> None:
+    """A-3PO's interpolated π_prox (docs/math.md §9.7) replaces the decoupled π_prox inside each
+    optimizer step; what needs the batch's π_prox before the update cannot have it."""
+    loss = cfg.loss
+    _choice("loss.proximal_source", loss.proximal_source, PROXIMAL_SOURCES)
+    if loss.proximal_source == "forward":
+        return
+    if mode.name != "decoupled":
+        raise ConfigValueError(
+            f"loss.proximal_source=loglinear (A-3PO) approximates the decoupled π_prox; loss.mode={loss.mode} "
+            "does not use it: use mode=decoupled (or +preset=a3po), or loss.proximal_source=forward"
+        )
+    needs_batch_prox = (
+        ("loss.rejection", loss.rejection.level is not None or loss.rejection.veto is not None),
+        ("loss.m2_threshold", loss.m2_threshold is not None),
+        ("rollout.recompute=always", cfg.rollout.recompute == "always"),
+    )
+    for key, used in needs_batch_prox:
+        if used:
+            raise ConfigValueError(
+                f"{key} reads the batch's π_prox before the update, which loss.proximal_source=loglinear "
+                "(A-3PO) never computes; turn it off or use loss.proximal_source=forward"
+            )
+
+
 def _check_without_weight(loss: LossConfig) -> None:
     """Refuse what a mode without a weight (bypass) would ignore (docs/training.md, "bypass"): it
     has no behavioural log ratio to reject on, and with ppo_clip no behavioural weight to bound
     (the PPO ratio π_θ/π_behav is clipped by loss.clip); reinforce's importance weight
-    π_θ/π_behav is bounded."""
+    π_θ/π_behav is bounded (cispo and dppo bound π_θ/π_behav by loss.clip, as ppo_clip does)."""
     if loss.rejection.level is not None or loss.rejection.veto is not None:
         raise ConfigValueError(
             f"loss.rejection needs a behavioural log ratio, which loss.mode={loss.mode} does not have; "
@@ -99,10 +174,10 @@ def _check_without_weight(loss: LossConfig) -> None:
             f"loss.m2_threshold (M2PO) masks by the behavioural log ratio, which loss.mode={loss.mode} does not "
             "have; set loss.m2_threshold=null or use mode=decoupled"
         )
-    if loss.loss_type != "ppo_clip":
+    if loss.loss_type == "reinforce":
         return
     instead = (
-        f"which loss.mode={loss.mode} with loss.loss_type=ppo_clip does not have "
+        f"which loss.mode={loss.mode} with loss.loss_type={loss.loss_type} does not have "
         "(loss.clip bounds its ratio π_θ/π_behav)"
     )
     for key, value in (("weight_cap", loss.weight_cap), ("weight_floor", loss.weight_floor)):
@@ -184,17 +259,11 @@ def validate(cfg: SdpConfig) -> None:
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
         raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
-    rej = loss.rejection
-    if rej.level is not None:
-        _choice("loss.rejection.level", rej.level, IS_LEVELS)
-        _positive("loss.rejection.upper", rej.upper)
-        _positive("loss.rejection.lower", rej.lower, allow_none=True)
-        lower = rej.lower if rej.lower is not None else 1.0 / rej.upper
-        if lower > rej.upper:
-            raise ConfigValueError(
-                f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
-            )
-    _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    _check_rejection(loss)
+    _positive("loss.rejection.veto", loss.rejection.veto, allow_none=True)
+    _check_loss_variant(loss)
+    _positive("loss.opsm_delta", loss.opsm_delta, allow_none=True, strict=False)
+    _check_proximal_source(cfg, mode)
     if not mode.has_weight:
         _check_without_weight(loss)
 

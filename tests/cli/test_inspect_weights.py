@@ -178,12 +178,33 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
         ([], "no batch file given"),
         (["--example", "--plot", "/nonexistent-dir/w.png"], "directory /nonexistent-dir does not exist"),
         (["--example", "--dump-weights", str(EXAMPLE_BATCH)], "is one of the input batches"),
+        (["--example", "--rejection-level", "max"], "--rejection-level max takes a sequence's largest divergence"),
+        (["--example", "--rejection-metric", "k3"], "--rejection-metric and --rejection-lower need --rejection-level"),
+        (["--example", "--rejection-level", "token", "--rejection-metric", "k1"], "--rejection-metric 'k1' is not one of"),
+        (["--example", "--m2-threshold", "0"], "--m2-threshold 0.0 must be a finite number > 0"),
+        (["--example", "--opsm-delta", "nan"], "--opsm-delta nan must be a finite number >= 0"),
     ],
 )
 def test_bad_options_are_one_line_exit_2(argv, message, capsys):
     code, _, err = run_main(["inspect-weights", *argv], capsys)
     assert code == 2
     assert message in one_error_line(err)
+
+
+def test_masks_are_measured_per_mode_as_the_trainer_would_apply_them(capsys):
+    # the example batch: the masks table and the JSON carry each configured mask for every mode; a mode
+    # without a behavioural log ratio (bypass) has no rejection or M2PO, OPSM (π_behav vs π_θ = π_prox)
+    # is the same kernel for every row over that row's tokens
+    argv = ["inspect-weights", "--example", "--m2-threshold", "0.04", "--opsm-delta", "0.5",
+            "--rejection-level", "geometric", "--rejection-metric", "k3", "--rejection-upper", "0.01"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert "Masked tokens" in out
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    modes = json.loads(out)["modes"]
+    assert modes["bypass"]["masks"]["rejection"] is None and modes["bypass"]["masks"]["m2po"] is None
+    assert modes["bypass"]["masks"]["opsm"] == modes["decoupled"]["masks"]["opsm"]  # the same 247 tokens
+    assert all(0 <= modes["decoupled"]["masks"][k] <= 1 for k in ("rejection", "m2po", "opsm"))
 
 
 def test_an_empty_directory_is_one_line(tmp_path, capsys):
