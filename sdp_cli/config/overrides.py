@@ -15,6 +15,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from sdp_cli.config.limits import check_override_sizes
 from sdp_cli.errors import UserError
 
 HELP_HINT = "run `sdp train --help-config` for every key"
@@ -40,7 +41,9 @@ def _parse(overrides: list[str]) -> list[Any]:
 
 def check_overrides(overrides: list[str]) -> list[str]:
     """The overrides ``sdp train`` composes: sweeps, deletions, options and ``hydra.*`` keys
-    without an sdp meaning are refused in one line; ``hydra.run.dir=D`` becomes ``run.dir=D``."""
+    without an sdp meaning are refused in one line; ``hydra.run.dir=D`` becomes ``run.dir=D``.
+    Overrides too many, long or itemised to parse quickly are refused first (sdp_cli/config/limits.py)."""
+    check_override_sizes(overrides)
     for override in overrides:
         if override in ("-m", "--multirun"):
             raise UserError(f"{override}: {SWEEP_HINT}")
