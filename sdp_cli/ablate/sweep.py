@@ -294,6 +294,9 @@ def plan_sweep(
             f"unknown sweep '{sweep}'; choose one of {', '.join(sweeps)} "
             "(files in sdp_cli/conf/ablate)"
         )
+    from sdp_cli.config.limits import check_override_sizes
+
+    check_override_sizes(list(overrides))  # before any parse: Hydra's grammar is quadratic in items
     hydra_overrides = [o for o in overrides if _is_hydra_override(o)]
     job_overrides = [o for o in overrides if not _is_hydra_override(o)]
     for parsed in _parse_overrides(job_overrides):

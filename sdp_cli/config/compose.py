@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -131,17 +131,23 @@ def _line_of(path: Path, key: str) -> int | None:
     return None
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
 def _explain(exc: BaseException, source: ConfigSource) -> str:
     """A one-line explanation of a Hydra / OmegaConf / YAML composition error."""
     import yaml
     from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
+    chain = _chain(exc)
     match = re.search(r"In '([^']+)'", str(exc))
     origin = _config_file(match.group(1), source) if match else None
 
@@ -197,12 +203,12 @@ def hydra_initialized(source: ConfigSource) -> Iterator[list[str]]:
     from hydra import initialize_config_dir, initialize_config_module
 
     _register_schema()
-    if source.config_dir is not None:
-        check_config_dir(Path(source.config_dir))
     if source.config_dir is None:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             yield []
-    elif source.config_name == PRIMARY:
+        return
+    check_config_dir(Path(source.config_dir))  # before Hydra reads any of its files
+    if source.config_name == PRIMARY:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             yield [f"hydra.searchpath=['file://{source.config_dir}']"]
     else:
@@ -221,9 +227,9 @@ def compose_dict(overrides: list[str], *, source: ConfigSource = ConfigSource())
             cfg = compose(config_name=source.config_name, overrides=[*search, *overrides])
     except UserError:
         raise
-    except RecursionError:  # Hydra follows a defaults cycle until the interpreter stops it
-        raise UserError(_defaults_cycle(source)) from None
     except Exception as exc:  # every Hydra/OmegaConf failure becomes one line
+        if any(isinstance(e, RecursionError) for e in _chain(exc)):  # Hydra follows a defaults cycle
+            raise UserError(_defaults_cycle(source)) from None  # until the interpreter stops it
         if not _builds_on_sdp(source):  # the failure was the user primary's, whatever it said
             raise UserError(_not_sdp_primary(source)) from exc
         raise UserError(_explain(exc, source)) from exc
@@ -340,12 +346,7 @@ def _explain_resolution(exc: BaseException, cfg: Any, source: ConfigSource, over
     the key, when an override did), the key and what is wrong."""
     from omegaconf.errors import InterpolationResolutionError
 
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    err = next((e for e in chain if isinstance(e, InterpolationResolutionError) and getattr(e, "full_key", None)), None)
+    err = next((e for e in _chain(exc) if isinstance(e, InterpolationResolutionError) and getattr(e, "full_key", None)), None)
     if err is None:
         return _explain(exc, source)
     key = str(err.full_key)
@@ -361,7 +362,7 @@ def _explain_resolution(exc: BaseException, cfg: Any, source: ConfigSource, over
     return f"{where + ': ' if where else ''}{key}: {problem}"
 
 
-def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: list[str] = ()) -> SdpConfig:
+def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequence[str] = ()) -> SdpConfig:
     """Resolve interpolations, build the typed config and validate every value; ``source`` and
     ``overrides`` (what ``cfg`` was composed from) locate an interpolation that does not resolve."""
     from omegaconf import OmegaConf
