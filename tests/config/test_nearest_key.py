@@ -4,7 +4,7 @@ found by its last part, wherever it lives; a typo inside the right group still f
 import pytest
 
 from sdp_cli.config.compose import compose_config
-from sdp_cli.config.overrides import nearest_key, schema_keys
+from sdp_cli.config.overrides import nearest_key
 from sdp_cli.errors import UserError
 
 
@@ -40,8 +40,3 @@ def test_the_message_of_a_key_in_the_wrong_group_names_the_right_one():
     with pytest.raises(UserError) as info:
         compose_config(["+train.reward_workers=4"])
     assert "unknown config key 'train.reward_workers'; the nearest valid key is task.reward_workers" in str(info.value)
-
-
-def test_every_schema_key_is_its_own_nearest_key():
-    for key in schema_keys():
-        assert nearest_key(key) == key
