@@ -291,10 +291,10 @@ def _defaults_cycle(source: ConfigSource) -> str:
     if source.config_dir is None:
         return "sdp's config groups include each other in a cycle; reinstall sdp"
     root = Path(source.config_dir)
-    graph = {
-        path.relative_to(root).with_suffix("").as_posix(): _defaults_entries(path, path.parent.relative_to(root).as_posix().strip("."))
-        for path in config_files(root)
-    }
+    graph = {}
+    for path in config_files(root):
+        group = path.parent.relative_to(root).as_posix().strip(".")
+        graph[path.relative_to(root).with_suffix("").as_posix()] = _defaults_entries(path, group)
 
     def walk(node: str, trail: list[str]) -> list[str] | None:
         if node in trail:
@@ -308,7 +308,10 @@ def _defaults_cycle(source: ConfigSource) -> str:
     for start in [source.config_name, *sorted(graph)]:
         cycle = walk(start, [])
         if cycle:
-            return f"{root}: the defaults lists include each other in a cycle ({' → '.join(cycle)}); remove one of the entries"
+            return (
+                f"{root}: the defaults lists include each other in a cycle ({' → '.join(cycle)}); "
+                "remove one of the entries"
+            )
     return f"{root}: a defaults list includes itself through others (a cycle); remove the cycle"
 
 

@@ -71,7 +71,9 @@ def read_yaml_file(path: Path) -> str:
         if not stat.S_ISREG(info.st_mode):
             raise UserError(f"{path}: not a regular file; remove it or replace it with a YAML file")
         if info.st_size > MAX_YAML_BYTES:
-            raise UserError(f"{path}: {info.st_size} bytes; a config file may have at most {MAX_YAML_BYTES} (1 MiB); make it smaller")
+            raise UserError(
+                f"{path}: {info.st_size} bytes; a config file may have at most {MAX_YAML_BYTES} (1 MiB); make it smaller"
+            )
         with open(path, "rb") as fh:
             data = fh.read(MAX_YAML_BYTES + 1)
     except OSError as exc:
@@ -230,13 +232,16 @@ def override_items(override: str) -> int:
 def check_override_sizes(overrides: list[str]) -> None:
     """Refuse overrides whose parse would take long: too many, too long, too many items."""
     if len(overrides) > MAX_OVERRIDES:
-        raise UserError(f"{len(overrides)} overrides; sdp train takes at most {MAX_OVERRIDES}; put them in a config file (--config-dir)")
+        raise UserError(
+            f"{len(overrides)} overrides; sdp takes at most {MAX_OVERRIDES}; put them in a config file (--config-dir)"
+        )
     items = 0
     for override in overrides:
         shown = override[:40] + ("…" if len(override) > 40 else "")
         if len(override) > MAX_OVERRIDE_CHARS:
             raise UserError(
-                f"override {shown!r} is longer than {MAX_OVERRIDE_CHARS} characters; put the value in a config file (--config-dir)"
+                f"override {shown!r} is longer than {MAX_OVERRIDE_CHARS} characters; "
+                "put the value in a config file (--config-dir)"
             )
         items += override_items(override)
         if items > MAX_OVERRIDE_ITEMS:
