@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -275,13 +276,32 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
+#: runs of consecutive versions shown one by one; more become "first–last (n versions, with gaps)"
+MAX_VERSION_RUNS = 3
+
+
+def version_ranges(versions: list[int]) -> str:
+    """``11–60`` for 50 consecutive versions, ``11–13, 20–21`` for a few runs of them, and
+    ``11–109 (50 versions, with gaps)`` when there are more than ``MAX_VERSION_RUNS`` runs."""
+    unique = sorted(set(versions))
+    runs: list[list[int]] = []
+    for v in unique:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    if len(runs) > MAX_VERSION_RUNS:
+        return f"{unique[0]}–{unique[-1]} ({len(unique)} versions, with gaps)"
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+
+
 def _title(report: WeightReport) -> str:
-    versions = ", ".join(str(v) for v in sorted(set(report.trainer_versions)))
     lags = [row.lag for row in report.lags]
     n = len(report.sources)
+    several = len(set(report.trainer_versions)) > 1
     text = (
         f"{n} batch{'es' if n > 1 else ''}: {report.sequences} sequences, {report.tokens} response tokens, "
-        f"trainer version{'s' if ',' in versions else ''} {versions}"
+        f"trainer version{'s' if several else ''} {version_ranges(report.trainer_versions)}"
     )
     return text + (f", lag {min(lags)}–{max(lags)}" if lags else "")
 
@@ -297,15 +317,64 @@ def _bounds(report: WeightReport) -> str:
     return text + ("; batch-normalised to mean 1" if o.batch_normalize else "")
 
 
-def _table(title: str, columns: list[str], left: int) -> Any:
-    """A compact table; the first ``left`` columns are labels, the rest numbers."""
-    from rich import box
-    from rich.table import Table
+@dataclass
+class _Table:
+    """A table printed at the console's width, no header or cell cut: when the whole does not
+    fit, the ``spill`` label column (if any) becomes a legend line under the table, then the
+    ``groups`` of number columns (each kept together) are split over as many parts as it takes,
+    each part repeating the other ``labels``. The last ``number_labels`` labels are numbers
+    (right-aligned, as every group column)."""
 
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i < left else "right")
-    return table
+    title: str
+    labels: list[str]
+    groups: list[list[str]]
+    number_labels: int = 0
+    spill: int | None = None
+    rows: list[tuple[list[str], bool]] = field(default_factory=list)
+
+    def add_row(self, *cells: str, end_section: bool = False) -> None:
+        self.rows.append((list(cells), end_section))
+
+    def _build(self, title: str, labels: list[int], groups: list[int]) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        starts = [len(self.labels)]
+        for group in self.groups:
+            starts.append(starts[-1] + len(group))
+        columns = labels + [c for g in groups for c in range(starts[g], starts[g + 1])]
+        names = self.labels + [name for group in self.groups for name in group]
+        for c in columns:
+            left = c < len(self.labels) - self.number_labels
+            table.add_column(names[c], justify="left" if left else "right", no_wrap=True)
+        for cells, end_section in self.rows:
+            table.add_row(*(cells[c] for c in columns), end_section=end_section)
+        return table
+
+    def print(self, console: Any) -> None:
+        from rich.markup import escape
+        from rich.measure import Measurement
+
+        def width(labels: list[int], groups: list[int]) -> int:
+            table = self._build("", labels, groups)
+            return Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+
+        labels, every = list(range(len(self.labels))), list(range(len(self.groups)))
+        spilled = self.spill is not None and width(labels, every) > console.width
+        if spilled:
+            labels.remove(self.spill)
+        parts: list[list[int]] = [[]]
+        for g in every:
+            if parts[-1] and width(labels, [*parts[-1], g]) > console.width:
+                parts.append([])
+            parts[-1].append(g)
+        for i, groups in enumerate(parts, start=1):
+            title = self.title if len(parts) == 1 else f"{self.title} ({i} of {len(parts)})"
+            console.print(self._build(title, labels, groups))
+        if spilled:
+            pairs = [f"{cells[0]} = {cells[self.spill]}" for cells, _ in self.rows if cells[0]]
+            console.print(escape(f"{self.labels[self.spill]}: {'; '.join(pairs)}"), style="dim")
 
 
 def _render(console: Any, report: WeightReport) -> None:
@@ -320,10 +389,11 @@ def _render(console: Any, report: WeightReport) -> None:
 
     stats = ("mean", "std", "min", "max", "ess")
     share_col = ["masked" if o.action == "mask" else "truncated"] if bounded else []
-    weights = _table(
+    weights = _Table(
         "Behavioural importance weights w",
-        ["mode", "agg", "tokens", "mean", "std", "min", "max", "ESS", *share_col],
-        left=2,
+        ["mode", "agg", "tokens"],
+        [["mean"], ["std"], ["min"], ["max"], ["ESS"], *([share_col] if share_col else [])],
+        number_labels=1,
     )
     notes = []
     for name, m in report.modes.items():
@@ -345,7 +415,7 @@ def _render(console: Any, report: WeightReport) -> None:
                 *(["n/a" if share is None else f"{share:.1%}"] if bounded else []),
                 end_section=i == len(levels) - 1,
             )
-    console.print(weights)
+    weights.print(console)
     if report.uncorrectable:
         notes.append(
             f"segment_wise: {report.uncorrectable} stale tokens have no π_{{v+1}} (their window closed); "
@@ -357,26 +427,28 @@ def _render(console: Any, report: WeightReport) -> None:
     if report.mask_options.any:
         _render_masks(console, report)
 
-    div = _table(
-        "Divergence from π_behav (training policy = the mode's target)", ["mode", "target", *DIVERGENCES], left=2
+    div = _Table(
+        "Divergence from π_behav (training policy = the mode's target)",
+        ["mode", "target"],
+        [[d] for d in DIVERGENCES],
+        spill=1,
     )
     for name, m in report.modes.items():
         values = [_fmt(m.divergence[k]) for k in DIVERGENCES] if m.available else ["unavailable", "", "", ""]
         div.add_row(name, target(name), *values)
-    console.print(div)
+    div.print(console)
 
     show_unc = any(row.uncorrectable for row in report.lags)
-    lags = _table(
+    lags = _Table(
         "By staleness, lag = trainer version − token version (raw token weights)",
+        ["lag", "tokens"],
         [
-            "lag",
-            "tokens",
-            *("w_dec mean", "std", "ESS"),
-            *("w_seg mean", "std", "ESS"),
-            *("π_c/π_{v+1} mean", "std", "κ-clipped"),
-            *(["no π_{v+1}"] if show_unc else []),
+            ["w_dec mean", "std", "ESS"],
+            ["w_seg mean", "std", "ESS"],
+            ["π_c/π_{v+1} mean", "std", "κ-clipped"],
+            *([["no π_{v+1}"]] if show_unc else []),
         ],
-        left=0,
+        number_labels=2,
     )
     for row in report.lags:
         dec, seg, dropped = row.w_dec or {}, row.w_segment_wise or {}, row.dropped or {}
@@ -389,7 +461,7 @@ def _render(console: Any, report: WeightReport) -> None:
             "n/a" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
-    console.print(lags)
+    lags.print(console)
     console.print(
         "w_seg = π_prox_t/π_behav, the segment-wise weight. π_c/π_{v+1} = w_dec / w_seg is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
         "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance. "
@@ -404,10 +476,10 @@ def _render_masks(console: Any, report: WeightReport) -> None:
     from sdp_cli.analysis.inspect import MASKS
 
     configured = [name for name in MASKS if any(name in m.masks for m in report.modes.values() if m.available)]
-    table = _table("Masked tokens (share of the mode's tokens)", ["mode", "tokens", *configured], left=1)
+    table = _Table("Masked tokens (share of the mode's tokens)", ["mode", "tokens"], [[c] for c in configured], number_labels=1)
     for name, m in report.modes.items():
         if not m.available:
             continue
         values = [m.masks.get(mask) for mask in configured]
         table.add_row(name, str(m.tokens), *("n/a" if v is None else f"{v:.1%}" for v in values))
-    console.print(table)
+    table.print(console)

@@ -268,7 +268,7 @@ class ModelConfig:
     """The policy model (group `model`)."""
 
     kind: str = "tiny"
-    """tiny (built from code + warm start) | hf (a local Hugging Face model directory)."""
+    """tiny (built from code + warm start) | hf (a Hugging Face model: a local directory, a hub id or a .gguf file; model.path)."""
     path: str | None = None
     """hf: the model directory (tokenizer included), a hub id (org/name), or a .gguf file
     (dequantised to float32; install the gguf extra)."""

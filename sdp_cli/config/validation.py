@@ -4,7 +4,10 @@ the key, the value and what is allowed (the schema is ``sdp_cli/config/schema.py
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+import os
+import types
+import typing
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from sdp_cli.choices import (
@@ -218,9 +221,136 @@ def _check_url(url: Any) -> None:
 #: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
 MAX_SEED = 2**62
 
+# Upper bounds of the numbers a user sets (docs/reliability.md, "Config input limits"): an
+# absurd count failed late or crashed (train.threads=20000 in libgomp after the run directory
+# was made, 50000 a segfault). Counts of threads and workers follow the machine's CPUs, sizes
+# that take memory the machine's memory, the rest fixed bounds well above any real use.
+#: torch threads per CPU: more only oversubscribe the cores
+THREADS_PER_CPU = 4
+#: reward workers per CPU (an I/O-bound reward function may use more than one per core)
+REWARD_WORKERS_PER_CPU = 8
+#: any integer of the config; larger ones overflow the 32-bit fields of libraries (OpenMP, CUDA)
+MAX_INT = 2**31 - 1
+#: tokens of one sequence (prompt or response): the longest context of any model, 1 Mi
+MAX_TOKENS = 1 << 20
+#: samples per training batch or engine batch (batch_groups·group_size); twice that in flight
+MAX_SAMPLES = 1 << 16
+#: engine.retries: the backoff doubles per retry (2.0**1024 overflows); 8 s apart at most
+MAX_RETRIES = 100
+#: model.lora.r: at most the width of the widest layers; a larger rank is no longer low-rank
+MAX_LORA_RANK = 4096
+#: bytes per parameter to train the tiny model: float32 weights, gradients, AdamW's two moments
+TRAIN_BYTES_PER_PARAMETER = 16
+
+#: fixed upper bounds of single keys (None values are unset and not checked)
+COUNT_BOUNDS: dict[str, int] = {
+    "rollout.max_new_tokens": MAX_TOKENS,
+    "train.eval_max_new_tokens": MAX_TOKENS,
+    "loss.norm_length": MAX_TOKENS,
+    "engine.max_model_len": MAX_TOKENS,
+    "task.max_prompt_tokens": MAX_TOKENS,
+    "engine.max_batch_size": MAX_SAMPLES,
+    "model.warm_start_batch": MAX_SAMPLES,
+    "engine.retries": MAX_RETRIES,
+    "model.lora.r": MAX_LORA_RANK,
+}
+
+
+def machine_cpus() -> int:
+    """CPUs of this machine (``os.cpu_count``)."""
+    return os.cpu_count() or 1
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _integer_keys(cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of every ``int`` / ``int | None`` field of the schema dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            keys += _integer_keys(hint, f"{prefix}{f.name}.")
+        elif hint is int or (typing.get_origin(hint) in (typing.Union, types.UnionType) and int in typing.get_args(hint)):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _per_cpu(key: str, value: int | None, per_cpu: int) -> None:
+    cpus = machine_cpus()
+    if value is not None and value > per_cpu * cpus:
+        raise ConfigValueError(
+            f"{key}={value} is more than {per_cpu} per CPU ({per_cpu * cpus} on this machine's {cpus} CPUs); "
+            f"choose at most {per_cpu * cpus}"
+        )
+
+
+def _samples(what: str, groups_key: str, groups: int, group_size: int, bound: int) -> None:
+    if groups * group_size > bound:
+        raise ConfigValueError(
+            f"{groups_key}={groups} × rollout.group_size={group_size} = {groups * group_size} samples {what} "
+            f"is more than {bound}; use fewer or smaller groups"
+        )
+
+
+def _tiny_model_parameters(mdl: Any) -> int:
+    """A lower bound of the tiny model's parameters: L·(4·h² + 3·h·i) (attention with as many
+    key/value heads as query heads, a gated MLP; embeddings left out)."""
+    h, i = mdl.hidden_size, mdl.intermediate_size
+    return mdl.num_layers * (4 * h * h + 3 * h * i)
+
+
+def _check_integer_sizes(cfg: SdpConfig) -> None:
+    """Every integer but the seed within ±``MAX_INT`` (checked first: the other checks may turn
+    one into a float, which a 400-digit integer overflows)."""
+    for key in _integer_keys(SdpConfig):
+        value = _value(cfg, key)
+        if isinstance(value, int) and key != "seed" and abs(value) > MAX_INT:
+            raise ConfigValueError(f"{key}={value} is more than {MAX_INT} (2**31 - 1) in size; choose a smaller number")
+
+
+def _check_bounds(cfg: SdpConfig) -> None:
+    """The upper bounds of docs/reliability.md, "Config input limits"; one line naming the key."""
+    for key, bound in COUNT_BOUNDS.items():
+        value = _value(cfg, key)
+        if value is not None and value > bound:
+            raise ConfigValueError(f"{key}={value} is more than {bound}, the most sdp takes; choose a smaller number")
+    _per_cpu("train.threads", cfg.train.threads, THREADS_PER_CPU)
+    _per_cpu("task.reward_workers", cfg.task.reward_workers, REWARD_WORKERS_PER_CPU)
+    ro = cfg.rollout
+    _samples("per batch", "rollout.batch_groups", ro.batch_groups, ro.group_size, MAX_SAMPLES)
+    if ro.max_concurrent_rollouts is not None:
+        _samples("in flight", "rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, ro.group_size, 2 * MAX_SAMPLES)
+    memory = machine_memory_bytes()
+    kv = cfg.engine.cpu_kv_cache_gib
+    if kv is not None and kv * 2**30 > memory:
+        raise ConfigValueError(
+            f"engine.cpu_kv_cache_gib={kv} is more than this machine's memory ({memory / 2**30:.0f} GiB); choose less"
+        )
+    mdl = cfg.model
+    if mdl.kind == "tiny":
+        params = _tiny_model_parameters(mdl)
+        need = params * TRAIN_BYTES_PER_PARAMETER
+        if need > memory:
+            raise ConfigValueError(
+                f"the tiny model (model.hidden_size={mdl.hidden_size}, model.num_layers={mdl.num_layers}, "
+                f"model.intermediate_size={mdl.intermediate_size}) has at least {params / 1e9:.1f} G parameters, "
+                f"{need / 2**30:.0f} GiB to train, more than this machine's {memory / 2**30:.0f} GiB; make it smaller"
+            )
+
 
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
+    _check_integer_sizes(cfg)
     # torch.manual_seed takes an int64, and sdp derives seeds by adding small offsets
     if not isinstance(cfg.seed, int) or abs(cfg.seed) > MAX_SEED:
         raise ConfigValueError(f"seed={cfg.seed} must be an integer between -{MAX_SEED} and {MAX_SEED} (2**62)")
@@ -378,6 +508,7 @@ def validate(cfg: SdpConfig) -> None:
         raise ConfigValueError("run.project is empty; name the W&B project / MLflow experiment (default sdp)")
 
     _validate_task(cfg.task)
+    _check_bounds(cfg)
 
 
 def _validate_task(task: TaskConfig) -> None:

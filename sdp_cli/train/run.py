@@ -48,7 +48,7 @@ from sdp_cli.train.policy_setup import (
 )
 from sdp_cli.train.recovery import recover_after_crash
 from sdp_cli.train.resume_check import STAMP, read_identity, stamp
-from sdp_cli.train.display import Progress, StartDisplay
+from sdp_cli.train.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.session_end import SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, config_dict, open_run
@@ -372,7 +372,8 @@ class TrainingRun(SessionEnd):
         """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
         step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
-        acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
+        title = start_evaluation_title(self.start_step)
+        acc_start = self._shown_evaluation(title, self.start_step) if cfg.train.eval_samples else None
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
@@ -461,7 +462,8 @@ def _train(
         owned = start.owned
         display = StartDisplay(enabled=start.cfg.run.progress and coordinator.is_main)
         if coordinator.is_main:
-            display.line(f"{'resuming' if start.resuming else 'run dir'} {start.run_dir.path}")
+            if not start.resuming:  # a resume announced its checkpoint and step (train/start.py)
+                display.line(f"run dir {start.run_dir.path}")
             print(start.task.summary(), file=sys.stderr)
         run = TrainingRun(
             start.cfg,
