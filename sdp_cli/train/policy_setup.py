@@ -46,6 +46,43 @@ def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:
     return None if name == "auto" else DTYPES[name]
 
 
+#: /proc/cpuinfo flags of native bfloat16 arithmetic: x86 AVX-512 BF16 and AMX, Arm's BF16 extension
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU has bfloat16 instructions (a ``flags``/``Features`` line of ``cpuinfo``
+    names one of ``NATIVE_BF16_FLAGS``); without ``cpuinfo``, torch's own CPU probe; None when
+    neither can tell."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        return None if probe is None else bool(probe())
+    flags = {
+        flag
+        for line in text.splitlines()
+        if line.split(":")[0].strip().lower() in ("flags", "features")
+        for flag in line.partition(":")[2].split()
+    }
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def bf16_note(cfg: SdpConfig, device: torch.device | str) -> str | None:
+    """The one line ``sdp train`` prints at the start when bfloat16 will be emulated: train.dtype
+    or the local engine's dtype is bfloat16, on a CPU without bf16 instructions (docs/real-models.md)."""
+    local = cfg.engine.kind == "local" and engine_weight_dtype(cfg) == "bfloat16"
+    if torch.device(device).type != "cpu" or not (cfg.train.dtype == "bfloat16" or local):
+        return None
+    if native_bf16() is not False:
+        return None
+    return (
+        "note: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16 or Arm bf16), so bfloat16 is "
+        "emulated and slower than float32 (SmolLM2 LoRA: 20 s a step against 11 s); "
+        "train.dtype=float32 engine.dtype=float32 avoids it"
+    )
+
+
 def load_for_training(
     cfg: SdpConfig,
     load: Callable[[Path | None], Any],
