@@ -184,3 +184,30 @@ def test_segment_wise_lag0_weight_is_exactly_one_decoupled_is_not(bf16_run):
         if bool(on_policy.any()):
             assert float((b.proximal_logprobs - b.old_logprobs)[on_policy].abs().max()) > 1e-4
     assert lag0_tokens > 0
+
+
+def test_a_bf16_lora_run_recomputes_exactly(tmp_path):
+    """Under LoRA the trained base itself is cast to bfloat16; cast with ``Module.to`` (as before),
+    RoPE's inv_freq went bf16 in the trainer and the engine's copy, and recompute's fresh bf16 load
+    disagreed by up to 2e-3 per token. With the buffers kept float32 the engine's π_prox_t is what
+    a load of its version checkpoint computes."""
+    import sdp_cli.analysis.recompute as rc
+    import sdp_cli.analysis.scorers as scorers
+    from sdp_cli.models import save_policy
+
+    model = tmp_path / "tiny-qwen2"
+    small = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    save_policy(load_policy("tiny", task="arith1", warm_start_steps=0, seed=1, **small), model)
+    run = train_run(
+        tmp_path,
+        [
+            *FAST, "model=hf", f"model.path={model}", "model.lora.r=4", "train.dtype=bfloat16",
+            "+preset=segment_wise", "train.steps=3", "train.checkpoint_every=0",
+            "train.keep_version_checkpoints=true", "train.save_batches=true", "optim.lr=0.02",
+        ],
+    )
+    result = rc.recompute([run / "batches"], run, lambda b: scorers.LocalScorer())
+    assert sum(o.proximal_t.tokens for o in result.outcomes) > 0
+    for outcome in result.outcomes:
+        assert outcome.proximal_t.tokens == 0 or outcome.proximal_t.max_abs <= 1e-5
+        assert outcome.proximal_t_verdict.kind == "unchanged"
