@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sdp_cli.config.schema import resolve_engine_dtype
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir, version_dirs
 
@@ -66,17 +65,13 @@ class MissingCheckpoints(UserError):
     """Some version a batch needs has no checkpoint directory."""
 
 
-#: the dtypes a run's engine and trainer may run in (sdp_cli/config/validation.py checks the config)
-KNOWN_DTYPES = ("float32", "bfloat16", "float16", "auto")
-
-
 @dataclass(frozen=True)
 class RunNumerics:
-    """Where the stored log-probabilities of a run came from, from its ``config.yaml``: the dtype
-    its engine ran (``engine.dtype`` resolved) and the trainer's (``train.dtype``), and whether
-    π_prox_t of tokens one version stale is the trainer's π_prox (``rollout.proximal_t_source``)."""
+    """How the run computed what its batches store, from its ``config.yaml``: the trainer's
+    dtype (``train.dtype``; π_prox) and whether π_prox_t of tokens one version stale is the
+    trainer's π_prox (``rollout.proximal_t_source=trainer``) rather than the engine's. The
+    engine's dtype needs no config: version checkpoints are saved in it."""
 
-    engine_dtype: str
     train_dtype: str
     trainer_fills_proximal_t: bool
     source: Path
@@ -84,7 +79,7 @@ class RunNumerics:
 
 def run_numerics(root: Path) -> RunNumerics | None:
     """Those of the run whose ``versions/`` directory is ``root``; None when ``root`` is not a
-    run's ``versions/`` (the checkpoints' saved dtype is used then)."""
+    run's ``versions/``."""
     import yaml
 
     config = RunDir(root.parent).config
@@ -92,19 +87,9 @@ def run_numerics(root: Path) -> RunNumerics | None:
         return None
     try:
         data = yaml.safe_load(config.read_text())
-        engine, train, rollout = (data.get(k) or {} for k in ("engine", "train", "rollout"))
-        train_dtype = train.get("dtype", "float32")
-        numerics = RunNumerics(
-            resolve_engine_dtype(engine.get("dtype"), engine.get("kind", "local"), train_dtype),
-            train_dtype,
-            rollout.get("proximal_t_source") == "trainer",
-            config,
-        )
+        train, rollout = (data.get(k) or {} for k in ("train", "rollout"))
+        return RunNumerics(str(train.get("dtype", "float32")), rollout.get("proximal_t_source") == "trainer", config)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as err:
         raise UserError(
             f"{config}: unreadable run config ({type(err).__name__}); restore it, or pass a copy of versions/ alone"
         ) from None
-    for key, value in (("engine.dtype", numerics.engine_dtype), ("train.dtype", numerics.train_dtype)):
-        if value not in KNOWN_DTYPES:
-            raise UserError(f"{config}: {key}={value!r} is not a dtype; restore the run's config.yaml")
-    return numerics

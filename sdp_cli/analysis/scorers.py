@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdp_cli.analysis.checkpoints import run_numerics
 from sdp_cli.choices import REMOTE_ENGINE_KINDS
 from sdp_cli.errors import UserError
 from sdp_cli.server_url import server_url_problem
@@ -58,20 +57,16 @@ def check_server_url(url: str) -> str:
     return url
 
 
-def load_version_policy(path: Path, device: str = "cpu", dtype: str | None = None) -> Any:
-    """The policy of a version checkpoint in ``dtype`` (the run's engine dtype; None: the dtype it
-    was saved in, which is the one the engine ran): a whole model, or LoRA adapters merged onto
-    the run's base, ``versions/base``, in the base's dtype and then cast, as the engine's copy was
-    made (sdp_cli/train/policy_setup.py). Casts keep RoPE's ``inv_freq`` float32."""
-    from sdp_cli.models.loader import DTYPES, load_policy
+def load_version_policy(path: Path, device: str = "cpu") -> Any:
+    """The policy of a version checkpoint, in the dtype it was saved in (the one the engine ran):
+    a whole model, or LoRA adapters merged onto the run's base, ``versions/base``
+    (sdp_cli/train/policy_setup.py)."""
+    from sdp_cli.models.loader import load_policy
     from sdp_cli.models.lora import is_adapter_dir, load_merged
-    from sdp_cli.models.precision import cast_weights
     from sdp_cli.rundir import VERSION_BASE
 
-    if dtype == "auto":
-        dtype = None
     if not is_adapter_dir(path):
-        return load_policy("hf", path=path, device=device, dtype=dtype or "auto")
+        return load_policy("hf", path=path, device=device, dtype="auto")
     base = Path(path).parent / VERSION_BASE
     if not (base / "config.json").is_file():
         raise UserError(
@@ -80,8 +75,6 @@ def load_version_policy(path: Path, device: str = "cpu", dtype: str | None = Non
         )
     policy = load_policy("hf", path=base, device=device, dtype="auto")
     policy.model = load_merged(policy.model, path).to(device)
-    if dtype is not None:
-        cast_weights(policy.model, DTYPES[dtype])
     return policy
 
 
@@ -115,14 +108,12 @@ class Scorer(abc.ABC):
 
 
 class LocalScorer(Scorer):
-    """The embedded engine (``LocalEngine.score``) over each checkpoint loaded in turn, in
-    ``dtype``; None: the dtype the run's engine ran (``engine.dtype`` of the run's config.yaml,
-    when the checkpoint lies in a run's ``versions/``), else the checkpoint's saved dtype."""
+    """The embedded engine (``LocalEngine.score``) over each checkpoint loaded in turn, in the
+    dtype it was saved in: the dtype the run's engine ran (docs/recompute.md "Noise floor")."""
 
-    def __init__(self, device: str = "cpu", max_batch_size: int = 64, dtype: str | None = None):
+    def __init__(self, device: str = "cpu", max_batch_size: int = 64):
         self.device = device
         self.max_batch_size = max_batch_size
-        self.dtype = dtype
         #: the dtypes the loaded checkpoints were scored in
         self.scored_dtypes: set[str] = set()
         self._policy: Any = None
@@ -131,17 +122,13 @@ class LocalScorer(Scorer):
 
     def load(self, version: int, path: Path) -> None:
         self.unload()
-        dtype = self.dtype
-        if dtype is None:
-            numerics = run_numerics(Path(path).parent)
-            dtype = None if numerics is None else numerics.engine_dtype
-        self._policy = load_version_policy(path, self.device, dtype)
+        self._policy = load_version_policy(path, self.device)
         self._path = path
         self.scored_dtypes.add(str(self._policy.model.dtype).removeprefix("torch."))
 
     @property
     def description(self) -> str:  # type: ignore[override]
-        dtypes = ", ".join(sorted(self.scored_dtypes)) or self.dtype or "as saved"
+        dtypes = ", ".join(sorted(self.scored_dtypes)) or "as saved"
         return f"local engine ({self.device}, {dtypes})"
 
     def _engine(self, temperature: float) -> Any:

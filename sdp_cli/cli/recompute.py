@@ -238,12 +238,16 @@ def _floor(name: str, floor: Any) -> str:
 def _numerics_lines(result: RecomputeResult) -> list[str]:
     """The run's dtypes and the noise floors the verdicts use (docs/recompute.md "Noise floor")."""
     run = result.numerics
-    dtypes = "the run's dtypes: unknown (not a run's versions/ directory); each checkpoint was scored in its saved dtype"
+    line = "the run: its engine's dtype is the checkpoints' (scored in it); no config.yaml (not a run's versions/)"
     if run is not None:
-        dtypes = f"the run's dtypes: engine {run.engine_dtype}, trainer {run.train_dtype} ({run.source})"
+        source = "the trainer's π_prox for one-version-stale tokens" if run.trainer_fills_proximal_t else "the engine"
+        line = (
+            f"the run: its engine's dtype is the checkpoints' (scored in it); trainer {run.train_dtype}; "
+            f"π_prox_t from {source} ({run.source})"
+        )
     floors = result.floors
     return [
-        dtypes,
+        line,
         "noise floor on version-c tokens, |Δ| against π_behav: "
         + _floor("scorer vs the run's engine (judges π_prox_t)", floors["engine"])
         + "; "

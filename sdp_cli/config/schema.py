@@ -348,16 +348,11 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
 
 
 def engine_weight_dtype(cfg: "SdpConfig") -> str:
-    """The dtype the engine's weights are held in (``engine.dtype``, resolved by ``resolve_engine_dtype``)."""
-    return resolve_engine_dtype(cfg.engine.dtype, cfg.engine.kind, cfg.train.dtype)
-
-
-def resolve_engine_dtype(engine_dtype: str | None, engine_kind: str, train_dtype: str) -> str:
-    """``engine.dtype`` as set, or when null ``train.dtype`` for the local engine and float32 for a
-    server (docs/engines.md "Engine dtype"); also reads the config.yaml of older runs."""
-    if engine_dtype is not None:
-        return engine_dtype
-    return train_dtype if engine_kind == "local" else "float32"
+    """The dtype the engine's weights are held in (``engine.dtype``, resolved): as set, or when null
+    ``train.dtype`` for the local engine and float32 for a server (docs/engines.md "Engine dtype")."""
+    if cfg.engine.dtype is not None:
+        return cfg.engine.dtype
+    return cfg.train.dtype if cfg.engine.kind == "local" else "float32"
 
 
 @dataclass

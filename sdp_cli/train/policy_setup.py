@@ -12,9 +12,8 @@ RoPE's ``inv_freq`` in float32, as a loader does (``models.precision.cast_weight
 What is written where: resumable checkpoints hold the master weights (float32), or only the
 adapters under LoRA (the base is rebuilt from the config on resume); version checkpoints
 (``versions/vNNNNNN``, for ``sdp recompute``) hold what the engine ran: the weights in the
-engine's dtype, or under LoRA the adapters plus one copy of the base in ``versions/base``, in the
-dtype the trained base is stored in (so merging them there gives the engine's weights before
-its cast; ``sdp recompute`` casts them to the run's engine dtype).
+engine's dtype, or under LoRA the adapters plus one copy of the base in ``versions/base``, also
+in the engine's dtype (so ``sdp recompute`` needs no config to score in it).
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ def load_for_training(
         )
     policy = load(None if lora else checkpoint_policy)
     if lora and version_base is not None and not version_base.is_dir():
-        _save_base(policy, version_base, DTYPES[cfg.train.dtype])
+        _save_base(policy, version_base, engine_dtype(cfg))
     initial = (lambda: load(None)) if checkpoint_policy is not None else None
     reference = build_reference(policy, cfg, load_initial=initial)
     prepare_policy(policy, cfg, adapters=checkpoint_policy if lora else None)

@@ -61,11 +61,8 @@ def test_intact_bf16_batches_recompute_within_float32_noise(bf16_run):
     """Before the engine kept RoPE's inv_freq in float32 this showed mean |Δ| ~4e-4, max 8e-3
     (the engine's bf16 copy and a bf16 load of the same weights computed different positions)."""
     result = _recompute(bf16_run, proximal=ProximalChoice.parse("trainer"))
-    assert "bfloat16" in result.scorer
-    assert result.numerics is not None and (result.numerics.engine_dtype, result.numerics.train_dtype) == (
-        "bfloat16",
-        "bfloat16",
-    )
+    assert result.scorer == "local engine (cpu, bfloat16)"  # the checkpoints' dtype, the engine's
+    assert result.numerics is not None and result.numerics.train_dtype == "bfloat16"
     assert sum(o.proximal_t.tokens for o in result.outcomes) > 0
     for outcome in result.outcomes:
         assert outcome.retagged == 0
@@ -112,12 +109,14 @@ def test_the_command_reports_dtypes_floors_and_verdicts(bf16_run, capsys):
     args = ["recompute", bf16_run / "batches", "-c", bf16_run, "--proximal", "trainer", "--dry-run"]
     code, out, err = run_main(args, capsys)
     assert code == 0, err
-    assert "the run's dtypes: engine bfloat16, trainer bfloat16" in out and "bfloat16) in" in out
-    assert "scorer vs the run's engine (judges π_prox_t) mean" in out and "trainer vs engine" in out
+    flat = " ".join(out.split())  # long lines wrap at the console's width
+    assert "trainer bfloat16; π_prox_t from the engine" in flat and "local engine (cpu, bfloat16) in" in flat
+    assert "scorer vs the run's engine (judges π_prox_t) mean" in flat and "trainer vs engine" in flat
     assert "dtype noise" in out and "unchanged" in out and "DAMAGED" not in out
     code, out, err = run_main([*args, "--json"], capsys)
     report = json.loads(out)
-    assert report["run"]["engine_dtype"] == "bfloat16" and not report["run"]["trainer_fills_proximal_t"]
+    assert report["run"]["train_dtype"] == "bfloat16" and not report["run"]["trainer_fills_proximal_t"]
+    assert report["scorer"] == "local engine (cpu, bfloat16)"
     floor = report["noise_floor"]["trainer"]
     assert floor["tokens"] > 0 and floor["tolerance"] == pytest.approx(8 * floor["max_abs"])
     assert {b["proximal_verdict"]["kind"] for b in report["batches"]} == {"dtype noise"}
