@@ -51,13 +51,12 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
     """Whether this CPU has bfloat16 instructions (a ``flags``/``Features`` line of ``cpuinfo``
-    names one of ``NATIVE_BF16_FLAGS``); without ``cpuinfo``, torch's own CPU probe; None when
-    neither can tell."""
+    names one of ``NATIVE_BF16_FLAGS``); None without ``cpuinfo`` (not Linux: unknown, so no note;
+    torch's public CPU probe names vector widths, not bf16)."""
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:
-        probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-        return None if probe is None else bool(probe())
+        return None
     flags = {
         flag
         for line in text.splitlines()

@@ -55,3 +55,7 @@ def test_a_run_prints_the_note_once(tmp_path, capsys, monkeypatch):
     train_run(tmp_path, [*FAST, "train.steps=1", "train.checkpoint_every=0", "engine.dtype=bfloat16"])
     err = capsys.readouterr().err
     assert err.count("note: this CPU has no bfloat16 instructions") == 1
+
+
+def test_without_cpuinfo_nothing_is_known(tmp_path):
+    assert native_bf16(tmp_path / "absent") is None
