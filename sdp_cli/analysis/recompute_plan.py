@@ -5,7 +5,8 @@ For a saved batch of trainer version c (docs/design.md §1, §2):
 - π_prox_t: an output token of version v < c is scored under the checkpoint of v + 1;
 - π_prox (``--proximal``, or ``--mode`` naming a weight that reads it, ``reads_proximal``):
   every output token under one chosen checkpoint, by default c;
-- the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c.
+- the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c;
+- the noise floor: output tokens of version c under c, when that checkpoint exists.
 
 ``make_plan`` turns the batches into prefill jobs grouped by (version, temperature) and refuses
 a missing checkpoint before any model is loaded; ``run_plan`` loads each checkpoint once and
@@ -118,11 +119,14 @@ def output_mask(batch: SavedBatch) -> torch.Tensor:
     return pos >= batch.prompt_lens[seq_idx]
 
 
-def token_requests(batch: SavedBatch, proximal_version: int | None, exact: bool) -> dict[int, torch.Tensor]:
+def token_requests(
+    batch: SavedBatch, proximal_version: int | None, exact: bool, *, calibrate: bool = False
+) -> dict[int, torch.Tensor]:
     """Version k → [N] bool mask of the tokens that need log π_k(token).
 
     π_prox_t: output tokens of version v < c need k = v + 1. π_prox: every output token needs
     ``proximal_version``. Exact chain: output tokens of version v < c need every k in v+1 … c.
+    ``calibrate``: output tokens of version c need c too, for the noise floor (``analysis.noise``).
     """
     out = output_mask(batch)
     v, c = batch.versions, batch.trainer_version
@@ -140,6 +144,8 @@ def token_requests(batch: SavedBatch, proximal_version: int | None, exact: bool)
     if exact:
         for k in range(1, c + 1):
             add(k, lagged & (v < k))
+    if calibrate:
+        add(c, out & (v == c))
     return requests
 
 
@@ -190,7 +196,8 @@ def make_plan(
     missing: dict[int, list[str]] = {}
     for i, (path, batch) in enumerate(batches):
         prox = None if choice is None else choice.resolve(batch.trainer_version, available)
-        requests = token_requests(batch, prox, options.exact)
+        # the noise floor is measured where checkpoint c exists; it is never a reason to fail
+        requests = token_requests(batch, prox, options.exact, calibrate=batch.trainer_version in available)
         plan.requests.append(requests)
         plan.proximal_versions.append(prox)
         for k in requests:

@@ -180,7 +180,7 @@ class TrainConfig:
     """give up (with a resumable checkpoint) if no batch arrives for this long."""
     dtype: str = "float32"
     """float32 | bfloat16: bfloat16 computes under autocast with float32 master weights and optimizer
-    state (a LoRA base model is stored in bfloat16); the local engine then runs bfloat16 weights."""
+    state (a LoRA base model is stored in bfloat16); the local engine follows unless engine.dtype is set."""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in backward instead of storing them (less memory, ~30% slower)."""
     share_prefixes: bool = True
@@ -217,8 +217,9 @@ class EngineConfig:
     """remote engines: address to bind a launched server to (loopback by default)."""
     port: int = 0
     """remote engines: port for a launched server; 0 = pick a free one."""
-    dtype: str = "float32"
-    """remote engines: weight dtype of a launched server."""
+    dtype: str | None = None
+    """dtype the engine holds the weights in and samples/scores with: float32 | bfloat16 (local engine;
+    launched servers also float16, auto); null = train.dtype for the local engine, float32 for servers."""
     startup_timeout_s: float = 300.0
     """remote engines: how long to wait for a launched server to become ready."""
     request_timeout_s: float = 300.0
@@ -365,6 +366,14 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     return cfg.rollout.recompute == "always" or (
         cfg.rollout.recompute == "auto" and resolve_mode(cfg.loss.mode).reads_proximal_t
     )
+
+
+def engine_weight_dtype(cfg: "SdpConfig") -> str:
+    """The dtype the engine's weights are held in (``engine.dtype``, resolved): as set, or when null
+    ``train.dtype`` for the local engine and float32 for a server (docs/engines.md "Engine dtype")."""
+    if cfg.engine.dtype is not None:
+        return cfg.engine.dtype
+    return cfg.train.dtype if cfg.engine.kind == "local" else "float32"
 
 
 @dataclass

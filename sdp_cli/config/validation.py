@@ -472,7 +472,13 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.retries", eng.retries, strict=False)
     _timeout("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
     _positive("engine.max_consecutive_faults", eng.max_consecutive_faults)
-    _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+    if eng.dtype is not None:
+        _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+    if eng.kind == "local" and eng.dtype not in (None, *TRAIN_DTYPES):
+        raise ConfigValueError(
+            f"engine.dtype={eng.dtype} is for launched servers; the local engine runs float32 or bfloat16 "
+            "(null follows train.dtype)"
+        )
     _positive("engine.max_model_len", eng.max_model_len, allow_none=True)
     _positive("engine.cpu_kv_cache_gib", eng.cpu_kv_cache_gib, allow_none=True)
     if eng.reload_method is not None:

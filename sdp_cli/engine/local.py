@@ -36,6 +36,7 @@ from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
+from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
 from sdp_cli.rollout.records import RolloutSample
 
@@ -75,6 +76,8 @@ class LocalEngine(InferenceEngine):
         seed: seeds the engine's sampling generator, shared by all calls (so draws repeat only
             for the same order of calls); ``SamplingParams.seed`` gives a call its own generator.
         device: where the model runs.
+        dtype: the dtype the engine holds the weights in (its forwards run in it, weight updates
+            are cast to it; ``models.precision.cast_weights``); None keeps the model's.
         step_callback: called by the generating thread after each decode step, outside the model
             turn (so it may call ``pause``); for tests and progress meters.
     """
@@ -89,6 +92,7 @@ class LocalEngine(InferenceEngine):
         max_batch_size: int = 256,
         seed: int | None = None,
         device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
         step_callback: Callable[[], None] | None = None,
     ) -> None:
         if not temperature > 0 or temperature == float("inf"):
@@ -97,6 +101,8 @@ class LocalEngine(InferenceEngine):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.temperature = float(temperature)
         self.device = torch.device(device)
+        if dtype is not None:
+            cast_weights(model, dtype)
         self.model = model.to(self.device).eval()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         eos = [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]

@@ -40,6 +40,7 @@ from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import (
     PromptCodec,
     WholePolicy,
+    bf16_note,
     describe_policy,
     load_for_training,
     load_policy_from,
@@ -143,6 +144,9 @@ class TrainingRun(SessionEnd):
             phase.result = describe_policy(self.policy)
         if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
             print(dequantised_note(cfg.model.path), file=sys.stderr)
+        note = bf16_note(cfg, self.coordinator.accelerator.device)
+        if note is not None and self.coordinator.is_main:
+            print(note, file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens

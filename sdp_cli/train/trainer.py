@@ -41,7 +41,7 @@ import torch
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
-from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
+from sdp_cli.core.metrics import lag0_mismatch, lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
 from sdp_cli.core.weights import (
@@ -540,6 +540,9 @@ class Trainer(TrainerState):
             return out
         old = batch.old_logprobs
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
+        # engine (π_behav) vs trainer (π_prox) on tokens of the trainer's own version: numerics alone
+        lag0 = valid & (batch.versions == c)
+        out.update({f"mismatch/lag0_{k}": v for k, v in lag0_mismatch(old, prox, lag0).items()})
 
         # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
         # drift-clipped one of each mode that takes κ (modes.shadow_weights), each over the tokens
