@@ -248,20 +248,20 @@ class WholePolicy:
         self._copy: tuple[int, Any] | None = None
 
     def get(self) -> Any:
-        if not self.trainer.sharded:
+        if not self.trainer.placed.sharded:
             return self.trained
         version = self.trainer.version
         if self._copy is None or self._copy[0] != version:
             from sdp_cli.train.sharding import whole_model
 
             self._copy = None  # free the previous copy before gathering the next
-            model = whole_model(self.trainer.skeleton, self.gather())
+            model = whole_model(self.trainer.placed.skeleton, self.gather())
             self._copy = (version, dataclasses.replace(self.trained, model=model))
         return self._copy[1]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The whole weights an engine loads (``Trainer.weights`` when unsharded)."""
-        return self.get().model.state_dict() if self.trainer.sharded else self.trainer.weights()
+        return self.get().model.state_dict() if self.trainer.placed.sharded else self.trainer.weights()
 
     def release(self) -> None:
         self._copy = None

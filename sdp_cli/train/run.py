@@ -166,14 +166,14 @@ class TrainingRun(SessionEnd):
             parallel=cfg.train.parallel,
             share_prefixes=cfg.train.share_prefixes,
         )
-        self.coordinator.register_training(self.trainer, self.stop_request)
+        self.coordinator.register_training(self.trainer.placed, self.stop_request)
         self.whole = WholePolicy(self.policy, self.trainer, lambda: self.coordinator.call("model_state"))
         if self.resuming and self.coordinator.is_main:
             # the model loaded: from here on the resume is accepted and may tidy the directory
             ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
             recover_after_crash(self.run_dir, self.events)
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
-            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+            optimizer = getattr(self.trainer.placed.optimizer, "optimizer", self.trainer.placed.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
         self.start_step = 0
         if checkpoint is not None:

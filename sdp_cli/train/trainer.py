@@ -57,7 +57,7 @@ from sdp_cli.modes import DRIFT_SUFFIX, MODES, resolve_mode
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
 from sdp_cli.train.sharding import sharded_grad_norm
-from sdp_cli.train.trainer_state import TrainerState
+from sdp_cli.train.trainer_state import PlacedModel
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
@@ -93,8 +93,9 @@ def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
-class Trainer(TrainerState):
-    """Owns the trained model, its optimizer and the trainer version c."""
+class Trainer:
+    """Owns the trained model (placed on the processes with its optimizer: ``placed``), the
+    sampling generator and the trainer version c."""
 
     def __init__(
         self,
@@ -158,12 +159,12 @@ class Trainer(TrainerState):
             share_prefixes=share_prefixes,
             every_process=self._every_process if self.accelerator.num_processes > 1 else None,
         )
-        self.reference = None if reference is None else reference.requires_grad_(False).eval()
-        self._place(
+        self.placed = PlacedModel(
             model,
+            self.accelerator,
             parallel,
-            lambda placed: torch.optim.AdamW(
-                [p for p in placed.parameters() if p.requires_grad],
+            lambda module: torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad],
                 lr=optim.lr,
                 betas=(optim.beta1, optim.beta2),
                 weight_decay=optim.weight_decay,
@@ -171,6 +172,7 @@ class Trainer(TrainerState):
                 # same update (up to rounding), 5× faster for a 135M model on one CPU thread
                 fused=True,
             ),
+            reference=None if reference is None else reference.requires_grad_(False).eval(),
         )
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
@@ -183,12 +185,46 @@ class Trainer(TrainerState):
         With ``grad`` the result stays on the training device and carries the graph; without it
         it is a detached float32 CPU tensor (π_prox).
         """
-        logprobs, _ = self._forward(self.model, batch, grad=grad, with_entropy=False)
+        logprobs, _ = self._forward(self.placed.model, batch, grad=grad, with_entropy=False)
         return logprobs if grad else logprobs.detach().float().cpu()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The training precision as a context: bfloat16 autocast, or nothing for float32."""
         return self.response_logprobs.autocast()
+
+    # ------------------------------------------------------------ whole state
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.placed.unwrapped()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights an engine runs (``PlacedModel.weights``; unsharded only)."""
+        return self.placed.weights()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        return self.placed.full_model_state()
+
+    def state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """What continues this trainer exactly: the trained module's own tensors (adapters
+        included, not merged), the optimizer state, the sampling generator, torch's CPU RNG (which
+        training draws from) and the version; when sharded, model and optimizer are collectives,
+        whole on rank 0. A checkpoint passes model=False (its policy directory holds the weights)
+        and optimizer=False when it is not saved: those entries are None, and loading skips them."""
+        return {
+            "model": self.placed.full_model_state() if model else None,
+            "optimizer": self.placed.full_optimizer_state() if optimizer else None,
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("model") is not None:
+            self.placed.load_model_state(state["model"])
+        if state.get("optimizer") is not None:
+            self.placed.load_optimizer_state(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.version = int(state["version"])
 
     def _forward(
         self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
@@ -198,9 +234,9 @@ class Trainer(TrainerState):
     def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log π_ref of the response tokens (no grad, float32 on CPU): the frozen reference, or the
         LoRA model with its adapters disabled."""
-        model = self.reference
+        model = self.placed.reference
         if model is None:
-            model = self.unwrapped_model()
+            model = self.placed.unwrapped()
             context: contextlib.AbstractContextManager[Any] = model.disable_adapter()
         else:
             context = contextlib.nullcontext()
@@ -250,8 +286,8 @@ class Trainer(TrainerState):
             # forward's own output, detached, and the separate no-grad forward is saved.
             # (in the row order the optimizer step would draw, so the update is bit for bit the same)
             order = torch.randperm(batch.num_sequences, generator=self.generator)
-            self.model.train()
-            logprobs, entropy = self._forward(self.model, batch.rows(order), grad=True, with_entropy=True)
+            self.placed.model.train()
+            logprobs, entropy = self._forward(self.placed.model, batch.rows(order), grad=True, with_entropy=True)
             fused = (order, logprobs, entropy)
             prox = torch.empty_like(logprobs, device="cpu")
             prox[order] = logprobs.detach().float().cpu()
@@ -347,7 +383,7 @@ class Trainer(TrainerState):
         acc = self.accelerator
         n = batch.num_sequences
         per_step: list[dict[str, float]] = []
-        self.model.train()
+        self.placed.model.train()
         for _ in range(opt.ppo_epochs):
             order = torch.randperm(n, generator=self.generator) if fused is None else fused[0]
             for chunk in torch.tensor_split(order, opt.minibatches):
@@ -365,7 +401,7 @@ class Trainer(TrainerState):
                 if stand_in:
                     mb_mask = torch.zeros_like(mb_mask)
                 if fused is None:
-                    logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                    logprobs, entropy = self._forward(self.placed.model, mb, grad=True, with_entropy=True)
                 else:
                     _, logprobs, entropy = fused
                 mb_anchor, mb_weights, step_metrics = self._step_weights(
@@ -402,20 +438,20 @@ class Trainer(TrainerState):
                     lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
                     rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
                 lmetrics.update(rmetrics)
-                if self.sharded:
-                    grad_norm = sharded_grad_norm(list(self.model.parameters()), opt.grad_clip)
+                if self.placed.sharded:
+                    grad_norm = sharded_grad_norm(list(self.placed.model.parameters()), opt.grad_clip)
                 elif opt.grad_clip is not None:
-                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
+                    grad_norm = acc.clip_grad_norm_(self.placed.model.parameters(), opt.grad_clip)
                 else:
                     grad_norm = torch.sqrt(
-                        sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None)
+                        sum((p.grad.detach() ** 2).sum() for p in self.placed.model.parameters() if p.grad is not None)
                     )
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.placed.optimizer.step()
+                self.placed.optimizer.zero_grad(set_to_none=True)
                 lmetrics = {f"loss/{k}": float(v) for k, v in lmetrics.items()}
                 lmetrics["loss/grad_norm"] = float(grad_norm)
                 per_step.append({**lmetrics, **step_metrics})
-        self.model.eval()
+        self.placed.model.eval()
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
