@@ -15,10 +15,19 @@ IS_LEVELS = ("token", "sequence", "geometric")
 WEIGHT_ACTIONS = ("truncate", "mask")
 #: loss aggregations (``loss.agg``; docs/math.md §5.2)
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-#: policy losses (``loss.loss_type``; docs/math.md §5.1)
-LOSS_TYPES = ("ppo_clip", "reinforce")
+#: the levels of rejection sampling (``loss.rejection.level``; docs/math.md §3): the weight's, and
+#: ``max``, a sequence's largest per-token divergence (verl's seq_max_k2/k3)
+REJECTION_LEVELS = (*IS_LEVELS, "max")
+#: what rejection sampling bounds (``loss.rejection.metric``; docs/math.md §3): the ratio, or
+#: verl's k2/k3 divergence estimates of its log
+REJECTION_METRICS = ("ratio", "k2", "k3")
+#: policy losses (``loss.loss_type``; docs/math.md §5.1, §9.5 CISPO, §9.6 DPPO)
+LOSS_TYPES = ("ppo_clip", "reinforce", "cispo", "dppo")
 #: the level of the PPO ratio π_θ/π_anchor (``loss.ratio_level``; sequence = GSPO, docs/math.md §9.3)
 RATIO_LEVELS = ("token", "sequence")
+#: where π_prox comes from (``loss.proximal_source``; docs/math.md §9.7): the trainer's forward, or
+#: A-3PO's log-linear interpolation between π_behav and π_θ
+PROXIMAL_SOURCES = ("forward", "loglinear")
 #: consume-time staleness strategies (``staleness.strategy``; docs/design.md §3)
 STALENESS_STRATEGIES = ("standard", "segment_wise")
 #: when the engine recompute pass runs (``rollout.recompute``; docs/training.md)

@@ -237,9 +237,9 @@ def read_run(run_dir: Path) -> RunRecord:
         raise UserError(
             f"{run_dir}/overrides.json: expected a list of strings; not a run of sdp ablate"
         )
-    import yaml
+    from sdp_cli.config.limits import load_yaml_file
 
-    config = yaml.safe_load(layout.config.read_text()) if layout.config.is_file() else None
+    config = load_yaml_file(layout.config) if layout.config.is_file() else None
     if not isinstance(config, dict):
         raise UserError(f"{run_dir}: no readable config.yaml; not a run of sdp train")
     extra = []

@@ -112,6 +112,11 @@ _TRAILING: tuple[Metric, ...] = (
         "weights",
     ),
     Metric("kl", "kl", "mean offpolicy/kl between π_behav and π_prox", ".4f", "weights"),
+    Metric("mismatch", "mismatch", "mean |log π_behav − log π_prox| on lag-0 tokens (engine vs trainer numerics)", ".4f", "weights"),
+    Metric("clipfrac", "clipfrac", "mean loss/pg_clipfrac: share of tokens the PPO clip (or CISPO/DPPO band) held", ".3f", "weights"),
+    Metric("rejected", "rejected", "mean share of tokens loss.rejection dropped", ".3f", "weights"),
+    Metric("m2po", "m2po", "mean share of tokens M2PO's second-moment mask dropped", ".3f", "weights"),
+    Metric("opsm", "opsm", "mean share of tokens OPSM zeroed", ".3f", "weights"),
     Metric("ppo_kl", "ppo kl", "mean loss/ppo_kl (policy movement per update)", ".4f", "outcome"),
     Metric(
         "filtered",
@@ -206,6 +211,12 @@ def run_metrics(record: RunRecord) -> dict[str, float | None]:
         "trained_ess": _mean(_values(rows, "weights/trained_ess")),
         "trained_ess_raw": _mean(_values(rows, "weights/trained_ess_raw")),
         "trained_token_ess": _mean(_values(rows, "weights/rollout_is_eff_sample_size")),
+        # the field's corrections (docs/math.md §9): what each mask or clip held, where the run had it
+        "mismatch": _mean(_values(rows, "mismatch/lag0_abs_mean")),
+        "clipfrac": _mean(_values(rows, "loss/pg_clipfrac")),
+        "rejected": _mean(_values(rows, "rejection/rollout_rs_masked_fraction")),
+        "m2po": _mean(_values(rows, "m2po/masked_fraction")),
+        "opsm": _mean(_values(rows, "opsm/masked_fraction")),
     }
     for shadow in shadows():
         short = shadow.short

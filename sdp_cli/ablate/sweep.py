@@ -251,10 +251,10 @@ def _expand(params: dict[str, str], job_overrides: list[str]) -> list[list[str]]
     return batch
 
 
-def _comparable(yaml_text: str) -> dict[str, Any]:
-    import yaml
+def _comparable(yaml_text: str, where: str | Path) -> dict[str, Any]:
+    from sdp_cli.config.limits import load_yaml_text
 
-    data = yaml.safe_load(yaml_text) or {}
+    data = load_yaml_text(yaml_text, where) or {}
     data.pop("resume", None)
     return data
 
@@ -275,7 +275,9 @@ def _check_same_config(run_dir: Path, planned_yaml: str) -> None:
     saved = RunDir(run_dir).config
     if not saved.is_file():
         return
-    diff = _first_difference(_comparable(saved.read_text()), _comparable(planned_yaml))
+    from sdp_cli.config.limits import read_yaml_file
+
+    diff = _first_difference(_comparable(read_yaml_file(saved), saved), _comparable(planned_yaml, "the planned config"))
     if diff:
         raise UserError(
             f"{run_dir} was trained with a different config ({diff}); "
@@ -300,6 +302,9 @@ def plan_sweep(
             f"unknown sweep '{sweep}'; choose one of {', '.join(sweeps)} "
             "(files in sdp_cli/conf/ablate)"
         )
+    from sdp_cli.config.limits import check_override_sizes
+
+    check_override_sizes(list(overrides))  # before any parse: Hydra's grammar is quadratic in items
     hydra_overrides = [o for o in overrides if _is_hydra_override(o)]
     job_overrides = [o for o in overrides if not _is_hydra_override(o)]
     for parsed in _parse_overrides(job_overrides):

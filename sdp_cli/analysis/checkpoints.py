@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sdp_cli.errors import UserError
@@ -62,3 +63,33 @@ def format_versions(versions: Iterable[int]) -> str:
 
 class MissingCheckpoints(UserError):
     """Some version a batch needs has no checkpoint directory."""
+
+
+@dataclass(frozen=True)
+class RunNumerics:
+    """How the run computed what its batches store, from its ``config.yaml``: the trainer's
+    dtype (``train.dtype``; π_prox) and whether π_prox_t of tokens one version stale is the
+    trainer's π_prox (``rollout.proximal_t_source=trainer``) rather than the engine's. The
+    engine's dtype needs no config: version checkpoints are saved in it."""
+
+    train_dtype: str
+    trainer_fills_proximal_t: bool
+    source: Path
+
+
+def run_numerics(root: Path) -> RunNumerics | None:
+    """Those of the run whose ``versions/`` directory is ``root``; None when ``root`` is not a
+    run's ``versions/``."""
+    import yaml
+
+    config = RunDir(root.parent).config
+    if root.name != "versions" or not config.is_file():
+        return None
+    try:
+        data = yaml.safe_load(config.read_text())
+        train, rollout = (data.get(k) or {} for k in ("train", "rollout"))
+        return RunNumerics(str(train.get("dtype", "float32")), rollout.get("proximal_t_source") == "trainer", config)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError) as err:
+        raise UserError(
+            f"{config}: unreadable run config ({type(err).__name__}); restore it, or pass a copy of versions/ alone"
+        ) from None

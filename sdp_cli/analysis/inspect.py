@@ -11,7 +11,8 @@ sequence, geometric) this module builds the weights with ``core.weights.importan
 and the divergences with ``core.metrics.offpolicy_metrics`` (rollout = π_behav, training = the
 mode's target policy), then breaks the raw token weights down by staleness, lag = c − v. The
 per-lag table includes the factor segment-wise drops, π_c/π_{v+1} = exp(π_prox − π_prox_t)
-(docs/math.md §1). No weight or metric is computed here: this module only selects tokens and
+(docs/math.md §1). With ``MaskOptions`` each row also gets the share of its tokens that rejection,
+M2PO and OPSM would drop (docs/math.md §3, §9.2, §9.4). No weight or metric is computed here: this module only selects tokens and
 arranges the kernels' results. Pure analysis: batches in, a report out; nothing is printed or
 written.
 
@@ -33,7 +34,13 @@ from torch import Tensor
 from sdp_cli.choices import IS_LEVELS, RECOMMENDED_DRIFT_CLIP
 from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
-from sdp_cli.core.weights import drift_log_factor, importance_weights
+from sdp_cli.core.weights import (
+    drift_log_factor,
+    importance_weights,
+    off_policy_sequence_mask,
+    rejection_mask,
+    second_moment_mask,
+)
 from sdp_cli.modes import DRIFT_SUFFIX, MODES, weight_names
 from sdp_cli.rollout.batch_file import SavedBatch
 
@@ -96,6 +103,28 @@ class WeightOptions:
     drift_clip: float = RECOMMENDED_DRIFT_CLIP
 
 
+@dataclass(frozen=True)
+class MaskOptions:
+    """The token masks of the training config to measure on each row (docs/math.md §3, §9.2, §9.4), as
+    ``loss.*``: rejection (``rejection_level`` None = off), M2PO (``m2_threshold``) and OPSM
+    (``opsm_delta``, with π_θ = π_prox: the batch's first optimizer step). Validation is the caller's."""
+
+    rejection_level: str | None = None
+    rejection_metric: str = "ratio"
+    rejection_upper: float = 2.0
+    rejection_lower: float | None = None
+    m2_threshold: float | None = None
+    opsm_delta: float | None = None
+
+    @property
+    def any(self) -> bool:
+        return self.rejection_level is not None or self.m2_threshold is not None or self.opsm_delta is not None
+
+
+#: the masks' names in ``ModeReport.masks``, in the order of the report's columns
+MASKS = ("rejection", "m2po", "opsm")
+
+
 def _options_json(options: WeightOptions) -> dict[str, Any]:
     """The options as JSON values: JSON has no infinity, so κ = ∞ is the string "inf"."""
     return {
@@ -125,6 +154,9 @@ class ModeReport:
     divergence: dict[str, float | None] = field(default_factory=dict)
     per_token: dict[str, Tensor] = field(default_factory=dict, repr=False)
     covered: Tensor | None = field(default=None, repr=False)
+    #: share of the covered tokens each configured mask (``MASKS``) drops; None where it cannot
+    #: apply (no behavioural log ratio, no π_prox or advantages, no tokens)
+    masks: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,6 +199,7 @@ class WeightReport:
     uncorrectable: int
     options: WeightOptions
     modes: dict[str, ModeReport]
+    mask_options: MaskOptions
     lags: list[LagRow]
     mask: Tensor = field(repr=False)
     lag: Tensor = field(repr=False)
@@ -182,6 +215,7 @@ class WeightReport:
             "tokens": self.tokens,
             "uncorrectable_tokens": self.uncorrectable,
             "options": _options_json(self.options),
+            "mask_options": asdict(self.mask_options),
             "modes": {
                 name: {
                     "available": m.available,
@@ -190,6 +224,7 @@ class WeightReport:
                     "tokens": m.tokens,
                     "weights": m.weights if m.available else None,
                     "divergence": m.divergence if m.available else None,
+                    "masks": m.masks if m.available else None,
                 }
                 for name, m in self.modes.items()
             },
@@ -204,6 +239,7 @@ class _Stacked:
     old: Tensor
     prox: Tensor | None
     prox_t: Tensor
+    advantages: Tensor | None
     mask: Tensor
     lag: Tensor
     uncorrectable: Tensor
@@ -245,6 +281,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
         return out
 
     has_prox = all(p.proximal_logprobs is not None for p in padded)
+    has_advantages = all(p.advantages is not None for p in padded)
     mask = cat([p.mask for p in padded], False)
     versions = cat([p.versions for p in padded], -1)
     t_versions = cat([p.proximal_t_versions for p in padded], -1)
@@ -256,6 +293,7 @@ def _stack(batches: Sequence[SavedBatch]) -> _Stacked:
         old=cat([p.old_logprobs for p in padded], 0.0),
         prox=cat([p.proximal_logprobs for p in padded], 0.0) if has_prox else None,  # type: ignore[misc]
         prox_t=cat([p.proximal_logprobs_t for p in padded], 0.0),
+        advantages=cat([p.advantages for p in padded], 0.0) if has_advantages else None,  # type: ignore[misc]
         mask=mask,
         lag=torch.where(mask, trainer - versions, -1),
         uncorrectable=lacks_next_version(status),
@@ -322,6 +360,35 @@ def _mode_report(
     return report
 
 
+def _masks(s: _Stacked, log_ratio: Tensor | None, covered: Tensor, options: MaskOptions) -> dict[str, float | None]:
+    """The share of ``covered`` tokens each configured mask drops, by the trainer's kernels: rejection
+    and M2PO on the row's behavioural log ratio (none without one), OPSM at π_θ = π_prox."""
+    out: dict[str, float | None] = {}
+    if not covered.any():
+        return dict.fromkeys(_configured(options))
+    if options.rejection_level is not None:
+        out["rejection"] = None if log_ratio is None else rejection_mask(
+            log_ratio,
+            covered,
+            level=options.rejection_level,
+            metric=options.rejection_metric,
+            upper=options.rejection_upper,
+            lower=options.rejection_lower,
+        )[1]["rollout_rs_masked_fraction"]
+    if options.m2_threshold is not None:
+        out["m2po"] = None if log_ratio is None else second_moment_mask(log_ratio, covered, options.m2_threshold)[1]["masked_fraction"]
+    if options.opsm_delta is not None:
+        out["opsm"] = None if s.prox is None or s.advantages is None else off_policy_sequence_mask(
+            s.prox, s.old, s.advantages, covered, options.opsm_delta
+        )[1]["masked_fraction"]
+    return out
+
+
+def _configured(options: MaskOptions) -> list[str]:
+    given = (options.rejection_level, options.m2_threshold, options.opsm_delta)
+    return [name for name, value in zip(MASKS, given) if value is not None]
+
+
 def _lag_rows(s: _Stacked, drift_clip: float) -> list[LagRow]:
     lr_segment_wise = s.log_ratio("segment_wise")
     lr_dec = None if s.lacks_proximal("decoupled") else s.log_ratio("decoupled")
@@ -357,9 +424,13 @@ def _mean_std_ess(stats: dict[str, float]) -> dict[str, float]:
 
 
 def analyse_batches(
-    batches: Sequence[SavedBatch], sources: Sequence[str], options: WeightOptions = WeightOptions()
+    batches: Sequence[SavedBatch],
+    sources: Sequence[str],
+    options: WeightOptions = WeightOptions(),
+    masks: MaskOptions = MaskOptions(),
 ) -> WeightReport:
-    """Weights, divergences and the staleness breakdown of ``batches`` analysed together.
+    """Weights, divergences, the configured masks and the staleness breakdown of ``batches``
+    analysed together.
 
     ``sources`` names each batch (its path) in the report. decoupled needs π_prox in every batch;
     without it the mode is reported unavailable with the way to get it, not as an error.
@@ -389,11 +460,13 @@ def analyse_batches(
                 continue
             log_ratio = s.log_ratio(name, kappa)
             reference = log_ratio is None  # no behavioural weight: w ≡ 1
+            mask_fractions = _masks(s, log_ratio, covered, masks)
             if log_ratio is None:
                 log_ratio = torch.zeros_like(s.old)
             modes[row] = _mode_report(
                 row, log_ratio, covered, s.old, s.target(row, log_ratio), options, reference=reference
             )
+            modes[row].masks = mask_fractions
     assert tuple(modes) == report_rows(), f"modes out of order: {tuple(modes)}"
     return WeightReport(
         sources=list(sources),
@@ -403,6 +476,7 @@ def analyse_batches(
         uncorrectable=int(s.uncorrectable.sum()),
         options=options,
         modes=modes,
+        mask_options=masks,
         lags=_lag_rows(s, options.drift_clip),
         mask=s.mask,
         dropped=None

@@ -18,9 +18,14 @@ Each checkpoint is loaded once and scores, in length-sorted calls of at most
 temperature). Nothing is written until every batch is computed; then all outputs are written
 together through ``fileio.OutputPlan``: every target changes, or none.
 
-The steps live in their own modules: ``checkpoints`` (the version directories),
-``recompute_plan`` (what to score, and scoring it), ``recompute_apply`` (the new batches),
-``decomposition`` (the exact chain) and ``batch_files`` (input paths and output targets).
+Intact batches change by no more than the numeric noise of the run's dtype: the scorer runs in
+the run's engine dtype, and every batch's π_prox_t and π_prox get a verdict (unchanged, dtype
+noise, damaged) against noise floors measured on the batches' version-c tokens (``noise``).
+
+The steps live in their own modules: ``checkpoints`` (the version directories, the run's
+dtypes and π_prox_t source), ``recompute_plan`` (what to score, and scoring it), ``recompute_apply`` (the new
+batches and their verdicts), ``noise`` (floors and verdicts), ``decomposition`` (the exact
+chain) and ``batch_files`` (input paths and output targets).
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
-from sdp_cli.analysis.checkpoints import checkpoint_root, find_checkpoints
+from sdp_cli.analysis.checkpoints import RunNumerics, checkpoint_root, find_checkpoints, run_numerics
 from sdp_cli.analysis.decomposition import LagDecomposition, exact_decomposition
-from sdp_cli.analysis.recompute_apply import BatchOutcome, DeltaStats, apply_scores
+from sdp_cli.analysis.noise import NoiseFloor, Verdict
+from sdp_cli.analysis.recompute_apply import BatchOutcome, DeltaStats, apply_scores, judge_outcome, noise_floors
 from sdp_cli.analysis.recompute_plan import (
     Plan,
     ProgressCallback,
@@ -58,6 +64,10 @@ class RecomputeResult:
     work: list[VersionWork]
     lags: list[LagDecomposition] | None
     scorer: str
+    #: the run's dtypes and π_prox_t source (its config.yaml); None when the checkpoints are not a run's versions/
+    numerics: RunNumerics | None
+    #: "engine" and "trainer" noise floors (``analysis.noise``)
+    floors: dict[str, NoiseFloor]
     checkpoint_root: Path
     seconds: float
     options: RecomputeOptions
@@ -70,9 +80,18 @@ class RecomputeResult:
         def delta(d: DeltaStats | None) -> dict[str, Any] | None:
             return None if d is None else dataclasses.asdict(d)
 
+        def verdict(v: Verdict | None) -> dict[str, Any] | None:
+            return None if v is None else dataclasses.asdict(v)
+
         choice = self.options.proximal_choice
         return {
             "scorer": self.scorer,
+            "run": None if self.numerics is None else {
+                **dataclasses.asdict(self.numerics), "source": str(self.numerics.source)
+            },
+            "noise_floor": {
+                name: {**dataclasses.asdict(floor), "tolerance": floor.tolerance} for name, floor in self.floors.items()
+            },
             "checkpoints": str(self.checkpoint_root),
             "proximal": None if choice is None else choice.describe(),
             "exact": self.options.exact,
@@ -89,8 +108,10 @@ class RecomputeResult:
                     "proximal_t": delta(o.proximal_t),
                     "proximal_t_on_policy": delta(o.proximal_t_on_policy),
                     "retagged": o.retagged,
+                    "proximal_t_verdict": verdict(o.proximal_t_verdict),
                     "proximal_version": o.proximal_version,
                     "proximal": delta(o.proximal),
+                    "proximal_verdict": verdict(o.proximal_verdict),
                 }
                 for o in self.outcomes
             ],
@@ -126,14 +147,15 @@ def recompute(
     batches = [(p, read_batch(p)) for p in sources]
     root = checkpoint_root(checkpoints)
     store = find_checkpoints(root)
+    numerics = run_numerics(root)
     plan = make_plan(batches, options, store, root)
     if on_plan is not None:
         on_plan(plan)
     scorer_name = "none (nothing to score)"
     if plan.jobs:
         with scorer_factory([b for _, b in batches]) as scorer:
-            scorer_name = scorer.description
             scores, work = run_plan(plan, batches, store, scorer, options, progress)
+            scorer_name = scorer.description  # after loading: a local scorer names the dtype it ran
     else:
         scores, work = [{} for _ in batches], []
     outcomes = [
@@ -142,6 +164,9 @@ def recompute(
     ]
     for outcome, out in zip(outcomes, planned, strict=True):
         outcome.target = out.path
+    floors = noise_floors([b for _, b in batches], scores)
+    for (_, before), outcome in zip(batches, outcomes, strict=True):
+        judge_outcome(before, outcome, floors, trainer_filled=numerics is not None and numerics.trainer_fills_proximal_t)
     lags = (
         exact_decomposition([b for _, b in batches], scores, options.drift_clips)
         if options.exact
@@ -152,6 +177,8 @@ def recompute(
         work=work,
         lags=lags,
         scorer=scorer_name,
+        numerics=numerics,
+        floors=floors,
         checkpoint_root=root,
         seconds=time.perf_counter() - started,
         options=options,

@@ -1,4 +1,5 @@
-"""A batch with its recomputed π_prox_t (and π_prox), and what changed (docs/recompute.md).
+"""A batch with its recomputed π_prox_t (and π_prox), what changed, and whether that is dtype
+noise or damage (docs/recompute.md).
 
 Lagged output tokens (version v < c) take the score of version v + 1 and the tag v + 1;
 version-c tokens take π_prox_t = π_behav and the tag c (docs/design.md §2, the invariant).
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from sdp_cli import __version__
+from sdp_cli.analysis.noise import NoiseFloor, Verdict, judge
 from sdp_cli.analysis.recompute_plan import output_mask
 from sdp_cli.rollout.batch_file import SavedBatch
 
@@ -43,6 +45,7 @@ class BatchOutcome:
         retagged: output tokens whose ``proximal_t_versions`` changed.
         proximal: |Δ π_prox| over the output tokens when π_prox was computed (None otherwise);
             no mean/max when the batch had no π_prox before.
+        proximal_t_verdict, proximal_verdict: ``judge_outcome``'s verdicts (None: not judged).
     """
 
     source: Path
@@ -53,6 +56,8 @@ class BatchOutcome:
     proximal_version: int | None
     proximal: DeltaStats | None
     target: Path | None = None
+    proximal_t_verdict: Verdict | None = None
+    proximal_verdict: Verdict | None = None
 
 
 def apply_scores(
@@ -97,3 +102,52 @@ def apply_scores(
         proximal_version=proximal_version,
         proximal=proximal_delta,
     )
+
+
+def noise_floors(batches: list[SavedBatch], scores: list[dict[int, torch.Tensor]]) -> dict[str, NoiseFloor]:
+    """The ``engine`` and ``trainer`` floors of ``analysis.noise``, pooled over the batches'
+    output tokens of version c: the scorer's log π_c (where it was scored) and the file's π_prox
+    (where it has one), each against π_behav."""
+    engine: list[torch.Tensor] = []
+    trainer: list[torch.Tensor] = []
+    for batch, scored in zip(batches, scores, strict=True):
+        c = batch.trainer_version
+        on_policy = output_mask(batch) & (batch.versions == c)
+        if c in scored:
+            known = on_policy & ~scored[c].isnan()
+            engine.append(scored[c][known] - batch.old_logprobs[known])
+        if batch.proximal_logprobs is not None:
+            trainer.append(batch.proximal_logprobs[on_policy] - batch.old_logprobs[on_policy])
+    return {
+        "engine": NoiseFloor.of(torch.cat(engine) if engine else torch.zeros(0)),
+        "trainer": NoiseFloor.of(torch.cat(trainer) if trainer else torch.zeros(0)),
+    }
+
+
+def judge_outcome(
+    before: SavedBatch, outcome: BatchOutcome, floors: dict[str, NoiseFloor], *, trainer_filled: bool = False
+) -> None:
+    """Set the outcome's verdicts. π_prox_t against the ``engine`` floor (the run's engine computed
+    it), with its tags and the exact π_prox_t = π_behav of version-c tokens; with ``trainer_filled``
+    (``rollout.proximal_t_source=trainer``) tokens one version stale took the trainer's π_prox, so
+    they are judged like π_prox. π_prox, when it was recomputed under the batch's own trainer
+    version over a stored one, against the sum of both floors (scorer − trainer = (scorer −
+    engine) + (engine − trainer))."""
+    out = output_mask(before)
+    v, c = before.versions, before.trainer_version
+    after = outcome.batch
+    engine = floors["engine"].tolerance
+    trainer = floors["trainer"].tolerance
+    both = None if engine is None or trainer is None else engine + trainer
+    lagged = out & (v < c)
+    tolerance: float | torch.Tensor | None = engine
+    one_stale = v[lagged] == c - 1
+    if trainer_filled and bool(one_stale.any()):
+        tolerance = None if both is None else torch.where(one_stale, both, engine)
+    delta_t = after.proximal_logprobs_t - before.proximal_logprobs_t
+    outcome.proximal_t_verdict = judge(
+        delta_t[lagged], tolerance, retagged=outcome.retagged, exact=delta_t[out & (v == c)]
+    )
+    if outcome.proximal_version != c or before.proximal_logprobs is None:
+        return
+    outcome.proximal_verdict = judge((after.proximal_logprobs - before.proximal_logprobs)[out], both)

@@ -5,7 +5,8 @@ For a saved batch of trainer version c (docs/design.md §1, §2):
 - π_prox_t: an output token of version v < c is scored under the checkpoint of v + 1;
 - π_prox (``--proximal``, or ``--mode`` naming a weight that reads it, ``reads_proximal``):
   every output token under one chosen checkpoint, by default c;
-- the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c.
+- the exact chain (``--exact``): every output token of version v < c under each of v + 1 … c;
+- the noise floor: output tokens of version c under c, when that checkpoint exists.
 
 The work depends on the versions present (in the batch and among the checkpoints), never on
 their magnitude: a chain is checked against the checkpoints as a span (``missing_spans``).
@@ -146,12 +147,15 @@ def missing_spans(needed: range, available: Iterable[int]) -> list[tuple[int, in
     return spans
 
 
-def token_requests(batch: SavedBatch, proximal_version: int | None, chain: Iterable[int] = ()) -> dict[int, torch.Tensor]:
+def token_requests(
+    batch: SavedBatch, proximal_version: int | None, chain: Iterable[int] = (), *, calibrate: bool = False
+) -> dict[int, torch.Tensor]:
     """Version k → [N] bool mask of the tokens that need log π_k(token).
 
     π_prox_t: output tokens of version v < c need k = v + 1. π_prox: every output token needs
     ``proximal_version``. Exact chain: for each k of ``chain`` (the checkpoints of
-    :func:`chain_versions`), the output tokens of version v < k ≤ c.
+    :func:`chain_versions`), the output tokens of version v < k ≤ c. ``calibrate``: output
+    tokens of version c need c too, for the noise floor (``analysis.noise``).
     """
     out = output_mask(batch)
     v, c = batch.versions, batch.trainer_version
@@ -168,6 +172,8 @@ def token_requests(batch: SavedBatch, proximal_version: int | None, chain: Itera
         add(proximal_version, out)
     for k in chain:
         add(k, lagged & (v < k))
+    if calibrate:
+        add(c, out & (v == c))
     return requests
 
 
@@ -233,7 +239,8 @@ def make_plan(
         gaps = missing_spans(needed, available)
         missing += [(first, last, path.name) for first, last in gaps]
         chain = [] if gaps else [k for k in sorted(available) if k in needed]
-        requests = token_requests(batch, prox, chain)
+        # the noise floor is measured where checkpoint c exists; it is never a reason to fail
+        requests = token_requests(batch, prox, chain, calibrate=batch.trainer_version in available)
         plan.requests.append(requests)
         plan.proximal_versions.append(prox)
         missing += [(k, k, path.name) for k in requests if k not in available]

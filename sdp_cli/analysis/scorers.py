@@ -108,12 +108,14 @@ class Scorer(abc.ABC):
 
 
 class LocalScorer(Scorer):
-    """The embedded engine (``LocalEngine.score``) over each checkpoint loaded in turn."""
+    """The embedded engine (``LocalEngine.score``) over each checkpoint loaded in turn, in the
+    dtype it was saved in: the dtype the run's engine ran (docs/recompute.md "Noise floor")."""
 
     def __init__(self, device: str = "cpu", max_batch_size: int = 64):
         self.device = device
         self.max_batch_size = max_batch_size
-        self.description = f"local engine ({device})"
+        #: the dtypes the loaded checkpoints were scored in
+        self.scored_dtypes: set[str] = set()
         self._policy: Any = None
         self._engines: dict[float, Any] = {}
         self._path: Path | None = None
@@ -122,6 +124,12 @@ class LocalScorer(Scorer):
         self.unload()
         self._policy = load_version_policy(path, self.device)
         self._path = path
+        self.scored_dtypes.add(str(self._policy.model.dtype).removeprefix("torch."))
+
+    @property
+    def description(self) -> str:  # type: ignore[override]
+        dtypes = ", ".join(sorted(self.scored_dtypes)) or "as saved"
+        return f"local engine ({self.device}, {dtypes})"
 
     def _engine(self, temperature: float) -> Any:
         from sdp_cli.engine.local import LocalEngine

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 
-from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP, WEIGHT_ACTIONS
+from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP, REJECTION_LEVELS, REJECTION_METRICS, WEIGHT_ACTIONS
 from sdp_cli.errors import UserError
 
 if TYPE_CHECKING:
@@ -40,6 +41,8 @@ For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wis
   sdp inspect-weights runs/my-run/batches --per-file --plot weights.png --dump-weights weights.safetensors
 
   sdp inspect-weights runs/my-run/batches --mode examples/own_mode/tempered.py:tempered_decoupled
+
+  sdp inspect-weights runs/my-run/batches --m2-threshold 0.04 --opsm-delta 0.5 --rejection-level geometric --rejection-metric k3 --rejection-upper 0.01
 """
 
 
@@ -90,8 +93,31 @@ def inspect_weights_command(
         help="Add a row for your own mode, path/to/file.py:function or package.module:function (as "
         "loss.mode takes it; repeatable). A batch file never makes sdp import code.",
     ),
+    rejection_level: str = typer.Option(
+        None,
+        "--rejection-level",
+        help="Measure rejection sampling per mode: token, sequence, geometric or max (loss.rejection.level).",
+    ),
+    rejection_metric: str = typer.Option(
+        "ratio", "--rejection-metric", help="ratio, k2 or k3: what rejection bounds (loss.rejection.metric)."
+    ),
+    rejection_upper: float = typer.Option(
+        2.0, "--rejection-upper", help="Keep where the ratio (or divergence) <= this (loss.rejection.upper)."
+    ),
+    rejection_lower: float = typer.Option(
+        None, "--rejection-lower", help="Keep where the ratio >= this; default 1/upper (loss.rejection.lower)."
+    ),
+    m2_threshold: float = typer.Option(
+        None, "--m2-threshold", help="Measure M2PO's token mask per mode at this τ (loss.m2_threshold)."
+    ),
+    opsm_delta: float = typer.Option(
+        None,
+        "--opsm-delta",
+        help="Measure OPSM's mask at this δ with π_θ = π_prox, the batch's first optimizer step (loss.opsm_delta).",
+    ),
 ) -> None:
     _check_options(cap, floor, action, drift_clip)
+    _check_masks(rejection_level, rejection_metric, rejection_upper, rejection_lower, m2_threshold, opsm_delta)
     if mode:
         from sdp_cli.modes import resolve_mode
 
@@ -104,7 +130,7 @@ def inspect_weights_command(
     plot_out = None if plot is None else plan.add(plot, "--plot")
     dump_out = None if dump_weights is None else plan.add(dump_weights, "--dump-weights")
 
-    from sdp_cli.analysis.inspect import WeightOptions, analyse_batches
+    from sdp_cli.analysis.inspect import MaskOptions, WeightOptions, analyse_batches
     from sdp_cli.rollout.batch_file import read_batch
 
     batches = [read_batch(p) for p in paths]
@@ -112,9 +138,17 @@ def inspect_weights_command(
     options = WeightOptions(
         cap=cap, floor=floor, action=action, batch_normalize=batch_normalize, drift_clip=drift_clip
     )
-    report = analyse_batches(batches, sources, options)
+    masks = MaskOptions(
+        rejection_level=rejection_level,
+        rejection_metric=rejection_metric,
+        rejection_upper=rejection_upper,
+        rejection_lower=rejection_lower,
+        m2_threshold=m2_threshold,
+        opsm_delta=opsm_delta,
+    )
+    report = analyse_batches(batches, sources, options, masks)
     per_file_reports = (
-        [analyse_batches([b], [src], options) for b, src in zip(batches, sources)] if per_file else []
+        [analyse_batches([b], [src], options, masks) for b, src in zip(batches, sources)] if per_file else []
     )
 
     contents: dict[Any, bytes] = {}
@@ -178,6 +212,32 @@ def _check_options(cap: float | None, floor: float | None, action: str, drift_cl
         raise UserError(f"--floor {floor} is above --cap {cap}; pass a floor <= cap")
 
 
+def _check_masks(
+    level: str | None, metric: str, upper: float, lower: float | None, m2_threshold: float | None, opsm_delta: float | None
+) -> None:
+    """The mask options, checked as the config checks loss.rejection, loss.m2_threshold and loss.opsm_delta."""
+    if metric not in REJECTION_METRICS:
+        raise UserError(f"--rejection-metric {metric!r} is not one of {', '.join(REJECTION_METRICS)}; pick one of them")
+    if level is None:
+        if metric != "ratio" or lower is not None:
+            raise UserError("--rejection-metric and --rejection-lower need --rejection-level; pass e.g. --rejection-level token")
+    else:
+        if level not in REJECTION_LEVELS:
+            raise UserError(f"--rejection-level {level!r} is not one of {', '.join(REJECTION_LEVELS)}; pick one of them")
+        if not (math.isfinite(upper) and upper > 0):
+            raise UserError(f"--rejection-upper {upper} must be a finite number > 0; pass e.g. --rejection-upper 2")
+        if metric == "ratio" and level == "max":
+            raise UserError("--rejection-level max takes a sequence's largest divergence; pass --rejection-metric k2 or k3")
+        if metric != "ratio" and lower is not None:
+            raise UserError(f"--rejection-lower bounds a ratio, but --rejection-metric {metric} is a divergence; drop it")
+        if lower is not None and not (math.isfinite(lower) and 0 <= lower <= upper):
+            raise UserError(f"--rejection-lower {lower} must be a finite number in [0, --rejection-upper]")
+    if m2_threshold is not None and not (math.isfinite(m2_threshold) and m2_threshold > 0):
+        raise UserError(f"--m2-threshold {m2_threshold} must be a finite number > 0; pass e.g. --m2-threshold 0.04")
+    if opsm_delta is not None and not (math.isfinite(opsm_delta) and opsm_delta >= 0):
+        raise UserError(f"--opsm-delta {opsm_delta} must be a finite number >= 0; pass e.g. --opsm-delta 0.5")
+
+
 def _batch_paths(files: list[Path], example: bool) -> list[Path]:
     """Files as given, directories expanded to their *.safetensors (sorted), plus the example;
     one file given twice (whatever the spelling, also inside a directory given) is refused,
@@ -216,13 +276,32 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4g}"
 
 
+#: runs of consecutive versions shown one by one; more become "first–last (n versions, with gaps)"
+MAX_VERSION_RUNS = 3
+
+
+def version_ranges(versions: list[int]) -> str:
+    """``11–60`` for 50 consecutive versions, ``11–13, 20–21`` for a few runs of them, and
+    ``11–109 (50 versions, with gaps)`` when there are more than ``MAX_VERSION_RUNS`` runs."""
+    unique = sorted(set(versions))
+    runs: list[list[int]] = []
+    for v in unique:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    if len(runs) > MAX_VERSION_RUNS:
+        return f"{unique[0]}–{unique[-1]} ({len(unique)} versions, with gaps)"
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+
+
 def _title(report: WeightReport) -> str:
-    versions = ", ".join(str(v) for v in sorted(set(report.trainer_versions)))
     lags = [row.lag for row in report.lags]
     n = len(report.sources)
+    several = len(set(report.trainer_versions)) > 1
     text = (
         f"{n} batch{'es' if n > 1 else ''}: {report.sequences} sequences, {report.tokens} response tokens, "
-        f"trainer version{'s' if ',' in versions else ''} {versions}"
+        f"trainer version{'s' if several else ''} {version_ranges(report.trainer_versions)}"
     )
     return text + (f", lag {min(lags)}–{max(lags)}" if lags else "")
 
@@ -238,15 +317,64 @@ def _bounds(report: WeightReport) -> str:
     return text + ("; batch-normalised to mean 1" if o.batch_normalize else "")
 
 
-def _table(title: str, columns: list[str], left: int) -> Any:
-    """A compact table; the first ``left`` columns are labels, the rest numbers."""
-    from rich import box
-    from rich.table import Table
+@dataclass
+class _Table:
+    """A table printed at the console's width, no header or cell cut: when the whole does not
+    fit, the ``spill`` label column (if any) becomes a legend line under the table, then the
+    ``groups`` of number columns (each kept together) are split over as many parts as it takes,
+    each part repeating the other ``labels``. The last ``number_labels`` labels are numbers
+    (right-aligned, as every group column)."""
 
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    for i, name in enumerate(columns):
-        table.add_column(name, justify="left" if i < left else "right")
-    return table
+    title: str
+    labels: list[str]
+    groups: list[list[str]]
+    number_labels: int = 0
+    spill: int | None = None
+    rows: list[tuple[list[str], bool]] = field(default_factory=list)
+
+    def add_row(self, *cells: str, end_section: bool = False) -> None:
+        self.rows.append((list(cells), end_section))
+
+    def _build(self, title: str, labels: list[int], groups: list[int]) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+        starts = [len(self.labels)]
+        for group in self.groups:
+            starts.append(starts[-1] + len(group))
+        columns = labels + [c for g in groups for c in range(starts[g], starts[g + 1])]
+        names = self.labels + [name for group in self.groups for name in group]
+        for c in columns:
+            left = c < len(self.labels) - self.number_labels
+            table.add_column(names[c], justify="left" if left else "right", no_wrap=True)
+        for cells, end_section in self.rows:
+            table.add_row(*(cells[c] for c in columns), end_section=end_section)
+        return table
+
+    def print(self, console: Any) -> None:
+        from rich.markup import escape
+        from rich.measure import Measurement
+
+        def width(labels: list[int], groups: list[int]) -> int:
+            table = self._build("", labels, groups)
+            return Measurement.get(console, console.options.update_width(1 << 20), table).maximum
+
+        labels, every = list(range(len(self.labels))), list(range(len(self.groups)))
+        spilled = self.spill is not None and width(labels, every) > console.width
+        if spilled:
+            labels.remove(self.spill)
+        parts: list[list[int]] = [[]]
+        for g in every:
+            if parts[-1] and width(labels, [*parts[-1], g]) > console.width:
+                parts.append([])
+            parts[-1].append(g)
+        for i, groups in enumerate(parts, start=1):
+            title = self.title if len(parts) == 1 else f"{self.title} ({i} of {len(parts)})"
+            console.print(self._build(title, labels, groups))
+        if spilled:
+            pairs = [f"{cells[0]} = {cells[self.spill]}" for cells, _ in self.rows if cells[0]]
+            console.print(escape(f"{self.labels[self.spill]}: {'; '.join(pairs)}"), style="dim")
 
 
 def _render(console: Any, report: WeightReport) -> None:
@@ -261,10 +389,11 @@ def _render(console: Any, report: WeightReport) -> None:
 
     stats = ("mean", "std", "min", "max", "ess")
     share_col = ["masked" if o.action == "mask" else "truncated"] if bounded else []
-    weights = _table(
+    weights = _Table(
         "Behavioural importance weights w",
-        ["mode", "agg", "tokens", "mean", "std", "min", "max", "ESS", *share_col],
-        left=2,
+        ["mode", "agg", "tokens"],
+        [["mean"], ["std"], ["min"], ["max"], ["ESS"], *([share_col] if share_col else [])],
+        number_labels=1,
     )
     notes = []
     for name, m in report.modes.items():
@@ -286,7 +415,7 @@ def _render(console: Any, report: WeightReport) -> None:
                 *(["n/a" if share is None else f"{share:.1%}"] if bounded else []),
                 end_section=i == len(levels) - 1,
             )
-    console.print(weights)
+    weights.print(console)
     if report.uncorrectable:
         notes.append(
             f"segment_wise: {report.uncorrectable} stale tokens have no π_{{v+1}} (their window closed); "
@@ -295,26 +424,31 @@ def _render(console: Any, report: WeightReport) -> None:
     for note in notes:
         console.print(note)
 
-    div = _table(
-        "Divergence from π_behav (training policy = the mode's target)", ["mode", "target", *DIVERGENCES], left=2
+    if report.mask_options.any:
+        _render_masks(console, report)
+
+    div = _Table(
+        "Divergence from π_behav (training policy = the mode's target)",
+        ["mode", "target"],
+        [[d] for d in DIVERGENCES],
+        spill=1,
     )
     for name, m in report.modes.items():
         values = [_fmt(m.divergence[k]) for k in DIVERGENCES] if m.available else ["unavailable", "", "", ""]
         div.add_row(name, target(name), *values)
-    console.print(div)
+    div.print(console)
 
     show_unc = any(row.uncorrectable for row in report.lags)
-    lags = _table(
+    lags = _Table(
         "By staleness, lag = trainer version − token version (raw token weights)",
+        ["lag", "tokens"],
         [
-            "lag",
-            "tokens",
-            *("w_dec mean", "std", "ESS"),
-            *("w_seg mean", "std", "ESS"),
-            *("π_c/π_{v+1} mean", "std", "κ-clipped"),
-            *(["no π_{v+1}"] if show_unc else []),
+            ["w_dec mean", "std", "ESS"],
+            ["w_seg mean", "std", "ESS"],
+            ["π_c/π_{v+1} mean", "std", "κ-clipped"],
+            *([["no π_{v+1}"]] if show_unc else []),
         ],
-        left=0,
+        number_labels=2,
     )
     for row in report.lags:
         dec, seg, dropped = row.w_dec or {}, row.w_segment_wise or {}, row.dropped or {}
@@ -327,7 +461,7 @@ def _render(console: Any, report: WeightReport) -> None:
             "n/a" if row.drift_clipped is None else f"{row.drift_clipped:.1%}",
             *([str(row.uncorrectable)] if show_unc else []),
         )
-    console.print(lags)
+    lags.print(console)
     console.print(
         "w_seg = π_prox_t/π_behav, the segment-wise weight. π_c/π_{v+1} = w_dec / w_seg is the factor segment-wise drops: 1 at lag ≤ 1 (at lag 0 up to the "
         "engine–trainer mismatch); at lag ≥ 2 it is the bias segment-wise accepts for its lower variance. "
@@ -335,3 +469,17 @@ def _render(console: Any, report: WeightReport) -> None:
         "(segment_wise_drift keeps the rest of it).",
         style="dim",
     )
+
+
+def _render_masks(console: Any, report: WeightReport) -> None:
+    """Share of each mode's tokens that every configured mask drops (docs/inspect-weights.md)."""
+    from sdp_cli.analysis.inspect import MASKS
+
+    configured = [name for name in MASKS if any(name in m.masks for m in report.modes.values() if m.available)]
+    table = _Table("Masked tokens (share of the mode's tokens)", ["mode", "tokens"], [[c] for c in configured], number_labels=1)
+    for name, m in report.modes.items():
+        if not m.available:
+            continue
+        values = [m.masks.get(mask) for mask in configured]
+        table.add_row(name, str(m.tokens), *("n/a" if v is None else f"{v:.1%}" for v in values))
+    table.print(console)

@@ -46,9 +46,9 @@ def _register_commands() -> None:
     them (once: ``main`` may run many times in one process)."""
     if app.registered_groups:
         return
-    from sdp_cli.cli import ablate, inspect_weights, recompute, train
+    from sdp_cli.cli import ablate, export, inspect_weights, recompute, train
 
-    for module in (train, recompute, inspect_weights, ablate):
+    for module in (train, recompute, inspect_weights, ablate, export):
         app.add_typer(module.app)
 
 

@@ -22,7 +22,7 @@ app = typer.Typer()
 
 RECOMPUTE_HELP = """Recompute π_prox_t of saved batches from the run's per-version checkpoints.
 
-Every output token of version v < c (c: the batch's trainer version) is scored under the checkpoint of version v + 1; tokens of version c keep π_prox_t = π_behav. Needs a run trained with train.save_batches=true train.keep_version_checkpoints=true. Files are replaced atomically; see docs/recompute.md.
+Every output token of version v < c (c: the batch's trainer version) is scored under the checkpoint of version v + 1, in the run's engine dtype; tokens of version c keep π_prox_t = π_behav. Each batch gets a verdict (unchanged, dtype noise, DAMAGED) against a noise floor measured on its version-c tokens. Needs a run trained with train.save_batches=true train.keep_version_checkpoints=true. Files are replaced atomically; see docs/recompute.md.
 
 [bold]Examples[/bold]
 
@@ -223,6 +223,44 @@ def _pm(m: Any) -> str:
     return f"{m.mean:+.1e}±{m.std:.1e}"
 
 
+def _verdict(v: Any) -> str:
+    """A batch's verdict (sdp_cli/analysis/noise.py) in a few words; – when not judged."""
+    if v is None:
+        return "–"
+    if v.kind == "damaged":
+        parts = [f"{v.beyond} beyond the floor"] + ([f"{v.retagged} retagged"] if v.retagged else [])
+        return f"DAMAGED ({', '.join(parts)})"
+    if v.kind == "unverified":
+        return f"unverified ({v.beyond} > 1e-5, no floor)"
+    return v.kind
+
+
+def _floor(name: str, floor: Any) -> str:
+    if floor.tokens == 0:
+        return f"{name}: not measured"
+    return f"{name} mean {floor.mean_abs:.1e} max {floor.max_abs:.1e} over {floor.tokens} token(s), noise up to {floor.tolerance:.1e}"
+
+
+def _numerics_lines(result: RecomputeResult) -> list[str]:
+    """The run's dtypes and the noise floors the verdicts use (docs/recompute.md "Noise floor")."""
+    run = result.numerics
+    line = "the run: its engine's dtype is the checkpoints' (scored in it); no config.yaml (not a run's versions/)"
+    if run is not None:
+        source = "the trainer's π_prox for one-version-stale tokens" if run.trainer_fills_proximal_t else "the engine"
+        line = (
+            f"the run: its engine's dtype is the checkpoints' (scored in it); trainer {run.train_dtype}; "
+            f"π_prox_t from {source} ({run.source})"
+        )
+    floors = result.floors
+    return [
+        line,
+        "noise floor on version-c tokens, |Δ| against π_behav: "
+        + _floor("scorer vs the run's engine (judges π_prox_t)", floors["engine"])
+        + "; "
+        + _floor("trainer vs engine (with the first, judges π_prox)", floors["trainer"]),
+    ]
+
+
 def _print_report(result: RecomputeResult, dry_run: bool) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -240,6 +278,8 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
         f"{sum(w.tokens for w in result.work)} token(s) scored under {len(result.work)} checkpoint(s) "
         f"by the {escape(result.scorer)} in {result.seconds:.1f} s"
     )
+    for line in _numerics_lines(result):
+        console.print(escape(line))
     if result.work:
         table = Table("version", "scored", "π_prox_t", "π_prox", "sequences", "load s", "score s", box=None)
         for w in result.work:
@@ -253,9 +293,9 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
                 f"{w.score_seconds:.2f}",
             )
         console.print(table)
-    columns = ["batch", "c", "π_prox_t tokens", "mean |Δ|", "max |Δ|", "retagged"]
+    columns = ["batch", "c", "π_prox_t tokens", "mean |Δ|", "max |Δ|", "retagged", "π_prox_t"]
     if choice is not None:
-        columns += ["π_prox mean |Δ|", "max |Δ|"]
+        columns += ["π_prox mean |Δ|", "max |Δ|", "π_prox"]
     table = Table(*columns, box=None)
     table.columns[0].no_wrap = True
     for o in result.outcomes:
@@ -266,10 +306,11 @@ def _print_report(result: RecomputeResult, dry_run: bool) -> None:
             _fmt(o.proximal_t.mean_abs),
             _fmt(o.proximal_t.max_abs),
             str(o.retagged),
+            _verdict(o.proximal_t_verdict),
         ]
         if choice is not None:
             prox = o.proximal
-            row += [_fmt(prox and prox.mean_abs), _fmt(prox and prox.max_abs)]
+            row += [_fmt(prox and prox.mean_abs), _fmt(prox and prox.max_abs), _verdict(o.proximal_verdict)]
         table.add_row(*row)
     console.print(table)
     if result.lags:

@@ -5,20 +5,30 @@ composes explicitly: schema (ConfigStore) + ``sdp_cli/conf`` groups + the user's
 directory (``--config-dir``, its YAML files are more options of the same groups) +
 command-line overrides, checked strictly (``sdp_cli/config/overrides.py``). ``--config-name``
 picks a primary config of the user's directory instead of sdp's ``config``; it builds on sdp's
-by listing ``config`` first in its defaults (docs/tasks.md).
+by listing ``config`` first in its defaults (docs/tasks.md). The user's YAML files, the
+overrides and the interpolations are held to the budgets of ``sdp_cli/config/limits.py``
+before Hydra or OmegaConf reads or resolves them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.config.limits import (
+    check_config_dir,
+    check_interpolations,
+    config_files,
+    load_yaml_file,
+    read_yaml_file,
+    yaml_error_line,
+)
 from sdp_cli.config.overrides import HELP_HINT, check_overrides, schema_keys, unknown_key_message, unknown_keys
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.config.validation import ConfigValueError, validate
@@ -79,7 +89,7 @@ def config_source(config_dir: str | Path | None, config_name: str | None) -> Con
     if "'" in str(directory) or "," in str(directory):
         raise UserError(f"--config-dir {directory}: the path may not contain quotes or commas; move or rename it")
     builtin = builtin_dir()
-    for path in sorted(directory.rglob("*.yaml")):
+    for path in config_files(directory):
         relative = path.relative_to(directory)
         if (builtin / relative).is_file():
             group = relative.parent.as_posix()
@@ -121,29 +131,29 @@ def _line_of(path: Path, key: str) -> int | None:
     return None
 
 
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return chain
+
+
 def _explain(exc: BaseException, source: ConfigSource) -> str:
     """A one-line explanation of a Hydra / OmegaConf / YAML composition error."""
     import yaml
     from hydra.errors import MissingConfigException
     from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, ValidationError
 
-    chain: list[BaseException] = []
-    cur: BaseException | None = exc
-    while cur is not None and cur not in chain:
-        chain.append(cur)
-        cur = cur.__cause__ or cur.__context__
+    chain = _chain(exc)
     match = re.search(r"In '([^']+)'", str(exc))
     origin = _config_file(match.group(1), source) if match else None
 
     for err in chain:
         if isinstance(err, yaml.YAMLError):
-            mark = getattr(err, "problem_mark", None)
-            where = f"{mark.name}:{mark.line + 1}" if mark is not None else "a config file"
-            problem = getattr(err, "problem", None) or _first_line(err)
-            context, context_mark = getattr(err, "context", None), getattr(err, "context_mark", None)
-            if context and context_mark is not None:
-                problem += f", {context} at line {context_mark.line + 1}"
-            return f"{where}: not valid YAML ({problem}); fix the file"
+            return yaml_error_line(err)
         if isinstance(err, MissingConfigException):
             found = re.search(r"Could not find '([^']+)'", str(err))
             missing = found.group(1) if found else _first_line(err)
@@ -196,7 +206,9 @@ def hydra_initialized(source: ConfigSource) -> Iterator[list[str]]:
     if source.config_dir is None:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             yield []
-    elif source.config_name == PRIMARY:
+        return
+    check_config_dir(Path(source.config_dir))  # before Hydra reads any of its files
+    if source.config_name == PRIMARY:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
             yield [f"hydra.searchpath=['file://{source.config_dir}']"]
     else:
@@ -213,25 +225,155 @@ def compose_dict(overrides: list[str], *, source: ConfigSource = ConfigSource())
     try:
         with hydra_initialized(source) as search:
             cfg = compose(config_name=source.config_name, overrides=[*search, *overrides])
+    except UserError:
+        raise
     except Exception as exc:  # every Hydra/OmegaConf failure becomes one line
+        if any(isinstance(e, RecursionError) for e in _chain(exc)):  # Hydra follows a defaults cycle
+            raise UserError(_defaults_cycle(source)) from None  # until the interpreter stops it
+        if not _builds_on_sdp(source):  # the failure was the user primary's, whatever it said
+            raise UserError(_not_sdp_primary(source)) from exc
         raise UserError(_explain(exc, source)) from exc
     if OmegaConf.get_type(cfg) is not SdpConfig:
-        primary = Path(source.config_dir or "") / f"{source.config_name}.yaml"
-        raise UserError(f"{primary} does not build on sdp's config; make its first defaults entry `- config`")
+        raise UserError(_not_sdp_primary(source))
     unknown = unknown_keys(cfg)
     if unknown:
         raise UserError(unknown_key_message(unknown[0]))
+    check_interpolations(OmegaConf.to_container(cfg, resolve=False))
     return cfg
 
 
-def to_config(cfg: Any) -> SdpConfig:
-    """Resolve interpolations, build the typed config and validate every value."""
+def _not_sdp_primary(source: ConfigSource) -> str:
+    primary = Path(source.config_dir or "") / f"{source.config_name}.yaml"
+    return f"{primary} does not build on sdp's config; make its first defaults entry `- config`"
+
+
+def _builds_on_sdp(source: ConfigSource) -> bool:
+    """Whether the primary config composes, alone, to sdp's schema (True when it does not
+    compose at all: its own error then says more)."""
+    if source.config_name == PRIMARY:
+        return True
+    from hydra import compose
+    from omegaconf import OmegaConf
+
+    try:
+        with hydra_initialized(source) as search:
+            return OmegaConf.get_type(compose(config_name=source.config_name, overrides=search)) is SdpConfig
+    except Exception:
+        return True
+
+
+def _defaults_entries(path: Path, group: str) -> list[str]:
+    """The config paths (``task/x``) that the defaults list of ``path``, a config of ``group``,
+    names: plain entries relative to the group, ``/abs`` ones absolute, ``{group: option}``."""
+    data = load_yaml_file(path)
+    defaults = data.get("defaults") if isinstance(data, dict) else None
+    found: list[str] = []
+
+    def joined(name: str) -> str:
+        name = name.split("@")[0].strip()
+        return name.lstrip("/") if name.startswith("/") or not group else f"{group}/{name}"
+
+    for entry in defaults if isinstance(defaults, list) else []:
+        if isinstance(entry, str) and entry != "_self_":
+            found.append(joined(entry))
+        elif isinstance(entry, dict):
+            for key, options in entry.items():
+                key = str(key).split()[-1]  # "override task", "optional task"
+                for option in options if isinstance(options, list) else [options]:
+                    if isinstance(option, str):
+                        found.append(f"{joined(key)}/{option}")
+    return found
+
+
+def _defaults_cycle(source: ConfigSource) -> str:
+    """One line naming a cycle of the defaults lists of the user's configs (Hydra reports one as
+    "maximum recursion depth exceeded")."""
+    if source.config_dir is None:
+        return "sdp's config groups include each other in a cycle; reinstall sdp"
+    root = Path(source.config_dir)
+    graph = {}
+    for path in config_files(root):
+        group = path.parent.relative_to(root).as_posix().strip(".")
+        graph[path.relative_to(root).with_suffix("").as_posix()] = _defaults_entries(path, group)
+
+    def walk(node: str, trail: list[str]) -> list[str] | None:
+        if node in trail:
+            return [*trail[trail.index(node):], node]
+        for nxt in graph.get(node, []):
+            cycle = walk(nxt, [*trail, node])
+            if cycle:
+                return cycle
+        return None
+
+    for start in [source.config_name, *sorted(graph)]:
+        cycle = walk(start, [])
+        if cycle:
+            return (
+                f"{root}: the defaults lists include each other in a cycle ({' → '.join(cycle)}); "
+                "remove one of the entries"
+            )
+    return f"{root}: a defaults list includes itself through others (a cycle); remove the cycle"
+
+
+def _raw_value(cfg: Any, key: str) -> Any:
+    """``key`` of a composed config as written, interpolations unresolved (None when absent)."""
+    from omegaconf import OmegaConf
+
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _file_line_setting(source: ConfigSource, key: str, text: str) -> str | None:
+    """``file:line`` of the config file line that sets ``key`` (its last part) to ``text``; the
+    files of the group named by the key's first part are searched first."""
+    roots = [Path(source.config_dir)] if source.config_dir else []
+    files = [path for root in roots for path in config_files(root)] + sorted(builtin_dir().rglob("*.yaml"))
+    files.sort(key=lambda path: path.parent.name != key.split(".")[0])
+    name = re.escape(key.rpartition(".")[2])
+    for path in files:
+        for number, line in enumerate(read_yaml_file(path).splitlines(), start=1):
+            if text in line and re.match(rf"\s*['\"]?{name}['\"]?\s*:", line):
+                return f"{path}:{number}"
+    return None
+
+
+def _explain_resolution(exc: BaseException, cfg: Any, source: ConfigSource, overrides: list[str]) -> str:
+    """One line for an interpolation that does not resolve: the file and line that set it (or
+    the key, when an override did), the key and what is wrong."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    err = next((e for e in _chain(exc) if isinstance(e, InterpolationResolutionError) and getattr(e, "full_key", None)), None)
+    if err is None:
+        return _explain(exc, source)
+    key = str(err.full_key)
+    env = re.search(r"Environment variable '([^']+)' not found", str(err))
+    if env:
+        var = env.group(1)
+        problem = f"environment variable {var} is not set; export it or give a default, ${{oc.env:{var},default}}"
+    else:
+        problem = _first_line(err)
+    text = _raw_value(cfg, key)
+    set_here = any(o.lstrip("+~").partition("=")[0] == key for o in overrides)
+    where = None if set_here or not isinstance(text, str) else _file_line_setting(source, key, text)
+    return f"{where + ': ' if where else ''}{key}: {problem}"
+
+
+def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequence[str] = ()) -> SdpConfig:
+    """Resolve interpolations, build the typed config and validate every value; ``source`` and
+    ``overrides`` (what ``cfg`` was composed from) locate an interpolation that does not resolve."""
     from omegaconf import OmegaConf
 
     try:
         obj = OmegaConf.to_object(cfg)
     except Exception as exc:
-        raise UserError(_explain(exc, ConfigSource())) from exc
+        raise UserError(_explain_resolution(exc, cfg, source, list(overrides))) from exc
     assert isinstance(obj, SdpConfig), f"composed config is {type(obj).__name__}, not SdpConfig"
     try:
         validate(obj)
@@ -243,7 +385,7 @@ def to_config(cfg: Any) -> SdpConfig:
 def compose_config(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> tuple[SdpConfig, Any]:
     """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors."""
     cfg = compose_dict(overrides, source=source)
-    return to_config(cfg), cfg
+    return to_config(cfg, source, overrides), cfg
 
 
 def to_yaml(cfg: Any) -> str:

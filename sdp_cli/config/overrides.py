@@ -15,6 +15,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from sdp_cli.config.limits import check_override_sizes
 from sdp_cli.errors import UserError
 
 HELP_HINT = "run `sdp train --help-config` for every key"
@@ -40,7 +41,9 @@ def _parse(overrides: list[str]) -> list[Any]:
 
 def check_overrides(overrides: list[str]) -> list[str]:
     """The overrides ``sdp train`` composes: sweeps, deletions, options and ``hydra.*`` keys
-    without an sdp meaning are refused in one line; ``hydra.run.dir=D`` becomes ``run.dir=D``."""
+    without an sdp meaning are refused in one line; ``hydra.run.dir=D`` becomes ``run.dir=D``.
+    Overrides too many, long or itemised to parse quickly are refused first (sdp_cli/config/limits.py)."""
+    check_override_sizes(overrides)
     for override in overrides:
         if override in ("-m", "--multirun"):
             raise UserError(f"{override}: {SWEEP_HINT}")
@@ -88,12 +91,25 @@ def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
     return keys
 
 
+#: what the same section adds to a candidate's score in :func:`nearest_key`: a typo inside the
+#: right group wins over a similar name elsewhere, a whole name elsewhere wins over a typo
+SAME_SECTION_BONUS = 0.1
+
+
 def nearest_key(key: str) -> str:
-    """The valid key closest to ``key``, preferring keys of the same section."""
-    keys = schema_keys()
-    section = key.rpartition(".")[0]
-    same = [k for k in keys if k.rpartition(".")[0] == section] if section in keys else []
-    return (difflib.get_close_matches(key, same or keys, n=1, cutoff=0.0) or keys)[0]
+    """The valid key closest to ``key``, found by its last part in every section: a key set in
+    the wrong group (``train.reward_workers``) names the group that has it (``task.``).
+
+    Score = similarity of the last parts (difflib's ratio) + ``SAME_SECTION_BONUS`` for the same
+    section; ties go to the key spelled most like the whole of ``key``."""
+    section, _, leaf = key.rpartition(".")
+
+    def score(candidate: str) -> tuple[float, float]:
+        c_section, _, c_leaf = candidate.rpartition(".")
+        near = difflib.SequenceMatcher(None, leaf, c_leaf).ratio() + SAME_SECTION_BONUS * (c_section == section)
+        return near, difflib.SequenceMatcher(None, key, candidate).ratio()
+
+    return max(schema_keys(), key=score)
 
 
 def _mapping_keys(cls: type | None = None, prefix: str = "") -> list[str]:

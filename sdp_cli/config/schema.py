@@ -27,11 +27,15 @@ class RejectionConfig:
     """Rejection sampling on the behavioural log ratio (masks tokens; independent of the weights)."""
 
     level: str | None = None
-    """token | sequence | geometric; null turns the ratio bounds off (a veto still applies)."""
+    """token | sequence (sum over the tokens) | geometric (mean) | max (k2/k3 only); null turns the bounds
+    off (a veto still applies)."""
+    metric: str = "ratio"
+    """ratio (π_x/π_behav) | k2 (½lr²) | k3 (e^lr − 1 − lr): what is bounded, lr = log π_x − log π_behav
+    (verl's k2/k3; verl's k1 bounds are ratio bounds mirrored, docs/math.md §3)."""
     upper: float = 2.0
-    """keep where ratio <= upper."""
+    """keep where the ratio (or the divergence, in nats) <= upper."""
     lower: float | None = None
-    """keep where ratio >= lower; null means 1/upper."""
+    """keep where ratio >= lower; null means 1/upper (metric=ratio only)."""
     veto: float | None = None
     """drop a whole sequence if any token's ratio is below this, with or without level (verl's
     token veto); null = no veto."""
@@ -68,13 +72,23 @@ class LossConfig:
     """seq-mean-token-sum-norm: the constant length L of Σ_i s_i / (L · sequences per optimizer
     step) (docs/math.md §5.2); null = rollout.max_new_tokens (the task's budget by default)."""
     loss_type: str = "ppo_clip"
-    """ppo_clip | reinforce (−A·log π_θ·w)."""
+    """ppo_clip | reinforce (−A·log π_θ·w) | cispo (−sg(clip(r))·A·log π_θ·w, §9.5) | dppo (probability
+    trust-region mask, §9.6; docs/math.md)."""
     ratio_level: str = "token"
     """token | sequence: the PPO ratio per token, or per sequence as exp(mean_t log π_θ/π_anchor), one
     clip decision per sequence (GSPO; AReaL/TRL call it importance_sampling_level; docs/math.md §9.3)."""
     m2_threshold: float | None = None
     """M2PO: drop the tokens with the largest squared behavioural log ratio until the batch's mean of
     it is below this (AReaL m2_threshold, 0.04 in the paper; docs/math.md §9.2); null = off."""
+    opsm_delta: float | None = None
+    """OPSM: zero the loss of a negative-advantage sequence whose mean log π_behav − log π_θ exceeds this,
+    at every optimizer step (TRL off_policy_mask_threshold; docs/math.md §9.4); null = off."""
+    dppo_kl_coef: float = 0.0
+    """loss_type=dppo: weight of (log π_θ − log π_anchor)² on every token (prime-rl kl_tau, 1e-3 there;
+    docs/math.md §9.6); 0 = off."""
+    proximal_source: str = "forward"
+    """forward (π_prox from the trainer's forward) | loglinear (A-3PO: interpolated between π_behav and
+    π_θ by staleness, no forward; mode=decoupled only; AReaL prox_logp_method; docs/math.md §9.7)."""
     scale_adv_by_std: bool = True
     """GRPO advantages divide by the group std; false gives Dr.GRPO."""
     drift_clip: float | None = None
@@ -166,7 +180,7 @@ class TrainConfig:
     """give up (with a resumable checkpoint) if no batch arrives for this long."""
     dtype: str = "float32"
     """float32 | bfloat16: bfloat16 computes under autocast with float32 master weights and optimizer
-    state (a LoRA base model is stored in bfloat16); the local engine then runs bfloat16 weights."""
+    state (a LoRA base model is stored in bfloat16); the local engine follows unless engine.dtype is set."""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in backward instead of storing them (less memory, ~30% slower)."""
     share_prefixes: bool = True
@@ -203,8 +217,9 @@ class EngineConfig:
     """remote engines: address to bind a launched server to (loopback by default)."""
     port: int = 0
     """remote engines: port for a launched server; 0 = pick a free one."""
-    dtype: str = "float32"
-    """remote engines: weight dtype of a launched server."""
+    dtype: str | None = None
+    """dtype the engine holds the weights in and samples/scores with: float32 | bfloat16 (local engine;
+    launched servers also float16, auto); null = train.dtype for the local engine, float32 for servers."""
     startup_timeout_s: float = 300.0
     """remote engines: how long to wait for a launched server to become ready."""
     request_timeout_s: float = 300.0
@@ -254,7 +269,7 @@ class ModelConfig:
     """The policy model (group `model`)."""
 
     kind: str = "tiny"
-    """tiny (built from code + warm start) | hf (a local Hugging Face model directory)."""
+    """tiny (built from code + warm start) | hf (a Hugging Face model: a local directory, a hub id or a .gguf file; model.path)."""
     path: str | None = None
     """hf: the model directory (tokenizer included), a hub id (org/name), or a .gguf file
     (dequantised to float32; install the gguf extra)."""
@@ -351,6 +366,14 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     return cfg.rollout.recompute == "always" or (
         cfg.rollout.recompute == "auto" and resolve_mode(cfg.loss.mode).reads_proximal_t
     )
+
+
+def engine_weight_dtype(cfg: "SdpConfig") -> str:
+    """The dtype the engine's weights are held in (``engine.dtype``, resolved): as set, or when null
+    ``train.dtype`` for the local engine and float32 for a server (docs/engines.md "Engine dtype")."""
+    if cfg.engine.dtype is not None:
+        return cfg.engine.dtype
+    return cfg.train.dtype if cfg.engine.kind == "local" else "float32"
 
 
 @dataclass

@@ -4,7 +4,10 @@ the key, the value and what is allowed (the schema is ``sdp_cli/config/schema.py
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+import os
+import types
+import typing
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 from sdp_cli.choices import (
@@ -17,9 +20,12 @@ from sdp_cli.choices import (
     LOSS_TYPES,
     MODEL_KINDS,
     PARALLEL_MODES,
+    PROXIMAL_SOURCES,
     PROXIMAL_T_SOURCES,
     RATIO_LEVELS,
     RECOMPUTE_POLICIES,
+    REJECTION_LEVELS,
+    REJECTION_METRICS,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
@@ -84,11 +90,83 @@ def _check_sequence_ratio(loss: LossConfig) -> None:
         )
 
 
+def _check_rejection(loss: LossConfig) -> None:
+    """The bounds of ``loss.rejection`` (docs/math.md §3): a ratio in [lower, upper], or a divergence
+    (k2, k3; verl's) at most upper, aggregated per sequence by sum, mean or max."""
+    rej = loss.rejection
+    _choice("loss.rejection.metric", rej.metric, REJECTION_METRICS)
+    if rej.level is None:
+        if rej.metric != "ratio":
+            raise ConfigValueError(
+                f"loss.rejection.metric={rej.metric} is bounded only with a level; "
+                "set loss.rejection.level (token, sequence, geometric or max) or loss.rejection.metric=ratio"
+            )
+        return
+    _choice("loss.rejection.level", rej.level, REJECTION_LEVELS)
+    _positive("loss.rejection.upper", rej.upper)
+    if rej.metric != "ratio":
+        if rej.lower is not None:
+            raise ConfigValueError(
+                f"loss.rejection.lower={rej.lower} bounds a ratio, but loss.rejection.metric={rej.metric} is a "
+                "divergence, bounded by loss.rejection.upper only; set loss.rejection.lower=null"
+            )
+        return
+    if rej.level == "max":
+        raise ConfigValueError(
+            "loss.rejection.level=max takes a sequence's largest divergence, which a ratio is not; "
+            "use loss.rejection.metric=k2 or k3, or level=token to bound every token's ratio"
+        )
+    _positive("loss.rejection.lower", rej.lower, allow_none=True)
+    lower = rej.lower if rej.lower is not None else 1.0 / rej.upper
+    if lower > rej.upper:
+        raise ConfigValueError(f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}")
+
+
+def _check_loss_variant(loss: LossConfig) -> None:
+    """What only some policy losses have (docs/math.md §5.1, §9.5, §9.6): the dual clip bounds the
+    PPO clip's loss, the DPPO penalty belongs to DPPO."""
+    if loss.dual_clip is not None and loss.loss_type != "ppo_clip":
+        raise ConfigValueError(
+            f"loss.dual_clip bounds the PPO clip's loss, which loss.loss_type={loss.loss_type} does not have; "
+            "set loss.dual_clip=null or loss.loss_type=ppo_clip"
+        )
+    _positive("loss.dppo_kl_coef", loss.dppo_kl_coef, strict=False)
+    if loss.dppo_kl_coef and loss.loss_type != "dppo":
+        raise ConfigValueError(
+            f"loss.dppo_kl_coef={loss.dppo_kl_coef} is DPPO's penalty; set loss.loss_type=dppo or loss.dppo_kl_coef=0"
+        )
+
+
+def _check_proximal_source(cfg: SdpConfig, mode: Mode) -> None:
+    """A-3PO's interpolated π_prox (docs/math.md §9.7) replaces the decoupled π_prox inside each
+    optimizer step; what needs the batch's π_prox before the update cannot have it."""
+    loss = cfg.loss
+    _choice("loss.proximal_source", loss.proximal_source, PROXIMAL_SOURCES)
+    if loss.proximal_source == "forward":
+        return
+    if mode.name != "decoupled":
+        raise ConfigValueError(
+            f"loss.proximal_source=loglinear (A-3PO) approximates the decoupled π_prox; loss.mode={loss.mode} "
+            "does not use it: use mode=decoupled (or +preset=a3po), or loss.proximal_source=forward"
+        )
+    needs_batch_prox = (
+        ("loss.rejection", loss.rejection.level is not None or loss.rejection.veto is not None),
+        ("loss.m2_threshold", loss.m2_threshold is not None),
+        ("rollout.recompute=always", cfg.rollout.recompute == "always"),
+    )
+    for key, used in needs_batch_prox:
+        if used:
+            raise ConfigValueError(
+                f"{key} reads the batch's π_prox before the update, which loss.proximal_source=loglinear "
+                "(A-3PO) never computes; turn it off or use loss.proximal_source=forward"
+            )
+
+
 def _check_without_weight(loss: LossConfig) -> None:
     """Refuse what a mode without a weight (bypass) would ignore (docs/training.md, "bypass"): it
     has no behavioural log ratio to reject on, and with ppo_clip no behavioural weight to bound
     (the PPO ratio π_θ/π_behav is clipped by loss.clip); reinforce's importance weight
-    π_θ/π_behav is bounded."""
+    π_θ/π_behav is bounded (cispo and dppo bound π_θ/π_behav by loss.clip, as ppo_clip does)."""
     if loss.rejection.level is not None or loss.rejection.veto is not None:
         raise ConfigValueError(
             f"loss.rejection needs a behavioural log ratio, which loss.mode={loss.mode} does not have; "
@@ -99,10 +177,10 @@ def _check_without_weight(loss: LossConfig) -> None:
             f"loss.m2_threshold (M2PO) masks by the behavioural log ratio, which loss.mode={loss.mode} does not "
             "have; set loss.m2_threshold=null or use mode=decoupled"
         )
-    if loss.loss_type != "ppo_clip":
+    if loss.loss_type == "reinforce":
         return
     instead = (
-        f"which loss.mode={loss.mode} with loss.loss_type=ppo_clip does not have "
+        f"which loss.mode={loss.mode} with loss.loss_type={loss.loss_type} does not have "
         "(loss.clip bounds its ratio π_θ/π_behav)"
     )
     for key, value in (("weight_cap", loss.weight_cap), ("weight_floor", loss.weight_floor)):
@@ -143,9 +221,136 @@ def _check_url(url: Any) -> None:
 #: the largest |seed|: 2**62 leaves room in int64 for the offsets sdp adds to it
 MAX_SEED = 2**62
 
+# Upper bounds of the numbers a user sets (docs/reliability.md, "Config input limits"): an
+# absurd count failed late or crashed (train.threads=20000 in libgomp after the run directory
+# was made, 50000 a segfault). Counts of threads and workers follow the machine's CPUs, sizes
+# that take memory the machine's memory, the rest fixed bounds well above any real use.
+#: torch threads per CPU: more only oversubscribe the cores
+THREADS_PER_CPU = 4
+#: reward workers per CPU (an I/O-bound reward function may use more than one per core)
+REWARD_WORKERS_PER_CPU = 8
+#: any integer of the config; larger ones overflow the 32-bit fields of libraries (OpenMP, CUDA)
+MAX_INT = 2**31 - 1
+#: tokens of one sequence (prompt or response): the longest context of any model, 1 Mi
+MAX_TOKENS = 1 << 20
+#: samples per training batch or engine batch (batch_groups·group_size); twice that in flight
+MAX_SAMPLES = 1 << 16
+#: engine.retries: the backoff doubles per retry (2.0**1024 overflows); 8 s apart at most
+MAX_RETRIES = 100
+#: model.lora.r: at most the width of the widest layers; a larger rank is no longer low-rank
+MAX_LORA_RANK = 4096
+#: bytes per parameter to train the tiny model: float32 weights, gradients, AdamW's two moments
+TRAIN_BYTES_PER_PARAMETER = 16
+
+#: fixed upper bounds of single keys (None values are unset and not checked)
+COUNT_BOUNDS: dict[str, int] = {
+    "rollout.max_new_tokens": MAX_TOKENS,
+    "train.eval_max_new_tokens": MAX_TOKENS,
+    "loss.norm_length": MAX_TOKENS,
+    "engine.max_model_len": MAX_TOKENS,
+    "task.max_prompt_tokens": MAX_TOKENS,
+    "engine.max_batch_size": MAX_SAMPLES,
+    "model.warm_start_batch": MAX_SAMPLES,
+    "engine.retries": MAX_RETRIES,
+    "model.lora.r": MAX_LORA_RANK,
+}
+
+
+def machine_cpus() -> int:
+    """CPUs of this machine (``os.cpu_count``)."""
+    return os.cpu_count() or 1
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _integer_keys(cls: type, prefix: str = "") -> list[str]:
+    """Dotted keys of every ``int`` / ``int | None`` field of the schema dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        if is_dataclass(hint):
+            keys += _integer_keys(hint, f"{prefix}{f.name}.")
+        elif hint is int or (typing.get_origin(hint) in (typing.Union, types.UnionType) and int in typing.get_args(hint)):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _per_cpu(key: str, value: int | None, per_cpu: int) -> None:
+    cpus = machine_cpus()
+    if value is not None and value > per_cpu * cpus:
+        raise ConfigValueError(
+            f"{key}={value} is more than {per_cpu} per CPU ({per_cpu * cpus} on this machine's {cpus} CPUs); "
+            f"choose at most {per_cpu * cpus}"
+        )
+
+
+def _samples(what: str, groups_key: str, groups: int, group_size: int, bound: int) -> None:
+    if groups * group_size > bound:
+        raise ConfigValueError(
+            f"{groups_key}={groups} × rollout.group_size={group_size} = {groups * group_size} samples {what} "
+            f"is more than {bound}; use fewer or smaller groups"
+        )
+
+
+def _tiny_model_parameters(mdl: Any) -> int:
+    """A lower bound of the tiny model's parameters: L·(4·h² + 3·h·i) (attention with as many
+    key/value heads as query heads, a gated MLP; embeddings left out)."""
+    h, i = mdl.hidden_size, mdl.intermediate_size
+    return mdl.num_layers * (4 * h * h + 3 * h * i)
+
+
+def _check_integer_sizes(cfg: SdpConfig) -> None:
+    """Every integer but the seed within ±``MAX_INT`` (checked first: the other checks may turn
+    one into a float, which a 400-digit integer overflows)."""
+    for key in _integer_keys(SdpConfig):
+        value = _value(cfg, key)
+        if isinstance(value, int) and key != "seed" and abs(value) > MAX_INT:
+            raise ConfigValueError(f"{key}={value} is more than {MAX_INT} (2**31 - 1) in size; choose a smaller number")
+
+
+def _check_bounds(cfg: SdpConfig) -> None:
+    """The upper bounds of docs/reliability.md, "Config input limits"; one line naming the key."""
+    for key, bound in COUNT_BOUNDS.items():
+        value = _value(cfg, key)
+        if value is not None and value > bound:
+            raise ConfigValueError(f"{key}={value} is more than {bound}, the most sdp takes; choose a smaller number")
+    _per_cpu("train.threads", cfg.train.threads, THREADS_PER_CPU)
+    _per_cpu("task.reward_workers", cfg.task.reward_workers, REWARD_WORKERS_PER_CPU)
+    ro = cfg.rollout
+    _samples("per batch", "rollout.batch_groups", ro.batch_groups, ro.group_size, MAX_SAMPLES)
+    if ro.max_concurrent_rollouts is not None:
+        _samples("in flight", "rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, ro.group_size, 2 * MAX_SAMPLES)
+    memory = machine_memory_bytes()
+    kv = cfg.engine.cpu_kv_cache_gib
+    if kv is not None and kv * 2**30 > memory:
+        raise ConfigValueError(
+            f"engine.cpu_kv_cache_gib={kv} is more than this machine's memory ({memory / 2**30:.0f} GiB); choose less"
+        )
+    mdl = cfg.model
+    if mdl.kind == "tiny":
+        params = _tiny_model_parameters(mdl)
+        need = params * TRAIN_BYTES_PER_PARAMETER
+        if need > memory:
+            raise ConfigValueError(
+                f"the tiny model (model.hidden_size={mdl.hidden_size}, model.num_layers={mdl.num_layers}, "
+                f"model.intermediate_size={mdl.intermediate_size}) has at least {params / 1e9:.1f} G parameters, "
+                f"{need / 2**30:.0f} GiB to train, more than this machine's {memory / 2**30:.0f} GiB; make it smaller"
+            )
+
 
 def validate(cfg: SdpConfig) -> None:
     """Check every value a user can set; raise ConfigValueError naming the first bad key."""
+    _check_integer_sizes(cfg)
     # torch.manual_seed takes an int64, and sdp derives seeds by adding small offsets
     if not isinstance(cfg.seed, int) or abs(cfg.seed) > MAX_SEED:
         raise ConfigValueError(f"seed={cfg.seed} must be an integer between -{MAX_SEED} and {MAX_SEED} (2**62)")
@@ -184,17 +389,11 @@ def validate(cfg: SdpConfig) -> None:
     _positive("loss.clip_high", loss.clip_high, allow_none=True)
     if loss.dual_clip is not None and not 1 < loss.dual_clip < math.inf:
         raise ConfigValueError(f"loss.dual_clip={loss.dual_clip} must be > 1 (or null to turn it off)")
-    rej = loss.rejection
-    if rej.level is not None:
-        _choice("loss.rejection.level", rej.level, IS_LEVELS)
-        _positive("loss.rejection.upper", rej.upper)
-        _positive("loss.rejection.lower", rej.lower, allow_none=True)
-        lower = rej.lower if rej.lower is not None else 1.0 / rej.upper
-        if lower > rej.upper:
-            raise ConfigValueError(
-                f"loss.rejection.lower={lower} is above loss.rejection.upper={rej.upper}"
-            )
-    _positive("loss.rejection.veto", rej.veto, allow_none=True)
+    _check_rejection(loss)
+    _positive("loss.rejection.veto", loss.rejection.veto, allow_none=True)
+    _check_loss_variant(loss)
+    _positive("loss.opsm_delta", loss.opsm_delta, allow_none=True, strict=False)
+    _check_proximal_source(cfg, mode)
     if not mode.has_weight:
         _check_without_weight(loss)
 
@@ -273,7 +472,13 @@ def validate(cfg: SdpConfig) -> None:
     _positive("engine.retries", eng.retries, strict=False)
     _timeout("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
     _positive("engine.max_consecutive_faults", eng.max_consecutive_faults)
-    _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+    if eng.dtype is not None:
+        _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
+    if eng.kind == "local" and eng.dtype not in (None, *TRAIN_DTYPES):
+        raise ConfigValueError(
+            f"engine.dtype={eng.dtype} is for launched servers; the local engine runs float32 or bfloat16 "
+            "(null follows train.dtype)"
+        )
     _positive("engine.max_model_len", eng.max_model_len, allow_none=True)
     _positive("engine.cpu_kv_cache_gib", eng.cpu_kv_cache_gib, allow_none=True)
     if eng.reload_method is not None:
@@ -309,6 +514,7 @@ def validate(cfg: SdpConfig) -> None:
         raise ConfigValueError("run.project is empty; name the W&B project / MLflow experiment (default sdp)")
 
     _validate_task(cfg.task)
+    _check_bounds(cfg)
 
 
 def _validate_task(task: TaskConfig) -> None:

@@ -1,6 +1,7 @@
-"""Policy-gradient loss: PPO clip (with clip-higher and dual clip) or REINFORCE (docs/math.md §5).
+"""Policy-gradient loss: PPO clip (with clip-higher and dual clip), REINFORCE, CISPO or DPPO
+(docs/math.md §5, §9).
 
-The clip ratio is r = π_θ / π_prox (the caller passes π_behav as the anchor in bypass mode); the
+The ratio is r = π_θ / π_prox (the caller passes π_behav as the anchor in bypass mode); the
 behavioural weight w (``weights``, from ``sdp_cli.core.weights``) multiplies the per-token loss
 and is never differentiated.
 """
@@ -125,16 +126,20 @@ def policy_loss(
     loss_type: str = "ppo_clip",
     denominator: float | Tensor | None = None,
     ratio_level: str = "token",
+    dppo_kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """Aggregated policy loss and its metrics (docs/math.md §5).
 
-    ppo_clip: ℓ = max(−A·r, −A·clip(r, 1−ε, 1+ε_high)) with r = exp(clamp(lp − prox, ±20));
-    with dual clip c, ℓ = min(ℓ, c·|A|) where A < 0. ``ratio_level="sequence"`` (GSPO,
-    docs/math.md §9.3) takes r per sequence, the length-normalised s_i = exp(mean_t(lp − prox)),
-    for every token of row i. reinforce: ℓ = −A·lp, with ``weights`` the detached importance
-    weight π_θ/π_behav (the caller recomputes it for every optimizer step). Then ℓ·w, and
-    ``agg`` reduces over valid tokens, dividing by ``denominator`` when given (``_aggregate``).
-    Only ``logprobs`` receives a gradient.
+    With r = exp(clamp(lp − prox, ±20)) (``proximal_logprobs`` is the mode's anchor):
+    ppo_clip: ℓ = max(−A·r, −A·clip(r, 1−ε, 1+ε_high)); with dual clip c, ℓ = min(ℓ, c·|A|)
+    where A < 0 (the other losses have no dual clip). ``ratio_level="sequence"`` (GSPO, docs/math.md §9.3) takes r per sequence, the
+    length-normalised s_i = exp(mean_t(lp − prox)), for every token of row i.
+    reinforce: ℓ = −A·lp, with ``weights`` the detached importance weight π_θ/π_behav (the caller
+    recomputes it for every optimizer step). cispo (§9.5): ℓ = −sg(clip(r, 1−ε, 1+ε_high))·A·lp.
+    dppo (§9.6): ℓ = −keep·A·r + ``dppo_kl_coef``·(lp − prox)², keep = 0 where A > 0 and
+    π_θ − π_anchor > ε_high or A ≤ 0 and π_θ − π_anchor < −ε (probabilities).
+    Then ℓ·w, and ``agg`` reduces over valid tokens, dividing by ``denominator`` when given
+    (``_aggregate``). Only ``logprobs`` receives a gradient.
     """
     check_float_tensor("logprobs", logprobs)
     check_2d("logprobs", logprobs)
@@ -154,20 +159,31 @@ def policy_loss(
     check_number("clip_high", clip_high, above=0)
     if dual_clip is not None:
         check_number("dual_clip", dual_clip, above=1)
+    check_number("dppo_kl_coef", dppo_kl_coef, above=0, inclusive=True)
+    if dppo_kl_coef and loss_type != "dppo":
+        raise ValueError(f"dppo_kl_coef is DPPO's penalty; got loss_type={loss_type!r}")
 
     with torch.no_grad():
         # Every input is 0 at padding from here on, whatever it held there (NaN, inf).
         lp = mk.select(logprobs.detach())
         adv = mk.select(advantages.detach())
-        delta = lp - mk.select(proximal_logprobs.detach())
+        anchor = mk.select(proximal_logprobs.detach())
+        delta = lp - anchor
         counts: dict[str, Tensor] = {}
         # −A written as 0 − A: it is +0.0 (not −0.0) at padding, so every padded gradient is +0.
         neg_adv = 0.0 - adv
-        if loss_type == "ppo_clip":
+        if loss_type == "reinforce":
+            slope = neg_adv
+            value = slope * lp
+        else:
             # GSPO: every token of a row sees the row's mean log ratio (padding stays 0)
             level_delta = delta if ratio_level == "token" else mk.select(mk.row_mean(delta).unsqueeze(-1).expand_as(delta))
             log_ratio = level_delta.clamp(-LOG_CLAMP, LOG_CLAMP)
             ratio = torch.exp(log_ratio)
+            # ∂r/∂lp = r where the ±20 clamp is inactive (a clamp passes the gradient on its
+            # closed interval, where it returns its input), 0 where it binds
+            unclamped = log_ratio == level_delta
+        if loss_type == "ppo_clip":
             unclipped = neg_adv * ratio
             clipped = neg_adv * ratio.clamp(1 - clip, 1 + clip_high)
             # At padding A = 0: both branches are 0, nothing is clipped or gets a gradient.
@@ -183,12 +199,29 @@ def policy_loss(
                 value = torch.minimum(value, bound)
                 was_clipped |= dual_bound
                 counts["dual"] = count(dual_bound)
-            # The gradient −A·r flows where no clip binds and the ±20 clamp is inactive (a
-            # clamp passes the gradient on its closed interval, where it returns its input).
-            slope = unclipped * as_float(~was_clipped & (log_ratio == level_delta), unclipped.dtype)
-        else:
-            slope = neg_adv
+            # The gradient −A·r flows where no clip binds and the clamp is inactive.
+            slope = unclipped * as_float(~was_clipped & unclamped, unclipped.dtype)
+        elif loss_type == "cispo":
+            # ŵ = sg(clip(r, 1−ε, 1+ε_high)) scales the gradient of every token, clipped or not
+            # (padding has r = 1, inside the band)
+            high, low = ratio > 1 + clip_high, ratio < 1 - clip
+            counts["clipped"] = count(high | low)
+            counts["high"] = count(high)
+            slope = neg_adv * ratio.clamp(1 - clip, 1 + clip_high)
             value = slope * lp
+        elif loss_type == "dppo":
+            # the trust region on probabilities, by the sign of A (padding: π_θ − π_anchor = 0)
+            gap = torch.exp(lp) - torch.exp(anchor)
+            positive = adv > 0
+            high, low = positive & (gap > clip_high), ~positive & (gap < -clip)
+            counts["clipped"] = count(high | low)
+            counts["high"] = count(high)
+            value = neg_adv * ratio * as_float(~(high | low), ratio.dtype)
+            slope = value * as_float(unclamped, value.dtype)
+            if dppo_kl_coef:
+                # prime-rl's kl_tau·(log π_θ/π_anchor)² on every valid token, kept or not
+                value = value + dppo_kl_coef * delta.square()
+                slope = slope + 2 * dppo_kl_coef * delta
         if weights is not None:
             w = mk.select(weights.detach())
             value = value * w
@@ -204,7 +237,8 @@ def policy_loss(
     n, clipped_n, high_n = host["n"], host.get("clipped", 0.0), host.get("high", 0.0)
     metrics = {
         "pg_loss": host["loss"],
-        # Clipped with A > 0 means r > 1 + ε_high; with A < 0 it means r < 1 − ε.
+        # high: the upper bound binds (ppo_clip, dppo: where A > 0; cispo: r > 1 + ε_high), low: the
+        # lower one (docs/math.md §5.4)
         "pg_clipfrac": clipped_n / n,
         "pg_clipfrac_high": high_n / n,
         "pg_clipfrac_low": (clipped_n - high_n) / n,

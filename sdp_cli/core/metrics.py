@@ -140,3 +140,24 @@ def lag_weight_stats(log_ratio: Tensor, selected: Tensor, lag: Tensor) -> dict[i
             "log_mean": float(log_ratio[sel].mean()),
         }
     return out
+
+
+def lag0_mismatch(engine_logprobs: Tensor, trainer_logprobs: Tensor, selected: Tensor) -> dict[str, float]:
+    """The engine/trainer numeric mismatch on the same tokens (docs/training.md "Run directory"): over the
+    ``selected`` tokens, with d = log π_trainer − log π_engine (clamped to ±20 before exp),
+
+        tokens, abs_mean = mean |d|, abs_max = max |d|, k3_kl = mean(e^d − 1 − d)
+
+    k3_kl is Schulman's k3 estimator of KL(π_engine ‖ π_trainer) from tokens the engine sampled:
+    unbiased, and ≥ 0 token by token. The trainer passes its lag-0 tokens (version = its own), where
+    both sides hold the same weights, so d is numerics alone. No selected token: ``{"tokens": 0}``.
+    Computed in float64: d is ~1e-7 between two float32 forwards, and k3 ≈ d²/2.
+    """
+    d = (trainer_logprobs.detach()[selected].double() - engine_logprobs.detach()[selected].double())
+    if d.numel() == 0:
+        return {"tokens": 0.0}
+    safe = d.clamp(-LOG_CLAMP, LOG_CLAMP)
+    host = to_host(
+        {"abs_mean": d.abs().mean(), "abs_max": d.abs().max(), "k3_kl": (torch.expm1(safe) - safe).mean()}
+    )
+    return {"tokens": float(d.numel()), **host}

@@ -9,9 +9,11 @@ are the built-in modes' (declared, with what they read, in ``sdp_cli/modes.py``)
                   with drift_clip κ: + clamp(log π_prox − log π_prox_t, ±log κ)
 
 ``importance_weights`` turns lr into detached weights (token / sequence / geometric, bounded by
-truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it into a 0/1
-mask that drops whole tokens or sequences. The two are independent: a caller may use either,
-both, or neither.
+truncation or masking, optionally batch-normalised); ``rejection_mask`` turns it, or verl's k2/k3
+divergence estimates of it, into a 0/1 mask that drops whole tokens or sequences. The two are
+independent: a caller may use either, both, or neither. The field's other masks and sources
+(docs/math.md §9): ``second_moment_mask`` (M2PO), ``off_policy_sequence_mask`` (OPSM, from π_θ at
+an optimizer step) and ``loglinear_proximal`` (A-3PO's π_prox without a forward).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from sdp_cli.choices import IS_LEVELS, WEIGHT_ACTIONS
+from sdp_cli.choices import IS_LEVELS, REJECTION_LEVELS, REJECTION_METRICS, WEIGHT_ACTIONS
 from sdp_cli.core._masked import (
     LOG_CLAMP,
     Masked,
@@ -138,10 +140,10 @@ def _any_row(flags: Tensor) -> Tensor:
     return flags.view(torch.uint8).amax(-1).bool()
 
 
-def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str) -> Masked:
+def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str, levels: tuple[str, ...] = IS_LEVELS) -> Masked:
     check_float_tensor("log_ratio", log_ratio)
     check_2d("log_ratio", log_ratio)
-    check_choice("level", level, IS_LEVELS)
+    check_choice("level", level, levels)
     return masked(mask, log_ratio, "log_ratio")
 
 
@@ -277,6 +279,28 @@ def _is_metrics(
     return metrics
 
 
+def _divergence(lr: Tensor, metric: str) -> Tensor:
+    """verl's per-token divergence estimates from lr = log π_x − log π_behav clamped to ±20
+    (docs/math.md §3): k2 = ½ lr², k3 = e^lr − 1 − lr (computed as expm1(lr) − lr)."""
+    x = lr.clamp(-LOG_CLAMP, LOG_CLAMP)
+    return 0.5 * x.square() if metric == "k2" else torch.expm1(x) - x
+
+
+def _rejection_statistic(lr: Tensor, mk: Masked, level: str, metric: str) -> Tensor:
+    """What rejection bounds, per token [B, T] or per sequence [B] (docs/math.md §3): the ratio
+    exp(s) with s as for a weight, or a divergence summed (sequence), averaged (geometric) or
+    maximised (max) over the row's valid tokens. ``lr`` must already be 0 at padding."""
+    if metric == "ratio":
+        return torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
+    per_token = mk.select(_divergence(lr, metric))
+    if level == "token":
+        return per_token
+    if level == "max":  # every estimate is ≥ 0 and padding is 0, so an empty row gives 0
+        return per_token.amax(-1) if per_token.shape[-1] else per_token.sum(-1)
+    total = per_token.sum(-1)
+    return total if level == "sequence" else total / mk.row_divisor.to(total.dtype)
+
+
 def rejection_mask(
     log_ratio: Tensor,
     mask: Tensor,
@@ -285,14 +309,19 @@ def rejection_mask(
     upper: float | None = None,
     lower: float | None = None,
     veto: float | None = None,
+    metric: str = "ratio",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Mask that keeps tokens/sequences whose ratio lies in [lower, upper] (docs/math.md §3).
+    """Mask that keeps the tokens/sequences whose statistic is within bounds (docs/math.md §3).
 
-    The ratio is exp(clamp(stat, ±20)) with stat built as in ``importance_weights``; ``lower``
-    defaults to 1/upper. ``veto`` drops every sequence holding a valid token with raw
-    lr < log(veto); with ``level`` None the veto is the only test (verl's token veto, which
-    needs no bounds). The result has the dtype of ``mask``; it does not depend on any weight.
+    ``metric="ratio"``: the ratio exp(clamp(s, ±20)), s built as in ``importance_weights``, kept
+    in [lower, upper] (``lower`` defaults to 1/upper). ``"k2"``/``"k3"``: verl's divergence
+    estimates of lr, kept where ≤ ``upper`` (nats; no lower bound), per token or aggregated per
+    sequence by ``level`` (sequence: sum, geometric: mean, max: max). ``veto`` drops every
+    sequence holding a valid token with raw lr < log(veto); with ``level`` None the veto is the
+    only test (verl's token veto, which needs no bounds). The result has the dtype of ``mask``;
+    it does not depend on any weight.
     """
+    check_choice("metric", metric, REJECTION_METRICS)
     if level is None:
         if upper is not None or lower is not None:
             raise ValueError(f"upper and lower need a level; got upper={upper!r}, lower={lower!r}")
@@ -300,13 +329,19 @@ def rejection_mask(
             raise ValueError("rejection_mask needs a level (with upper) or a veto")
     elif upper is None:
         raise ValueError(f"upper is required with a level; got level={level!r}")
-    mk = _check_inputs(log_ratio, mask, "token" if level is None else level)
+    mk = _check_inputs(log_ratio, mask, "token" if level is None else level, REJECTION_LEVELS)
+    if level == "max" and metric == "ratio":
+        raise ValueError("level='max' takes a sequence's largest divergence; use metric='k2' or 'k3'")
     if level is not None:
         check_number("upper", upper, above=0)
-        lower = 1.0 / upper if lower is None else lower
-        check_number("lower", lower, above=0, inclusive=True)
-        if lower > upper:
-            raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
+        if metric != "ratio":
+            if lower is not None:
+                raise ValueError(f"metric={metric!r} is a divergence, bounded above only; got lower={lower!r}")
+        else:
+            lower = 1.0 / upper if lower is None else lower
+            check_number("lower", lower, above=0, inclusive=True)
+            if lower > upper:
+                raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
     if veto is not None:
         check_number("veto", veto, above=0)
 
@@ -316,13 +351,13 @@ def rejection_mask(
         if level is None:
             kept = torch.ones_like(mk.valid)
         else:
-            ratio = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
-            # per token, or per row at sequence levels
-            kept = (ratio >= lower) & (ratio <= upper)
+            # per token, or per row at the sequence levels
+            statistic = _rejection_statistic(lr, mk, level, metric)
+            kept = statistic <= upper if lower is None else (statistic >= lower) & (statistic <= upper)
             stats = (
-                mk.stats(ratio, with_std=False)
+                mk.stats(statistic, with_std=False)
                 if level == "token"
-                else mk.row_stats(ratio, with_std=False)
+                else mk.row_stats(statistic, with_std=False)
             )
         counts = {"tokens": mk.token_count, "rows": mk.row_total}
         if veto is not None:
@@ -389,3 +424,57 @@ def second_moment_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> tup
         "m2_after": after,
         "masked_fraction": masked_n / max(n, 1),
     }
+
+
+def off_policy_sequence_mask(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, delta: float
+) -> tuple[Tensor, dict[str, float]]:
+    """OPSM's loss multiplier (docs/math.md §9.4; DeepSeek-V3.2 Eq. 9, TRL
+    ``off_policy_mask_threshold``): 0 on the negative-advantage tokens of every sequence whose
+    D_i = mean_t(log π_behav − log π_θ) over its valid tokens exceeds ``delta``, 1 elsewhere.
+
+    π_θ is read detached, at the optimizer step it is called for. The caller multiplies the
+    behavioural weight by the result, so a dropped token stays in the loss denominator (as in
+    TRL and slime). Padding is 0.
+    """
+    mk = masked(mask, logprobs, "logprobs")
+    with torch.no_grad():
+        divergence = mk.row_mean(mk.select(old_logprobs - logprobs.detach()))  # D_i, [B]
+        dropped = (divergence > delta).unsqueeze(-1) & (mk.select(advantages.detach()) < 0) & mk.valid
+        multiplier = mk.select(as_float(~dropped, logprobs.dtype))
+        host = to_host(
+            {
+                "dropped": count(dropped),
+                "seq_dropped": count(_any_row(dropped)),
+                "tokens": mk.token_count,
+                "rows": mk.row_total,
+                "divergence": mk.rows_mean(divergence),
+            }
+        )
+    return multiplier, {
+        "masked_fraction": host["dropped"] / max(host["tokens"], 1.0),
+        "seq_masked_fraction": host["seq_dropped"] / max(host["rows"], 1.0),
+        "seq_kl_mean": host["divergence"],
+    }
+
+
+def loglinear_proximal(
+    old_logprobs: Tensor, logprobs: Tensor, lag: Tensor, mask: Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """A-3PO's π_prox without a forward (docs/math.md §9.7; arXiv 2512.06547, AReaL
+    ``prox_logp_method: loglinear``), detached:
+
+        log π̂_prox = log π_behav + α·(log π_θ − log π_behav),  α = clamp((k − 1)/k, 0, 1)
+
+    for a token k = c − v versions stale (α = 0 for k ≤ 1: a fresh or one-step-stale token is
+    anchored at π_behav). ``logprobs`` is the training forward's π_θ at this optimizer step.
+    Returns log π̂_prox (0 at padding) and the mean α over valid tokens.
+    """
+    mk = masked(mask, logprobs, "logprobs")
+    with torch.no_grad():
+        k = lag.to(logprobs.dtype)
+        alpha = mk.select(((k - 1) / k.clamp_min(1)).clamp(0, 1))
+        old = mk.select(old_logprobs)
+        proximal = old + alpha * (mk.select(logprobs.detach()) - old)
+        host = to_host({"alpha": mk.mean(alpha)})
+    return proximal, {"alpha_mean": host["alpha"]}

@@ -31,14 +31,16 @@ def build_engine(
 
 
 def _local_engine(cfg: Any, policy: Any, device: Any) -> InferenceEngine:
+    from sdp_cli.config.schema import engine_weight_dtype
     from sdp_cli.engine.local import LocalEngine
     from sdp_cli.models.loader import DTYPES
     from sdp_cli.models.lora import merged_copy
 
-    # its own copy, in the training precision and merged under LoRA (docs/training.md,
-    # "Precision and memory")
+    # its own copy (never the trainer's storage), merged under LoRA, held in engine.dtype
+    # (docs/engines.md "Engine dtype")
     return LocalEngine(
-        merged_copy(policy.model, DTYPES[cfg.train.dtype]),
+        merged_copy(policy.model),
+        dtype=DTYPES[engine_weight_dtype(cfg)],
         temperature=cfg.rollout.temperature,
         eos_token_id=policy.eos_token_id,
         pad_token_id=policy.pad_token_id,
@@ -64,6 +66,7 @@ def _api_key(engine_cfg: Any) -> str | None:
 def _remote_engine(cfg: Any, policy: Any, run_dir: RunDir) -> InferenceEngine:
     """With ``engine.urls`` attach to those servers; otherwise, with ``engine.launch``, save the
     policy to ``<run>/weights/launch`` and start one server on it, logging to ``<run>/logs``."""
+    from sdp_cli.config.schema import engine_weight_dtype
     from sdp_cli.engine.http import HttpOptions
     from sdp_cli.engine.remote import RemoteOptions
 
@@ -101,7 +104,7 @@ def _remote_engine(cfg: Any, policy: Any, run_dir: RunDir) -> InferenceEngine:
         python=engine_cfg.python,
         host=engine_cfg.host,
         port=int(engine_cfg.port),
-        dtype=engine_cfg.dtype,
+        dtype=engine_weight_dtype(cfg),
         extra_args=tuple(engine_cfg.extra_args),
         env=dict(engine_cfg.env),
         startup_timeout_s=float(engine_cfg.startup_timeout_s),

@@ -23,6 +23,7 @@ older versions were patched at earlier resumes (or by the recompute pass) and ar
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ from sdp_cli.engine._local_gate import StepGate
 from sdp_cli.engine._local_weights import copy_weights, read_safetensors_dir
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
+from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
+from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
 from sdp_cli.rollout.records import RolloutSample
 
@@ -73,6 +76,8 @@ class LocalEngine(InferenceEngine):
         seed: seeds the engine's sampling generator, shared by all calls (so draws repeat only
             for the same order of calls); ``SamplingParams.seed`` gives a call its own generator.
         device: where the model runs.
+        dtype: the dtype the engine holds the weights in (its forwards run in it, weight updates
+            are cast to it; ``models.precision.cast_weights``); None keeps the model's.
         step_callback: called by the generating thread after each decode step, outside the model
             turn (so it may call ``pause``); for tests and progress meters.
     """
@@ -87,6 +92,7 @@ class LocalEngine(InferenceEngine):
         max_batch_size: int = 256,
         seed: int | None = None,
         device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
         step_callback: Callable[[], None] | None = None,
     ) -> None:
         if not temperature > 0 or temperature == float("inf"):
@@ -95,6 +101,8 @@ class LocalEngine(InferenceEngine):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.temperature = float(temperature)
         self.device = torch.device(device)
+        if dtype is not None:
+            cast_weights(model, dtype)
         self.model = model.to(self.device).eval()
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         eos = [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
@@ -115,6 +123,15 @@ class LocalEngine(InferenceEngine):
         self._inflight: dict[int, RolloutSample] = {}
         self._inflight_lock = threading.Lock()
         self._prefill_proximal_tokens = 0  # written inside a model turn, read under the lock
+        # which rows may share a prompt's forward (``_forward_shared``)
+        self._attention_layout = attention_layout(getattr(self.model, "config", None))
+        if self._attention_layout is AttentionLayout.PLAIN:
+            warnings.warn(
+                "this model's config declares attention that shared prompts are not known to keep exact "
+                f"({', '.join(unvouched_kinds(getattr(self.model, 'config', None)))}); "
+                "the local engine runs each sample's whole sequence",
+                stacklevel=2,
+            )
 
     # ---------------------------------------------------------------- version
     def get_version(self) -> int:
@@ -389,7 +406,17 @@ class LocalEngine(InferenceEngine):
         token), column j predicts suffix token j from token j − 1, S the longest suffix —, the
         attention mask [B, Lp + S] (0 on both kinds of padding) and the KV cache (or None).
         Every prefix must be non-empty.
+
+        Sharing is exact where the model's attention allows its layout (``models/attention.py``):
+        full attention always; a sliding window (masked by cache index) unless the cache is kept
+        and the suffixes differ in length, since the padding after a short suffix would sit
+        between its tokens and the ones decoded next; nothing else. Otherwise ``_forward_rows``.
         """
+        layout = self._attention_layout
+        if layout is AttentionLayout.PLAIN or (
+            layout is AttentionLayout.CONTIGUOUS and use_cache and len({len(s) for s in suffixes}) > 1
+        ):
+            return self._forward_rows(prefixes, suffixes, use_cache=use_cache)
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prefixes]
         unique = [list(p) for p in distinct]
@@ -439,6 +466,35 @@ class LocalEngine(InferenceEngine):
             cache = returned_cache(out)
             logits = torch.cat([logits, out.logits], dim=1)
         return logits, mask, cache if use_cache else None
+
+    def _forward_rows(
+        self, prefixes: list[list[int]], suffixes: list[list[int]], *, use_cache: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """``_forward_shared``'s result from one forward of every row's whole sequence,
+        left-padded (so a row's tokens sit at consecutive cache indices: exact for any model the
+        engine's left-padded decoding is exact for); the mask is [B, L], L the longest row."""
+        rows = [p + s for p, s in zip(prefixes, suffixes, strict=True)]
+        width = max(len(r) for r in rows)
+        span = max(len(s) for s in suffixes)
+        ids = torch.tensor(
+            [[self.pad_token_id] * (width - len(r)) + r for r in rows], dtype=torch.long, device=self.device
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=self.device
+        )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+            use_cache=use_cache,
+            logits_to_keep=span + 1,
+        )
+        # of the last span + 1 columns, a row with a suffix of n tokens predicts its token j at
+        # column span − n + j (its prefix's last token at span − n); beyond n: its last column
+        lengths = torch.tensor([len(s) for s in suffixes], device=self.device)
+        columns = (span - lengths[:, None] + torch.arange(span + 1, device=self.device)).clamp(max=span)
+        logits = out.logits[torch.arange(len(rows), device=self.device)[:, None], columns]
+        return logits, mask, returned_cache(out) if use_cache else None
 
     def _target_logprobs(self, logits: torch.Tensor, targets: list[list[int]]) -> list[list[float]]:
         """log p(targets[i][j]) from ``logits[i, j]`` at the engine's temperature, for each row's

@@ -25,6 +25,7 @@ from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
 from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.policy import Policy
+from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
@@ -146,7 +147,9 @@ def load_policy(
         policy = _tiny_policy(task_obj, arch, charset, steps, lr, batch_size, target, seed, cache_dir, progress)
     else:
         raise UserError(f"unknown model kind {kind!r}; choose one of {', '.join(MODEL_KINDS)}")
-    policy.model.to(device=device, dtype=DTYPES.get(dtype))
+    policy.model.to(device=device)
+    if dtype in DTYPES:  # as from_pretrained(dtype=…) casts: RoPE's inv_freq stays float32
+        cast_weights(policy.model, DTYPES[dtype])
     return policy
 
 

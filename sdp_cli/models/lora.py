@@ -117,10 +117,9 @@ def merge_into_base(model: torch.nn.Module) -> torch.nn.Module:
     return plain
 
 
-def merged_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """A plain copy of ``model`` with merged weights, cast to ``dtype`` (an engine's own copy;
-    ``model`` is untouched)."""
-    return merge_into_base(copy.deepcopy(model)).to(dtype)
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy of ``model`` with merged weights (an engine's own copy; ``model`` is untouched)."""
+    return merge_into_base(copy.deepcopy(model))
 
 
 def save_adapters(model: torch.nn.Module, directory: str | Path) -> Path:

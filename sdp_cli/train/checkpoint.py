@@ -219,6 +219,11 @@ def _is_valid(path: Path) -> bool:
     return True
 
 
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint whose files all match its manifest."""
+    return _is_valid(path)
+
+
 def find_latest(root: Path) -> Path | None:
     """The valid checkpoint of the highest step under ``root``, or None.
 

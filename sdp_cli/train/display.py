@@ -102,6 +102,12 @@ class StartDisplay:
         self.line(f"{title}: {phase.result or 'done'} ({took})")
 
 
+def start_evaluation_title(step: int) -> str:
+    """The title of the evaluation before training: "initial" only for a run at step 0; a
+    resumed one evaluates the checkpoint's weights."""
+    return "initial evaluation" if step == 0 else f"evaluation at step {step} (resumed)"
+
+
 # ------------------------------------------------------------------ live bar
 def progress_line(
     width: int, step: int, total: int, elapsed: float, remaining: float | None, fields: list[tuple[str, str]]

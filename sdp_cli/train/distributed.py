@@ -24,6 +24,7 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutGroup
 from sdp_cli.stopsignals import StopRequest
+from sdp_cli.train.trainer_state import PlacedModel
 
 T = TypeVar("T")
 
@@ -92,13 +93,14 @@ class Coordinator:
             self.broadcast_json({"op": name})
         return self._ops[name]()
 
-    def register_training(self, trainer: Any, stop: StopRequest) -> None:
-        """The collectives of a training run (every rank): gathers of sharded weights and optimizer
-        state, the weight checksum, and the stop agreement: the largest signal number any rank
-        received (0: none), so that a signal reaching any rank stops all after the same step."""
-        self.register("model_state", trainer.full_model_state)
-        self.register("optimizer_state", trainer.full_optimizer_state)
-        self.register("in_sync", lambda: self.weights_in_sync(trainer.unwrapped_model(), sharded=trainer.sharded))
+    def register_training(self, placed: PlacedModel, stop: StopRequest) -> None:
+        """The collectives of a training run (every rank): gathers of the trained model's sharded
+        weights and optimizer state, the weight checksum, and the stop agreement: the largest
+        signal number any rank received (0: none), so that a signal reaching any rank stops all
+        after the same step."""
+        self.register("model_state", placed.full_model_state)
+        self.register("optimizer_state", placed.full_optimizer_state)
+        self.register("in_sync", lambda: self.weights_in_sync(placed.unwrapped(), sharded=placed.sharded))
         self.register("stop", lambda: self.max_over_ranks(stop.signum or 0))
 
     def agree_stop(self, stop: StopRequest) -> None:

@@ -4,14 +4,16 @@ checkpointing, the frozen KL reference and the local engine's copy (docs/trainin
 
 Precision (``train.dtype``): full fine-tuning keeps float32 master weights and AdamW state and
 computes under bfloat16 autocast; a LoRA base never changes, so it is stored in bfloat16 itself
-(its float32 adapters are the only trained weights). The local engine runs a copy in
-``train.dtype``: in bfloat16 it holds the rounded master weights, as a bfloat16 inference server
-loading the pushed weights would, at half the memory and with the CPU's bf16 matmuls.
+(its float32 adapters are the only trained weights). The local engine runs its own copy in
+``engine.dtype`` (null: ``train.dtype``): in bfloat16 it holds the rounded master weights, as a
+bfloat16 inference server loading the pushed weights would. Casts keep computed buffers such as
+RoPE's ``inv_freq`` in float32, as a loader does (``models.precision.cast_weights``).
 
 What is written where: resumable checkpoints hold the master weights (float32), or only the
 adapters under LoRA (the base is rebuilt from the config on resume); version checkpoints
-(``versions/vNNNNNN``, for ``sdp recompute``) hold what the engine ran: the weights in
-``train.dtype``, or under LoRA the adapters plus one copy of the base in ``versions/base``.
+(``versions/vNNNNNN``, for ``sdp recompute``) hold what the engine ran: the weights in the
+engine's dtype, or under LoRA the adapters plus one copy of the base in ``versions/base``, also
+in the engine's dtype (so ``sdp recompute`` needs no config to score in it).
 """
 
 from __future__ import annotations
@@ -26,17 +28,57 @@ from typing import Any, Callable
 
 import torch
 
-from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.schema import SdpConfig, engine_weight_dtype
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
+from sdp_cli.models.precision import cast_weights
 from sdp_cli.tasks import Task
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: train.dtype and engine.dtype names (float16: launched servers only)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def engine_dtype(cfg: SdpConfig) -> torch.dtype:
-    """The dtype the local engine runs and version checkpoints are written in."""
-    return DTYPES[cfg.train.dtype]
+def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:
+    """The dtype the engine holds its weights in and version checkpoints are written in
+    (``engine.dtype`` resolved; None for a server's ``auto``: the weights' own dtype)."""
+    name = engine_weight_dtype(cfg)
+    return None if name == "auto" else DTYPES[name]
+
+
+#: /proc/cpuinfo flags of native bfloat16 arithmetic: x86 AVX-512 BF16 and AMX, Arm's BF16 extension
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU has bfloat16 instructions (a ``flags``/``Features`` line of ``cpuinfo``
+    names one of ``NATIVE_BF16_FLAGS``); None without ``cpuinfo`` (not Linux: unknown, so no note;
+    torch's public CPU probe names vector widths, not bf16)."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    flags = {
+        flag
+        for line in text.splitlines()
+        if line.split(":")[0].strip().lower() in ("flags", "features")
+        for flag in line.partition(":")[2].split()
+    }
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def bf16_note(cfg: SdpConfig, device: torch.device | str) -> str | None:
+    """The one line ``sdp train`` prints at the start when bfloat16 will be emulated: train.dtype
+    or the local engine's dtype is bfloat16, on a CPU without bf16 instructions (docs/real-models.md)."""
+    local = cfg.engine.kind == "local" and engine_weight_dtype(cfg) == "bfloat16"
+    if torch.device(device).type != "cpu" or not (cfg.train.dtype == "bfloat16" or local):
+        return None
+    if native_bf16() is not False:
+        return None
+    return (
+        "note: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16 or Arm bf16), so bfloat16 is "
+        "emulated and slower than float32 (SmolLM2 LoRA: 20 s a step against 11 s); "
+        "train.dtype=float32 engine.dtype=float32 avoids it"
+    )
 
 
 def load_for_training(
@@ -107,7 +149,7 @@ def prepare_policy(policy: Any, cfg: SdpConfig, *, adapters: Path | None = None)
     if cfg.train.gradient_checkpointing:
         enable_gradient_checkpointing(policy.model)
     if lora.r > 0:
-        policy.model.to(DTYPES[cfg.train.dtype])
+        cast_weights(policy.model, DTYPES[cfg.train.dtype])
         policy.model = apply_lora(
             policy.model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
         )
@@ -137,7 +179,7 @@ def build_reference(
         return None
     model = load_initial().model if load_initial is not None else copy.deepcopy(policy.model)
     # frozen: no master copy needed, so it is stored in the compute dtype
-    return model.to(DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
+    return cast_weights(model, DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
 
 
 class PromptCodec:
@@ -206,20 +248,20 @@ class WholePolicy:
         self._copy: tuple[int, Any] | None = None
 
     def get(self) -> Any:
-        if not self.trainer.sharded:
+        if not self.trainer.placed.sharded:
             return self.trained
         version = self.trainer.version
         if self._copy is None or self._copy[0] != version:
             from sdp_cli.train.sharding import whole_model
 
             self._copy = None  # free the previous copy before gathering the next
-            model = whole_model(self.trainer.skeleton, self.gather())
+            model = whole_model(self.trainer.placed.skeleton, self.gather())
             self._copy = (version, dataclasses.replace(self.trained, model=model))
         return self._copy[1]
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The whole weights an engine loads (``Trainer.weights`` when unsharded)."""
-        return self.get().model.state_dict() if self.trainer.sharded else self.trainer.weights()
+        return self.get().model.state_dict() if self.trainer.placed.sharded else self.trainer.weights()
 
     def release(self) -> None:
         self._copy = None

@@ -9,9 +9,11 @@ last-position logits: a model that post-processes its logits (soft-capping, a lo
 falls back to full logits and ``core.logprobs_from_logits``, with a warning.
 
 With ``share_prefixes`` each distinct prompt of a batch runs once (``train/shared_prefix.py``).
-The first batch that can share is also run plainly and the two compared: a model whose forward
-does not take position ids and a KV cache the way the shared forward needs falls back to the
-plain forward, with a warning.
+That is exact for full and sliding-window attention; a model whose config declares any other
+attention pattern (chunked, linear, recurrent, unknown: ``models/attention.py``) runs the plain
+forward, with a warning. The first batch that can share is also run plainly and the two
+compared: a model whose forward does not take position ids and a KV cache the way the shared
+forward needs falls back to the plain forward, with a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
+from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
 from sdp_cli.train.batch import TrainBatch
 from sdp_cli.train.shared_prefix import PrefixPlan, plan_shared_prefix, shared_prefix_hidden
 
@@ -120,12 +123,29 @@ class ResponseLogprobs:
         """The shared-prefix plan of ``batch``, or None for a plain forward: sharing is off or
         was refused, the batch (in any process) gains too little, or gradient checkpointing is
         on (its layers run without a KV cache)."""
+        if self.share_prefixes is None and not self._attention_allows_sharing(model):
+            self.share_prefixes = False
         if self.share_prefixes is False or _checkpoints_activations(model):  # the same in every process
             return None
         plan = plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0)
         # Every process takes the same path: a sharded or DDP model's forward runs collectives,
         # and the shared path calls it twice where the plain one calls it once.
         return plan if self.every_process(plan is not None) else None
+
+    def _attention_allows_sharing(self, model: torch.nn.Module) -> bool:
+        """Whether the model's config declares only attention that the shared forward keeps
+        exact (full and sliding-window: ``models/attention.py``); if not, warn once. The config
+        is the same in every process, so every process decides alike."""
+        config = getattr(self.unwrap(model), "config", None)
+        if attention_layout(config) is not AttentionLayout.PLAIN:
+            return True
+        warnings.warn(
+            f"this model's config declares attention the shared-prompt forward is not known to keep "
+            f"exact ({', '.join(unvouched_kinds(config))}); every row runs its whole sequence instead "
+            "(train.share_prefixes=false silences this)",
+            stacklevel=5,
+        )
+        return False
 
     @torch.no_grad()
     def _shared_matches_plain(

@@ -40,6 +40,7 @@ from sdp_cli.train.distributed import Coordinator
 from sdp_cli.train.policy_setup import (
     PromptCodec,
     WholePolicy,
+    bf16_note,
     describe_policy,
     load_for_training,
     load_policy_from,
@@ -48,7 +49,7 @@ from sdp_cli.train.policy_setup import (
 )
 from sdp_cli.train.recovery import recover_after_crash
 from sdp_cli.train.resume_check import STAMP, read_identity, stamp
-from sdp_cli.train.display import Progress, StartDisplay
+from sdp_cli.train.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.session_end import SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, config_dict, open_run
@@ -143,6 +144,9 @@ class TrainingRun(SessionEnd):
             phase.result = describe_policy(self.policy)
         if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
             print(dequantised_note(cfg.model.path), file=sys.stderr)
+        note = bf16_note(cfg, self.coordinator.accelerator.device)
+        if note is not None and self.coordinator.is_main:
+            print(note, file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -162,14 +166,14 @@ class TrainingRun(SessionEnd):
             parallel=cfg.train.parallel,
             share_prefixes=cfg.train.share_prefixes,
         )
-        self.coordinator.register_training(self.trainer, self.stop_request)
+        self.coordinator.register_training(self.trainer.placed, self.stop_request)
         self.whole = WholePolicy(self.policy, self.trainer, lambda: self.coordinator.call("model_state"))
         if self.resuming and self.coordinator.is_main:
             # the model loaded: from here on the resume is accepted and may tidy the directory
             ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
             recover_after_crash(self.run_dir, self.events)
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
-            optimizer = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+            optimizer = getattr(self.trainer.placed.optimizer, "optimizer", self.trainer.placed.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
         self.start_step = 0
         if checkpoint is not None:
@@ -372,7 +376,8 @@ class TrainingRun(SessionEnd):
         """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
         step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
-        acc_start = self._shown_evaluation("initial evaluation", self.start_step) if cfg.train.eval_samples else None
+        title = start_evaluation_title(self.start_step)
+        acc_start = self._shown_evaluation(title, self.start_step) if cfg.train.eval_samples else None
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
@@ -461,7 +466,8 @@ def _train(
         owned = start.owned
         display = StartDisplay(enabled=start.cfg.run.progress and coordinator.is_main)
         if coordinator.is_main:
-            display.line(f"{'resuming' if start.resuming else 'run dir'} {start.run_dir.path}")
+            if not start.resuming:  # a resume announced its checkpoint and step (train/start.py)
+                display.line(f"run dir {start.run_dir.path}")
             print(start.task.summary(), file=sys.stderr)
         run = TrainingRun(
             start.cfg,

@@ -9,9 +9,12 @@ positions attend to the same keys, and only floating-point summation order may d
 
 A row's prefix is everything before its first trained token (the prompt, plus any leading
 response tokens the loss mask leaves out), so rows share a prefix exactly when those token ids
-are equal; no group id is trusted. Prefixes are right-padded to one width and the responses
-carry explicit position ids, so the padding between a short prompt and its response is masked
-out and never shifts a position.
+are equal; no group id is trusted. Prefixes are left-padded to one width, so every row's prefix
+ends at the same cache index and its window follows it without a gap: a row's cache index minus
+its position is the same for all its tokens. That keeps sliding-window attention exact, whose
+mask transformers builds from cache indices (``sdp_cli/models/attention.py``); with a gap between
+a short prompt and its response, its window would lose keys that the plain forward attends to.
+Both forwards carry explicit position ids, so the padding never shifts a position.
 """
 
 from __future__ import annotations
@@ -31,16 +34,17 @@ MIN_SAVING = 0.2
 class PrefixPlan:
     """How a batch's rows map onto distinct prefixes and a response window.
 
-    ``prefix_ids``/``prefix_mask`` [U, P]: the distinct prefixes, right-padded; ``row_prefix``
-    [N]: each row's prefix; ``prefix_len`` [N]; ``window_ids``/``window_mask``/``positions``
-    [N, W]: the tokens after each row's prefix (W = the longest), their attention mask and
-    positions; ``targets`` [N, W]: which window columns predict a trained token.
+    ``prefix_ids``/``prefix_mask``/``prefix_positions`` [U, P]: the distinct prefixes,
+    left-padded, and their positions; ``row_prefix`` [N]: each row's prefix;
+    ``window_ids``/``window_mask``/``positions`` [N, W]: the tokens after each row's prefix
+    (W = the longest), their attention mask and positions; ``targets`` [N, W]: which window
+    columns predict a trained token.
     """
 
     prefix_ids: torch.Tensor
     prefix_mask: torch.Tensor
+    prefix_positions: torch.Tensor
     row_prefix: torch.Tensor
-    prefix_len: torch.Tensor
     window_ids: torch.Tensor
     window_mask: torch.Tensor
     positions: torch.Tensor
@@ -73,8 +77,13 @@ def plan_shared_prefix(
     saved = 1 - (distinct * prefix_width + n * window_width) / (n * width)
     if saved < min_saving:
         return None
-    prefix_mask = (distinct_keys >= 0).to(attention_mask.dtype)
-    prefix_ids = distinct_keys.clamp_min(0).to(input_ids.dtype)
+    # left-pad: column c of a prefix of length l holds its token c − (P − l)
+    distinct_len = (distinct_keys >= 0).sum(1)
+    prefix_positions = torch.arange(prefix_width) - (prefix_width - distinct_len)[:, None]
+    inside_distinct = prefix_positions >= 0
+    prefix_positions = prefix_positions.clamp_min(0)
+    prefix_mask = inside_distinct.to(attention_mask.dtype)
+    prefix_ids = torch.where(inside_distinct, distinct_keys.gather(1, prefix_positions), 0).to(input_ids.dtype)
     columns = prefix_len[:, None] + torch.arange(window_width)[None]  # full positions of the window
     inside = columns < lengths[:, None]
     window_ids = torch.where(inside, input_ids.gather(1, columns.clamp_max(width - 1)), torch.zeros_like(input_ids[:1, :1]))
@@ -85,8 +94,8 @@ def plan_shared_prefix(
     return PrefixPlan(
         prefix_ids=prefix_ids,
         prefix_mask=prefix_mask,
+        prefix_positions=prefix_positions,
         row_prefix=row_prefix,
-        prefix_len=prefix_len,
         window_ids=window_ids,
         window_mask=inside.to(attention_mask.dtype),
         positions=columns,
@@ -101,9 +110,14 @@ def shared_prefix_hidden(model: torch.nn.Module, plan: PrefixPlan, device: torch
     row_prefix = plan.row_prefix.to(device)
     kwargs: dict[str, Any] = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1}
     prefix_mask = plan.prefix_mask.to(device)
-    out = model(input_ids=plan.prefix_ids.to(device), attention_mask=prefix_mask, **kwargs)
-    # the state after each row's last prefix token predicts its first window token
-    last_of_prefix = out.hidden_states[-1][row_prefix, plan.prefix_len.to(device) - 1]
+    out = model(
+        input_ids=plan.prefix_ids.to(device),
+        attention_mask=prefix_mask,
+        position_ids=plan.prefix_positions.to(device),
+        **kwargs,
+    )
+    # the state after each row's last prefix token (the last column) predicts its first window token
+    last_of_prefix = out.hidden_states[-1][row_prefix, -1]
     cache = returned_cache(out)
     cache.reorder_cache(row_prefix)  # each row's copy of its prefix's keys and values (index_select)
     out = model(

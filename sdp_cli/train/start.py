@@ -160,6 +160,8 @@ def open_run(
             checkpoint = read_for_resume(run_dir, found, cfg, config, task, speak=coordinator.is_main)
             if coordinator.is_main:
                 announce_resume_point(run_dir, found)
+                if checkpoint is not None:  # without one, the run starts over and the note says so
+                    print(resume_line(run_dir, checkpoint, cfg.train.steps), file=sys.stderr)
             start = RunStart(cfg, raw, run_dir, task, True, owned, checkpoint=checkpoint)
             if extra:
                 start.deferred.append((saved, redact_urls(json.dumps([*original, *extra]))))
@@ -180,6 +182,12 @@ def open_run(
         if owned is not None:
             owned.remove() if owned.created else owned.lock.release()
         raise
+
+
+def resume_line(run_dir: RunDir, checkpoint: Checkpoint, steps: int) -> str:
+    """The line a resume starts its output with, shown with or without the progress display
+    (docs/training.md, "What a run prints")."""
+    return f"resuming {run_dir.path} from checkpoint {checkpoint.path.name} (step {checkpoint.step} of {steps})"
 
 
 def preflight(cfg: SdpConfig) -> Task:

@@ -7,8 +7,10 @@ Per step (docs/design.md §1, §4):
    (``fill_one_step_proximal``). Tokens whose π_{v+1} window closed leave the loss.
 3. behavioural log ratio of the mode → bounded importance weights (+ optional rejection mask).
 4. ``ppo_epochs`` × ``minibatches`` optimizer steps on ``policy_loss`` with π_prox (or π_behav in
-   bypass) as the clip anchor; ``reinforce`` recomputes its importance weight π_θ/π_behav for
-   every optimizer step (docs/math.md §5.1).
+   bypass) as the clip anchor; what follows θ is recomputed at every optimizer step from its
+   detached π_θ (``_step_weights``): ``reinforce``'s importance weight π_θ/π_behav (docs/math.md
+   §5.1), OPSM's mask (§9.4) and, with ``loss.proximal_source=loglinear``, A-3PO's π_prox and
+   the weight built on it (§9.7; step 1 is then skipped).
 
 The model and optimizer go through ``accelerate`` so the same code runs under
 ``accelerate launch``: each process trains on its shard of every minibatch, divides its part of
@@ -39,16 +41,23 @@ import torch
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.core.loss import loss_count, policy_loss
-from sdp_cli.core.metrics import lag_weight_stats, offpolicy_metrics
+from sdp_cli.core.metrics import lag0_mismatch, lag_weight_stats, offpolicy_metrics
 from sdp_cli.core.regularizers import regularizer_loss
 from sdp_cli.core.token_status import covered_tokens, lacks_next_version, token_status
-from sdp_cli.core.weights import drift_log_factor, importance_weights, rejection_mask, second_moment_mask
+from sdp_cli.core.weights import (
+    drift_log_factor,
+    importance_weights,
+    loglinear_proximal,
+    off_policy_sequence_mask,
+    rejection_mask,
+    second_moment_mask,
+)
 from sdp_cli.models.lora import is_lora
 from sdp_cli.modes import DRIFT_SUFFIX, MODES, resolve_mode
 from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
 from sdp_cli.train.response_logprobs import ResponseLogprobs
 from sdp_cli.train.sharding import sharded_grad_norm
-from sdp_cli.train.trainer_state import TrainerState
+from sdp_cli.train.trainer_state import PlacedModel
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
@@ -84,8 +93,9 @@ def _mean_of(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
-class Trainer(TrainerState):
-    """Owns the trained model, its optimizer and the trainer version c."""
+class Trainer:
+    """Owns the trained model (placed on the processes with its optimizer: ``placed``), the
+    sampling generator and the trainer version c."""
 
     def __init__(
         self,
@@ -117,6 +127,11 @@ class Trainer(TrainerState):
         # contracts between arguments that a Python caller could still break
         self.mode = resolve_mode(loss.mode)
         assert track_proximal_t or not self.mode.reads_proximal_t, f"{loss.mode} trains on π_prox_t: track it"
+        #: A-3PO: π_prox interpolated inside each optimizer step, never a forward (docs/math.md §9.7)
+        self.loglinear = loss.proximal_source == "loglinear"
+        assert not self.loglinear or (self.mode.name == "decoupled" and not track_proximal_t), (
+            "loss.proximal_source=loglinear approximates the decoupled π_prox and computes no π_prox to track π_prox_t against"
+        )
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )
@@ -144,12 +159,12 @@ class Trainer(TrainerState):
             share_prefixes=share_prefixes,
             every_process=self._every_process if self.accelerator.num_processes > 1 else None,
         )
-        self.reference = None if reference is None else reference.requires_grad_(False).eval()
-        self._place(
+        self.placed = PlacedModel(
             model,
+            self.accelerator,
             parallel,
-            lambda placed: torch.optim.AdamW(
-                [p for p in placed.parameters() if p.requires_grad],
+            lambda module: torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad],
                 lr=optim.lr,
                 betas=(optim.beta1, optim.beta2),
                 weight_decay=optim.weight_decay,
@@ -157,6 +172,7 @@ class Trainer(TrainerState):
                 # same update (up to rounding), 5× faster for a 135M model on one CPU thread
                 fused=True,
             ),
+            reference=None if reference is None else reference.requires_grad_(False).eval(),
         )
         self.generator = torch.Generator().manual_seed(seed)
         self.version = 0
@@ -169,12 +185,46 @@ class Trainer(TrainerState):
         With ``grad`` the result stays on the training device and carries the graph; without it
         it is a detached float32 CPU tensor (π_prox).
         """
-        logprobs, _ = self._forward(self.model, batch, grad=grad, with_entropy=False)
+        logprobs, _ = self._forward(self.placed.model, batch, grad=grad, with_entropy=False)
         return logprobs if grad else logprobs.detach().float().cpu()
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The training precision as a context: bfloat16 autocast, or nothing for float32."""
         return self.response_logprobs.autocast()
+
+    # ------------------------------------------------------------ whole state
+    def unwrapped_model(self) -> torch.nn.Module:
+        return self.placed.unwrapped()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights an engine runs (``PlacedModel.weights``; unsharded only)."""
+        return self.placed.weights()
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        return self.placed.full_model_state()
+
+    def state_dict(self, *, model: bool = True, optimizer: bool = True) -> dict[str, Any]:
+        """What continues this trainer exactly: the trained module's own tensors (adapters
+        included, not merged), the optimizer state, the sampling generator, torch's CPU RNG (which
+        training draws from) and the version; when sharded, model and optimizer are collectives,
+        whole on rank 0. A checkpoint passes model=False (its policy directory holds the weights)
+        and optimizer=False when it is not saved: those entries are None, and loading skips them."""
+        return {
+            "model": self.placed.full_model_state() if model else None,
+            "optimizer": self.placed.full_optimizer_state() if optimizer else None,
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("model") is not None:
+            self.placed.load_model_state(state["model"])
+        if state.get("optimizer") is not None:
+            self.placed.load_optimizer_state(state["optimizer"])
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        self.version = int(state["version"])
 
     def _forward(
         self, model: torch.nn.Module, batch: TrainBatch, *, grad: bool, with_entropy: bool
@@ -184,9 +234,9 @@ class Trainer(TrainerState):
     def _reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log π_ref of the response tokens (no grad, float32 on CPU): the frozen reference, or the
         LoRA model with its adapters disabled."""
-        model = self.reference
+        model = self.placed.reference
         if model is None:
-            model = self.unwrapped_model()
+            model = self.placed.unwrapped()
             context: contextlib.AbstractContextManager[Any] = model.disable_adapter()
         else:
             context = contextlib.nullcontext()
@@ -227,16 +277,17 @@ class Trainer(TrainerState):
         mask = batch.mask
 
         mode = self.mode
-        # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end
-        need_prox = mode.anchor == "proximal" or mode.reads_proximal or self.track_proximal_t
+        # π_prox: the PPO anchor, an input of the weight, or the drift factor's other end (A-3PO
+        # interpolates it inside each optimizer step instead)
+        need_prox = (mode.anchor == "proximal" or mode.reads_proximal or self.track_proximal_t) and not self.loglinear
         fused = None
         if need_prox and self._single_update():
             # θ does not move before the batch's only optimizer step: π_prox is the training
             # forward's own output, detached, and the separate no-grad forward is saved.
             # (in the row order the optimizer step would draw, so the update is bit for bit the same)
             order = torch.randperm(batch.num_sequences, generator=self.generator)
-            self.model.train()
-            logprobs, entropy = self._forward(self.model, batch.rows(order), grad=True, with_entropy=True)
+            self.placed.model.train()
+            logprobs, entropy = self._forward(self.placed.model, batch.rows(order), grad=True, with_entropy=True)
             fused = (order, logprobs, entropy)
             prox = torch.empty_like(logprobs, device="cpu")
             prox[order] = logprobs.detach().float().cpu()
@@ -262,7 +313,8 @@ class Trainer(TrainerState):
         trained = loss_mask > 0
         old = batch.old_logprobs
         params = {} if cfg.drift_clip is None else {"drift_clip": cfg.drift_clip}
-        log_ratio = mode.log_ratio(
+        # with A-3PO the weight follows π̂_prox, which exists only inside an optimizer step
+        log_ratio = None if self.loglinear else mode.log_ratio(
             old, prox, batch.proximal_logprobs_t if mode.reads_proximal_t else None, loss_mask > 0, **params
         )
         weights = None
@@ -294,6 +346,7 @@ class Trainer(TrainerState):
                     upper=rej.upper if bounded else None,
                     lower=rej.lower if bounded else None,
                     veto=rej.veto,
+                    metric=rej.metric,
                 )
                 metrics.update({f"rejection/{k}": v for k, v in rmetrics.items()})
             if cfg.m2_threshold is not None:
@@ -314,7 +367,7 @@ class Trainer(TrainerState):
     def _optimise(
         self,
         batch: TrainBatch,
-        anchor: torch.Tensor,
+        anchor: torch.Tensor | None,
         loss_mask: torch.Tensor,
         weights: torch.Tensor | None,
         log_ratio: torch.Tensor | None,
@@ -323,13 +376,14 @@ class Trainer(TrainerState):
         fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     ) -> dict[str, float]:
         """``ppo_epochs`` × ``minibatches`` optimizer steps; this process trains on its shard.
-        ``fused`` = (row order, log-probs, entropy): the training forward ``step`` already ran
-        when there is one optimizer step only (``_single_update``); it replaces the forward."""
+        ``anchor`` is None with A-3PO (``_step_weights`` interpolates it). ``fused`` = (row order,
+        log-probs, entropy): the training forward ``step`` already ran when there is one optimizer
+        step only (``_single_update``); it replaces the forward."""
         cfg, opt = self.loss_cfg, self.optim_cfg
         acc = self.accelerator
         n = batch.num_sequences
         per_step: list[dict[str, float]] = []
-        self.model.train()
+        self.placed.model.train()
         for _ in range(opt.ppo_epochs):
             order = torch.randperm(n, generator=self.generator) if fused is None else fused[0]
             for chunk in torch.tensor_split(order, opt.minibatches):
@@ -347,15 +401,17 @@ class Trainer(TrainerState):
                 if stand_in:
                     mb_mask = torch.zeros_like(mb_mask)
                 if fused is None:
-                    logprobs, entropy = self._forward(self.model, mb, grad=True, with_entropy=True)
+                    logprobs, entropy = self._forward(self.placed.model, mb, grad=True, with_entropy=True)
                 else:
                     _, logprobs, entropy = fused
-                mb_anchor = anchor[rows].to(dev)
-                if cfg.loss_type == "reinforce":
-                    mb_log_ratio = None if log_ratio is None else log_ratio[rows].to(dev)
-                    mb_weights = self._reinforce_weights(logprobs, mb_anchor, mb_log_ratio, mb_mask)
-                else:
-                    mb_weights = None if weights is None else weights[rows].to(dev)
+                mb_anchor, mb_weights, step_metrics = self._step_weights(
+                    logprobs,
+                    mb,
+                    mb_mask,
+                    None if anchor is None else anchor[rows].to(dev),
+                    None if weights is None else weights[rows].to(dev),
+                    None if log_ratio is None else log_ratio[rows].to(dev),
+                )
                 denominator = self._denominator(mb_mask)
                 loss, lmetrics = policy_loss(
                     logprobs,
@@ -370,6 +426,7 @@ class Trainer(TrainerState):
                     loss_type=cfg.loss_type,
                     denominator=denominator,
                     ratio_level=cfg.ratio_level,
+                    dppo_kl_coef=cfg.dppo_kl_coef,
                 )
                 ref_rows = None if reference is None else reference[rows].to(dev)
                 extra, rmetrics = self._regularizers(logprobs, entropy, mb_mask, ref_rows, denominator)
@@ -381,23 +438,74 @@ class Trainer(TrainerState):
                     lmetrics["pg_loss"] = float(acc.reduce(loss.detach(), reduction="sum"))
                     rmetrics = {k: float(self._sum_over_processes(torch.tensor(v, device=dev))) for k, v in rmetrics.items()}
                 lmetrics.update(rmetrics)
-                if self.sharded:
-                    grad_norm = sharded_grad_norm(list(self.model.parameters()), opt.grad_clip)
+                if self.placed.sharded:
+                    grad_norm = sharded_grad_norm(list(self.placed.model.parameters()), opt.grad_clip)
                 elif opt.grad_clip is not None:
-                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), opt.grad_clip)
+                    grad_norm = acc.clip_grad_norm_(self.placed.model.parameters(), opt.grad_clip)
                 else:
                     grad_norm = torch.sqrt(
-                        sum((p.grad.detach() ** 2).sum() for p in self.model.parameters() if p.grad is not None)
+                        sum((p.grad.detach() ** 2).sum() for p in self.placed.model.parameters() if p.grad is not None)
                     )
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.placed.optimizer.step()
+                self.placed.optimizer.zero_grad(set_to_none=True)
                 lmetrics = {f"loss/{k}": float(v) for k, v in lmetrics.items()}
                 lmetrics["loss/grad_norm"] = float(grad_norm)
-                per_step.append(lmetrics)
-        self.model.eval()
+                per_step.append({**lmetrics, **step_metrics})
+        self.placed.model.eval()
         out = _mean_of(per_step)
         out["loss/optimizer_steps"] = float(len(per_step))
         return out
+
+    def _step_weights(
+        self,
+        logprobs: torch.Tensor,
+        mb: TrainBatch,
+        mask: torch.Tensor,
+        anchor: torch.Tensor | None,
+        weights: torch.Tensor | None,
+        log_ratio: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """The anchor and the behavioural weight of one optimizer step on minibatch shard ``mb``, with
+        what follows θ: A-3PO's π̂_prox and its weight, REINFORCE's weight, OPSM's mask (docs/math.md
+        §5.1, §9.4, §9.7), from the step's log π_θ (detached). Returns (anchor, weights, metrics)."""
+        cfg = self.loss_cfg
+        dev = logprobs.device
+        old = mb.old_logprobs.to(dev)
+        metrics: dict[str, float] = {}
+        if self.loglinear:
+            lag = (mb.trainer_version - mb.versions).to(dev)
+            anchor, a3po = loglinear_proximal(old, logprobs, lag, mask)
+            log_ratio = anchor - old  # the decoupled log ratio, at π̂_prox
+            metrics.update({f"a3po/{k}": v for k, v in a3po.items()})
+        assert anchor is not None
+        if cfg.loss_type == "reinforce":
+            weights = self._reinforce_weights(logprobs, anchor, log_ratio, mask)
+        elif self.loglinear:
+            assert log_ratio is not None
+            weights, wmetrics = self._weights(log_ratio, mask)
+            metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
+            metrics.update(self._trained_ess(log_ratio, mask, wmetrics))
+        if cfg.opsm_delta is not None:
+            keep, ometrics = off_policy_sequence_mask(logprobs, old, mb.advantages.to(dev), mask, cfg.opsm_delta)
+            # a 0 weight: the dropped tokens stay in the denominator, as in TRL and slime
+            weights = keep if weights is None else weights * keep
+            metrics.update({f"opsm/{k}": v for k, v in ometrics.items()})
+        return anchor, weights, metrics
+
+    def _weights(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The behavioural weight ``loss`` configures (docs/math.md §2), normalised over the whole
+        minibatch across processes."""
+        cfg = self.loss_cfg
+        return importance_weights(
+            log_ratio,
+            mask,
+            level=cfg.is_level,
+            cap=cfg.weight_cap,
+            floor=cfg.weight_floor,
+            action=cfg.weight_action,
+            batch_normalize=cfg.batch_normalize,
+            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
+        )
 
     def _trained_ess(
         self, log_ratio: torch.Tensor, mask: torch.Tensor, bounded: dict[str, float]
@@ -443,18 +551,8 @@ class Trainer(TrainerState):
         """REINFORCE's detached importance weight at the current θ (docs/math.md §5.1): log w =
         (log π_θ − log anchor) + the mode's behavioural log ratio, so π_θ/π_behav in bypass and
         decoupled, bounded and normalised as ``loss`` says, over the whole minibatch."""
-        cfg = self.loss_cfg
         current = logprobs.detach() - anchor
-        weights, _ = importance_weights(
-            current if log_ratio is None else current + log_ratio,
-            mask,
-            level=cfg.is_level,
-            cap=cfg.weight_cap,
-            floor=cfg.weight_floor,
-            action=cfg.weight_action,
-            batch_normalize=cfg.batch_normalize,
-            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
-        )
+        weights, _ = self._weights(current if log_ratio is None else current + log_ratio, mask)
         return weights
 
     def _diagnostics(self, batch: TrainBatch, prox: torch.Tensor | None, trained: torch.Tensor) -> dict[str, float]:
@@ -478,6 +576,9 @@ class Trainer(TrainerState):
             return out
         old = batch.old_logprobs
         out.update({f"offpolicy/{k}": v for k, v in offpolicy_metrics(old, prox, mask).items()})
+        # engine (π_behav) vs trainer (π_prox) on tokens of the trainer's own version: numerics alone
+        lag0 = valid & (batch.versions == c)
+        out.update({f"mismatch/lag0_{k}": v for k, v in lag0_mismatch(old, prox, lag0).items()})
 
         # Every registered weight whose inputs this run has (π_prox_t only when tracked), and the
         # drift-clipped one of each mode that takes κ (modes.shadow_weights), each over the tokens

@@ -140,13 +140,25 @@ def test_plan_jobs_cover_each_sequence_once_per_version():
         k: [(j.sequence, j.start, j.targets.tolist()) for j in js] for (k, t), js in plan.jobs.items()
     }
     ids = batch.input_ids.tolist()
-    # a prefill runs up to the last target and starts at the first target of its sequence
+    # a prefill runs up to the last target and starts at the first target of its sequence;
+    # checkpoint 3 = c also scores the version-3 tokens 6, 8, 9 (the noise floor)
     assert jobs == {
         1: [(ids[0:4], 2, [2, 3])],
         2: [(ids[0:5], 4, [4]), (ids[10:14], 3, [13])],
-        3: [(ids[0:6], 5, [5]), (ids[10:15], 4, [14])],
+        3: [(ids[0:7], 5, [5, 6]), (ids[7:10], 1, [8, 9]), (ids[10:15], 4, [14])],
     }
-    assert plan.versions == [1, 2, 3] and plan.tokens() == 6 and plan.tokens(2) == 2
+    assert plan.versions == [1, 2, 3] and plan.tokens() == 9 and plan.tokens(2) == 2
+
+
+def test_the_noise_floor_needs_checkpoint_c_but_never_fails_without_it():
+    batch = make_batch(3, SEQS)
+    with pytest.raises(MissingCheckpoints, match=r"version\(s\) 3 are missing"):  # for tokens 5 and 14
+        make_plan([(Path("b"), batch)], RecomputeOptions(), [0, 1, 2])
+    only_c = make_batch(3, [(1, [3, 3], None)])  # nothing lagged: checkpoint 3 only measures the floor
+    plan = make_plan([(Path("b"), only_c)], RecomputeOptions(), [])
+    assert plan.jobs == {}
+    plan = make_plan([(Path("b"), only_c)], RecomputeOptions(), [3])
+    assert [j.targets.tolist() for j in plan.jobs[(3, 1.0)]] == [[1, 2]]
 
 
 def test_recompute_writes_the_next_version_logprob_and_tag(hand):
@@ -207,13 +219,15 @@ def test_packs_respect_the_token_budget(hand):
     scorer = FakeScorer()
     rc.recompute([path], run, lambda b: scorer, RecomputeOptions(max_tokens_per_call=5))
     # version 2 prefills A[0:5] (5 tokens) and C[10:14] (4 tokens): 9 > 5, so two calls, the
-    # shorter first; version 1 has one 4-token prefill
+    # shorter first; version 1 has one 4-token prefill; version 3 prefills B[7:10] (3, its
+    # version-3 tokens for the noise floor), C[10:15] (5) and A[0:7] (7): 3 + 5 > 5
     assert [(v, [n for n, _ in seqs]) for v, _, seqs in scorer.calls] == [
         (1, [4]),
         (2, [4]),
         (2, [5]),
+        (3, [3]),
         (3, [5]),
-        (3, [6]),
+        (3, [7]),
     ]
 
 

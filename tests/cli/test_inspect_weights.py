@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import stat
 import subprocess
 import sys
@@ -178,12 +179,33 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
         ([], "no batch file given"),
         (["--example", "--plot", "/nonexistent-dir/w.png"], "directory /nonexistent-dir does not exist"),
         (["--example", "--dump-weights", str(EXAMPLE_BATCH)], "is one of the input batches"),
+        (["--example", "--rejection-level", "max"], "--rejection-level max takes a sequence's largest divergence"),
+        (["--example", "--rejection-metric", "k3"], "--rejection-metric and --rejection-lower need --rejection-level"),
+        (["--example", "--rejection-level", "token", "--rejection-metric", "k1"], "--rejection-metric 'k1' is not one of"),
+        (["--example", "--m2-threshold", "0"], "--m2-threshold 0.0 must be a finite number > 0"),
+        (["--example", "--opsm-delta", "nan"], "--opsm-delta nan must be a finite number >= 0"),
     ],
 )
 def test_bad_options_are_one_line_exit_2(argv, message, capsys):
     code, _, err = run_main(["inspect-weights", *argv], capsys)
     assert code == 2
     assert message in one_error_line(err)
+
+
+def test_masks_are_measured_per_mode_as_the_trainer_would_apply_them(capsys):
+    # the example batch: the masks table and the JSON carry each configured mask for every mode; a mode
+    # without a behavioural log ratio (bypass) has no rejection or M2PO, OPSM (π_behav vs π_θ = π_prox)
+    # is the same kernel for every row over that row's tokens
+    argv = ["inspect-weights", "--example", "--m2-threshold", "0.04", "--opsm-delta", "0.5",
+            "--rejection-level", "geometric", "--rejection-metric", "k3", "--rejection-upper", "0.01"]
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    assert "Masked tokens" in out
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    modes = json.loads(out)["modes"]
+    assert modes["bypass"]["masks"]["rejection"] is None and modes["bypass"]["masks"]["m2po"] is None
+    assert modes["bypass"]["masks"]["opsm"] == modes["decoupled"]["masks"]["opsm"]  # the same 247 tokens
+    assert all(0 <= modes["decoupled"]["masks"][k] <= 1 for k in ("rejection", "m2po", "opsm"))
 
 
 def test_an_empty_directory_is_one_line(tmp_path, capsys):
@@ -427,3 +449,85 @@ def test_paths_with_rich_markup_are_printed_as_they_are(tmp_path, capsys):
     flat = " ".join(out.split())  # rich may wrap a long path
     assert str(batch) in flat and f"wrote weight histograms to {plot}" in flat
     assert "👍" not in out  # :thumbs_up: stays text
+
+
+# ---------------------------------------------------------- many versions, 80 columns (issue 24, item 13)
+def _batches_at_versions(directory, versions):
+    """The example batch saved once per trainer version (as a run's batches/ would hold them)."""
+    directory.mkdir()
+    batch = read_batch(EXAMPLE_BATCH)
+    for i, version in enumerate(versions):
+        batch.trainer_version = version
+        write_batch(directory / f"step-{i:06d}.safetensors", batch)
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("versions", "shown"),
+    [
+        (range(11, 61), "trainer versions 11–60"),  # 50 consecutive versions: one range
+        ([11, 12, 13, 20, 21], "trainer versions 11–13, 20–21"),
+        ([11, 15], "trainer versions 11, 15"),
+        (range(11, 111, 2), "trainer versions 11–109 (50 versions, with gaps)"),  # 50 runs of one
+    ],
+)
+def test_versions_in_the_header_are_ranges(tmp_path, capsys, versions, shown):
+    directory = _batches_at_versions(tmp_path / "b", versions)
+    code, out, err = run_main(["inspect-weights", str(directory)], capsys)
+    assert code == 0, err
+    header = out.splitlines()[0]
+    assert shown + "," in header, header  # followed by ", lag ..."
+    assert "12, 13" not in out and "13, 15" not in out
+
+
+def test_the_plot_title_holds_the_range_not_every_version(tmp_path, monkeypatch, capsys):
+    from sdp_cli.analysis import plots
+
+    titles = []
+    monkeypatch.setattr(plots, "weight_histograms", lambda report, title: titles.append(title) or b"png")
+    directory = _batches_at_versions(tmp_path / "b", range(11, 61))
+    code, _, err = run_main(["inspect-weights", str(directory), "--plot", str(tmp_path / "w.png")], capsys)
+    assert code == 0, err
+    (title,) = titles
+    assert "trainer versions 11–60," in title and "12, 13" not in title
+    # a line of the title fits the 12-inch figure at suptitle's font: at most ~100 characters
+    assert max(len(line) for line in title.splitlines()) <= 100, title
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _on_a_terminal(argv, columns, monkeypatch, capsys) -> list[str]:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich treats the captured stdout as a terminal
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    return ANSI.sub("", out).splitlines()
+
+
+#: every column header and every label cell of the three tables, each of which must be shown whole
+WHOLE = ["mode", "agg", "tokens", "mean", "std", "min", "max", "ESS", "truncated", "any (w ≡ 1)",
+         "segment_wise_drift", "target", "kl", "k3_kl", "chi2_token", "chi2_seq",
+         "π_prox_t·clip(π_prox/π_prox_t, 1/κ, κ)", "lag", "w_dec mean", "w_seg mean",
+         "π_c/π_{v+1} mean", "κ-clipped"]  # fmt: skip
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_no_header_or_cell_is_cut_on_a_narrow_terminal(tmp_path, monkeypatch, capsys, columns):
+    directory = _batches_at_versions(tmp_path / "b", range(11, 61))
+    lines = _on_a_terminal(["inspect-weights", str(directory), "--cap", "2"], columns, monkeypatch, capsys)
+    text = "\n".join(lines)
+    assert "…" not in text, text  # rich's mark of a cut cell or header
+    assert max(len(line) for line in lines) <= columns, text
+    for word in WHOLE:
+        assert any(word in line for line in lines), (word, text)
+    # every row is still there: lags 4 to 52 each hold one batch's lag-3 tokens and the next
+    # batch's lag-4 tokens, i.e. the example's whole token set, whose raw w_dec mean is 0.9607
+    # (`--example` shows it); the weights table shows the --cap 2 weights (mean 0.9409)
+    assert text.count("0.9607") == 49
+
+
+def test_a_wide_terminal_keeps_each_table_whole(monkeypatch, capsys):
+    lines = _on_a_terminal(["inspect-weights", "--example"], 160, monkeypatch, capsys)
+    assert sum(line.startswith("Behavioural importance weights") for line in lines) == 1
+    assert not any(re.search(r"\(\d+ of \d+\)", line) for line in lines)

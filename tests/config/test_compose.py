@@ -41,15 +41,30 @@ def test_every_group_combination_composes(mode, is_agg, staleness):
     assert (cfg.loss.mode, cfg.loss.is_level, cfg.staleness.strategy) == (mode, is_agg, staleness)
 
 
-#: the presets of other frameworks' corrections (docs/math.md §9): decoupled PPO with their options
-FIELD_PRESETS = ("gspo", "icepop", "m2po")
+#: the presets of other frameworks' corrections (docs/math.md §9) and their mode: decoupled PPO with
+#: their options, or bypass where the peer anchors at π_behav (prime-rl's DPPO)
+FIELD_PRESETS = {
+    "gspo": "decoupled",
+    "icepop": "decoupled",
+    "m2po": "decoupled",
+    "decoupled_k3_rs": "decoupled",
+    "opsm": "decoupled",
+    "cispo": "decoupled",
+    "dppo": "bypass",
+    "a3po": "decoupled",
+}
+
+
+def test_every_field_preset_is_a_file_and_every_file_is_known():
+    named = set(FIELD_PRESETS) | {"bypass", "decoupled", "segment_wise"}
+    assert {p for p in _options("preset") if not p.startswith("segment_wise_drift")} == named
 
 
 @pytest.mark.parametrize("preset", _options("preset"))
 def test_presets_compose_and_set_mode_and_staleness(preset):
     cfg, _ = compose_config([f"+preset={preset}"])
     drift = preset.startswith("segment_wise_drift")
-    assert cfg.loss.mode == ("segment_wise" if drift else "decoupled" if preset in FIELD_PRESETS else preset)
+    assert cfg.loss.mode == ("segment_wise" if drift else FIELD_PRESETS.get(preset, preset))
     expected_staleness = "segment_wise" if preset.startswith("segment_wise") else "standard"
     assert cfg.staleness.strategy == expected_staleness
     # the drift presets: the plain one carries the recommended κ, the _kX ones fix κ = X
@@ -67,6 +82,24 @@ def test_drift_clip_outside_segment_wise_or_below_one_is_refused():
         compose_config(["+preset=segment_wise_drift", "loss.drift_clip=0.5"])
     cfg, _ = compose_config(["+preset=segment_wise_drift", "loss.drift_clip=inf"])
     assert cfg.loss.drift_clip == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        # verl's decoupled_k3_rs: seq_mean_k3 ≤ 0.01, and no behavioural weight (held at 1)
+        ("decoupled_k3_rs", {"rejection.level": "geometric", "rejection.metric": "k3", "rejection.upper": 0.01, "weight_cap": 1.0, "weight_floor": 1.0}),
+        ("opsm", {"opsm_delta": 0.5}),  # TRL's suggested δ
+        ("cispo", {"loss_type": "cispo", "clip": 1.0, "clip_high": 4.0}),  # floor 0, cap 5 (AReaL, TRL)
+        ("dppo", {"loss_type": "dppo", "clip": 0.2, "clip_high": 0.2, "dppo_kl_coef": 1e-3, "weight_cap": None}),  # prime-rl's defaults
+        ("a3po", {"proximal_source": "loglinear"}),
+    ],
+)
+def test_field_presets_set_the_peers_values(preset, expected):
+    cfg, _ = compose_config([f"+preset={preset}"])
+    for key, value in expected.items():
+        owner, _, name = key.rpartition(".")
+        assert getattr(cfg.loss.rejection if owner else cfg.loss, name) == value, key
 
 
 def test_segment_wise_preset_sets_weight_bounds():

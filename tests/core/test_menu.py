@@ -1,7 +1,9 @@
-"""The field's corrections that sdp adds to its kernels (docs/math.md §2–§5), against values worked
-out by hand from each peer's semantics (the derivations are in the comments; GSPO: arXiv
+"""The field's corrections that sdp adds to its kernels (docs/math.md §2–§5, §9), against values
+worked out by hand from each peer's semantics (the derivations are in the comments; GSPO: arXiv
 2507.18071, M2PO: AReaL m2_threshold / arXiv 2510.01161, IcePop: verl rollout_is_threshold
-"0.5_5.0" / OpenRLHF icepop). Every tensor is 2 sequences × 3 positions, the last position of
+"0.5_5.0" / OpenRLHF icepop, rejection by divergence: verl rollout_rs, OPSM: TRL
+off_policy_mask_threshold, CISPO: ROLL/AReaL/TRL, DPPO: prime-rl default_loss_fn, A-3PO: AReaL
+prox_logp_method loglinear). Every tensor is 2 sequences × 3 positions, the last position of
 row 1 padding, advantages +1 for row 0 and −1 for row 1."""
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.validation import ConfigValueError, validate
 from sdp_cli.core.loss import policy_loss
-from sdp_cli.core.weights import importance_weights, second_moment_mask
+from sdp_cli.core.weights import (
+    importance_weights,
+    loglinear_proximal,
+    off_policy_sequence_mask,
+    rejection_mask,
+    second_moment_mask,
+)
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
 ADV = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]], dtype=torch.float64)
@@ -173,3 +183,305 @@ def test_the_sequence_ess_is_that_of_one_weight_per_sequence():
     _, m = importance_weights(lr, MASK, level="sequence")
     assert m["rollout_is_seq_eff_sample_size"] == pytest.approx(1.5625 / 2.125)
     assert m["rollout_is_eff_sample_size"] == pytest.approx(0.784)
+
+
+
+# --- rejection by divergence (loss.rejection.metric/level; verl rollout_rs) -----------------------
+# The same lr as M2PO's above (E1): row 0 [−0.2, 1.0, 0.0], row 1 [0.5, −0.1, pad]. verl's estimates:
+# k2 = lr²/2 = [0.02, 0.5, 0 | 0.125, 0.005];
+# k3 = e^lr − 1 − lr = [0.818731 − 0.8 = 0.018731, 2.718282 − 2 = 0.718282, 0 | 1.648721 − 1.5 = 0.148721,
+#                       0.904837 − 0.9 = 0.004837].
+# Row means of k3: 0.737013/3 = 0.245671 and 0.153559/2 = 0.076779; row sums 0.737013 and 0.153559.
+def _kept(**kwargs):
+    mask, metrics = rejection_mask(LR, MASK, **kwargs)
+    return mask, metrics
+
+
+def test_verl_seq_mean_k3_rejects_the_rows_whose_mean_k3_is_above_the_threshold():
+    # threshold 0.2: row 0 (0.245671) out, row 1 (0.076779) in; the statistics are the rows' means
+    mask, m = _kept(level="geometric", metric="k3", upper=0.2)
+    assert torch.equal(mask, t64([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert m["rollout_rs_max"] == pytest.approx(0.245671, abs=1e-6)
+    assert m["rollout_rs_min"] == pytest.approx(0.076779, abs=1e-6)
+    assert m["rollout_rs_masked_fraction"] == pytest.approx(3 / 5)
+    assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+
+
+def test_verls_k3_sign_is_e_to_the_lr_not_arealss_reversed_one():
+    # threshold 0.07: verl's seq_mean_k3 rejects row 1 too (0.076779 > 0.07). AReaL's kl_k3 is
+    # e^−lr − 1 + lr, whose row-1 mean is (0.106531 + 0.005171)/2 = 0.055851 ≤ 0.07: it would keep it.
+    mask, _ = _kept(level="geometric", metric="k3", upper=0.07)
+    assert torch.equal(mask, torch.zeros_like(MASK))
+
+
+def test_verl_seq_sum_k3_and_seq_max_k2_and_token_k2():
+    # seq_sum_k3 at 0.5: sums 0.737013 (out) and 0.153559 (in)
+    mask, _ = _kept(level="sequence", metric="k3", upper=0.5)
+    assert torch.equal(mask, t64([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    # seq_max_k2 at 0.4: maxima 0.5 (out) and 0.125 (in); at 0.6 both in
+    mask, m = _kept(level="max", metric="k2", upper=0.4)
+    assert torch.equal(mask, t64([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]))
+    assert (m["rollout_rs_min"], m["rollout_rs_max"]) == pytest.approx((0.125, 0.5))
+    mask, _ = _kept(level="max", metric="k2", upper=0.6)
+    assert torch.equal(mask, MASK)
+    # token_k2 at 0.1: only 0.5 and 0.125 exceed it
+    mask, _ = _kept(level="token", metric="k2", upper=0.1)
+    assert torch.equal(mask, t64([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))
+
+
+def test_verls_k1_bounds_are_sdps_ratio_bounds_mirrored():
+    # verl token_k1 "0.5_4.0" keeps log 0.5 ≤ −lr ≤ log 4, i.e. lr ∈ [−1.386, 0.693]: lr = 1 out,
+    # lr = −1 in. The same in sdp is lower = 1/4, upper = 1/0.5: ρ = e = 2.718 > 2 out, ρ = 0.368 ≥ 0.25 in.
+    lr, mask = t64([[1.0, -1.0]]), torch.ones(1, 2, dtype=torch.float64)
+    mirrored, _ = rejection_mask(lr, mask, level="token", lower=0.25, upper=2.0)
+    assert torch.equal(mirrored, t64([[0.0, 1.0]]))
+    # reading "0.5_4.0" as sdp's lower = 0.5, upper = 4 keeps the opposite token
+    naive, _ = rejection_mask(lr, mask, level="token", lower=0.5, upper=4.0)
+    assert torch.equal(naive, t64([[1.0, 0.0]]))
+    # symmetric bounds coincide: token_k1 "0.5_2.0" rejects lr = 1.0 of E1 only (e = 2.718 > 2)
+    sym, _ = _kept(level="token", lower=0.5, upper=2.0)
+    assert torch.equal(sym, t64([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]))
+
+
+def test_rejected_tokens_leave_the_denominator():
+    # ratio bounds [0.5, 2] reject lr = 1 (ρ = 2.718). θ = π_prox (r = 1), w = e^lr untruncated:
+    # ℓ = −A·w = row 0 [−0.818731, –, −1.0], row 1 [+1.648721, +0.904837]; Σ = 0.734827 over the
+    # 4 kept tokens = 0.183707 (AReaL, which keeps them in the count, gives 0.734827/5 = 0.146965)
+    kept, _ = _kept(level="token", upper=2.0)
+    w, _ = importance_weights(LR, kept, level="token")
+    prox = t64([[-1.2, -1.0, -0.5], [-1.0, -0.3, 0.0]])
+    loss, _, _ = _grad(lambda lp: policy_loss(lp, prox, ADV, kept, weights=w), prox)
+    assert loss == pytest.approx(0.183707, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"level": "max"}, "loss.rejection.level=max takes a sequence's largest divergence"),
+        ({"level": "token", "metric": "k3", "lower": 0.1}, "loss.rejection.lower=0.1 bounds a ratio"),
+        ({"metric": "k2"}, "loss.rejection.metric=k2 is bounded only with a level"),
+    ],
+)
+def test_rejection_refuses_bounds_that_do_not_fit_its_statistic(overrides, message):
+    cfg = SdpConfig()
+    for key, value in overrides.items():
+        setattr(cfg.loss.rejection, key, value)
+    with pytest.raises(ConfigValueError, match=message):
+        validate(cfg)
+
+
+# --- OPSM (loss.opsm_delta; TRL off_policy_mask_threshold) ---------------------------------------
+# log π_behav: row 0 [−0.5, −0.5, −0.5], row 1 [−0.5, −0.2, pad]; log π_θ: row 0 [−2.0, −1.5, −0.5],
+# row 1 [−1.5, −0.4, pad]. D_0 = (1.5 + 1.0 + 0)/3 = 0.833333 but A_0 > 0: kept;
+# D_1 = (1.0 + 0.2)/2 = 0.6 > δ = 0.5 and A_1 < 0: dropped.
+BEHAV_OPSM = t64([[-0.5, -0.5, -0.5], [-0.5, -0.2, 0.0]])
+THETA_OPSM = t64([[-2.0, -1.5, -0.5], [-1.5, -0.4, 0.0]])
+
+
+def test_opsm_drops_the_negative_advantage_sequence_that_drifted_more_than_delta():
+    keep, m = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, ADV, MASK, 0.5)
+    assert torch.equal(keep, t64([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert m["masked_fraction"] == pytest.approx(2 / 5)
+    assert m["seq_masked_fraction"] == pytest.approx(1 / 2)
+    assert m["seq_kl_mean"] == pytest.approx((0.833333 + 0.6) / 2, abs=1e-6)
+    # δ = 0.7 ≥ D_1: nothing is dropped
+    keep, _ = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, ADV, MASK, 0.7)
+    assert torch.equal(keep, MASK)
+
+
+@pytest.mark.parametrize(("agg", "loss_value", "slope"), [("token-mean", -0.6, -0.2), ("seq-mean-token-mean", -0.5, -1 / 6)])
+def test_opsm_keeps_the_dropped_tokens_in_the_denominator(agg, loss_value, slope):
+    # a 0 weight: PPO at r = 1 gives ℓ = row 0 [−1, −1, −1], row 1 [0, 0]. TRL dapo (token-mean):
+    # −3/5 = −0.6, gradient −1/5 on row 0; grpo (mean of row means): (−1 + 0)/2 = −0.5, gradient −1/6
+    keep, _ = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, ADV, MASK, 0.5)
+    loss, grad, _ = _grad(lambda lp: policy_loss(lp, THETA_OPSM, ADV, MASK, weights=keep, agg=agg), THETA_OPSM)
+    assert loss == pytest.approx(loss_value)
+    assert torch.allclose(grad, t64([[slope] * 3, [0.0, 0.0, 0.0]]))
+
+
+# --- CISPO (loss.loss_type=cispo) ----------------------------------------------------------------
+# log π_old: row 0 [−1.0, −1.5, −1.5], row 1 [−1.2, −1.0, pad]; log π_θ: row 0 [−1.0, −0.5, −2.0],
+# row 1 [−0.7, −3.0, pad]: r = [1, e = 2.718282, e^−0.5 = 0.606531 | e^0.5 = 1.648721, e^−2 = 0.135335].
+OLD_CISPO = t64([[-1.0, -1.5, -1.5], [-1.2, -1.0, 0.0]])
+THETA_CISPO = t64([[-1.0, -0.5, -2.0], [-0.7, -3.0, 0.0]])
+
+
+def test_cispo_with_rolls_band_and_sequence_mean():
+    # ROLL's [0.9, 1.1]: ŵ = [1.0, 1.1, 0.9 | 1.1, 0.9]; ℓ = −ŵ·A·log π = row 0 [1.0, 0.55, 1.8],
+    # row 1 [−0.77, −2.7]; row means 1.116667 and −1.735 → L = −0.309167. ∂L/∂log π = −ŵ·A/(G|y_i|):
+    # row 0 [−1/6, −1.1/6, −0.9/6], row 1 [1.1/4, 0.9/4]. Four ratios are outside the band.
+    loss, grad, m = _grad(
+        lambda lp: policy_loss(lp, OLD_CISPO, ADV, MASK, loss_type="cispo", clip=0.1, agg="seq-mean-token-mean"),
+        THETA_CISPO,
+    )
+    assert loss == pytest.approx(-0.309167, abs=1e-6)
+    assert torch.allclose(grad, t64([[-1 / 6, -1.1 / 6, -0.15], [0.275, 0.225, 0.0]]), atol=1e-9)
+    assert (m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((4 / 5, 2 / 5, 2 / 5))
+
+
+def test_cispo_with_a_cap_of_five_passes_every_gradient():
+    # clip 1.0, clip_high 4.0 (AReaL's recommendation, TRL's cap 5): every r < 5, ŵ = r;
+    # ℓ = [1.0, 1.359141, 1.213061 | −1.154105, −0.406006], token-mean 2.012091/5 = 0.402418;
+    # gradient −r·A/5 = row 0 [−0.2, −0.543656, −0.121306], row 1 [0.329744, 0.027067] — row 0's
+    # r = e with A > 0, which PPO (ε = 0.2) would clip to a zero gradient
+    loss, grad, m = _grad(
+        lambda lp: policy_loss(lp, OLD_CISPO, ADV, MASK, loss_type="cispo", clip=1.0, clip_high=4.0), THETA_CISPO
+    )
+    assert loss == pytest.approx(0.402418, abs=1e-6)
+    assert torch.allclose(grad, t64([[-0.2, -0.543656, -0.121306], [0.329744, 0.027067, 0.0]]), atol=1e-6)
+    assert m["pg_clipfrac"] == 0.0
+    _, ppo_grad, _ = _grad(lambda lp: policy_loss(lp, OLD_CISPO, ADV, MASK), THETA_CISPO)
+    assert ppo_grad[0, 1] == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    deltas=st.lists(st.floats(-1.0, 1.0), min_size=6, max_size=6),
+    clip=st.floats(0.05, 1.0),
+    clip_high=st.floats(0.05, 4.0),
+    agg=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+)
+def test_cispo_gradient_is_autograds_through_the_detached_clipped_ratio(deltas, clip, clip_high, agg):
+    theta = OLD_CISPO + t64([deltas[:3], deltas[3:]])
+    weights = t64([[1.3, 0.7, 1.0], [0.9, 1.1, 1.0]])
+    loss, grad, _ = _grad(
+        lambda lp: policy_loss(
+            lp, OLD_CISPO, ADV, MASK, weights=weights, loss_type="cispo", clip=clip, clip_high=clip_high, agg=agg
+        ),
+        theta,
+    )
+    lp = theta.clone().requires_grad_()
+    ratio = torch.exp(lp - OLD_CISPO).clamp(1 - clip, 1 + clip_high).detach()
+    reference = _reduce(-ratio * ADV * lp * weights * MASK, agg)
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), abs=1e-12)
+    assert torch.allclose(grad, lp.grad, atol=1e-12)
+
+
+def _reduce(per_token, agg):
+    """sdp's aggregations (docs/math.md §5.2), written out on the 2 × 3 batch."""
+    if agg == "token-mean":
+        return per_token.sum() / MASK.sum()
+    if agg == "seq-mean-token-sum":
+        return per_token.sum(-1).mean()
+    return (per_token.sum(-1) / MASK.sum(-1)).mean()
+
+
+# --- DPPO (loss.loss_type=dppo, loss.dppo_kl_coef; prime-rl) -------------------------------------
+# log μ = π_behav: row 0 [−0.1, −2.0, −1.0], row 1 [−1.0, −0.2, pad]; log π_θ: row 0 [−0.5, −0.7, −1.2],
+# row 1 [−2.0, −0.25, pad]. μ = [0.904837, 0.135335, 0.367879 | 0.367879, 0.818731],
+# π = [0.606531, 0.496585, 0.301194 | 0.135335, 0.778801],
+# π − μ = [−0.298307, +0.361250, −0.066685 | −0.232544, −0.039930]. Row 0 (A > 0) drops π − μ > 0.2 (t1),
+# row 1 (A < 0) drops π − μ < −0.2 (t0). log r = [−0.4, 1.3, −0.2 | −1.0, −0.05],
+# r = [0.670320, 3.669297, 0.818731 | 0.367879, 0.951229].
+MU = t64([[-0.1, -2.0, -1.0], [-1.0, -0.2, 0.0]])
+THETA_DPPO = t64([[-0.5, -0.7, -1.2], [-2.0, -0.25, 0.0]])
+
+
+def test_dppo_masks_by_probability_difference_and_penalises_the_squared_log_ratio():
+    # ℓ = −keep·A·r + 1e-3·(log r)²: row 0 [−0.670320 + 0.000160, 0 + 0.001690, −0.818731 + 0.000040],
+    # row 1 [0 + 0.001, 0.951229 + 0.0000025]; Σ = −0.534929, token-mean −0.106986.
+    # ∂ℓ/∂log π = −keep·A·r + 2e-3·log r = row 0 [−0.671120, 0.0026, −0.819131], row 1 [−0.002, 0.951129]; /5
+    loss, grad, m = _grad(
+        lambda lp: policy_loss(lp, MU, ADV, MASK, loss_type="dppo", clip=0.2, dppo_kl_coef=1e-3), THETA_DPPO
+    )
+    assert loss == pytest.approx(-0.106986, abs=1e-6)
+    expected = t64([[-0.671120, 0.0026, -0.819131], [-0.002, 0.951129, 0.0]]) / 5
+    assert torch.allclose(grad, expected, atol=1e-6)
+    assert (m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((2 / 5, 1 / 5, 1 / 5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    deltas=st.lists(st.floats(-1.5, 1.5), min_size=6, max_size=6),
+    clip=st.floats(0.01, 0.5),
+    clip_high=st.floats(0.01, 0.5),
+    kl=st.sampled_from([0.0, 1e-3, 0.5]),
+    agg=st.sampled_from(["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]),
+)
+def test_dppo_gradient_is_autograds_of_the_masked_ratio_plus_penalty(deltas, clip, clip_high, kl, agg):
+    theta = MU + t64([deltas[:3], deltas[3:]])
+    weights = t64([[1.3, 0.7, 1.0], [0.9, 1.1, 1.0]])
+    loss, grad, _ = _grad(
+        lambda lp: policy_loss(
+            lp, MU, ADV, MASK, weights=weights, loss_type="dppo", clip=clip, clip_high=clip_high, dppo_kl_coef=kl, agg=agg
+        ),
+        theta,
+    )
+    lp = theta.clone().requires_grad_()
+    gap = (lp.exp() - MU.exp()).detach()
+    keep = torch.where(ADV > 0, gap <= clip_high, gap >= -clip).double()
+    per_token = (-keep * ADV * torch.exp(lp - MU) + kl * (lp - MU).square()) * weights * MASK
+    reference = _reduce(per_token, agg)
+    reference.backward()
+    assert loss == pytest.approx(reference.item(), abs=1e-12)
+    assert torch.allclose(grad, lp.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"loss_type": "cispo", "dual_clip": 3.0}, "loss.dual_clip bounds the PPO clip's loss"),
+        ({"dppo_kl_coef": 1e-3}, "loss.dppo_kl_coef=0.001 is DPPO's penalty"),
+        ({"loss_type": "dppo", "ratio_level": "sequence"}, "loss.ratio_level=sequence is the ratio of the PPO clip"),
+        ({"mode": "bypass", "loss_type": "cispo"}, "loss.weight_cap=5.0 bounds a behavioural weight"),
+    ],
+)
+def test_loss_variants_refuse_what_they_do_not_have(overrides, message):
+    cfg = SdpConfig()
+    for key, value in overrides.items():
+        setattr(cfg.loss, key, value)
+    with pytest.raises(ConfigValueError, match=message):
+        validate(cfg)
+
+
+# --- A-3PO (loss.proximal_source=loglinear; AReaL prox_logp_method) ------------------------------
+# c = 4, versions row 0 [4, 3, 2], row 1 [1, 0, pad] → lags k = [0, 1, 2 | 3, 4];
+# α = clamp((k − 1)/k, 0, 1) = [0, 0, 0.5 | 2/3, 0.75].
+LAG = torch.tensor([[0, 1, 2], [3, 4, -1]])
+BEHAV_A3PO = t64([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])
+THETA_A3PO = t64([[-1.2, -1.0, -0.9], [-0.6, -1.0, 0.0]])
+
+
+def test_a3po_interpolates_the_proximal_policy_by_staleness():
+    # log π̂ = behav + α(θ − behav): row 0 [−1.0, −2.0, −0.5 + 0.5·(−0.4) = −0.7],
+    # row 1 [−1.5 + (2/3)·0.9 = −0.9, −0.2 + 0.75·(−0.8) = −0.8]; mean α = (0.5 + 2/3 + 0.75)/5
+    prox, m = loglinear_proximal(BEHAV_A3PO, THETA_A3PO, LAG, MASK)
+    assert torch.allclose(prox, t64([[-1.0, -2.0, -0.7], [-0.9, -0.8, 0.0]]), atol=1e-12)
+    assert m["alpha_mean"] == pytest.approx((0.5 + 2 / 3 + 0.75) / 5)
+
+
+def test_a3po_decoupled_loss_on_the_interpolated_proximal_policy():
+    # w = e^{π̂ − behav} = [1, 1, 0.818731 | 1.822119, 0.548812]; r = e^{θ − π̂} = [0.818731, 2.718282,
+    # 0.818731 | 1.349859, 0.818731]. PPO ε = 0.2: row 0 t1 clipped (A > 0, r > 1.2); row 1 t0 takes
+    # the unclipped branch (A < 0, r > 1.2). ℓ·w = [−0.818731, −1.2, −0.670320 | 2.459603, 0.449329],
+    # token-mean 0.219881/5 = 0.043976; gradient −A·r·w/5 except the clipped token
+    prox, _ = loglinear_proximal(BEHAV_A3PO, THETA_A3PO, LAG, MASK)
+    w, _ = importance_weights(prox - BEHAV_A3PO, MASK, level="token")
+    loss, grad, _ = _grad(lambda lp: policy_loss(lp, prox, ADV, MASK, weights=w), THETA_A3PO)
+    assert loss == pytest.approx(0.043976, abs=1e-6)
+    assert torch.allclose(grad, t64([[-0.818731, 0.0, -0.670320], [2.459603, 0.449329, 0.0]]) / 5, atol=1e-6)
+
+
+def test_a3po_anchors_fresh_and_one_step_stale_tokens_at_the_behaviour_policy():
+    # α = 0 for k ≤ 1: π̂ = π_behav, the weight is 1 and the PPO ratio is π_θ/π_behav: bypass
+    lag = torch.tensor([[0, 1, 1], [0, 1, -1]])
+    prox, m = loglinear_proximal(BEHAV_A3PO, THETA_A3PO, lag, MASK)
+    assert torch.equal(prox, BEHAV_A3PO * MASK)
+    assert m["alpha_mean"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"mode": "segment_wise"}, "loss.proximal_source=loglinear \\(A-3PO\\) approximates the decoupled"),
+        ({"m2_threshold": 0.04}, "loss.m2_threshold reads the batch's π_prox"),
+    ],
+)
+def test_a3po_refuses_what_needs_the_batchs_proximal_policy(overrides, message):
+    cfg = SdpConfig()
+    cfg.loss.proximal_source = "loglinear"
+    for key, value in overrides.items():
+        setattr(cfg.loss, key, value)
+    with pytest.raises(ConfigValueError, match=message):
+        validate(cfg)

@@ -37,11 +37,11 @@ def perturb_(model: torch.nn.Module, seed: int) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=g))
 
 
-def check_versions_and_proximal(samples, states, temperature):
+def check_versions_and_proximal(samples, states, temperature, model_of=model_with):
     """Every token: old_logprobs from its version's weights. π_prox_t from version + 1's weights
     for every version the sample outlived (an update reached it in flight: docs/design.md §2 steps 2
     and 4); tokens of its last version were never in flight across an update and keep
-    π_prox_t = π_behav."""
+    π_prox_t = π_behav. ``model_of(state)``: the model holding the weights ``state``."""
     worst_old = worst_prox = 0.0
     for s in samples:
         s.check_consistent()
@@ -49,7 +49,7 @@ def check_versions_and_proximal(samples, states, temperature):
         last = s.max_version()
         needed = set(s.versions) | {v + 1 for v in s.versions if v < last}
         refs = {
-            v: reference_logprobs(model_with(states[v]), s.input_ids, s.prompt_len, temperature)
+            v: reference_logprobs(model_of(states[v]), s.input_ids, s.prompt_len, temperature)
             for v in needed
         }
         for t, v in enumerate(s.versions):

@@ -103,7 +103,7 @@ def capture_gradients(
     to ``params`` the parameters they were computed at)."""
     grads: list[dict[str, torch.Tensor]] = []
     named = list(trainer.unwrapped_model().named_parameters())
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    inner = getattr(trainer.placed.optimizer, "optimizer", trainer.placed.optimizer)
 
     def record(*_: object) -> None:
         # a sharded model's shards are gathered whole (every rank runs this hook)
@@ -153,7 +153,7 @@ class Case:
         )
         grads = capture_gradients(trainer)
         saved = trainer.step(batch_of(batch_groups)).metrics["batch/positions_saved"]
-        return grads, trainer.full_model_state(), held_elements(trainer.model), saved
+        return grads, trainer.full_model_state(), held_elements(trainer.placed.model), saved
 
 
 _SHARED = LossConfig(mode="decoupled", agg="token-mean", weight_cap=1.3)

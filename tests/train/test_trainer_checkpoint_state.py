@@ -43,9 +43,9 @@ def test_a_trainer_restored_from_a_checkpoint_takes_the_same_next_step(tmp_path)
     straight = _trainer(model)
     _step(straight, first)
     checkpoint = _through_a_checkpoint(straight, tmp_path / "checkpoints")
-    restored = Trainer(copy.deepcopy(straight.model), loss=LossConfig(), optim=OptimConfig(lr=1e-2), temperature=1.0, seed=5)
+    restored = Trainer(copy.deepcopy(straight.placed.model), loss=LossConfig(), optim=OptimConfig(lr=1e-2), temperature=1.0, seed=5)
     # the control: the same weights with a fresh AdamW (no moments, step 0)
-    fresh = Trainer(copy.deepcopy(straight.model), loss=LossConfig(), optim=OptimConfig(lr=1e-2), temperature=1.0, seed=0)
+    fresh = Trainer(copy.deepcopy(straight.placed.model), loss=LossConfig(), optim=OptimConfig(lr=1e-2), temperature=1.0, seed=0)
     fresh.version = 1
     saved_rng = torch.get_rng_state()
     torch.manual_seed(1234)  # the process RNG moved on; the checkpoint's state comes back
@@ -74,7 +74,7 @@ def test_the_checkpoint_holds_what_run_py_wrote_by_hand(tmp_path):
     assert state["trainer"]["version"] == 1
     assert state["trainer"]["generator"] == trainer.generator.get_state().tolist()
     # AdamW: exp_avg and exp_avg_sq per parameter, and one step taken
-    params = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    params = sum(1 for p in trainer.placed.model.parameters() if p.requires_grad)
     assert sum(k.endswith((".exp_avg", ".exp_avg_sq")) for k in checkpoint.optimizer_tensors) == 2 * params
     assert {float(v) for k, v in checkpoint.optimizer_tensors.items() if k.endswith(".step")} == {1.0}
 
@@ -89,4 +89,4 @@ def test_without_optimizer_state_the_optimizer_is_left_as_it_is(tmp_path):
     assert checkpoint.state["optimizer"] is None and not (checkpoint.path / "optimizer.safetensors").exists()
     other = _trainer(model)
     other.load_state_dict(ckpt.trainer_state(checkpoint))
-    assert other.version == 1 and other.optimizer.state_dict()["state"] == {}
+    assert other.version == 1 and other.placed.optimizer.state_dict()["state"] == {}

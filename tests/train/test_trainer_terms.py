@@ -111,8 +111,8 @@ def test_bfloat16_autocast_keeps_float32_master_state_and_stays_close_to_float32
     # bf16 matmuls (8-bit mantissa) move log-probs of this 64-wide model by ~1e-2, not more
     assert 0 < (lp16 - lp32)[valid].abs().max() < 0.1
     t16.step(copy.deepcopy(batch))
-    assert {p.dtype for p in t16.model.parameters()} == {torch.float32}
-    state = t16.optimizer.state_dict()["state"]
+    assert {p.dtype for p in t16.placed.model.parameters()} == {torch.float32}
+    state = t16.placed.optimizer.state_dict()["state"]
     assert state and all(v.dtype == torch.float32 for s in state.values() for v in s.values() if v.dim() > 0)
 
 

@@ -1,0 +1,85 @@
+"""The policy a run saved, as one whole model: a run's newest checkpoint, a given checkpoint, or
+a version checkpoint, with LoRA adapters merged onto the base they were trained on (what
+``sdp export`` writes out; docs/real-models.md, "Exporting a trained model").
+
+A full fine-tuning checkpoint's ``policy/`` is already a whole model (the float32 master
+weights, config and tokenizer); a version checkpoint holds the weights the engine ran. Under
+LoRA both hold only the adapters (``train/policy_setup.py``). Their base is ``versions/base``
+when the run kept version checkpoints (written in ``train.dtype``, the dtype the base trained
+in), else it is rebuilt from the run's config as a resume rebuilds it (``model.path``, or the
+tiny model's cached warm start) and cast to ``train.dtype``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdp_cli.errors import UserError
+from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
+
+SOURCE_FIX = "pass a run directory, one of its checkpoints/step-NNNNNN or one of its versions/vNNNNNN"
+
+
+@dataclass(frozen=True)
+class SavedPolicy:
+    """Where a saved policy is: its directory (a whole model or adapters) and its run."""
+
+    policy_dir: Path
+    run: RunDir
+    #: what it is, for messages: "checkpoint step-000040" or "version v000012"
+    name: str
+
+
+def find_saved_policy(source: str | Path) -> SavedPolicy:
+    """The saved policy ``source`` names: a run directory (its newest complete checkpoint), a
+    checkpoint directory or a version directory. One-line UserError for anything else."""
+    from sdp_cli.train.checkpoint import find_latest, is_complete
+
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{path} is not a directory; {SOURCE_FIX}")
+    if RunDir(path).overrides.is_file():
+        run = RunDir(path)
+        latest = find_latest(run.checkpoints) if run.checkpoints.is_dir() else None
+        if latest is None:
+            raise UserError(f"{path} has no complete checkpoint; train with train.checkpoint_every > 0, or pass a version directory")
+        return SavedPolicy(latest / "policy", run, f"checkpoint {latest.name}")
+    run = RunDir(path.parent.parent)
+    if parse_step_name(path.name) is not None and path.parent == run.checkpoints:
+        if not is_complete(path):
+            raise UserError(f"{path} is an incomplete or corrupted checkpoint; pass an earlier one")
+        return SavedPolicy(path / "policy", run, f"checkpoint {path.name}")
+    if parse_version_name(path.name) is not None and path.parent == run.versions:
+        return SavedPolicy(path, run, f"version {path.name}")
+    raise UserError(f"{path} is no run, checkpoint or version directory of sdp train; {SOURCE_FIX}")
+
+
+def load_saved_policy(saved: SavedPolicy) -> Any:
+    """The whole policy (``models.policy.Policy``) of ``saved``, in the dtype it was saved or
+    trained in, adapters merged (module docstring)."""
+    from sdp_cli.models import load_policy
+    from sdp_cli.models.lora import is_adapter_dir, load_merged
+
+    if not is_adapter_dir(saved.policy_dir):
+        return load_policy("hf", path=saved.policy_dir, dtype="auto")
+    base = saved.run.version_base
+    policy = load_policy("hf", path=base, dtype="auto") if base.is_dir() else _base_from_config(saved.run)
+    policy.model = load_merged(policy.model, saved.policy_dir)
+    return policy
+
+
+def _base_from_config(run: RunDir) -> Any:
+    """The LoRA base as a resume of ``run`` loads it: the run's config composed again from its
+    overrides (and its --config-dir), then ``train.dtype``, which the base trains in."""
+    from sdp_cli.config.compose import ConfigSource, compose_config
+    from sdp_cli.train.policy_setup import DTYPES, load_policy_from
+    from sdp_cli.train.recovery import read_overrides
+    from sdp_cli.train.start import resume_source
+    from sdp_cli.train.task_setup import prepare_task
+
+    cfg, _ = compose_config(read_overrides(run.overrides), source=resume_source(run, ConfigSource()))
+    policy = load_policy_from(cfg, prepare_task(cfg))
+    policy.model.to(DTYPES[cfg.train.dtype])
+    return policy

@@ -1,0 +1,159 @@
+"""`sdp export` (issue 24 item 9): a LoRA run's checkpoint and version, and a full fine-tuning
+run, written as plain Hugging Face directories that transformers loads with the trained
+model's logits; refusals in one line with nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sdp_cli.models import load_policy, save_policy
+
+from ..fast_run import FAST, train_run
+from .run_main import run_main
+
+SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128)
+IDS = torch.tensor([[1, 5, 9, 12, 4, 7, 20, 3, 11]])
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """The tiny Qwen2 (arith tokenizer) as a Hugging Face directory: the base of the runs."""
+    path = tmp_path_factory.mktemp("hf") / "tiny-qwen2"
+    save_policy(load_policy("tiny", task="arith1", warm_start_steps=0, seed=1, **SMALL), path)
+    return path
+
+
+def _train(root, hf_model, *extra):
+    """Two steps on the untrained base. The reward (a response with a digit below 5) is 1 for
+    some samples of a group and 0 for others, so advantages are not 0 and the weights move."""
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    overrides = [
+        *FAST,
+        "model=hf",
+        f"model.path={hf_model}",
+        "task=dataset",
+        f"task.path={data}",
+        "task.reward=regex",
+        "+task.reward_kwargs.pattern='[0-4]'",
+        "task.require_stop=false",
+        "rollout.max_new_tokens=6",
+        "train.steps=2",
+        "train.checkpoint_every=1",
+        "optim.lr=0.02",
+    ]
+    return train_run(root, [*overrides, *extra])
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, hf_model):
+    return _train(tmp_path_factory.mktemp("lora"), hf_model, "model.lora.r=4", "train.keep_version_checkpoints=true")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, hf_model):
+    return _train(tmp_path_factory.mktemp("full"), hf_model)
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+def _trained_lora(hf_model, adapters) -> torch.nn.Module:
+    """The trained model as peft runs it, adapters unmerged, on the base read from ``hf_model``:
+    an independent path to the logits the export must reproduce."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(hf_model)
+    return PeftModel.from_pretrained(base, adapters).eval()
+
+
+def _export(capsys, source, out, *options) -> str:
+    code, stdout, stderr = run_main(["export", source, out, *options], capsys)
+    assert code == 0, stderr
+    return stdout
+
+
+def _loaded(out) -> torch.nn.Module:
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    assert not (out / "adapter_config.json").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # no temporary left
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.encode("12+3=") == [1, *(tokenizer.convert_tokens_to_ids(c) for c in "12+3=")]
+    return AutoModelForCausalLM.from_pretrained(out).eval()
+
+
+@pytest.mark.parametrize("with_base", [True, False])
+def test_a_lora_checkpoint_exports_as_its_merged_model(lora_run, hf_model, tmp_path, capsys, with_base):
+    """With versions/base, and without it (the base is then loaded from the run's config, as a
+    resume loads it). The logits equal peft's unmerged forward within 1e-5."""
+    run = lora_run
+    if not with_base:
+        run = tmp_path / "run"
+        shutil.copytree(lora_run, run)
+        shutil.rmtree(run / "versions")
+    out = tmp_path / "exported"
+    stdout = _export(capsys, run, out)
+    assert "checkpoint step-000002" in stdout and "float32" in stdout
+    exported = _logits(_loaded(out))
+    trained = _logits(_trained_lora(hf_model, lora_run / "checkpoints" / "step-000002" / "policy"))
+    assert float((exported - trained).abs().max()) <= 1e-5
+    # the adapters moved the model far beyond that tolerance: an export without them would fail
+    base = _logits(AutoModelForCausalLM.from_pretrained(hf_model))
+    assert float((base - trained).abs().max()) > 1e-2
+
+
+def test_a_version_of_a_lora_run_and_another_dtype(lora_run, hf_model, tmp_path, capsys):
+    out = tmp_path / "v1"
+    stdout = _export(capsys, lora_run / "versions" / "v000001", out, "--dtype", "bfloat16")
+    assert "version v000001" in stdout and "bfloat16" in stdout
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = _loaded(out)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    trained = _logits(_trained_lora(hf_model, lora_run / "versions" / "v000001"))
+    # bfloat16 weights: about 3 significant digits of each logit (measured max 0.02 here)
+    assert float((_logits(model) - trained).abs().max()) <= 0.05
+
+
+def test_a_full_fine_tuning_run_exports_its_checkpoint_weights(full_run, tmp_path, capsys):
+    (checkpoint,) = [p for p in (full_run / "checkpoints").iterdir() if p.name == "step-000002"]
+    out = tmp_path / "empty"
+    out.mkdir()  # an existing empty directory is taken
+    _export(capsys, checkpoint, out)
+    expected = _logits(AutoModelForCausalLM.from_pretrained(checkpoint / "policy"))
+    assert torch.equal(_logits(_loaded(out)), expected)
+
+
+def _refused(capsys, argv, root) -> str:
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    code, _, stderr = run_main(argv, capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before, "something was written"
+    return lines[0]
+
+
+def test_refusals_are_one_line_and_write_nothing(lora_run, hf_model, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    assert "not empty" in _refused(capsys, ["export", lora_run, taken], tmp_path)
+    assert (taken / "keep.txt").read_text() == "mine"
+    assert "no run, checkpoint or version" in _refused(capsys, ["export", hf_model, tmp_path / "a"], tmp_path)
+    assert "not a directory" in _refused(capsys, ["export", tmp_path / "missing", tmp_path / "b"], tmp_path)
+    no_checkpoints = tmp_path / "run"
+    no_checkpoints.mkdir()
+    (no_checkpoints / "overrides.json").write_text("[]")
+    assert "no complete checkpoint" in _refused(capsys, ["export", no_checkpoints, tmp_path / "c"], tmp_path)
+    assert "--dtype" in _refused(capsys, ["export", lora_run, tmp_path / "d", "--dtype", "int8"], tmp_path)
+
+
+def test_help_shows_an_example(capsys):
+    code, stdout, _ = run_main(["export", "--help"], capsys)
+    assert code == 0 and "sdp export runs/my-run exported/my-model" in stdout
