@@ -175,7 +175,7 @@ def test_ablate_takes_the_same_config_options(workdir, tmp_path):
            "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parents[1]), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     argv = ["ablate", "smoke", "--config-dir", "conf", "--dir", str(tmp_path / "sweep"), "hydra/launcher=basic",
             "task=larger", "+preset=segment_wise", "rollout.max_head_offpolicyness=0", "seed=0,1",
-            "rollout.max_new_tokens=4", "--no-plots"]  # fmt: skip
+            "rollout.max_new_tokens=4", "--no-plots", "--no-study"]  # one mode: no study contrast to register; fmt: skip
     done = subprocess.run([sys.executable, "-m", "sdp_cli", *argv], env=env, cwd=workdir,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -546,6 +546,7 @@ def test_the_ledger_mark_is_the_sha256_of_the_bytes_before_it(tmp_path):
 
 @pytest.mark.parametrize("name, content", [
     ("identity.json", "[" * 100_000 + "]" * 100_000),
+    ("config_source.json", "[" * 100_000 + "]" * 100_000),
     ("checkpoints/step-000002/manifest.json", "[" * 100_000 + "]" * 100_000),
     ("checkpoints/step-000002/manifest.json", "[]"),
 ])  # fmt: skip
@@ -555,7 +556,9 @@ def test_files_a_resume_reads_first_are_one_line_when_odd(trained, tmp_path, nam
     resume goes back to the older one, with the warning; identity.json is refused."""
     run_dir = _copy(trained, tmp_path)
     (run_dir / name).write_text(content)
-    if name == "identity.json":
+    if name.endswith("config_source.json"):
+        refused_unchanged(run_dir, "train.steps=3", match="config_source.json is not what sdp wrote there")
+    elif name == "identity.json":
         refused_unchanged(run_dir, "train.steps=3", match="identity.json is not what sdp wrote there")
     else:
         assert resume(run_dir, "train.steps=3")["steps"] == 3  # from step-000001
