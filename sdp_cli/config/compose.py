@@ -64,7 +64,7 @@ class ConfigSource:
         try:
             data = json.loads(text)
             return cls(config_dir=data["config_dir"], config_name=str(data["config_name"]))
-        except (ValueError, KeyError, TypeError, ):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise UserError(f"{where} is not what sdp wrote there; restore it or start a new run") from None
 
 
