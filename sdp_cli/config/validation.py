@@ -19,6 +19,7 @@ from sdp_cli.choices import (
     PARALLEL_MODES,
     PROXIMAL_T_SOURCES,
     RECOMPUTE_POLICIES,
+    REWARD_ERRORS,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
@@ -270,12 +271,17 @@ def validate(cfg: SdpConfig) -> None:
     _validate_task(cfg.task)
 
 
+#: task keys of every task, not only the data tasks: where and how rewards run
+EVERY_TASK_KEYS = ("reward_workers", "reward_pool", "reward_errors", "reward_timeout_s", "reward_max_error_rate",
+                   "reward_error_window")  # fmt: skip
+
+
 def _validate_task(task: TaskConfig) -> None:
     _choice("task.name", task.name, TASKS)
     if task.name not in DATA_TASKS:
         defaults = TaskConfig()
         for f in fields(TaskConfig):
-            if f.name not in ("name", "reward_workers", "reward_pool") and getattr(task, f.name) != getattr(defaults, f.name):
+            if f.name not in ("name", *EVERY_TASK_KEYS) and getattr(task, f.name) != getattr(defaults, f.name):
                 raise ConfigValueError(
                     f"task.{f.name} applies to data tasks (task=dataset, task=gsm8k), not task={task.name}; remove it"
                 )
@@ -292,6 +298,13 @@ def _validate_task(task: TaskConfig) -> None:
     _positive("task.max_prompt_tokens", task.max_prompt_tokens, allow_none=True)
     _positive("task.reward_workers", task.reward_workers)
     _choice("task.reward_pool", task.reward_pool, REWARD_POOLS)
+    _choice("task.reward_errors", task.reward_errors, REWARD_ERRORS)
+    _positive("task.reward_timeout_s", task.reward_timeout_s, allow_none=True)
+    if not 0 <= task.reward_max_error_rate <= 1:  # nan fails it too
+        raise ConfigValueError(
+            f"task.reward_max_error_rate={task.reward_max_error_rate} must be in [0, 1] (1: never stop for reward errors)"
+        )
+    _positive("task.reward_error_window", task.reward_error_window)
     if task.system_prompt is not None and not task.chat_template:
         raise ConfigValueError("task.system_prompt is used by the chat template; set task.chat_template=true too")
 
