@@ -81,15 +81,17 @@ class Reports:
 
 
 def _children() -> set[int]:
-    """PIDs of this process's live children (zombies excluded)."""
+    """PIDs of this process's live children (zombies excluded), but multiprocessing's resource
+    tracker, which the first spawned process starts and which stays for the session."""
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
             stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == str(os.getpid()) and fields[0] != "Z":
+        if fields[1] == str(os.getpid()) and fields[0] != "Z" and b"resource_tracker" not in cmdline:
             pids.add(int(proc.name))
     return pids
 
