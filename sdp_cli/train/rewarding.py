@@ -38,7 +38,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 from sdp_cli.choices import REWARD_ERRORS, REWARD_POOLS
 from sdp_cli.errors import describe_exception
@@ -52,6 +52,8 @@ EXTRAS = "reward_extras"
 
 #: what one call comes to: (score, extras), or the error that names what went wrong
 Outcome = Union[tuple[float, dict[str, float]], RewardError]
+#: what a runner sends back: its batch number and the outcomes of the batch's next calls
+Answer = tuple[int, list[Outcome]]
 Done = Callable[[Union[list[tuple[float, dict[str, float]]], None], Union[BaseException, None]], None]
 
 # how often a dispatcher waiting on a call looks whether the pool was closed
@@ -132,22 +134,35 @@ def _score(call: Callable[[], RewardValue], name: str, where: str) -> Outcome:
 
 
 # ------------------------------------------------------------------ runners
+def _answers(batch: int, calls: list[Any], wheres: list[str], each: bool, name: str) -> Iterator[Answer]:
+    """Score the calls of ``batch``; answer after ``each`` call (a timeout must know which call
+    overstays), or once for the whole batch (one message instead of one per call)."""
+    outcomes: list[Outcome] = []
+    for call, where in zip(calls, wheres):
+        outcomes.append(_score(call, name, where))
+        if each:
+            yield batch, outcomes
+            outcomes = []
+    if outcomes:
+        yield batch, outcomes
+
+
 class _ThreadRunner:
     """Runs calls on a daemon thread of its own. Dropped, it ends after the call it is in, which
     nobody waits for."""
 
     def __init__(self, name: str):
         self._name = name
-        self._inbox: queue.SimpleQueue[tuple[int, list[Any], list[str]] | None] = queue.SimpleQueue()
-        self._outbox: queue.SimpleQueue[tuple[int, Outcome]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[int, list[Any], list[str], bool] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[Answer] = queue.SimpleQueue()
         self._dropped = threading.Event()
         threading.Thread(target=self._work, name="sdp-reward", daemon=True).start()
 
-    def send(self, batch: int, calls: list[Any], wheres: list[str]) -> None:
-        self._inbox.put((batch, calls, wheres))
+    def send(self, batch: int, calls: list[Any], wheres: list[str], each: bool) -> None:
+        self._inbox.put((batch, calls, wheres, each))
 
-    def receive(self, timeout: float) -> tuple[int, Outcome] | None:
-        """The next ``(batch, outcome)``, or None if none came within ``timeout`` seconds."""
+    def receive(self, timeout: float) -> Answer | None:
+        """The next answer, or None if none came within ``timeout`` seconds."""
         try:
             return self._outbox.get(timeout=timeout)
         except queue.Empty:
@@ -159,20 +174,24 @@ class _ThreadRunner:
 
     def _work(self) -> None:
         while (job := self._inbox.get()) is not None:
-            batch, calls, wheres = job
-            for call, where in zip(calls, wheres):
-                if self._dropped.is_set():
-                    return
+            answers = _answers(*job, self._name)
+            while not self._dropped.is_set():
                 _RUNNING.add(1)
                 try:
-                    outcome = _score(call, self._name, where)
+                    answer = next(answers, None)
                 finally:
                     _RUNNING.add(-1)
-                self._outbox.put((batch, outcome))
+                if answer is None:
+                    break
+                self._outbox.put(answer)
 
 
 class _WorkerDied(Exception):
     """The worker process ended (or its pipe broke) before answering."""
+
+
+#: ``_Slot._receive``'s answer when the worker process died
+_DIED: list[Outcome] = []
 
 
 class _ProcessRunner:
@@ -191,16 +210,16 @@ class _ProcessRunner:
             atexit.register(_kill_live_workers)  # after multiprocessing's own, so it runs first
         _ProcessRunner.live.add(self)
 
-    def send(self, batch: int, calls: list[Any], wheres: list[str]) -> None:
+    def send(self, batch: int, calls: list[Any], wheres: list[str], each: bool) -> None:
         """Raises what pickling the calls raises (they are not plain data), or _WorkerDied."""
         payload = ForkingPickler.dumps((calls, wheres))
         try:
-            self._conn.send((batch, len(calls)))
+            self._conn.send((batch, len(calls), each))
             self._conn.send_bytes(payload)
         except OSError as err:
             raise _WorkerDied() from err
 
-    def receive(self, timeout: float) -> tuple[int, Outcome] | None:
+    def receive(self, timeout: float) -> Answer | None:
         try:
             if not self._conn.poll(timeout):
                 return None
@@ -247,7 +266,7 @@ def _worker(conn: Any, parent: int, name: str) -> None:
     _die_with_parent(parent)
     while True:
         try:
-            batch, n = conn.recv()
+            batch, n, each = conn.recv()
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
@@ -259,17 +278,15 @@ def _worker(conn: Any, parent: int, name: str) -> None:
                 "task.reward as package.module:function or path/to/file.py:function, or use task.reward_pool=thread",
                 key="worker import",
             )
-            for _ in range(n):
-                conn.send((batch, problem))
+            conn.send((batch, [problem] * n))
             continue
-        for call, where in zip(calls, wheres):
-            outcome = _score(call, name, where)
+        for answer in _answers(batch, calls, wheres, each, name):
             try:
-                conn.send((batch, outcome))
+                conn.send(answer)
             except Exception as err:  # an extra that does not pickle
-                conn.send((batch, RewardError(
-                    f"reward function {name} returned for {where} what cannot be sent back from a worker process "
-                    f"({describe_exception(err)}); return plain floats", key="answer does not pickle")))  # fmt: skip
+                conn.send((batch, [RewardError(
+                    f"reward function {name} returned what cannot be sent back from a worker process "
+                    f"({describe_exception(err)}); return plain floats", key="answer does not pickle")] * len(answer[1])))  # fmt: skip
 
 
 # ------------------------------------------------------------------ the pool
@@ -314,9 +331,13 @@ class _Slot:
         runner.drop()
 
     def _run(self, group: _Group) -> list[tuple[float, dict[str, float]]] | RewardError | None:
-        """The group's results, or the error that stops the run; None once the pool is closed."""
+        """The group's results, or the error that stops the run; None once the pool is closed.
+
+        Without a timeout a runner answers once per group; a worker process that dies meanwhile
+        is not yet pinned on one call, so the rest of the group goes again, one answer per call."""
         results: list[tuple[float, dict[str, float]]] = []
         n = len(group.calls)
+        each = self.pool.rules.timeout_s is not None
         while len(results) < n:
             runner = self._current()
             if runner is None:
@@ -324,50 +345,53 @@ class _Slot:
             batch = next(self.pool._batches)
             start = len(results)
             try:
-                runner.send(batch, group.calls[start:], group.wheres[start:])
+                runner.send(batch, group.calls[start:], group.wheres[start:], each)
             except _WorkerDied:
-                outcome: Outcome | None = self._died(runner, group.wheres[start])
+                pass  # _receive finds it dead
             except Exception as err:  # the calls do not pickle
                 return RewardError(
                     f"the reward calls of task {self.pool.name} cannot be sent to a worker process "
                     f"({describe_exception(err)}); use task.reward_pool=thread",
                     key="calls do not pickle",
                 )
-            else:
-                outcome = None
-            while len(results) < n:
-                if outcome is None:
-                    outcome = self._receive(runner, batch, group.wheres[len(results)])
-                if outcome is None:
+            while len(results) < n and self.runner is runner:
+                where = group.wheres[len(results)]
+                outcomes = self._receive(runner, batch, where)
+                if outcomes is None:
                     return None
-                error = self.pool._judge(outcome)
-                if error is not None:
-                    return error
-                results.append((0.0, {}) if isinstance(outcome, RewardError) else outcome)
-                if self.runner is not runner:  # dropped: the rest runs on a new one
-                    break
-                outcome = None
+                if outcomes is _DIED:
+                    if each:
+                        outcomes = [self._died(runner, where)]
+                    else:
+                        self._drop(runner)
+                        each = True
+                        break
+                for outcome in outcomes:
+                    error = self.pool._judge(outcome)
+                    if error is not None:
+                        return error
+                    results.append((0.0, {}) if isinstance(outcome, RewardError) else outcome)
         return results
 
-    def _receive(self, runner: _ThreadRunner | _ProcessRunner, batch: int, where: str) -> Outcome | None:
-        """The outcome of the runner's current call of ``batch``; a timeout or a dead worker is a
-        RewardError (the runner is dropped); None once the pool is closed."""
+    def _receive(self, runner: _ThreadRunner | _ProcessRunner, batch: int, where: str) -> list[Outcome] | None:
+        """The next outcomes of the runner's ``batch``: a call past its timeout is a RewardError
+        (the runner is dropped), a dead worker ``_DIED``; None once the pool is closed."""
         timeout = self.pool.rules.timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pool._closed.is_set():
             left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
             if left <= 0:
                 self._drop(runner)
-                return RewardError(
+                return [RewardError(
                     f"reward function {self.pool.name} did not return within task.reward_timeout_s={timeout:g}s on "
                     f"{where}; make it return sooner, raise task.reward_timeout_s, or set task.reward_errors=zero "
                     "to score such calls 0",
                     key="timeout",
-                )
+                )]  # fmt: skip
             try:
                 answer = runner.receive(left)
             except _WorkerDied:
-                return self._died(runner, where)
+                return _DIED
             if answer is not None and answer[0] == batch:  # answers of a batch cut short are stale
                 return answer[1]
         return None
