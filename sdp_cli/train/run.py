@@ -410,6 +410,7 @@ class TrainingRun(SessionEnd):
             raise end
         wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
+        self._end_evaluation()
         self._end_session(0)
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
@@ -439,11 +440,15 @@ def run_training(
     overrides: list[str],
     source: ConfigSource = ConfigSource(),
     stop: StopRequest | None = None,
+    keep_lock: bool = False,
 ) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0).
 
-    SIGINT and SIGTERM stop it at a step boundary with a checkpoint (``Interrupted``); a second
-    SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory.
+    SIGINT, SIGTERM and SIGHUP stop it at a step boundary with a checkpoint (``Interrupted``); a
+    second SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory:
+    ``keep_lock`` leaves the directory locked on return, until the process ends (``sdp train``,
+    which exits right after: no second process gets the directory while this one still tears
+    down); otherwise the lock is given up on return, unless a reward call still runs.
     """
     from accelerate import Accelerator
 
@@ -456,7 +461,7 @@ def run_training(
     # several processes: rank 0 ignores SIGTERM once the run is over (Coordinator.end), and
     # restoring the default handler at the end of the block would undo that
     with handling(stop, restore=not coordinator.distributed):
-        return _train(cfg, raw, overrides, source, coordinator, stop)
+        return _train(cfg, raw, overrides, source, coordinator, stop, keep_lock)
 
 
 def _train(
@@ -466,6 +471,7 @@ def _train(
     source: ConfigSource,
     coordinator: Coordinator,
     stop: StopRequest,
+    keep_lock: bool,
 ) -> dict[str, Any] | None:
     start: RunStart | None = None
     run: TrainingRun | None = None
@@ -516,5 +522,8 @@ def _train(
         # A reward call still running (abandoned at its timeout, or cut off by the stop) may do
         # anything until the process ends: the lock stays held until then, and the kernel
         # releases it when the process, which waits for no such call, exits (cli/main.py _exit).
-        if start is not None and start.owned is not None and not user_code_running(grace_s=1.0):
-            start.owned.lock.release()
+        if start is not None and start.owned is not None:
+            if keep_lock or user_code_running(grace_s=1.0):
+                start.owned.lock.keep()
+            else:
+                start.owned.lock.release()

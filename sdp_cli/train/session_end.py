@@ -70,17 +70,22 @@ class SessionEnd:
         self.coordinator.end(code)
 
     def close(self, *, abort: bool = False) -> None:
-        """Stop what this session started that outlives it (a launched server, the evaluation's
-        reward workers); idempotent. ``abort``: the process is about to end, the logs are closed too."""
+        """Stop what this session started that outlives it (a launched server); idempotent.
+        ``abort``: the process is about to end, the evaluation's reward workers and the logs
+        are closed too."""
         if getattr(self, "progress", None) is not None:
             self.progress.close()
-        if getattr(self, "eval_rewards", None) is not None:
-            self.eval_rewards.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.close()
         if abort:
+            self._end_evaluation()
             self._close_logs(ok=False)
+
+    def _end_evaluation(self) -> None:
+        """No evaluation follows: end its reward workers (a call still running is left to them)."""
+        if getattr(self, "eval_rewards", None) is not None:
+            self.eval_rewards.close()
 
     def resume_command(self, *extra: str) -> str:
         return resume_command(self.run_dir.path, self.cfg, *extra)
@@ -122,6 +127,7 @@ class SessionEnd:
         """The end of a session stopped by a signal, at a step boundary."""
         step = self.loop.state.step
         name = self.stop_request.name
+        self._end_evaluation()
         path, problem = self._checkpoint_at_stop(step)
         self._reward_errors(step)
         self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
@@ -135,6 +141,7 @@ class SessionEnd:
     def _stopped(self, exc: BaseException) -> UserError:
         """The end of a session stopped by an engine fault, a failed producer or reward, or a full disk."""
         step = self.loop.state.step
+        self._end_evaluation()
         path, problem = self._checkpoint_at_stop(step) if step > self.start_step else (None, None)
         self._reward_errors(step)
         cause = exc if isinstance(exc, RewardError) else exc.__cause__
