@@ -199,6 +199,7 @@ class _ProcessRunner:
 
     #: the live workers of this process, killed at exit should a pool not have been closed
     live: set[_ProcessRunner] = set()
+    _kill_at_exit = False
 
     def __init__(self, name: str):
         context = multiprocessing.get_context("spawn")  # not fork: the parent runs torch and threads
@@ -206,8 +207,9 @@ class _ProcessRunner:
         self.process = context.Process(target=_worker, args=(child, os.getpid(), name), name="sdp-reward")
         self.process.start()
         child.close()
-        if not _ProcessRunner.live:
-            atexit.register(_kill_live_workers)  # after multiprocessing's own, so it runs first
+        if not _ProcessRunner._kill_at_exit:  # registered after multiprocessing's own, so it runs first
+            _ProcessRunner._kill_at_exit = True
+            atexit.register(_kill_live_workers)
         _ProcessRunner.live.add(self)
 
     def send(self, batch: int, calls: list[Any], wheres: list[str], each: bool) -> None:
@@ -256,7 +258,7 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _worker(conn: Any, parent: int, name: str) -> None:
-    """A reward worker process: score each batch of calls it is sent, one answer per call.
+    """A reward worker process: score each batch of calls it is sent (``_answers``).
 
     A Ctrl-C reaches the whole process group, and SIGTERM or SIGHUP may too (preemption, a
     closed terminal); the run stops at a step boundary and ends its workers itself
@@ -281,12 +283,7 @@ def _worker(conn: Any, parent: int, name: str) -> None:
             conn.send((batch, [problem] * n))
             continue
         for answer in _answers(batch, calls, wheres, each, name):
-            try:
-                conn.send(answer)
-            except Exception as err:  # an extra that does not pickle
-                conn.send((batch, [RewardError(
-                    f"reward function {name} returned what cannot be sent back from a worker process "
-                    f"({describe_exception(err)}); return plain floats", key="answer does not pickle")] * len(answer[1])))  # fmt: skip
+            conn.send(answer)  # plain data: floats, str-keyed floats, RewardErrors
 
 
 # ------------------------------------------------------------------ the pool
