@@ -12,7 +12,9 @@ process of the terminal, so a repeat is not a request to hurry. Torch-free.
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,10 +58,29 @@ class StopRequest:
         return signal_name(self.signum)
 
     def __call__(self, signum: int) -> None:
+        if signum == signal.SIGHUP:
+            drop_terminal_output()
         if self.signum is None:
             self.signum = signum
         elif signum == signal.SIGINT and self.abortable:
             raise Abort(signum)
+
+
+def drop_terminal_output() -> None:
+    """After a hangup the terminal is gone and every write to it fails (EIO), which would turn
+    a stop into a crash (a progress line, the last line, the flush at exit): stdout and stderr
+    that are a terminal (a character device) write to /dev/null from now on; a pipe or a file
+    stays as it is."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    os.dup2(devnull, fd)
+            except OSError:  # closed
+                continue
+    finally:
+        os.close(devnull)
 
 
 @contextmanager

@@ -182,7 +182,7 @@ def test_a_hung_reward_does_not_keep_a_stopped_run_alive(pool, stop, tmp_path, s
     else:
         assert proc.returncode == 2, (proc.returncode, stderr[-3000:])
         assert last.startswith("error: training stopped at step ") and "train.batch_timeout_s=4s" in last, last
-        step = int(last.split()[4].rstrip(":"))
+        step = int(last.split()[5].rstrip(":"))
         assert event["event"] == "stopped" and event["step"] == step, event
     assert ckpt.find_latest(RunDir(run_dir).checkpoints).name == f"step-{step:06d}"
     _resume_and_finish(work, run_dir, last, env, f"{stop}, {pool} pool", exited_at, step)
