@@ -142,7 +142,7 @@ def _resume_and_finish(work: Path, run_dir: Path, line: str, env: dict[str, str]
     report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
                       samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
     back = first_step_time_after(run_dir, stopped_at, exited_at)
-    report.fault("hung reward", f"hung reward at a stop ({label})", run_id, None if back is None else back - exited_at)
+    report.fault("hung reward", label, run_id, None if back is None else back - exited_at)
 
 
 STOPS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGHUP": signal.SIGHUP, "batch timeout": None}
@@ -210,7 +210,7 @@ def test_calls_that_hang_past_the_timeout_score_0_and_the_run_finishes(pool, tmp
     report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
                       samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
     for _ in range(2):
-        report.fault("hung reward", f"calls past task.reward_timeout_s, scored 0 ({pool} pool)", run_id)
+        report.fault("hung reward", f"calls past task.reward_timeout_s, scored 0, {pool} pool", run_id)
 
 
 @pytest.mark.parametrize("pool", ["thread", "process"])
