@@ -24,6 +24,9 @@ LOCK_NAME = ".lock"
 class DirectoryLock:
     """An exclusive lock on a directory, held from :meth:`acquire` until :meth:`release` or exit."""
 
+    #: locks this process holds until it ends (:meth:`keep`), by lock file
+    _kept: dict[Path, DirectoryLock] = {}
+
     def __init__(self, path: Path, fd: int):
         self.path = path
         self._fd: int | None = fd
@@ -32,8 +35,14 @@ class DirectoryLock:
     @classmethod
     def acquire(cls, directory: Path, what: str) -> DirectoryLock:
         """Lock ``directory`` (which must exist) or raise a one-line UserError naming the PID that
-        holds it. ``what`` names the directory in the message ("run directory")."""
+        holds it. ``what`` names the directory in the message ("run directory"). A lock this
+        process kept (:meth:`keep`) on the same lock file is taken over."""
         path = Path(directory) / LOCK_NAME
+        kept = cls._kept.pop(path.resolve(), None)
+        if kept is not None:
+            if kept._fd is not None and _same_file(kept._fd, path):
+                return kept
+            kept.release()  # the directory was replaced meanwhile
         try:
             fd = open_fd_in_place(path, os.O_RDWR | os.O_CREAT)
         except OSError as err:
@@ -59,11 +68,24 @@ class DirectoryLock:
             os.close(self._fd)
             self._fd = None
 
+    def keep(self) -> None:
+        """Hold the lock until this process ends, when the kernel releases it: a process that
+        is about to exit keeps its directory until it is gone, teardown included. Should this
+        process open the directory again meanwhile, :meth:`acquire` takes the kept lock over."""
+        DirectoryLock._kept[self.path.resolve()] = self
+
     def __enter__(self) -> DirectoryLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
 
 
 def _holder(fd: int) -> str:

@@ -40,3 +40,10 @@ def describe_os_error(err: OSError) -> str:
     """One line for a failed file operation: ``cannot write <file>: No space left on device``."""
     what = err.strerror or str(err)
     return f"cannot write {err.filename}: {what}" if err.filename else what
+
+
+def describe_exception(err: BaseException) -> str:
+    """One line naming an exception by its type: ``ValueError: bad``, ``SystemExit: 3``, and a
+    bare ``KeyboardInterrupt`` (whose message alone would say nothing)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

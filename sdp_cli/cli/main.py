@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import typer
 
@@ -55,23 +55,49 @@ def _register_commands() -> None:
 def _fail(message: str, code: int) -> None:
     from sdp_cli.redact import redact_urls
 
-    typer.secho(f"error: {' '.join(redact_urls(message).split())}", err=True, fg=typer.colors.RED)
+    _say(lambda: typer.secho(f"error: {' '.join(redact_urls(message).split())}", err=True, fg=typer.colors.RED))
     _exit(code)
 
 
-def _exit(code: int) -> NoReturn:
-    """``sys.exit(code)``; in a process of a torchrun job, leave without the interpreter's
-    teardown once stdout and stderr are flushed. The gloo threads of the process group outlive
-    ``destroy_process_group``, and the teardown then sometimes destroys them while joinable:
-    "terminate called without an active exception", SIGABRT, and torchrun reports the run as
-    failed although every output was written (``Coordinator.end_follower`` does the same for
-    the other ranks). Every log sdp writes is flushed line by line and the run lock is the
-    kernel's, so nothing is lost."""
+def _say(write: Callable[[], None]) -> None:
+    """Write the last line; a terminal that went away (SIGHUP, EIO) must not turn the exit
+    status a stop chose into a traceback."""
+    try:
+        write()
+    except OSError:
+        pass
+
+
+def _must_leave_at_once() -> bool:
+    """Whether the interpreter's teardown could wait on, or trip over, threads that sdp does not
+    own: the gloo threads of a torchrun job's process group, which outlive
+    ``destroy_process_group`` and which the teardown sometimes destroys while joinable
+    ("terminate called without an active exception", SIGABRT, a run torchrun reports as failed
+    although every output was written; ``Coordinator.end_follower`` leaves the same way), and a
+    reward call still running in a worker thread (abandoned at ``task.reward_timeout_s``, or
+    left behind by a stop: docs/reliability.md "Signals"), which may never return."""
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        sys.stdout.flush()
-        sys.stderr.flush()
+        return True
+    rewarding = sys.modules.get("sdp_cli.train.rewarding")
+    return rewarding is not None and rewarding.user_code_running(grace_s=1.0)
+
+
+def _exit(code: int) -> NoReturn:
+    """``sys.exit(code)``, or, when the teardown could wait or crash (``_must_leave_at_once``),
+    leave without it once stdout and stderr are flushed. Every log sdp writes is flushed line by
+    line and closed before this, and the run lock is the kernel's, released as the process
+    ends, so nothing is lost. Output that cannot be flushed (a closed terminal) is dropped
+    rather than turning the status into 120."""
+    if _must_leave_at_once():
+        for stream in (sys.stdout, sys.stderr):
+            _say(stream.flush)
         os._exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # the terminal is gone: what it did not take is lost either way
+            os._exit(code)
     sys.exit(code)
 
 
@@ -95,6 +121,6 @@ def main(argv: list[str] | None = None) -> None:
     except Interrupted as err:  # a run stopped on a signal: its line says where and how to go on
         from sdp_cli.redact import redact_urls
 
-        typer.echo(redact_urls(str(err)), err=True)
+        _say(lambda: typer.echo(redact_urls(str(err)), err=True))
         _exit(err.exit_code)
     _exit(code if isinstance(code, int) else 0)

@@ -107,7 +107,7 @@ def train_command(
     from sdp_cli.train.run import run_training
 
     try:
-        run_training(cfg, raw, overrides=overrides, source=source)
+        run_training(cfg, raw, overrides=overrides, source=source, keep_lock=True)  # until the process ends
     except UserError as err:
         if cfg.run.debug:
             typer.echo(_details(err), err=True)

@@ -52,6 +52,10 @@ ALLOWED_AT_RESUME = (
     "engine.reload_method",
     "task.reward_workers",
     "task.reward_pool",
+    "task.reward_errors",
+    "task.reward_timeout_s",
+    "task.reward_max_error_rate",
+    "task.reward_error_window",
 )
 
 

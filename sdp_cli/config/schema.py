@@ -333,6 +333,14 @@ class TaskConfig:
     """reward functions run on this many workers, off the generation path."""
     reward_pool: str = "thread"
     """thread | process: where reward functions run (process: no GIL contention, needs picklable results)."""
+    reward_errors: str = "raise"
+    """raise | zero: a reward call that fails or times out stops the run, or scores 0 (counted in reward/errors)."""
+    reward_timeout_s: float | None = None
+    """a reward call running longer has failed (its thread is abandoned, its process killed); null = no limit."""
+    reward_max_error_rate: float = 0.1
+    """reward_errors=zero: stop once more than this share of the last reward_error_window calls failed."""
+    reward_error_window: int = 100
+    """reward_errors=zero: the number of latest reward calls the error rate is taken over."""
 
 
 @dataclass

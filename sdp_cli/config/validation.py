@@ -26,6 +26,7 @@ from sdp_cli.choices import (
     RECOMPUTE_POLICIES,
     REJECTION_LEVELS,
     REJECTION_METRICS,
+    REWARD_ERRORS,
     REWARD_POOLS,
     STALENESS_STRATEGIES,
     TASKS,
@@ -36,6 +37,7 @@ from sdp_cli.choices import (
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
 from sdp_cli.errors import UserError
 from sdp_cli.modes import Mode, resolve_mode
+from sdp_cli.user_code import is_code_spec
 from sdp_cli.redact import is_loopback, redact_urls
 from sdp_cli.server_url import server_url_problem
 
@@ -49,12 +51,57 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigValueError(f"{key}={value!r} is not valid; choose one of {', '.join(allowed)}")
 
 
-def _mode(value: str) -> Mode:
-    """The registered mode ``loss.mode`` names (a function of yours is loaded and tried here)."""
+def _mode(value: str) -> Mode | None:
+    """The registered mode ``loss.mode`` names; None for a function of yours, whose form is
+    checked here and which is imported when the run starts (``load_mode``), after a resume has
+    checked that the command line names it (train/start.py ``refuse_saved_programs``)."""
+    if is_code_spec(value):
+        target, _, attr = value.rpartition(":")
+        if not target or not attr.isidentifier():
+            raise ConfigValueError(f"loss.mode={value}: expected package.module:function or path/to/file.py:function")
+        return None
     try:
         return resolve_mode(value)
     except UserError as err:
         raise ConfigValueError(str(err)) from None
+
+
+def load_mode(cfg: SdpConfig) -> Mode:
+    """The run's mode, a function of yours imported and tried now (sdp_cli/modes.py), with the
+    settings that depend on what it reads checked against it; one-line UserError otherwise."""
+    mode = resolve_mode(cfg.loss.mode)
+    try:
+        check_mode_settings(cfg, mode)
+    except ConfigValueError as err:
+        raise UserError(str(err)) from None
+    return mode
+
+
+def check_mode_settings(cfg: SdpConfig, mode: Mode) -> None:
+    """What depends on the mode's entry: κ only for a mode that takes it, A-3PO only for decoupled,
+    rejection and bounds only with a weight, the recompute pass for a mode that reads π_prox_t."""
+    loss, ro = cfg.loss, cfg.rollout
+    if loss.drift_clip is not None and not mode.takes_drift_clip:
+        raise ConfigValueError(
+            f"loss.drift_clip={loss.drift_clip} needs loss.mode=segment_wise "
+            "(or +preset=segment_wise_drift); set loss.drift_clip=null for other modes"
+        )
+    if loss.proximal_source != "forward" and mode.name != "decoupled":
+        raise ConfigValueError(
+            f"loss.proximal_source=loglinear (A-3PO) approximates the decoupled π_prox; loss.mode={loss.mode} "
+            "does not use it: use mode=decoupled (or +preset=a3po), or loss.proximal_source=forward"
+        )
+    if not mode.has_weight:
+        _check_without_weight(loss)
+    if cfg.staleness.strategy == "segment_wise" and not mode.has_weight:
+        raise ConfigValueError(
+            f"staleness=segment_wise needs π_prox_t, which loss.mode={loss.mode} never uses; "
+            "use mode=segment_wise (or +preset=segment_wise)"
+        )
+    if ro.recompute == "never" and mode.reads_proximal_t:
+        raise ConfigValueError(
+            f"loss.mode={loss.mode} needs the recompute pass; set rollout.recompute=auto or always"
+        )
 
 
 def _positive(key: str, value: float | int | None, *, allow_none: bool = False, strict: bool = True) -> None:
@@ -137,18 +184,13 @@ def _check_loss_variant(loss: LossConfig) -> None:
         )
 
 
-def _check_proximal_source(cfg: SdpConfig, mode: Mode) -> None:
+def _check_proximal_source(cfg: SdpConfig) -> None:
     """A-3PO's interpolated π_prox (docs/math.md §9.7) replaces the decoupled π_prox inside each
     optimizer step; what needs the batch's π_prox before the update cannot have it."""
     loss = cfg.loss
     _choice("loss.proximal_source", loss.proximal_source, PROXIMAL_SOURCES)
     if loss.proximal_source == "forward":
         return
-    if mode.name != "decoupled":
-        raise ConfigValueError(
-            f"loss.proximal_source=loglinear (A-3PO) approximates the decoupled π_prox; loss.mode={loss.mode} "
-            "does not use it: use mode=decoupled (or +preset=a3po), or loss.proximal_source=forward"
-        )
     needs_batch_prox = (
         ("loss.rejection", loss.rejection.level is not None or loss.rejection.veto is not None),
         ("loss.m2_threshold", loss.m2_threshold is not None),
@@ -372,11 +414,6 @@ def validate(cfg: SdpConfig) -> None:
     if loss.weight_action == "mask" and loss.weight_cap is None and loss.weight_floor is None:
         raise ConfigValueError("loss.weight_action=mask needs loss.weight_cap or loss.weight_floor")
     if loss.drift_clip is not None:
-        if not mode.takes_drift_clip:
-            raise ConfigValueError(
-                f"loss.drift_clip={loss.drift_clip} needs loss.mode=segment_wise "
-                "(or +preset=segment_wise_drift); set loss.drift_clip=null for other modes"
-            )
         if math.isnan(loss.drift_clip) or loss.drift_clip < 1:
             raise ConfigValueError(
                 f"loss.drift_clip={loss.drift_clip} must be >= 1 (1 = segment-wise, inf = decoupled)"
@@ -393,9 +430,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("loss.rejection.veto", loss.rejection.veto, allow_none=True)
     _check_loss_variant(loss)
     _positive("loss.opsm_delta", loss.opsm_delta, allow_none=True, strict=False)
-    _check_proximal_source(cfg, mode)
-    if not mode.has_weight:
-        _check_without_weight(loss)
+    _check_proximal_source(cfg)
 
     ro = cfg.rollout
     _positive("rollout.max_head_offpolicyness", ro.max_head_offpolicyness, strict=False)
@@ -413,15 +448,8 @@ def validate(cfg: SdpConfig) -> None:
     _choice("rollout.proximal_t_source", ro.proximal_t_source, PROXIMAL_T_SOURCES)
 
     _choice("staleness.strategy", cfg.staleness.strategy, STALENESS_STRATEGIES)
-    if cfg.staleness.strategy == "segment_wise" and not mode.has_weight:
-        raise ConfigValueError(
-            f"staleness=segment_wise needs π_prox_t, which loss.mode={loss.mode} never uses; "
-            "use mode=segment_wise (or +preset=segment_wise)"
-        )
-    if ro.recompute == "never" and mode.reads_proximal_t:
-        raise ConfigValueError(
-            f"loss.mode={loss.mode} needs the recompute pass; set rollout.recompute=auto or always"
-        )
+    if mode is not None:  # a mode of yours is checked when it is loaded (load_mode)
+        check_mode_settings(cfg, mode)
 
     opt = cfg.optim
     _positive("optim.lr", opt.lr)
@@ -517,12 +545,17 @@ def validate(cfg: SdpConfig) -> None:
     _check_bounds(cfg)
 
 
+#: task keys of every task, not only the data tasks: where and how rewards run
+EVERY_TASK_KEYS = ("reward_workers", "reward_pool", "reward_errors", "reward_timeout_s", "reward_max_error_rate",
+                   "reward_error_window")  # fmt: skip
+
+
 def _validate_task(task: TaskConfig) -> None:
     _choice("task.name", task.name, TASKS)
     if task.name not in DATA_TASKS:
         defaults = TaskConfig()
         for f in fields(TaskConfig):
-            if f.name not in ("name", "reward_workers", "reward_pool") and getattr(task, f.name) != getattr(defaults, f.name):
+            if f.name not in ("name", *EVERY_TASK_KEYS) and getattr(task, f.name) != getattr(defaults, f.name):
                 raise ConfigValueError(
                     f"task.{f.name} applies to data tasks (task=dataset, task=gsm8k), not task={task.name}; remove it"
                 )
@@ -539,6 +572,13 @@ def _validate_task(task: TaskConfig) -> None:
     _positive("task.max_prompt_tokens", task.max_prompt_tokens, allow_none=True)
     _positive("task.reward_workers", task.reward_workers)
     _choice("task.reward_pool", task.reward_pool, REWARD_POOLS)
+    _choice("task.reward_errors", task.reward_errors, REWARD_ERRORS)
+    _positive("task.reward_timeout_s", task.reward_timeout_s, allow_none=True)
+    if not 0 <= task.reward_max_error_rate <= 1:  # nan fails it too
+        raise ConfigValueError(
+            f"task.reward_max_error_rate={task.reward_max_error_rate} must be in [0, 1] (1: never stop for reward errors)"
+        )
+    _positive("task.reward_error_window", task.reward_error_window)
     if task.system_prompt is not None and not task.chat_template:
         raise ConfigValueError("task.system_prompt is used by the chat template; set task.chat_template=true too")
 

@@ -6,8 +6,9 @@ Forms: ``final_number`` | ``boxed`` | ``regex`` (``sdp_cli.tasks.rewards``),
 The function is called as ``fn(prompt, completion, record, **task.reward_kwargs)`` and returns a
 float or a mapping with a float ``"score"`` and other floats, logged as ``reward/<key>``
 (docs/tasks.md). Every failure is one line: an import error names ``file:line``; an exception
-while scoring names the function, the record and the exception (``RewardError`` keeps the full
-traceback for ``run.debug=true``); a non-finite or non-numeric result is an error too.
+while scoring names the function, the record and the exception, ``SystemExit`` and
+``KeyboardInterrupt`` included (``RewardError`` keeps the full traceback for ``run.debug=true``
+and ``events.jsonl``); a non-finite or non-numeric result is an error too.
 """
 
 from __future__ import annotations
@@ -22,20 +23,39 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, describe_exception
+from sdp_cli.stopsignals import Abort
 from sdp_cli.tasks.rewards import BUILTINS, NEEDS_ANSWER
 from sdp_cli.user_code import canonical, file_target, is_code_spec, load_function
 
 
 class RewardError(UserError):
-    """User reward code failed or returned something unusable; ``details`` holds the traceback."""
+    """User reward code failed or returned something unusable; ``details`` holds the traceback
+    and ``key`` tells distinct errors apart (the message names the record, which varies)."""
 
-    def __init__(self, message: str, details: str = ""):
+    def __init__(self, message: str, details: str = "", *, key: str | None = None):
         super().__init__(message)
         self.details = details
+        self.key = key or str(self)
 
-    def __reduce__(self) -> tuple[Any, ...]:  # keep ``details`` across a process pool
-        return (type(self), (str(self), self.details))
+    def __reduce__(self) -> tuple[Any, ...]:  # keep ``details`` and ``key`` across a process pool
+        return (_rebuild_reward_error, (str(self), self.details, self.key))
+
+
+def _rebuild_reward_error(message: str, details: str, key: str) -> RewardError:
+    return RewardError(message, details, key=key)
+
+
+def reward_failure(name: str, where: str, err: BaseException) -> RewardError:
+    """The RewardError of a reward function ``name`` that raised ``err`` on ``where``; errors
+    raised at the same place of the same type are one distinct error."""
+    frames = traceback.extract_tb(err.__traceback__)
+    place = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return RewardError(
+        f"reward function {name} failed on {where}: {describe_exception(err)}",
+        "".join(traceback.format_exception(err)),
+        key=f"{type(err).__name__}{place}",
+    )
 
 
 @dataclass(frozen=True)
@@ -115,7 +135,8 @@ def to_score(value: Any, name: str, where: str) -> tuple[float, dict[str, float]
         if "score" not in value:
             raise RewardError(
                 f"reward function {name} returned a mapping without 'score' for {where} "
-                f"(keys: {', '.join(map(str, value)) or 'none'}); return {{'score': float, ...}}"
+                f"(keys: {', '.join(map(str, value)) or 'none'}); return {{'score': float, ...}}",
+                key="a mapping without 'score'",
             )
         for key, extra in value.items():
             if key != "score":
@@ -129,11 +150,15 @@ def _finite(value: Any, name: str, where: str, what: str) -> float:
     if not isinstance(value, numbers.Real):
         raise RewardError(
             f"reward function {name} returned {type(value).__name__} {value!r:.40} as its {what} for {where}; "
-            "return a float (or {'score': float, ...})"
+            "return a float (or {'score': float, ...})",
+            key=f"a {type(value).__name__} as its {what}",
         )
     value = float(value)
     if not math.isfinite(value):
-        raise RewardError(f"reward function {name} returned {value} as its {what} for {where}; rewards must be finite")
+        raise RewardError(
+            f"reward function {name} returned {value} as its {what} for {where}; rewards must be finite",
+            key=f"{value} as its {what}",
+        )
     return value
 
 
@@ -143,15 +168,16 @@ def call_reward(
     """Score one completion: the score, or ``{"score": ..., **extras}``, checked; RewardError
     names the function and the record.
 
-    A module-level function of plain data, so that a process pool can run it.
+    A module-level function of plain data, so that a process pool can run it. A ``sys.exit`` or
+    ``KeyboardInterrupt`` of the function is its failure too; only a second Ctrl-C's
+    :class:`~sdp_cli.stopsignals.Abort` passes through.
     """
     fn, name = _cached(reward.spec)
     try:
         value = fn(prompt, completion, record, **dict(reward.kwargs))
-    except Exception as err:
-        raise RewardError(
-            f"reward function {name} failed on {where}: {type(err).__name__}: {err}",
-            "".join(traceback.format_exception(err)),
-        ) from None
+    except Abort:
+        raise
+    except BaseException as err:
+        raise reward_failure(name, where, err) from None
     score, extras = to_score(value, name, where)
     return {"score": score, **extras} if extras else score

@@ -55,8 +55,8 @@ from sdp_cli.train.loop_state import (
     rng_state_from_json,
     rng_state_to_json,
 )
-from sdp_cli.train.producer import RolloutProducer
-from sdp_cli.train.rewarding import EXTRAS, RewardPool, extra_means
+from sdp_cli.train.producer import RolloutProducer, failure_text
+from sdp_cli.train.rewarding import EXTRAS, RewardPool, RewardRules, extra_means
 from sdp_cli.train.trainer import Trainer
 
 __all__ = ["AsyncLoop", "LoopInterrupted", "LoopStopped", "StepRecord", "TextCodec"]
@@ -156,7 +156,10 @@ class AsyncLoop(RolloutProducer):
         self._at_take = PassTotals()
         self._prefill_tokens_seen = 0
         self.rewards = RewardPool(
-            workers=cfg.task.reward_workers, kind=cfg.task.reward_pool, name=f"of task {task.name}"
+            workers=cfg.task.reward_workers,
+            kind=cfg.task.reward_pool,
+            name=f"of task {task.name}",
+            rules=RewardRules.of(cfg.task),
         )
 
     # ============================================================= trainer side
@@ -288,7 +291,7 @@ class AsyncLoop(RolloutProducer):
 
     def _raise_if_stopped(self) -> None:
         if self._producer_error is not None:
-            raise LoopStopped(f"rollout producer failed: {self._producer_error}") from self._producer_error
+            raise LoopStopped(f"rollout producer failed: {failure_text(self._producer_error)}") from self._producer_error
         if self.should_stop is not None and self.should_stop():
             raise LoopInterrupted("a stop was requested")
         if self._stop.is_set():

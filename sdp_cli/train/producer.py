@@ -25,6 +25,7 @@ import torch
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams
+from sdp_cli.errors import UserError, describe_exception, describe_os_error
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats
@@ -37,6 +38,17 @@ from sdp_cli.train.loop_state import LoopState, PassTotals, TextCodec
 from sdp_cli.train.rewarding import EXTRAS, RewardPool
 
 logger = logging.getLogger(__name__)
+
+
+def failure_text(exc: BaseException) -> str:
+    """What the run says after "rollout producer failed: ": a UserError's own line, a failed file
+    operation's, anything else named by its type (a bare ``SystemExit(3)`` would say "3" and a
+    ``KeyboardInterrupt`` nothing)."""
+    if isinstance(exc, UserError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        return describe_os_error(exc)
+    return describe_exception(exc)
 
 
 class RolloutProducer:

@@ -32,6 +32,7 @@ from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
+from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
 from sdp_cli.train.ledger import LedgerLog
 from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
@@ -51,6 +52,7 @@ from sdp_cli.train.recovery import recover_after_crash
 from sdp_cli.train.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.reporting import EventLog, MetricsLog
+from sdp_cli.train.rewarding import RewardPool, RewardRules, user_code_running
 from sdp_cli.train.session_end import SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, config_dict, open_run
 from sdp_cli.train.trackers import active_trackers, open_trackers
@@ -108,6 +110,8 @@ class TrainingRun(SessionEnd):
         self.stop_request = stop_request or StopRequest()
         self.engine: Any = None
         self.loop: AsyncLoop | None = None
+        #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
+        self.eval_rewards: RewardPool | None = None
         self.start_step = 0
         self._last_checkpoint: tuple[int, Path] | None = None
         # only rank 0 writes to the run directory
@@ -191,6 +195,7 @@ class TrainingRun(SessionEnd):
         if cfg.train.parallel == "fsdp" and not self.coordinator.distributed:
             print("note: train.parallel=fsdp in one process: nothing to shard, the model trains whole", file=sys.stderr)
 
+        self.eval_rewards = RewardPool(kind=cfg.task.reward_pool, name=f"of task {self.task.name}", rules=RewardRules.of(cfg.task))
         if cfg.engine.kind == "local":
             self.engine = build_engine(cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device)
         else:
@@ -301,6 +306,7 @@ class TrainingRun(SessionEnd):
         cfg = self.cfg
         metrics = dict(record.metrics)
         metrics["version"] = float(record.version)
+        metrics.update(self._reward_errors(record.step))
         if cfg.train.save_batches:
             self._save_batch(record)
         self.metrics.write(record.step, metrics)
@@ -362,14 +368,22 @@ class TrainingRun(SessionEnd):
         budget = cfg.train.eval_max_new_tokens or cfg.rollout.max_new_tokens or self.task.max_new_tokens
         with self.trainer.autocast():  # the training precision
             acc = greedy_accuracy(
-                self.whole.get(), self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget, progress=progress
-            )
-        if acc is None:
+                self.whole.get(), self.task, n=cfg.train.eval_samples, seed=cfg.seed + 7, max_new_tokens=budget,
+                progress=progress, score=self._eval_scores,
+            )  # fmt: skip
+        if acc is None:  # no held-out problems, or a stop came first
             return None
         self.metrics.write(step, {"eval/greedy_accuracy": acc})
         self.trackers.log(step, {"eval/greedy_accuracy": acc})
         self.events.write("eval", step=step, greedy_accuracy=acc)
         return acc
+
+    def _eval_scores(self, calls: list[Callable[[], Any]], wheres: list[str]) -> list[float] | None:
+        """Score the evaluation's completions on its own reward pool, so that a reward that hangs
+        keeps no stop waiting: None once a stop was requested (nothing is written then)."""
+        assert self.eval_rewards is not None, "evaluation runs on rank 0"
+        results = self.eval_rewards.score(calls, wheres, give_up=lambda: self.stop_request.requested)
+        return None if results is None else [score for score, _ in results]
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -385,10 +399,10 @@ class TrainingRun(SessionEnd):
         stopped: BaseException | None = None
         try:
             self.loop.run()
-        except (LoopStopped, EngineError, OSError) as exc:
+        except (LoopStopped, EngineError, RewardError, OSError) as exc:  # RewardError: of an evaluation
             stopped = exc
-        except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting
-            self.close(abort=True)
+        except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting; the
+            self.close()  # logs stay open for the aborted event (_train)
             raise
         # the other ranks still follow: checkpoints and evaluations may gather from them
         self.close()
@@ -402,6 +416,7 @@ class TrainingRun(SessionEnd):
             raise end
         wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
+        self._end_evaluation()
         self._end_session(0)
         summary = self._summary(wall, acc_start, acc_end, session_start)
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
@@ -431,11 +446,15 @@ def run_training(
     overrides: list[str],
     source: ConfigSource = ConfigSource(),
     stop: StopRequest | None = None,
+    keep_lock: bool = False,
 ) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0).
 
-    SIGINT and SIGTERM stop it at a step boundary with a checkpoint (``Interrupted``); a second
-    SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory.
+    SIGINT, SIGTERM and SIGHUP stop it at a step boundary with a checkpoint (``Interrupted``); a
+    second SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory:
+    ``keep_lock`` leaves the directory locked on return, until the process ends (``sdp train``,
+    which exits right after: no second process gets the directory while this one still tears
+    down); otherwise the lock is given up on return, unless a reward call still runs.
     """
     from accelerate import Accelerator
 
@@ -448,7 +467,7 @@ def run_training(
     # several processes: rank 0 ignores SIGTERM once the run is over (Coordinator.end), and
     # restoring the default handler at the end of the block would undo that
     with handling(stop, restore=not coordinator.distributed):
-        return _train(cfg, raw, overrides, source, coordinator, stop)
+        return _train(cfg, raw, overrides, source, coordinator, stop, keep_lock)
 
 
 def _train(
@@ -458,6 +477,7 @@ def _train(
     source: ConfigSource,
     coordinator: Coordinator,
     stop: StopRequest,
+    keep_lock: bool,
 ) -> dict[str, Any] | None:
     start: RunStart | None = None
     run: TrainingRun | None = None
@@ -495,12 +515,22 @@ def _train(
         if not coordinator.is_main:
             coordinator.end_follower(run.follow())
         summary = run.run()
-        print(summary_line(summary))
+        print(summary_line(summary, run.resume_command(f"train.steps={2 * summary['steps']}")))
         return summary
     except Abort as abort:
         if run is None:
             raise Interrupted(f"aborted (second {signal_name(abort.signum)}) before training started", 128 + abort.signum) from None
         raise run.aborted(abort.signum) from None
+    except BaseException as exc:
+        if run is not None and not isinstance(exc, (UserError, Interrupted)):
+            run.crashed(exc)
+        raise
     finally:
+        # A reward call still running (abandoned at its timeout, or cut off by the stop) may do
+        # anything until the process ends: the lock stays held until then, and the kernel
+        # releases it when the process, which waits for no such call, exits (cli/main.py _exit).
         if start is not None and start.owned is not None:
-            start.owned.lock.release()
+            if keep_lock or user_code_running(grace_s=1.0):
+                start.owned.lock.keep()
+            else:
+                start.owned.lock.release()

@@ -1,24 +1,53 @@
-"""How a training session ends: its summary when it finishes; a signal, a stop, an abort.
+"""How a training session ends: its summary when it finishes; a signal, a stop, an abort, a crash.
 
 A mixin of :class:`sdp_cli.train.run.TrainingRun` (docs/reliability.md, "Signals"): a signal
 stops the loop at a step boundary and :meth:`SessionEnd._interrupted` checkpoints that step and
-writes an ``interrupted`` event; an engine fault, a failed producer or a full disk end in a
-``stopped`` event and one line; a second Ctrl-C ends in an ``aborted`` event, with the last
-complete checkpoint as the resume point.
+writes an ``interrupted`` event; an engine fault, a failed producer or reward, or a full disk
+end in a ``stopped`` event and one line; a second Ctrl-C ends in an ``aborted`` event, with the
+last complete checkpoint as the resume point. Every line says how to go on with
+:func:`resume_command`, which a user can paste as it is printed.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import traceback
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import Interrupted, UserError, describe_os_error
 from sdp_cli.modes import resolve_mode
 from sdp_cli.stopsignals import signal_name
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.start import PROGRAM_KEYS
+
+# a path or module:function that a Hydra override value holds unquoted and reads back as this
+# string (the "/" or ":" keeps it from reading as a number, a bool or null)
+_PLAIN_VALUE = re.compile(r"(?=.*[/:])[A-Za-z0-9_./:@+%-]+( +[A-Za-z0-9_./:@+%-]+)*")
+
+
+def _hydra_value(text: str) -> str:
+    """``text`` as a Hydra override value that reads back as this string: as it is when it can
+    be, else single-quoted, with a quote and the backslashes before a quote or the end escaped."""
+    if _PLAIN_VALUE.fullmatch(text):
+        return text
+    escaped = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), text)
+    return f"'{escaped}'"
+
+
+def resume_command(run_dir: Path, cfg: SdpConfig, *extra: str) -> str:
+    """``sdp train resume=RUN``, complete: with every program key the resume takes only from its
+    command line (``PROGRAM_KEYS``, e.g. ``task.reward=reward.py:fn``) and the ``extra``
+    overrides, each quoted for Hydra and for the shell, so that it works pasted as printed."""
+    overrides = [f"resume={_hydra_value(str(run_dir))}"]
+    for key, named in PROGRAM_KEYS.items():
+        if (program := named(cfg)) is not None:
+            overrides.append(f"{key}={_hydra_value(program)}")
+    return " ".join(["sdp", "train", *(shlex.quote(o) for o in [*overrides, *extra])])
 
 
 class SessionEnd:
@@ -33,6 +62,7 @@ class SessionEnd:
     stop_request: Any
     start_step: int
     cfg: Any
+    eval_rewards: Any
     _last_checkpoint: tuple[int, Path] | None
 
     def _end_session(self, code: int) -> None:
@@ -42,14 +72,35 @@ class SessionEnd:
 
     def close(self, *, abort: bool = False) -> None:
         """Stop what this session started that outlives it (a launched server); idempotent.
-        ``abort``: the process is about to end, the logs are closed too."""
+        ``abort``: the process is about to end, the evaluation's reward workers and the logs
+        are closed too."""
         if getattr(self, "progress", None) is not None:
             self.progress.close()
         if self.engine is not None:
             engine, self.engine = self.engine, None
             engine.close()
         if abort:
+            self._end_evaluation()
             self._close_logs(ok=False)
+
+    def _end_evaluation(self) -> None:
+        """No evaluation follows: end its reward workers (a call still running is left to them)."""
+        if getattr(self, "eval_rewards", None) is not None:
+            self.eval_rewards.close()
+
+    def resume_command(self, *extra: str) -> str:
+        return resume_command(self.run_dir.path, self.cfg, *extra)
+
+    def _reward_errors(self, step: int) -> dict[str, float]:
+        """``reward/errors`` (task.reward_errors=zero): the reward calls that failed and scored 0
+        since the last step; and a ``reward_error`` event with the first traceback of each error
+        not seen before (greedy evaluation's included)."""
+        failed, first = self.loop.rewards.take_errors()
+        if getattr(self, "eval_rewards", None) is not None:
+            first += self.eval_rewards.take_errors()[1]
+        for error in first:
+            self._event("reward_error", step=step, error=str(error), traceback=error.details or None)
+        return {"reward/errors": float(failed)} if self.cfg.task.reward_errors == "zero" else {}
 
     def _close_logs(self, *, ok: bool = True) -> None:
         """Close the run's logs; ``ok``: the session finished (trackers mark a run that did not)."""
@@ -77,20 +128,24 @@ class SessionEnd:
         """The end of a session stopped by a signal, at a step boundary."""
         step = self.loop.state.step
         name = self.stop_request.name
+        self._end_evaluation()
         path, problem = self._checkpoint_at_stop(step)
+        self._reward_errors(step)
         self._event("interrupted", step=step, signal=name, checkpoint=str(path) if path else None, error=problem)
         self._close_logs(ok=False)
-        where = f"resume with: sdp train resume={self.run_dir.path}"
+        where = f"resume with: {self.resume_command()}"
         if problem:
             last = self._last_complete_step()
             where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
         return Interrupted(f"stopped at step {step} ({name}); {where}", 128 + int(self.stop_request.signum))
 
     def _stopped(self, exc: BaseException) -> UserError:
-        """The end of a session stopped by an engine fault, a failed producer or a full disk."""
+        """The end of a session stopped by an engine fault, a failed producer or reward, or a full disk."""
         step = self.loop.state.step
+        self._end_evaluation()
         path, problem = self._checkpoint_at_stop(step) if step > self.start_step else (None, None)
-        cause = exc.__cause__
+        self._reward_errors(step)
+        cause = exc if isinstance(exc, RewardError) else exc.__cause__
         detail: dict[str, Any] = {}
         if isinstance(cause, RewardError):  # user code: its own traceback
             detail["traceback"] = cause.details
@@ -100,7 +155,7 @@ class SessionEnd:
         self._event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
         self._close_logs(ok=False)
         last = self._last_complete_step()
-        where = f"; resume with: sdp train resume={self.run_dir.path}" if last is not None or step else ""
+        where = f"; resume with: {self.resume_command()}" if last is not None or step else ""
         if problem:
             where = f"; its checkpoint could not be written ({problem}){where} (from step {last or 0})"
         error = UserError(f"training stopped at step {step}: {reason}{where}")
@@ -121,12 +176,25 @@ class SessionEnd:
         last = self._last_complete_step()
         self._event("aborted", step=step, signal=signal_name(signum), resume_step=last)
         self.close(abort=True)
-        start = f"from step {last}, the last complete checkpoint" if last is not None else "it starts over: no checkpoint yet"
         return Interrupted(
-            f"aborted at step {step} (second {signal_name(signum)}); "
-            f"resume with: sdp train resume={self.run_dir.path} ({start})",
+            f"aborted at step {step} (second {signal_name(signum)}); resume with: {self.resume_command()} "
+            f"({self._resume_point(last)})",
             128 + signum,
         )
+
+    def crashed(self, exc: BaseException) -> None:
+        """The end of a session ended by a bug (an exception no stop expects): close what it
+        opened, and add to the traceback how to go on from the last complete checkpoint."""
+        self.close(abort=True)
+        step = self.loop.state.step if self.loop is not None else self.start_step
+        exc.add_note(
+            f"sdp train stopped at step {step} on this error; resume with: {self.resume_command()} "
+            f"({self._resume_point(self._last_complete_step())})"
+        )
+
+    @staticmethod
+    def _resume_point(last: int | None) -> str:
+        return f"from step {last}, the last complete checkpoint" if last is not None else "it starts over: no checkpoint yet"
 
     def _summary(
         self, wall: float, acc_start: float | None, acc_end: float | None, session_start: dict[str, Any]
@@ -164,7 +232,9 @@ class SessionEnd:
         }
 
 
-def summary_line(summary: dict[str, Any]) -> str:
+def summary_line(summary: dict[str, Any], further: str) -> str:
+    """The done line; ``further``: the command that trains the run on (as many steps again)."""
+
     def fmt(value: Any, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
@@ -173,5 +243,5 @@ def summary_line(summary: dict[str, Any]) -> str:
         f"reward {fmt(summary['reward_first'], '.3f')} → {fmt(summary['reward_last'], '.3f')} "
         f"(first/last {summary['reward_window']} steps); greedy accuracy "
         f"{fmt(summary['greedy_accuracy_start'], '.2f')} → {fmt(summary['greedy_accuracy_end'], '.2f')}; "
-        f"run dir {summary['run_dir']}"
+        f"run dir {summary['run_dir']}; train further with: {further}"
     )

@@ -14,10 +14,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
 from sdp_cli.config.schema import EngineConfig, SdpConfig
+from sdp_cli.config.validation import load_mode
 from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
@@ -40,23 +41,31 @@ from sdp_cli.train.task_setup import prepare_task
 from sdp_cli.train.trackers import active_trackers, check_installed
 
 
-#: config keys that name a program to start or code to import (docs/reliability.md, "Security defaults")
-PROGRAM_KEYS = ("engine.python", "task.reward")
+def _launched_python(cfg: SdpConfig) -> str | None:
+    """engine.python when sdp launches a server with it and it is not the default."""
+    launches = cfg.engine.kind != "local" and not cfg.engine.urls
+    return cfg.engine.python if launches and cfg.engine.python != EngineConfig().python else None
+
+
+def _code(value: str | None) -> str | None:
+    """A value that names code to import (``module:fn``, ``file.py:fn``); None for a built-in."""
+    return value if value is not None and ":" in value else None
+
+
+#: config keys that name a program to start or code to import, each with the program it names in
+#: a config (None: the default, a built-in, or nothing sdp would start). A resume takes them only
+#: from its command line, so every resume command sdp prints repeats them (docs/reliability.md,
+#: "Security defaults"); a new key of the kind is one entry here.
+PROGRAM_KEYS: dict[str, Callable[[SdpConfig], str | None]] = {
+    "engine.python": _launched_python,
+    "task.reward": lambda cfg: _code(cfg.task.reward),
+    "loss.mode": lambda cfg: _code(cfg.loss.mode),
+}
 
 
 def _sets(override: str, key: str) -> bool:
     """Whether the command-line override sets ``key`` (``key=…``, ``+key=…``, ``~key=…``)."""
     return override.lstrip("+~").startswith(f"{key}=")
-
-
-def _program(cfg: SdpConfig, key: str) -> str | None:
-    """The program ``key`` names in ``cfg`` and sdp would start or import, or None when it names
-    none (the default, a built-in) or none is started (engine.python without a server to launch)."""
-    if key == "engine.python":
-        launches = cfg.engine.kind != "local" and not cfg.engine.urls
-        return cfg.engine.python if launches and cfg.engine.python != EngineConfig().python else None
-    reward = cfg.task.reward
-    return reward if reward is not None and ":" in reward else None  # module:fn or file.py:fn
 
 
 def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], run_dir: RunDir) -> None:
@@ -74,8 +83,8 @@ def refuse_saved_programs(cfg: SdpConfig, saved: list[str], given: list[str], ru
         trusted = compose_dict([o for o in [*saved, *given] if not names_program(o) and not o.startswith("resume=")])
     except UserError:  # e.g. a task of the run's own config dir: nothing it names is trusted
         trusted = None
-    for key in PROGRAM_KEYS:
-        program = _program(cfg, key)
+    for key, named in PROGRAM_KEYS.items():
+        program = named(cfg)
         if program is None or any(_sets(o, key) for o in given):
             continue
         if trusted is None or _select(trusted, key) != program:
@@ -205,6 +214,7 @@ def preflight(cfg: SdpConfig) -> Task:
             )
         check_hf_model_dir(cfg.model.path)
     check_installed(active_trackers(cfg.run.trackers, cfg.run.tensorboard))
+    load_mode(cfg)  # a mode of yours (loss.mode=file.py:fn) is imported and tried here
     task = prepare_task(cfg)
     if (warning := bind_warning(cfg)) is not None:
         print(warning, file=sys.stderr)

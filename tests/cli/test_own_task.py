@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdp_cli.config.schema import SdpConfig
 
 from .run_main import run_main
 
@@ -218,3 +222,107 @@ def test_a_new_group_of_the_config_dir_is_added_with_plus(workdir, capsys):
     config = yaml.safe_load(out)
     assert (config["train"]["steps"], config["train"]["eval_samples"]) == (2, 0)
     assert "trial" not in config
+
+
+# ------------------------------------------------- the resume commands sdp prints (issue 24 item 6)
+QUICK = ["--config-dir", "conf", "task=larger", "+preset=quick", "model.warm_start_steps=0", "train.eval_samples=0",
+         "run.progress=false", "run.tensorboard=false"]  # fmt: skip
+
+
+def _sdp_env(tmp_path) -> dict[str, str]:
+    import os
+
+    return {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(EXAMPLE.parents[1]), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+
+
+def _pasted(line: str, marker: str) -> list[str]:
+    """The command a line prints after ``marker``, split as a shell would, as `python -m sdp_cli`."""
+    import shlex
+    import sys
+
+    command = shlex.split(line.split(marker, 1)[1].split(" (from step", 1)[0])
+    assert command[:2] == ["sdp", "train"], line
+    return [sys.executable, "-m", "sdp_cli", *command[1:]]
+
+
+def test_the_resume_command_printed_at_ctrl_c_pasted_verbatim_finishes_the_run(workdir, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    run, env = tmp_path / "run", _sdp_env(tmp_path)
+    proc = subprocess.Popen([*_pasted("x: sdp train", "x: "), *QUICK, "train.steps=8", f"run.dir={run}"],
+                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    # before: "resume with: sdp train resume=RUN", which the resume refused ("its saved config
+    # sets task.reward=reward.py:larger, ... pass task.reward=... again")
+    assert last.endswith(f"resume with: sdp train resume={run} task.reward=reward.py:larger"), last
+    done = subprocess.run(_pasted(last, "resume with: "), cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8
+    # the done line says how to train further, and that command works as printed too
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("done: ")]
+    more = _pasted(line, "train further with: ")
+    assert more[4:] == [f"resume={run}", "task.reward=reward.py:larger", "train.steps=16"], line
+    again = subprocess.run(more, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 16
+
+
+def test_the_resume_command_of_a_stop_by_error_pasted_verbatim_finishes_the_run(workdir, capsys, tmp_path, monkeypatch):
+    import shlex
+
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+    run = tmp_path / "run with space"
+    reward = (workdir / "reward.py").read_text()
+    # the judge fails once the run has logged a step, so the run stops with a checkpoint
+    metrics = run / "metrics.jsonl"
+    (workdir / "reward.py").write_text(
+        f"{reward}\n\nimport os\n\n\ndef flaky(prompt, completion, record):\n"
+        f"    if os.path.exists({str(metrics)!r}) and os.path.getsize({str(metrics)!r}):\n"
+        "        raise ConnectionError('judge went away')\n"
+        "    return larger(prompt, completion, record)\n"
+    )
+    code, _, err = run_main(["train", *QUICK, "task.reward=reward.py:flaky", "train.steps=6", f"run.dir={run}"], capsys)
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert "ConnectionError: judge went away" in line
+    # the path is quoted for the shell and for Hydra: one argument, taken as a string
+    assert line.endswith(f"; resume with: sdp train {shlex.quote(f'resume={run}')} task.reward=reward.py:flaky"), line
+    (workdir / "reward.py").write_text(reward + "\n\ndef flaky(prompt, completion, record):\n"
+                                                "    return larger(prompt, completion, record)\n")  # fmt: skip
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    code, out, err = run_main(command[1:], capsys)
+    assert code == 0, err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+
+
+_VALUES = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1),
+    st.from_regex(r"[A-Za-z0-9_./:@+~%, '-]{1,24}", fullmatch=True),  # paths and module:function specs
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_VALUES)
+def test_a_printed_override_reads_back_as_the_value_through_the_shell_and_hydra(value):
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from sdp_cli.train.session_end import resume_command
+
+    # a resume command for a run directory named `value`: one shell word per override, whose
+    # value Hydra reads back as exactly the directory's name (a string, also for "0", "true" or "a,b")
+    run_dir = Path(value)
+    words = shlex.split(resume_command(run_dir, SdpConfig()))
+    assert words[:2] == ["sdp", "train"] and len(words) == 3, words
+    assert OverridesParser.create().parse_override(words[2]).value() == str(run_dir)

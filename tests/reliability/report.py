@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-KINDS = ("engine", "kill -9", "signal")
+KINDS = ("engine", "kill -9", "signal", "hung reward")
 
 
 @dataclass
@@ -132,6 +132,7 @@ def totals() -> dict[str, int]:
     engine = [f for f in REPORT.faults if f.kind == "engine"]
     kills = [f for f in REPORT.faults if f.kind == "kill -9"]
     signals = [f for f in REPORT.faults if f.kind == "signal"]
+    hung = [f for f in REPORT.faults if f.kind == "hung reward"]
 
     def survived(faults: list[Fault]) -> int:
         return sum(REPORT.runs.get(f.run_id, Run(False, 0, 0)).survived for f in faults)
@@ -145,6 +146,8 @@ def totals() -> dict[str, int]:
         "signals_injected": len(signals),
         "signals_survived": survived(signals),
         "signals_vllm_survived": survived([f for f in signals if "vLLM" in f.name]),
+        "hung_rewards_injected": len(hung),
+        "hung_rewards_survived": survived(hung),
         "runs": len(REPORT.runs),
         "runs_survived": sum(r.survived for r in REPORT.runs.values()),
         "samples_lost": sum(r.samples_lost for r in REPORT.runs.values()),

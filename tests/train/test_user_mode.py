@@ -186,3 +186,25 @@ def test_the_ablate_report_has_a_row_for_a_mode_of_yours_and_its_columns_when_to
     assert group["mode"] == "tempered_decoupled"
     # its shadow's largest weight is the square root of decoupled's, as in the run's metrics
     assert float(group["w_tempered_decoupled_max_mean"]) == pytest.approx(math.sqrt(float(group["w_dec_max_mean"])), rel=1e-5)
+
+
+def test_a_resume_never_imports_a_mode_file_that_only_the_runs_files_name(tmp_path, capsys, forget_user_modes):
+    # the mode's file leaves a mark each time it is imported
+    marks = tmp_path / "imported"
+    path = tmp_path / "marking.py"
+    path.write_text(
+        "from pathlib import Path\nfrom sdp_cli.modes import mode\n"
+        f"with open({str(marks)!r}, 'a') as f:\n    f.write('x')\n\n"
+        "@mode(needs=('proximal_logprobs',))\ndef marking(old, proximal, proximal_t, mask):\n    return proximal - old\n"
+    )
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=1", f"run.dir={run}", f"loss.mode={path}:marking"], capsys)
+    assert code == 0, err
+    unregister("marking")
+    imported = marks.read_text()
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=2"], capsys)
+    assert code == 2 and "loss.mode" in err and "pass loss.mode=... again" in err, err
+    assert marks.read_text() == imported  # refused before the file was imported
+    # named again on the command line, the resume runs it
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=2", f"loss.mode={path}:marking"], capsys)
+    assert code == 0, err
