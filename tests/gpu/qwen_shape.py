@@ -101,6 +101,7 @@ def build_model(shape: str, *, seed: int = 0, device: str | torch.device = "cpu"
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(device)  # in case a transformers version builds on the CPU despite the context
     # logit_j = g · <x̂, e_j> with ‖x̂‖ = √hidden and e_j ~ N(0, σ²): std = g · σ · √hidden
     gain = LOGIT_STD / (config.initializer_range * math.sqrt(config.hidden_size))
     with torch.no_grad():
