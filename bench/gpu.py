@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ REWARD_PATTERN = "77>"
 class Plan:
     """The sizes of one run of the check."""
 
-    shape: str
+    shape: str  # tests/gpu/qwen_shape.py SHAPES
     device: str
     train_steps: int
     batch_groups: int
@@ -78,16 +78,18 @@ class Plan:
     engine_new_tokens: int
     engine_repeats: int
     #: seconds each part may take at most (the budget may leave it less)
-    limits: dict[str, float] = field(default_factory=dict)
+    limits: dict[str, float]
 
 
 GPU_PLAN = Plan(
-    "qwen2.5-0.5b", "cuda", 20, 8, 8, 64, 8, 3, (64, 256), 128, 3,
-    {"model": 120, "train": 240, "gpu_tests": 180, "engine": 120, "fsdp": 150},
+    shape="qwen2.5-0.5b", device="cuda", train_steps=20, batch_groups=8, group_size=8, max_new_tokens=64,
+    eval_samples=8, fsdp_steps=3, engine_batches=(64, 256), engine_new_tokens=128, engine_repeats=3,
+    limits={"model": 120, "train": 240, "gpu_tests": 180, "engine": 120, "fsdp": 150},
 )  # fmt: skip
 DRY_PLAN = Plan(
-    "tiny", "cpu", 4, 4, 4, 8, 4, 2, (8,), 8, 1,
-    {"model": 120, "train": 180, "gpu_tests": 300, "engine": 120, "fsdp": 180},
+    shape="tiny", device="cpu", train_steps=4, batch_groups=4, group_size=4, max_new_tokens=8,
+    eval_samples=4, fsdp_steps=2, engine_batches=(8,), engine_new_tokens=8, engine_repeats=1,
+    limits={"model": 120, "train": 180, "gpu_tests": 300, "engine": 120, "fsdp": 180},
 )  # fmt: skip
 
 
@@ -259,6 +261,30 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     version = subprocess.run([sys.executable, "-m", "sdp_cli", "--version"], cwd=REPO, capture_output=True, text=True, timeout=120)
     env["sdp_cli_version"] = version.stdout.strip() if version.returncode == 0 else f"failed: {version.stderr.strip()[-300:]}"
     return env
+
+
+def installed(args: argparse.Namespace) -> dict[str, Any]:
+    """The carried wheels scripts/gpu_check.sh installed, and whether each one's distribution is
+    the one this Python finds (from the site directory it went to, not from elsewhere)."""
+    from importlib import metadata
+
+    if not args.wheels:
+        return {"status": "skipped", "reason": "no wheels carried; the installed packages are used"}
+    site = args.site.resolve()
+    found = {}
+    for wheel in sorted(args.wheels.glob("*.whl")):
+        name, version = wheel.name.split("-")[:2]  # wheel file names: name-version-tags.whl
+        try:
+            dist = metadata.distribution(name)
+            location = Path(str(dist.locate_file(""))).resolve()
+            found[name] = {"wheel": version, "found": dist.version, "from_site": location == site}
+        except metadata.PackageNotFoundError:
+            found[name] = {"wheel": version, "found": None, "from_site": False}
+    checks = {f"{name}_from_site": info["from_site"] and info["found"] == info["wheel"] for name, info in found.items()}
+    return {
+        "status": status_of(checks), "site": str(site), "wheels": found, "checks": checks,
+        "summary": f"{len(found)} wheel(s) into {site}: " + ", ".join(f"{n} {i['wheel']}" for n, i in found.items()),
+    }  # fmt: skip
 
 
 def train_overrides(args: argparse.Namespace, plan: Plan, run_dir: Path, steps: int) -> list[str]:
@@ -588,12 +614,7 @@ def main() -> None:
         "check": "sdp gpu check", "dry_run": args.dry_run, "shape": plan.shape, "device": plan.device,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "environment": env,
     })  # fmt: skip
-    if args.wheels:
-        wheels = sorted(p.name for p in args.wheels.glob("*.whl"))
-        report.set("install", {"status": "ok", "wheels": wheels, "site": str(args.site),
-                               "summary": f"{len(wheels)} wheel(s) into {args.site}: {', '.join(wheels)}"})  # fmt: skip
-    else:
-        report.set("install", {"status": "skipped", "reason": "no wheels carried; the installed packages are used"})
+    report.set("install", installed(args))
     if plan.device == "cpu":
         report.set("gpu_memory", {"status": "skipped", "reason": NO_CUDA})
     budget = args.budget or (600.0 if args.dry_run else 420.0)

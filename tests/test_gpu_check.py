@@ -58,7 +58,10 @@ def test_dry_run_installs_the_wheels_and_builds_the_tiny_model(tmp_path):
     report = _report(out)
     parts = report["parts"]
     assert report["dry_run"] is True and report["shape"] == "tiny" and report["device"] == "cpu"
-    assert parts["install"]["status"] == "ok" and parts["install"]["wheels"] == [probe.name]
+    # the probe's distribution is found, and from the directory the script installed it into
+    assert probe.name.startswith("sdp_gpu_check_probe-1.0-")
+    assert parts["install"]["wheels"] == {"sdp_gpu_check_probe": {"wheel": "1.0", "found": "1.0", "from_site": True}}
+    assert parts["install"]["status"] == "ok"
     assert parts["gpu_memory"] == {"status": "skipped", "reason": "skipped (no CUDA)"}
     assert list(parts) == ["install", "gpu_memory", "model"]  # only the parts asked for
     # sdp runs from this checkout, not from an installed copy
@@ -74,7 +77,7 @@ def test_dry_run_installs_the_wheels_and_builds_the_tiny_model(tmp_path):
     assert "| model | ok |" in table and "| gpu_memory | skipped |" in table
     log = (out / "gpu_check.log").read_text()
     assert "installing 1 wheel(s)" in log and "[gpu_check] model: ok" in log
-    assert not list(_scratch(tmp_path).iterdir()), "the scratch directory was left behind"
+    assert not list(_scratch(tmp_path).glob("sdp_gpu_check.*")), "the scratch directory was left behind"
 
 
 @pytest.mark.parametrize(
