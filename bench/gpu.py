@@ -60,6 +60,10 @@ DISTRIBUTIONS = {
 }  # fmt: skip
 #: the rollout reward: 1 when the completion holds a filler token <fN> whose N ends in 77
 REWARD_PATTERN = "77>"
+#: every prompt starts with these 77 characters, then asks "a+b=" (a, b single digits): prompts
+#: of 82 tokens (BOS first), long against the responses as GRPO's usually are, so the trainer's
+#: shared-prompt forward has positions to save (it runs only where it saves 20 %)
+FEW_SHOT = "3+4=7.8+1=9.2+2=4.6+3=9.5+0=5.1+7=8.9+9=18.4+6=10.7+5=12.0+8=8.2+9=11.6+6=12."
 
 
 @dataclass(frozen=True)
@@ -353,7 +357,8 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         "all_steps_ran": found["steps"] == steps and len(rows) == steps,
         "losses_and_weights_finite": bool(numbers) and all(math.isfinite(v) for v in numbers),
         "prompts_shared_every_step": bool(rows) and all(r.get("batch/positions_saved", 0) > 0 for r in rows),
-        "recompute_passes_scored_tokens": found["recompute_tokens"]["tokens"] > 0,
+        # by a recompute pass or a resumed sample's re-prefill, whichever timing chose
+        "proximal_t_filled_for_stale_tokens": found["recompute_tokens"]["tokens"] + found["recompute_tokens"]["tokens_prefill"] > 0,
         "lag0_mismatch_measured": found["mismatch_lag0_tokens"] > 0,
         "segment_wise_lag0_weight_is_1": all(v == 0 for v in segment_lag0),
         "staleness_within_eta": found["lag_max"] is not None and found["lag_max"] <= eta,
@@ -391,7 +396,8 @@ def part_train(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
     out["summary"] = (
         f"{found['steps']} steps, {'n/a' if tps is None else f'{tps:.0f}'} generated tok/s, "
         f"lag-0 engine/trainer mismatch: mean abs {'n/a' if mismatch is None else f'{mismatch:.2e}'} nats, "
-        f"positions saved ≥ {found['positions_saved_min'] or 0:.0%}, recompute {found['recompute_tokens']['tokens']:.0f} tokens, "
+        f"positions saved ≥ {found['positions_saved_min'] or 0:.0%}, π_prox_t of {found['recompute_tokens']['tokens']:.0f} "
+        f"tokens recomputed and {found['recompute_tokens']['tokens_prefill']:.0f} re-prefilled, "
         + (f"CUDA peak {memory} GiB" if memory is not None else f"CUDA peak {NO_CUDA}")
     )
     return out
@@ -502,8 +508,7 @@ def child_model(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
         logprobs = model(input_ids=ids).logits.float().log_softmax(-1)
     model.save_pretrained(args.work / "model")
     padded_tokenizer(model.config.vocab_size).save_pretrained(args.work / "model")
-    # single-digit sums as prompts: their text does not matter to a random model
-    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
+    records = [{"prompt": f"{FEW_SHOT}{a}+{b}=", "answer": str(a + b)} for a in range(8) for b in range(8)]
     (args.work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return {
         "status": "ok",

@@ -118,10 +118,11 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     # bf16 engine and bf16-autocast trainer on the CPU: float noise, far below bf16's own rounding
     assert 0 <= train["mismatch_lag0_abs_mean"] < 1e-3
     rows = [json.loads(line) for line in (out / "train_metrics.jsonl").read_text().splitlines()]
-    # every batch: 4 prompts of 5 tokens (BOS + "a+b=") × 4 samples of 8 tokens; plain 16·13 = 208
-    # positions, shared 4·5 + 16·8 = 148, so 60/208 saved
+    # every batch: 4 prompts × 4 samples of 8 tokens. A prompt is BOS, the few-shot prefix (7
+    # examples "a+b=c." of 6 characters and 5 of 7: 77) and "a+b=" (4): 82 tokens. The plain
+    # forward runs 16 rows of 90 = 1440 positions, the shared one 4·82 + 16·8 = 456
     saved = [r["batch/positions_saved"] for r in rows if "batch/positions_saved" in r]
-    assert saved == [pytest.approx(60 / 208)] * 4
+    assert saved == [pytest.approx(1 - 456 / 1440)] * 4
     tests = parts["gpu_tests"]
     assert tests["device"] == "cpu" and tests["counts"] == {"passed": 5, "failure": 0, "error": 0, "skipped": 0}
     (row,) = parts["engine"]["rows"]
