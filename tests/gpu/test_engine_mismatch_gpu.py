@@ -10,8 +10,9 @@ The local engine holds the Qwen2.5-0.5B-shaped model in bf16 and samples; on the
   (``engine.dtype=bfloat16 train.dtype=float32``);
 - ``engine_self``: the engine's own prefill scores of its samples against its sampling
   log-probs. Segment-wise takes π_prox_t and π_behav both from the engine, so this is what is
-  left of the mismatch in its weight. On the CPU it is float noise; on a GPU, decoding (one
-  query on a KV cache) and prefill run different kernels.
+  left of the mismatch in its weight. Decoding (one query on a KV cache) and prefill round
+  differently in bf16, on a CPU too: on this model on the CPU (2026-11-26) engine_self was 0.059
+  nats mean, trainer_bf16 0.077 and trainer_fp32 0.072; on a GPU their kernels differ as well.
 
 Segment-wise's premise is ``engine_self`` < ``trainer_bf16``: the test checks it and records
 all three in the JUnit XML that bench/gpu.py reads.
@@ -97,7 +98,10 @@ def test_engine_agrees_with_itself_more_closely_than_with_the_trainer(model, dev
     for name, values in found.items():
         assert all(math.isfinite(v) for v in values.values()), (name, values)
         assert values["k3_kl"] >= 0, (name, values)
-        # a gross precision fault (RoPE's inv_freq rounded, a norm in bf16 where it should not
-        # be) moves log-probs by 0.1 nats and more; bf16 rounding alone stays well below
-        assert values["abs_mean"] < 0.1, (name, values)
-    assert found["engine_self"]["abs_mean"] <= found["trainer_bf16"]["abs_mean"], found
+        # bf16 rounding alone gave 0.06-0.08 nats on the CPU (above); 0.3 leaves room for other
+        # kernels and flags a gross fault (a weight or RoPE table rounded twice, a wrong cast)
+        assert values["abs_mean"] < 0.3, (name, values)
+    assert found["engine_self"]["abs_mean"] <= found["trainer_bf16"]["abs_mean"], (
+        "the engine's own scores disagree with its samples more than the trainer does: segment-wise "
+        f"would not cancel the numeric mismatch here: {found}"
+    )
