@@ -210,12 +210,14 @@ def child_env(plan: Plan) -> dict[str, str]:
     return env
 
 
-def run_child(name: str, args: argparse.Namespace, plan: Plan, timeout: float, extra: list[str] = ()) -> tuple[dict, float, float | str]:
+def run_child(
+    name: str, args: argparse.Namespace, plan: Plan, timeout: float, extra: list[str] | None = None
+) -> tuple[dict, float, float | str]:
     """``bench/gpu.py --child NAME`` in its own process: its result, seconds and peak GPU memory."""
     result_path = args.work / f"{name}.result.json"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--work", str(args.work),
-           "--result", str(result_path), *(["--dry-run"] if args.dry_run else []), "--", *extra]  # fmt: skip
+           "--result", str(result_path), *(["--dry-run"] if args.dry_run else []), "--", *(extra or [])]  # fmt: skip
     started = time.monotonic()
     with GpuMemoryPoll(plan.device == "cuda") as poll:
         code = run_process(cmd, timeout, child_env(plan))
@@ -229,8 +231,8 @@ def run_child(name: str, args: argparse.Namespace, plan: Plan, timeout: float, e
 
 # ---------------------------------------------------------------------------- the parts
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    """Versions, where the packages import from, the GPU (nvidia-smi: no CUDA context here), the
-    carried wheels, and whether ``python -m sdp_cli`` runs from the checkout."""
+    """Versions, where the packages import from, the GPU (nvidia-smi, and torch asking NVML: no
+    CUDA context in this process), and whether ``python -m sdp_cli`` runs from the checkout."""
     import importlib
     from importlib import metadata
 
@@ -248,6 +250,7 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         except metadata.PackageNotFoundError:  # sdp from the checkout, not installed
             env[module] = getattr(imported, "__version__", None)
     env["imported_from"] = origins
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
         import torch
 
