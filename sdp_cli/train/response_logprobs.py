@@ -73,14 +73,20 @@ class ResponseLogprobs:
         attention_mask = batch.attention_mask.to(self.device)
         response = batch.mask.to(self.device) > 0
         targets = ids[:, 1:][response]
-        with torch.set_grad_enabled(grad), self.autocast():
-            if self.hidden_path is None:
+        # The one-time checks are no-grad forwards, each in an autocast region of its own: inside
+        # this forward's region, autocast would keep the bf16 copies they make of an FSDP-sharded
+        # model's gathered weights and hand them, without their graph, to this forward, whose
+        # decoder layers would then get no gradient (tests/train/test_fsdp_autocast.py).
+        if self.hidden_path is None:
+            with self.autocast():
                 self.hidden_path = self._logits_are_hidden_times_head(model, ids, attention_mask)
+        plan = self._prefix_plan(model, batch) if self.hidden_path else None
+        if plan is not None and self.share_prefixes is None:
+            with self.autocast():
+                same = self._shared_matches_plain(model, plan, ids, attention_mask, response)
+            self.share_prefixes = self.every_process(same)
+        with torch.set_grad_enabled(grad), self.autocast():
             if self.hidden_path:
-                plan = self._prefix_plan(model, batch)
-                if plan is not None and self.share_prefixes is None:
-                    same = self._shared_matches_plain(model, plan, ids, attention_mask, response)
-                    self.share_prefixes = self.every_process(same)
                 self.positions_saved = 0.0
                 if plan is not None and self.share_prefixes:
                     hidden = shared_prefix_hidden(model, plan, self.device)
