@@ -204,6 +204,8 @@ class _ProcessRunner:
     def __init__(self, name: str):
         context = multiprocessing.get_context("spawn")  # not fork: the parent runs torch and threads
         self._conn, child = context.Pipe()
+        self._drop_lock = threading.Lock()
+        self._dropped = False
         self.process = context.Process(target=_worker, args=(child, os.getpid(), name), name="sdp-reward")
         self.process.start()
         child.close()
@@ -234,10 +236,16 @@ class _ProcessRunner:
         return self.process.exitcode
 
     def drop(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=10)
-        self._conn.close()
-        _ProcessRunner.live.discard(self)
+        # the pool's close and the slot that finds the worker dead may both drop it: once only
+        # (a second close of the pipe is EBADF, or closes a descriptor reused meanwhile)
+        with self._drop_lock:
+            if self._dropped:
+                return
+            self._dropped = True
+            self.process.kill()
+            self.process.join(timeout=10)
+            self._conn.close()
+            _ProcessRunner.live.discard(self)
 
 
 def _kill_live_workers() -> None:

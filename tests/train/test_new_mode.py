@@ -85,7 +85,8 @@ def test_a_registered_mode_with_one_yaml_trains_and_the_ablate_report_has_its_co
         assert not any(k.startswith(("shadow/segment_wise", "shadow/half_segment_wise")) for k in row)
 
     report = write_report(tmp_path / "sweep", plots=False)
-    (group,) = list(csv.DictReader(report.csv_path.open()))
+    written = {path.name: path for path in report.written}
+    (group,) = list(csv.DictReader(written["summary.csv"].open()))
     assert group["mode"] == "half_decoupled"
     # the run's largest weight over both steps: max over steps of each step's max, so again
     # the square root of the decoupled column
@@ -95,7 +96,7 @@ def test_a_registered_mode_with_one_yaml_trains_and_the_ablate_report_has_its_co
     assert group["w_half_decoupled_std_mean"] and group["w_half_decoupled_ess_mean"]
     # the columns of weights this run could not measure exist and are empty, as for built-ins
     assert group["w_half_segment_wise_std_mean"] == group["w_segment_wise_std_mean"] == ""
-    markdown = report.markdown_path.read_text()
+    markdown = written["summary.md"].read_text()
     assert " std half_decoupled |" in markdown
     assert "pooled std of the half_decoupled weight" in markdown
 

@@ -350,3 +350,27 @@ def test_the_reward_error_settings_apply_to_every_task_and_may_change_at_a_resum
     cfg, _ = compose_config(["task=arith1", *(f"task.{k}={v}" for k, v in keys.items())])  # a built-in task
     assert RewardRules.of(cfg.task) == RewardRules("zero", 30.0, 0.5, 20)
     assert all(allowed_at_resume(f"task.{k}") for k in keys)
+
+
+def test_a_worker_process_dropped_by_many_threads_at_once_is_dropped_once():
+    """The pool's close and a slot that finds its worker dead drop the same runner from two
+    threads (CI saw EBADF from the second close of the pipe); every concurrent drop returns."""
+    for _ in range(3):
+        runner = rewarding._ProcessRunner("of task t")
+        barrier = threading.Barrier(8)
+        errors: list[BaseException] = []
+
+        def drop() -> None:
+            barrier.wait()
+            try:
+                runner.drop()
+            except BaseException as err:  # noqa: BLE001 - the test collects what any thread raises
+                errors.append(err)
+
+        threads = [threading.Thread(target=drop) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        assert runner.process.exitcode is not None and runner not in rewarding._ProcessRunner.live
