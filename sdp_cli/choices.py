@@ -44,7 +44,7 @@ MODEL_KINDS = ("tiny", "hf")
 #: character sets of the tiny character-level tokenizer (``model.charset``)
 CHARSETS = ("arith", "ascii")
 #: tasks (``task.name``; docs/tasks.md): the generated and built-in ones and your own data
-TASKS = ("arith1", "arith2", "gsm8k", "dataset")
+TASKS = ("arith1", "arith2", "runsum", "gsm8k", "dataset")
 #: the tasks that read a data file and take every data-set key (``task.path``, ...)
 DATA_TASKS = ("gsm8k", "dataset")
 #: where reward functions run (``task.reward_pool``; docs/tasks.md "How rewards run")

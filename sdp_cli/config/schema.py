@@ -302,7 +302,7 @@ class TaskConfig:
     """The RL task (group `task`); the data keys apply to task=dataset and task=gsm8k (docs/tasks.md)."""
 
     name: str = "arith1"
-    """arith1 | arith2 | gsm8k | dataset (your own data file)."""
+    """arith1 | arith2 | runsum | gsm8k | dataset (your own data file)."""
     path: str | None = None
     """dataset, gsm8k: the training data, a .jsonl, .json or .parquet file."""
     prompt_key: str | None = None
@@ -329,6 +329,8 @@ class TaskConfig:
     """drop prompts longer than this many tokens (the count of dropped prompts is reported)."""
     shuffle: bool = True
     """walk the training data in a new seeded order every epoch; false = file order."""
+    digits: int | None = None
+    """runsum: digits per problem, the answer-length knob (2-12); null = 6."""
     reward_workers: int = 1
     """reward functions run on this many workers, off the generation path."""
     reward_pool: str = "thread"

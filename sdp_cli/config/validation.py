@@ -552,10 +552,14 @@ EVERY_TASK_KEYS = ("reward_workers", "reward_pool", "reward_errors", "reward_tim
 
 def _validate_task(task: TaskConfig) -> None:
     _choice("task.name", task.name, TASKS)
+    if task.digits is not None and task.name != "runsum":
+        raise ConfigValueError(f"task.digits applies to task=runsum, not task={task.name}; remove it")
+    if task.digits is not None and not 2 <= task.digits <= 12:
+        raise ConfigValueError(f"task.digits={task.digits} must be in [2, 12]")
     if task.name not in DATA_TASKS:
         defaults = TaskConfig()
         for f in fields(TaskConfig):
-            if f.name not in ("name", *EVERY_TASK_KEYS) and getattr(task, f.name) != getattr(defaults, f.name):
+            if f.name not in ("name", "digits", *EVERY_TASK_KEYS) and getattr(task, f.name) != getattr(defaults, f.name):
                 raise ConfigValueError(
                     f"task.{f.name} applies to data tasks (task=dataset, task=gsm8k), not task={task.name}; remove it"
                 )

@@ -1,4 +1,5 @@
-"""Greedy accuracy of a policy on a task: the mean reward of argmax completions on held-out problems."""
+"""Greedy accuracy of a policy on a task: the mean reward of argmax completions on held-out problems
+(the mean of the reward extra ``Task.accuracy_extra`` instead, for a partial-credit task)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from typing import Callable
 
 from sdp_cli.models.decode import greedy_decode
 from sdp_cli.models.policy import Policy
-from sdp_cli.tasks.base import RewardValue, Task
+from sdp_cli.tasks.base import RewardValue, Task, TaskItem
 from sdp_cli.tasks.plugins import to_score
 
-#: scores reward calls (one per completion, with a description of each), or gives up (None)
-Scorer = Callable[[list[Callable[[], RewardValue]], list[str]], "list[float] | None"]
+#: scores reward calls (one per completion, with a description of each) as ``(score, extras)``,
+#: or gives up (None)
+Scorer = Callable[[list[Callable[[], RewardValue]], list[str]], "list[tuple[float, dict[str, float]]] | None"]
 
 
 def greedy_accuracy(
@@ -24,14 +26,30 @@ def greedy_accuracy(
     progress: Callable[[int, int], None] | None = None,
     score: Scorer | None = None,
 ) -> float | None:
-    """Mean ``task.reward`` (its score) over up to ``n`` held-out problems,
-    ``task.eval_items(n, seed)`` (never training problems), decoding greedily for at most
-    ``max_new_tokens`` (default: the task's) and stopping at ``policy.eos_token_id``; None when
-    the task has no held-out problems. ``progress(done, total)`` follows every batch decoded.
+    """Greedy accuracy on up to ``n`` held-out problems, ``task.eval_items(n, seed)`` (never
+    training problems); None when the task has no held-out problems. See ``accuracy_on``."""
+    assert n >= 1, f"n must be >= 1, got {n}"
+    return accuracy_on(
+        policy, task, task.eval_items(n, seed), batch_size=batch_size, max_new_tokens=max_new_tokens,
+        progress=progress, score=score,
+    )  # fmt: skip
+
+
+def accuracy_on(
+    policy: Policy,
+    task: Task,
+    items: list[TaskItem],
+    *,
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    score: Scorer | None = None,
+) -> float | None:
+    """Mean ``task.reward`` (its score, or its ``task.accuracy_extra``) of greedy completions of
+    ``items``, decoding for at most ``max_new_tokens`` (default: the task's) and stopping at
+    ``policy.eos_token_id``; None for no items. ``progress(done, total)`` follows every batch.
     ``score`` runs the reward calls instead of this thread (a training run's reward pool, which
     gives up when the run is stopped: None then)."""
-    assert n >= 1, f"n must be >= 1, got {n}"
-    items = task.eval_items(n, seed)
     if not items:
         return None
     decoded = greedy_decode(
@@ -45,7 +63,7 @@ def greedy_accuracy(
     )
     completions = [(policy.decode(result.token_ids), item, result.stopped) for item, result in zip(items, decoded)]
     if score is None:
-        rewards = [to_score(task.reward(text, item, stopped=stopped), task.name, item.prompt)[0]
+        rewards = [to_score(task.reward(text, item, stopped=stopped), task.name, item.prompt)
                    for text, item, stopped in completions]  # fmt: skip
     else:
         scored = score([task.reward_call(text, item, stopped=stopped) for text, item, stopped in completions],
@@ -53,4 +71,6 @@ def greedy_accuracy(
         if scored is None:
             return None
         rewards = scored
-    return sum(rewards) / len(rewards)
+    key = task.accuracy_extra
+    # a call that failed and scored 0 (task.reward_errors=zero) reports no extras: 0 then too
+    return sum(value if key is None else extras.get(key, 0.0) for value, extras in rewards) / len(rewards)

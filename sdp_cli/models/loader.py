@@ -197,6 +197,7 @@ def _tiny_policy(
     )
     policy = load_hf_policy(entry)
     policy.name = f"tiny-qwen2:{task.name}:ws{steps}:{info['key'][:12]}"
+    policy.warm_start_accuracy = (info["validation_accuracy"], info["validation_n"])
     return policy
 
 

@@ -20,6 +20,8 @@ class Policy:
         pad_token_id: padding id (the EOS id when the tokenizer has no pad token).
         bos_token_id: the id the tokenizer prepends to prompts, or None.
         name: identifies the policy in batch metadata and logs (a path or a warm-start key).
+        warm_start_accuracy: a warm-started tiny model's greedy accuracy and the number of
+            validation problems it was measured on; None for any other policy.
     """
 
     model: "PreTrainedModel"
@@ -28,6 +30,7 @@ class Policy:
     pad_token_id: int
     bos_token_id: int | None
     name: str
+    warm_start_accuracy: tuple[float, int] | None = None
 
     def encode_prompt(self, text: str) -> list[int]:
         """Prompt ids with the tokenizer's special tokens (BOS for the character tokenizer)."""

@@ -5,14 +5,16 @@ on two-digit addition stayed at about 2 % reward after a 300-step warm start), s
 tiny policy first learns the task format by teacher forcing on ``prompt + answer + EOS`` with the
 loss on the answer and EOS tokens only: AdamW, gradient norm clipped at 1, learning rate decayed
 linearly to 0 over ``steps``. With a ``target`` accuracy, training stops early once greedy
-accuracy on held-out problems reaches it (checked every ``check_interval(steps)`` steps), so that
+accuracy on validation problems reaches it (checked every ``check_interval(steps)`` steps), so that
 RL starts from a comparable policy whatever the seed: on arith2 the accuracy jumps from ~0.1 to
-~0.9 within 100-200 steps, at a step that varies by hundreds between seeds.
+~0.9 within 100-200 steps, at a step that varies by hundreds between seeds. Validation problems
+are training problems (``Task.validation_items``): held-out problems are left to the run's
+evaluation, so the accuracy it reports is measured on problems nothing has selected on.
 
 The result is cached under ``$SDP_CACHE_DIR`` (default ``~/.cache/sdp``) in
 ``warm_start/<key>/``: a Hugging Face model directory (safetensors + config), the tokenizer files,
-and ``warm_start.json`` with the key inputs, the measured greedy accuracy and the size and sha256
-of every other file. The key is a hash of everything that changes the weights (architecture,
+and ``warm_start.json`` with the key inputs, the greedy accuracy on the validation problems
+(``validation_accuracy``, on ``validation_n`` problems) and the size and sha256 of every other file. The key is a hash of everything that changes the weights (architecture,
 charset, task and its parameters, steps, learning rate, batch size, target, seed,
 ``FORMAT_VERSION``). An entry is built in a temporary directory, every file and the directory
 fsynced, and renamed into place, so a reader sees a complete entry or none; two processes that
@@ -41,7 +43,7 @@ import torch
 
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import fsync_directory
-from sdp_cli.models.evaluate import greedy_accuracy
+from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.models.tokenizer import build_tokenizer
@@ -50,11 +52,30 @@ from sdp_cli.tasks.base import Task
 log = logging.getLogger(__name__)
 
 #: bump when the training recipe or the entry layout changes, so old entries are not reused
-FORMAT_VERSION = 2
+#: (3: early stopping and the recorded accuracy use validation problems, not held-out ones)
+FORMAT_VERSION = 3
 INFO_FILE = "warm_start.json"
-#: problems used to measure the greedy accuracy recorded in the entry
+#: validation problems the greedy accuracy is measured on (towards the target, and recorded)
 EVAL_N = 256
-_EVAL_SEED_OFFSET = 1_000_003  # evaluation problems come from a different stream than training ones
+_VALIDATION_SEED_OFFSET = 1_000_003  # validation problems come from another stream than SFT batches
+
+
+#: a warm start at or above this validation accuracy leaves RL little to learn: ``sdp train`` warns
+SOLVED_ACCURACY = 0.9
+
+
+def warm_start_note(accuracy: float, n: int) -> str:
+    """What ``sdp train`` prints about the warm start: its greedy accuracy on ``n`` validation
+    problems, and from ``SOLVED_ACCURACY`` up a second line, the warning that RL has little to
+    learn and how to start it from a weaker policy (docs/tasks.md "What the warm start trains on")."""
+    note = f"warm start: greedy accuracy {accuracy:.2f} on {n} validation problems (training problems)"
+    if accuracy < SOLVED_ACCURACY:
+        return note
+    return (
+        f"{note}\nwarning: the warm start already solves {accuracy:.0%} of the validation problems, so RL has "
+        "little to learn; start from a weaker policy with model.warm_start_target=0.5 (stop at that accuracy) "
+        "or fewer model.warm_start_steps"
+    )
 
 
 @dataclass(frozen=True)
@@ -75,6 +96,7 @@ class WarmStartSettings:
 DEFAULT_SETTINGS: dict[str, WarmStartSettings] = {
     "arith1": WarmStartSettings(steps=40, lr=1e-3, batch_size=64),
     "arith2": WarmStartSettings(steps=800, lr=1e-3, batch_size=64, target=0.4),
+    "runsum": WarmStartSettings(steps=600, lr=1e-3, batch_size=64, target=0.3),
     "gsm8k": WarmStartSettings(steps=100, lr=1e-3, batch_size=16),
 }
 _FALLBACK_SETTINGS = WarmStartSettings(steps=200, lr=1e-3, batch_size=64)
@@ -293,10 +315,10 @@ def warm_start(
     """The cache entry for these settings, training and writing it first if it does not exist
     (``progress`` gets a short line after every training step and accuracy check).
 
-    Greedy accuracy (towards ``target`` and the one recorded) is measured on at most ``eval_n``
-    of the task's held-out problems (``Task.eval_items``); a data set without a held-out split
-    records none and runs every step. Returns ``(entry_dir, info)``;
-    ``entry_dir`` is a Hugging Face model directory with tokenizer.
+    Greedy accuracy (towards ``target`` and the one recorded as ``validation_accuracy``) is
+    measured on at most ``eval_n`` validation problems, training problems chosen by the seed
+    (``Task.validation_items``); held-out problems never reach the warm start. Returns
+    ``(entry_dir, info)``; ``entry_dir`` is a Hugging Face model directory with tokenizer.
     """
     assert steps >= 1, f"warm start needs steps >= 1, got {steps}"
     assert target is None or 0.0 < target <= 1.0, f"target accuracy must be in (0, 1], got {target}"
@@ -325,21 +347,20 @@ def warm_start(
     model = build_tiny_model(len(tokenizer), seed=seed, **arch)
     policy = Policy(model, tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id, name=key)
 
-    eval_n = len(task.eval_items(eval_n, seed + _EVAL_SEED_OFFSET))  # what is measured, for the record
+    validation = task.validation_items(eval_n, seed + _VALIDATION_SEED_OFFSET)
 
     def accuracy() -> float | None:
-        # held-out problems (task.eval_items); None for a data set without a held-out split
-        return greedy_accuracy(policy, task, max(eval_n, 1), seed=seed + _EVAL_SEED_OFFSET)
+        return accuracy_on(policy, task, validation)
 
     def report(text: str) -> None:
         if progress is not None:
             progress(f"warm start on {task.name} (first use, cached afterwards): {text}")
 
     def reached_target(step: int) -> bool:
-        report(f"step {step}/{steps}, measuring greedy accuracy")
+        report(f"step {step}/{steps}, measuring validation accuracy")
         value = accuracy()
-        log.info("warm start: step %d greedy accuracy %s (target %s)", step, value, target)
-        report(f"step {step}/{steps}, greedy accuracy {value} (target {target})")
+        log.info("warm start: step %d validation accuracy %s (target %s)", step, value, target)
+        report(f"step {step}/{steps}, validation accuracy {value} (target {target})")
         return value is not None and value >= target
 
     with torch.random.fork_rng(devices=[]):
@@ -349,20 +370,20 @@ def warm_start(
             stop=reached_target if target is not None else None,
             on_step=lambda step, loss: report(f"step {step}/{steps}, loss {loss:.3f}"),
         )
-    report(f"{len(losses)} steps done, measuring greedy accuracy")
+    report(f"{len(losses)} steps done, measuring validation accuracy")
     final_accuracy = accuracy()
     train_seconds = time.perf_counter() - started
     info = {
         "key": key,
         "inputs": inputs,
         "steps_run": len(losses),
-        "greedy_accuracy": final_accuracy,
-        "eval_n": eval_n,
+        "validation_accuracy": final_accuracy,
+        "validation_n": len(validation),
         "final_loss": losses[-1],
         "train_seconds": round(train_seconds, 3),
     }
     log.info(
-        "warm start: %s greedy accuracy %s after %d steps, %.1f s",
+        "warm start: %s validation accuracy %s after %d steps, %.1f s",
         task.name,
         final_accuracy,
         len(losses),

@@ -16,6 +16,7 @@ from sdp_cli.tasks.arith import AdditionTask
 from sdp_cli.tasks.base import RewardValue, Task, TaskItem
 from sdp_cli.tasks.dataset import DatasetOptions, DatasetTask
 from sdp_cli.tasks.gsm8k import Gsm8kTask
+from sdp_cli.tasks.runsum import RunningSumTask
 
 
 def _arith1(max_new_tokens: int = 4) -> Task:
@@ -28,6 +29,11 @@ def _arith2(max_new_tokens: int = 5) -> Task:
     return AdditionTask("arith2", 10, 99, max_new_tokens)
 
 
+def _runsum(digits: int = 6, max_new_tokens: int | None = None) -> Task:
+    # the default budget is the longest answer + EOS, plus one token of slack
+    return RunningSumTask(digits, max_new_tokens)
+
+
 def _gsm8k(**options: Any) -> Task:
     path = options.pop("path", None) or str(gsm8k.sample_path())
     return Gsm8kTask(DatasetOptions(path=path, **{**gsm8k.DEFAULTS, **options}))
@@ -37,7 +43,13 @@ def _dataset(**options: Any) -> Task:
     return DatasetTask(DatasetOptions(**options))
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arith1": _arith1, "arith2": _arith2, "gsm8k": _gsm8k, "dataset": _dataset}
+TASKS: dict[str, Callable[..., Task]] = {
+    "arith1": _arith1,
+    "arith2": _arith2,
+    "runsum": _runsum,
+    "gsm8k": _gsm8k,
+    "dataset": _dataset,
+}
 
 
 def task_parameters(name: str) -> list[str]:
@@ -73,6 +85,7 @@ __all__ = [
     "DatasetTask",
     "Gsm8kTask",
     "RewardValue",
+    "RunningSumTask",
     "TASKS",
     "Task",
     "TaskItem",

@@ -45,6 +45,9 @@ class Task(abc.ABC):
     charset: str
     #: default generation budget per completion, in tokens
     max_new_tokens: int
+    #: greedy accuracy averages this extra of the reward instead of its score (a partial-credit
+    #: task's exact match, e.g. ``"exact"``); None: the score
+    accuracy_extra: str | None = None
 
     @abc.abstractmethod
     def sample(self, rng: random.Random, n: int) -> list[TaskItem]:
@@ -54,6 +57,16 @@ class Task(abc.ABC):
     def eval_items(self, n: int, seed: int) -> list[TaskItem]:
         """At most ``n`` distinct held-out problems (never training ones), chosen by ``seed``;
         empty when the task has no held-out split."""
+
+    def validation_items(self, n: int, seed: int) -> list[TaskItem]:
+        """At most ``n`` distinct training problems chosen by ``seed``, for model selection (the
+        tiny model's warm start stops on their greedy accuracy), so that held-out problems are
+        touched by evaluation only. A generated task draws them as it draws training problems."""
+        chosen: dict[str, TaskItem] = {}
+        # four draws per problem: a small problem space (arith1 trains on 79 pairs) is covered whole
+        for item in self.sample(random.Random(seed), 4 * n):
+            chosen.setdefault(item.prompt, item)
+        return list(chosen.values())[:n]
 
     @abc.abstractmethod
     def reward(self, completion: str, item: TaskItem, *, stopped: bool) -> RewardValue:

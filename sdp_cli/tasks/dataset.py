@@ -262,6 +262,12 @@ class DatasetTask(Task):
         self._ready()
         return random.Random(seed).sample(self._eval_items, min(n, len(self._eval_items)))
 
+    def validation_items(self, n: int, seed: int) -> list[TaskItem]:
+        """At most ``n`` distinct training records chosen by ``seed`` (the warm start's validation
+        set; see ``Task.validation_items``)."""
+        self._ready()
+        return random.Random(seed).sample(self.items, min(n, len(self.items)))
+
     def record(self, item: TaskItem) -> Record:
         """The data record a problem came from."""
         return self._records[item.meta["split"]][item.meta["index"]]

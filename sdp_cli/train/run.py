@@ -28,6 +28,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.models.gguf import dequantised_note, is_gguf
+from sdp_cli.models.warm_start import warm_start_note
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
@@ -151,6 +152,8 @@ class TrainingRun(SessionEnd):
         note = bf16_note(cfg, self.coordinator.accelerator.device)
         if note is not None and self.coordinator.is_main:
             print(note, file=sys.stderr)
+        if self.policy.warm_start_accuracy is not None and self.coordinator.is_main:
+            print(warm_start_note(*self.policy.warm_start_accuracy), file=sys.stderr)
         stop_ids = (int(self.policy.eos_token_id),)
         self.codec = PromptCodec(self.policy)
         max_new = cfg.rollout.max_new_tokens or self.task.max_new_tokens
@@ -378,12 +381,11 @@ class TrainingRun(SessionEnd):
         self.events.write("eval", step=step, greedy_accuracy=acc)
         return acc
 
-    def _eval_scores(self, calls: list[Callable[[], Any]], wheres: list[str]) -> list[float] | None:
+    def _eval_scores(self, calls: list[Callable[[], Any]], wheres: list[str]) -> list[tuple[float, dict[str, float]]] | None:
         """Score the evaluation's completions on its own reward pool, so that a reward that hangs
         keeps no stop waiting: None once a stop was requested (nothing is written then)."""
         assert self.eval_rewards is not None, "evaluation runs on rank 0"
-        results = self.eval_rewards.score(calls, wheres, give_up=lambda: self.stop_request.requested)
-        return None if results is None else [score for score, _ in results]
+        return self.eval_rewards.score(calls, wheres, give_up=lambda: self.stop_request.requested)
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:

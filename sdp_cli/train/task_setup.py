@@ -22,7 +22,7 @@ def task_kwargs(cfg: SdpConfig) -> dict[str, Any]:
     """The ``build_task`` arguments of ``cfg.task`` (unset keys keep the task's defaults)."""
     task = cfg.task
     if task.name not in DATA_TASKS:
-        return {}
+        return {} if task.digits is None else {"digits": task.digits}
     kwargs: dict[str, Any] = {
         "path": task.path,
         "chat_template": task.chat_template,

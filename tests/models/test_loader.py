@@ -147,7 +147,7 @@ def test_bad_hf_directories_are_one_line_user_errors(policy, tmp_path, setup, fr
         ({"kind": "hf"}, "model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)"),
         ({"kind": "tiny"}, "model kind 'tiny' needs a task to warm start on; set task (e.g. arith1)"),
         ({"kind": "tiny", "task": "arith1", "dtype": "fp8"}, "unknown dtype 'fp8'; choose one of float32, bfloat16, float16 or auto"),
-        ({"kind": "tiny", "task": "nope"}, "unknown task 'nope'; choose one of arith1, arith2, dataset, gsm8k"),
+        ({"kind": "tiny", "task": "nope"}, "unknown task 'nope'; choose one of arith1, arith2, dataset, gsm8k, runsum"),
         ({"kind": "tiny", "task": "arith1", "charset": "emoji", "warm_start_steps": 0}, "unknown charset 'emoji'; choose one of arith, ascii"),
     ],
 )

@@ -105,9 +105,9 @@ def test_stop_callback_is_consulted_every_interval_and_ends_training():
 def test_target_accuracy_stops_the_warm_start_early(tmp_path):
     settings = _settings(steps=200, lr=5e-3, batch_size=32, target=0.05)
     entry, info = ws.warm_start(build_task("arith1"), cache_dir=tmp_path, eval_n=100, **settings)
-    # check_interval(200) = 6; the final accuracy is measured on the same held-out problems
+    # check_interval(200) = 6; the final accuracy is measured on the same validation problems
     assert info["steps_run"] < 200 and info["steps_run"] % 6 == 0
-    assert info["greedy_accuracy"] >= 0.05
+    assert info["validation_accuracy"] >= 0.05
     assert info["inputs"]["target"] == 0.05
 
 
@@ -139,7 +139,7 @@ def test_warm_start_learns_arith1_and_is_cached(monkeypatch, tmp_path):
     (entry,) = (tmp_path / "warm_start").iterdir()
     info = json.loads((entry / "warm_start.json").read_text())
     assert info["key"] == entry.name and info["inputs"]["steps"] == 40 and info["inputs"]["task"]["name"] == "arith1"
-    assert 0.0 < info["greedy_accuracy"] <= 1.0
+    assert 0.0 < info["validation_accuracy"] <= 1.0
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in entry.iterdir()}
 
     again = load_policy("tiny", **kwargs)  # same key: loaded, not retrained
@@ -262,7 +262,7 @@ def test_gsm8k_warm_start_smoke(tmp_path):
     # through the same cache path and reload as a Hugging Face directory.
     task = build_task("gsm8k", max_new_tokens=8, eval_fraction=0.2)
     entry, info = ws.warm_start(task, cache_dir=tmp_path, eval_n=400, **_settings(charset="ascii", batch_size=4))
-    assert info["eval_n"] == 4  # capped at the held-out problems: round(21 * 0.2)
+    assert info["validation_n"] == 17  # capped at the training records: 21 - round(21 * 0.2)
     policy = load_policy("hf", path=entry)
     assert len(policy.tokenizer) == 100 and policy.model.config.vocab_size == 128
     assert info["inputs"]["task"]["file_sha256"] == task.params()["file_sha256"]

@@ -72,3 +72,23 @@ def test_a_held_out_file_repeating_training_prompts_is_cut_to_the_new_ones(tmp_p
     evaluated = _evaluated_prompts(task, 200, 0, monkeypatch)
     assert evaluated == {"Question: q4\nAnswer: ", "Question: q5\nAnswer: "}
     assert task.eval_overlap == 2 and "2 held-out prompts left out" in task.summary()
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "expected"),
+    [
+        ("arith1", {}, 79),  # 100 pairs, 21 held out: the 79 training pairs, all of them
+        ("arith2", {}, 256),  # 8,100 pairs: n = 256 of the training ones
+        ("runsum", {"digits": 2}, 100 - 15),  # 100 sequences of 2 digits, 15 held out (counted by the hash)
+        ("gsm8k", {"eval_fraction": 0.2}, 17),  # 21 records, 4 held out
+    ],
+)
+def test_validation_items_are_distinct_training_problems(name, options, expected):
+    """The warm start selects on these (issue 24 item 2), so they never include a held-out one."""
+    task = build_task(name, **options)
+    held = {item.prompt for item in task.eval_items(10**6, 0)}
+    items = task.validation_items(256, 3)
+    prompts = [item.prompt for item in items]
+    assert len(prompts) == len(set(prompts)) == expected
+    assert not set(prompts) & held
+    assert items == task.validation_items(256, 3)

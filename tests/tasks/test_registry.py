@@ -29,7 +29,7 @@ def test_dataset_without_path_or_reward_says_which_key_to_set():
 def test_unknown_name_lists_the_choices():
     with pytest.raises(UserError) as err:
         build_task("arith3")
-    assert str(err.value) == "unknown task 'arith3'; choose one of arith1, arith2, dataset, gsm8k"
+    assert str(err.value) == "unknown task 'arith3'; choose one of arith1, arith2, dataset, gsm8k, runsum"
 
 
 def test_unknown_parameter_names_what_is_accepted():
