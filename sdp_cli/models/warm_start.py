@@ -96,7 +96,9 @@ class WarmStartSettings:
 DEFAULT_SETTINGS: dict[str, WarmStartSettings] = {
     "arith1": WarmStartSettings(steps=40, lr=1e-3, batch_size=64),
     "arith2": WarmStartSettings(steps=800, lr=1e-3, batch_size=64, target=0.4),
-    "runsum": WarmStartSettings(steps=600, lr=1e-3, batch_size=64, target=0.3),
+    # measured (docs/tasks.md "Running sums"): stopped at 0.6 validation accuracy, RL at lr 2e-5
+    # then lifts held-out accuracy to ~0.93 within 40 steps at η = 0; from 0.3 it gained little
+    "runsum": WarmStartSettings(steps=3000, lr=1e-3, batch_size=64, target=0.6),
     "gsm8k": WarmStartSettings(steps=100, lr=1e-3, batch_size=16),
 }
 _FALLBACK_SETTINGS = WarmStartSettings(steps=200, lr=1e-3, batch_size=64)
