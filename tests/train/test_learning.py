@@ -1,8 +1,8 @@
 """A shortened version of the README's main run must show a learning signal.
 
-The full run (`sdp train +preset=segment_wise`, 300 steps) is measured in the README; here 150
-steps of the same configuration must raise the sampled reward and the greedy accuracy. It takes
-about half a minute, so it is marked ``slow``; CI runs it explicitly (``.ci/run``).
+The full run (`sdp train +preset=segment_wise`, 300 steps) is measured in docs/benchmarks.md;
+here 150 steps of the same configuration must raise the sampled reward and the greedy accuracy.
+It takes about half a minute, so it is marked ``slow``; CI runs it explicitly (``.ci/run``).
 """
 
 import json
