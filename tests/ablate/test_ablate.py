@@ -79,9 +79,10 @@ def test_long_run_names_are_cut_and_hashed_so_they_stay_distinct():
 # ------------------------------------------------------------------- sweeps
 def test_every_sweep_composes_into_a_valid_run_config():
     sweeps = available_sweeps()
-    assert {"default", "harsh", "smoke"} <= set(sweeps)
+    assert {"default", "harsh", "s5", "smoke"} <= set(sweeps)
     for sweep in sweeps:
-        cfg, _ = compose_config([f"+ablate={sweep}"])
+        # s5 trains a real model, from a directory the user names (docs/real-models.md)
+        cfg, _ = compose_config([f"+ablate={sweep}", *(["model.path=/models/smollm2-135m"] if sweep == "s5" else [])])
         # the shadow weights need the recompute pass in every mode
         assert cfg.rollout.recompute == "always", sweep
         assert cfg.train.threads == 1, sweep
@@ -195,7 +196,7 @@ def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
 @pytest.mark.parametrize(
     "sweep,overrides,fragment",
     [
-        ("nope", [], "unknown sweep 'nope'; choose one of default, harsh, smoke"),
+        ("nope", [], "unknown sweep 'nope'; choose one of default, harsh, s1, s2, s3m, s3u, s4, s5, smoke"),
         (
             "smoke",
             ["rollout.max_head_offpolicyness=0,-1"],
