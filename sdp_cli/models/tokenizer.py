@@ -2,10 +2,18 @@
 
 One id per character (``add_special_tokens=False``); with special tokens on (the HF default, and
 what vLLM does with a text prompt) the encoding is ``<s>`` followed by one id per character.
-The tokenizer is a ``tokenizers`` WordLevel model behind a split-into-characters pre-tokenizer and
-a ``Fuse`` decoder, wrapped in ``PreTrainedTokenizerFast`` so that ``save_pretrained`` writes a
-directory that ``AutoTokenizer`` and vLLM both read. Characters outside the
-charset encode to ``<unk>``. Special tokens are never parsed out of text: they enter only as ids.
+The tokenizer is a ``tokenizers`` WordLevel model behind a split-into-characters pre-tokenizer,
+wrapped in ``PreTrainedTokenizerFast``. Characters outside the charset encode to ``<unk>``.
+Special tokens are never parsed out of text: they enter only as ids.
+
+Characters are spelled as byte-level BPE spells bytes (space is ``Ġ``, newline ``Ċ``; GPT-2's
+table), behind a byte-level pre-tokenizer and decoder. The reason: the tiny model's config.json
+says ``qwen2``, and transformers 5 loads any qwen2 directory's tokenizer as ``Qwen2Tokenizer``,
+which keeps the saved vocabulary but brings Qwen's byte-level pre-tokenizer; with raw characters
+as tokens it dropped every space and newline. In this spelling it encodes every string of the
+charset to the same ids (docs/design.md, "Character tokenizer"). sdp's own loader recognises the
+vocabulary, in this spelling or the raw one sdp saved before, and rebuilds the tokenizer here
+(``charset_of``).
 """
 
 from __future__ import annotations
@@ -30,18 +38,46 @@ CHARSETS: dict[str, str] = {
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
+def _byte_level():
+    """The byte-level pre-tokenizer, spelling each byte as one printable character."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+
+def _vocabulary(charset: str, *, raw: bool = False) -> dict[str, int]:
+    """Token -> id of ``charset``: the special tokens, then one token per character, spelled as
+    byte-level BPE spells it, or as the character itself (``raw``: how sdp saved it before)."""
+    chars = CHARSETS[charset]
+    assert len(set(chars)) == len(chars), f"charset {charset!r} repeats a character"
+    assert chars.isascii(), f"charset {charset!r} has a character of more than one byte"
+    byte_level = _byte_level()
+    spelled = chars if raw else [byte_level.pre_tokenize_str(c)[0][0] for c in chars]
+    return {token: i for i, token in enumerate((*SPECIAL_TOKENS, *spelled))}
+
+
+def charset_of(vocab: dict[str, int]) -> str | None:
+    """The charset whose tokenizer has exactly the vocabulary ``vocab`` (token -> id), in the
+    byte-level spelling or the raw one of sdp versions before it; None for any other vocabulary."""
+    for charset in CHARSETS:
+        if vocab in (_vocabulary(charset), _vocabulary(charset, raw=True)):
+            return charset
+    return None
+
+
 def build_tokenizer(charset: str = "arith") -> PreTrainedTokenizerFast:
     """Tokenizer with ids pad=0, bos=1, eos=2, unk=3, then the characters of ``CHARSETS[charset]``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     if charset not in CHARSETS:
         raise UserError(f"unknown charset {charset!r}; choose one of {', '.join(sorted(CHARSETS))}")
-    chars = CHARSETS[charset]
-    assert len(set(chars)) == len(chars), f"charset {charset!r} repeats a character"
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *chars))}
+    vocab = _vocabulary(charset)
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    # one piece per character, then its byte-level spelling (one token; "ü", two bytes, one <unk>)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(pattern="", behavior="isolated"), _byte_level()]
+    )
+    backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
@@ -53,7 +89,7 @@ def build_tokenizer(charset: str = "arith") -> PreTrainedTokenizerFast:
         unk_token=UNK,
         # Text is characters: a literal "</s>" in a prompt is four tokens, never the EOS id.
         split_special_tokens=True,
+        padding_side="left",  # an argument, so that tokenizer_config.json records it
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.padding_side = "left"
     return tokenizer

@@ -48,13 +48,12 @@ def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
     if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
         return load_gguf_tokenizer(cfg.model.path)
     if cfg.model.kind == "hf":
-        from transformers import AutoTokenizer
-
+        from sdp_cli.models.loader import load_tokenizer as load_saved_tokenizer
         from sdp_cli.models.loader import resolve_model_dir
 
         directory = resolve_model_dir(cfg.model.path or "")
         try:
-            return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            return load_saved_tokenizer(directory)
         except (OSError, ValueError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise UserError(f"cannot load the tokenizer of model.path={cfg.model.path}: {first}") from None

@@ -85,7 +85,8 @@ def _loaded(out) -> torch.nn.Module:
     assert not (out / "adapter_config.json").exists()
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # no temporary left
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer.encode("12+3=") == [1, *(tokenizer.convert_tokens_to_ids(c) for c in "12+3=")]
+    # arith ids by hand: BOS 1, digit d = 4 + d, "+" 14, "=" 18, space 23 (the 10th of "+-*/=()., ")
+    assert tokenizer.encode("12 + 3 = 15") == [1, 5, 6, 23, 14, 23, 7, 23, 18, 23, 5, 9]
     return AutoModelForCausalLM.from_pretrained(out).eval()
 
 
