@@ -154,6 +154,10 @@ def test_hf_model_and_gsm8k_need_paths():
         (["engine.port=70000"], "engine.port=70000"),
         (["model.hidden_size=130", "model.num_heads=4"], "divisible"),
         (["rollout.temperature"], "cannot parse override"),
+        # the engines and the trainer trust the temperature (no check of their own)
+        (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+        (["rollout.temperature=1000"], "rollout.temperature=1000.0 is outside [0.01, 100]"),
+        (["rollout.temperature=nan"], "rollout.temperature=nan must be a finite number"),
         (["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=3"], "is above"),
         (["optim.minibatches=100000"], "exceeds the batch size"),
     ],
