@@ -201,6 +201,25 @@ def _grouped(logits: Tensor) -> Tensor:
     return logits.reshape(shapes[-1])
 
 
+def _check_logits_args(logits: Tensor, targets: Tensor, temperature: float, chunk_size: int) -> None:
+    """``logprobs_from_logits``' boundary: ValueError naming the first bad argument."""
+    check_float_tensor("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(
+            f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}"
+        )
+    _check_targets(targets, logits, "logits", "vocabulary")
+    check_number("temperature", temperature, above=0)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    vocab = logits.shape[-1]
+    if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); "
+            "pad with any valid id and mask the position"
+        )
+
+
 def logprobs_from_logits(
     logits: Tensor,
     targets: Tensor,
@@ -220,23 +239,11 @@ def logprobs_from_logits(
     [N, V] allocation in backward); use it when nothing else reads the logits after this call,
     e.g. a model's output that only feeds this function. Other autograd users of the same
     logits then raise torch's in-place modification error.
+    Its arguments are checked here (``_check_logits_args``), the public entry point; the target
+    range check guards the gather. The engine's temperature was validated where it entered
+    (rollout.temperature by the config, a batch's by the batch reader).
     """
-    check_float_tensor("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(
-            f"logits must have a non-empty vocabulary dimension; got shape {tuple(logits.shape)}"
-        )
-    _check_targets(targets, logits, "logits", "vocabulary")
-    check_number("temperature", temperature, above=0)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    vocab = logits.shape[-1]
-    if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
-        raise ValueError(
-            f"targets must be token ids in [0, {vocab}); "
-            "pad with any valid id and mask the position"
-        )
-
+    _check_logits_args(logits, targets, temperature, chunk_size)
     grouped = _grouped(logits)
     grouped_targets = targets.reshape(grouped.shape[:2]).long()
     logprobs, entropy = _ChunkedLogprobs.apply(
@@ -400,6 +407,35 @@ def _block_targets(targets: Tensor, start: int, width: int) -> tuple[Tensor, Ten
     return local.clamp(0, width - 1), (local >= 0) & (local < width)
 
 
+def _check_hidden_args(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float, block_size: int | None
+) -> int:
+    """``logprobs_from_hidden``'s boundary: ValueError naming the first bad argument; the block size
+    in use (default ``HIDDEN_BLOCK_ELEMENTS // N``)."""
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [..., H] and [V, H] with V > 0"
+        )
+    vocab = weight.shape[0]
+    if bias is not None:
+        check_float_tensor("bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must have shape ({vocab},); got {tuple(bias.shape)}")
+    _check_targets(targets, hidden, "hidden", "feature")
+    check_number("temperature", temperature, above=0)
+    if block_size is None:
+        block_size = max(1, HIDDEN_BLOCK_ELEMENTS // max(targets.numel(), 1))
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
+    if targets.numel() and not bool(((targets >= 0) & (targets < vocab)).all()):
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position"
+        )
+    return block_size
+
+
 def logprobs_from_hidden(
     hidden: Tensor,
     weight: Tensor,
@@ -419,29 +455,11 @@ def logprobs_from_hidden(
     (``weight`` is cast to it block by block), the softmax in float32 for half-precision input;
     gradients come back in each input's own dtype (∂h accumulated in float32). Returns float32
     for half-precision hidden states, else their dtype; with ``return_entropy`` also H per token.
+    Its arguments are checked here (``_check_hidden_args``), the public entry point; the target
+    range check guards the gather. The trainer's temperature is rollout.temperature, validated by
+    the config.
     """
-    check_float_tensor("hidden", hidden)
-    check_float_tensor("weight", weight)
-    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or weight.shape[0] == 0:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be [..., H] and [V, H] with V > 0"
-        )
-    vocab = weight.shape[0]
-    if bias is not None:
-        check_float_tensor("bias", bias)
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias must have shape ({vocab},); got {tuple(bias.shape)}")
-    _check_targets(targets, hidden, "hidden", "feature")
-    check_number("temperature", temperature, above=0)
-    rows = targets.numel()
-    if block_size is None:
-        block_size = max(1, HIDDEN_BLOCK_ELEMENTS // max(rows, 1))
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer; got {block_size!r}")
-    if rows and not bool(((targets >= 0) & (targets < vocab)).all()):
-        raise ValueError(
-            f"targets must be token ids in [0, {vocab}); pad with any valid id and mask the position"
-        )
+    block_size = _check_hidden_args(hidden, weight, bias, targets, temperature, block_size)
     flat = hidden.reshape(-1, hidden.shape[-1])
     # autocast must not recast inside the blocks: the dtypes above are the contract
     with torch.autocast(device_type=hidden.device.type, enabled=False):

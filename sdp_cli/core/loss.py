@@ -112,6 +112,45 @@ class _TokenLoss(torch.autograd.Function):
         return grad * slope, None, None
 
 
+def _check_policy_loss_args(
+    logprobs: Tensor,
+    proximal_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    weights: Tensor | None,
+    clip: float,
+    clip_high: float | None,
+    dual_clip: float | None,
+    agg: str,
+    loss_type: str,
+    denominator: float | Tensor | None,
+    ratio_level: str,
+    dppo_kl_coef: float,
+) -> Masked:
+    """``policy_loss``'s boundary: ValueError naming the first bad argument; the wrapped mask."""
+    check_float_tensor("logprobs", logprobs)
+    check_2d("logprobs", logprobs)
+    check_like("proximal_logprobs", proximal_logprobs, logprobs, "logprobs")
+    check_like("advantages", advantages, logprobs, "logprobs")
+    if weights is not None:
+        check_like("weights", weights, logprobs, "logprobs")
+    mk = masked(mask, logprobs, "logprobs")
+    check_choice("agg", agg, LOSS_AGGS)
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
+    if ratio_level == "sequence" and loss_type != "ppo_clip":
+        raise ValueError(f"ratio_level='sequence' is a PPO-clip ratio; got loss_type={loss_type!r}")
+    _check_denominator(agg, denominator)
+    check_number("clip", clip, above=0)
+    check_number("clip_high", clip if clip_high is None else clip_high, above=0)
+    if dual_clip is not None:
+        check_number("dual_clip", dual_clip, above=1)
+    check_number("dppo_kl_coef", dppo_kl_coef, above=0, inclusive=True)
+    if dppo_kl_coef and loss_type != "dppo":
+        raise ValueError(f"dppo_kl_coef is DPPO's penalty; got loss_type={loss_type!r}")
+    return mk
+
+
 def policy_loss(
     logprobs: Tensor,
     proximal_logprobs: Tensor,
@@ -140,28 +179,14 @@ def policy_loss(
     π_θ − π_anchor > ε_high or A ≤ 0 and π_θ − π_anchor < −ε (probabilities).
     Then ℓ·w, and ``agg`` reduces over valid tokens, dividing by ``denominator`` when given
     (``_aggregate``). Only ``logprobs`` receives a gradient.
+    Its arguments are checked once, here, the public entry point (``_check_policy_loss_args``);
+    the trainer's loss settings come validated from the config (config/validation.py).
     """
-    check_float_tensor("logprobs", logprobs)
-    check_2d("logprobs", logprobs)
-    check_like("proximal_logprobs", proximal_logprobs, logprobs, "logprobs")
-    check_like("advantages", advantages, logprobs, "logprobs")
-    if weights is not None:
-        check_like("weights", weights, logprobs, "logprobs")
-    mk = masked(mask, logprobs, "logprobs")
-    check_choice("agg", agg, LOSS_AGGS)
-    check_choice("loss_type", loss_type, LOSS_TYPES)
-    check_choice("ratio_level", ratio_level, RATIO_LEVELS)
-    if ratio_level == "sequence" and loss_type != "ppo_clip":
-        raise ValueError(f"ratio_level='sequence' is a PPO-clip ratio; got loss_type={loss_type!r}")
-    _check_denominator(agg, denominator)
-    check_number("clip", clip, above=0)
+    mk = _check_policy_loss_args(
+        logprobs, proximal_logprobs, advantages, mask, weights, clip, clip_high, dual_clip, agg,
+        loss_type, denominator, ratio_level, dppo_kl_coef,
+    )
     clip_high = clip if clip_high is None else clip_high
-    check_number("clip_high", clip_high, above=0)
-    if dual_clip is not None:
-        check_number("dual_clip", dual_clip, above=1)
-    check_number("dppo_kl_coef", dppo_kl_coef, above=0, inclusive=True)
-    if dppo_kl_coef and loss_type != "dppo":
-        raise ValueError(f"dppo_kl_coef is DPPO's penalty; got loss_type={loss_type!r}")
 
     with torch.no_grad():
         # Every input is 0 at padding from here on, whatever it held there (NaN, inf).

@@ -14,6 +14,11 @@ divergence estimates of it, into a 0/1 mask that drops whole tokens or sequences
 independent: a caller may use either, both, or neither. The field's other masks and sources
 (docs/math.md §9): ``second_moment_mask`` (M2PO), ``off_policy_sequence_mask`` (OPSM, from π_θ at
 an optimizer step) and ``loglinear_proximal`` (A-3PO's π_prox without a forward).
+
+The functions ``sdp_cli.core`` exports check their arguments, each in one ``_check_*`` helper
+called first; the mode kernels and the other masks trust theirs, whose settings the config, the
+CLI or the batch reader validated where they entered (``masked`` still checks every mask: its
+shape guards the indexing, its 0/1 values are the contract of docs/math.md §0).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from sdp_cli.core._masked import (
     masked,
     to_host,
 )
-from sdp_cli.modes import MODES, mode_names
+from sdp_cli.modes import MODES, Mode, mode_names
 
 
 def drift_log_factor(
@@ -49,10 +54,10 @@ def drift_log_factor(
     (docs/math.md §1.1).
 
     Returns (log d clipped, clipped): ``clipped`` is True where the clip changed log d. Both are
-    detached; callers select valid tokens (padding may hold anything).
+    detached; callers select valid tokens (padding may hold anything). κ ≥ 1 and the shapes were
+    checked where they entered: loss.drift_clip by the config, --drift-clip by the CLI,
+    ``behavior_log_ratio``'s arguments by it, the log-probs by the batch reader.
     """
-    check_number("drift_clip", drift_clip, above=1.0, inclusive=True, finite=False)
-    check_like("proximal_logprobs", proximal_logprobs, proximal_logprobs_t, "proximal_logprobs_t")
     bound = math.log(drift_clip)
     log_d = (proximal_logprobs - proximal_logprobs_t).detach()
     clipped_log_d = log_d.clamp(-bound, bound)
@@ -82,6 +87,34 @@ def segment_wise_log_ratio(
     return torch.where(clipped, log_ratio + clipped_log_d, proximal - old)
 
 
+def _check_mode_args(
+    mode: str,
+    old_logprobs: Tensor,
+    proximal_logprobs: Tensor | None,
+    proximal_logprobs_t: Tensor | None,
+    drift_clip: float | None,
+) -> Mode:
+    """``behavior_log_ratio``'s boundary: the registered mode, with the inputs it reads shaped like
+    ``old_logprobs`` and ``drift_clip`` ≥ 1 for a mode that takes it; ValueError otherwise."""
+    check_choice("mode", mode, mode_names())
+    check_float_tensor("old_logprobs", old_logprobs)
+    spec = MODES[mode]
+    if drift_clip is not None:
+        if not spec.takes_drift_clip:
+            takes = ", ".join(f"mode={m.name!r}" for m in MODES.values() if m.takes_drift_clip)
+            raise ValueError(f"drift_clip applies to {takes} only; got mode={mode!r}")
+        check_number("drift_clip", drift_clip, above=1.0, inclusive=True, finite=False)
+    inputs = {"proximal_logprobs": proximal_logprobs, "proximal_logprobs_t": proximal_logprobs_t}
+    needs = spec.needs + (("proximal_logprobs",) if drift_clip is not None else ())
+    for name in needs:
+        given = inputs[name]
+        if given is None:
+            why = f"mode={mode!r}" if name in spec.needs else "drift_clip"
+            raise ValueError(f"{name} is required for {why}")
+        check_like(name, given, old_logprobs, "old_logprobs")
+    return spec
+
+
 def behavior_log_ratio(
     old_logprobs: Tensor,
     proximal_logprobs: Tensor | None = None,
@@ -97,22 +130,10 @@ def behavior_log_ratio(
     decoupled: log π_prox − log π_behav; segment_wise: log π_prox_t − log π_behav.
     ``drift_clip`` = κ ≥ 1 (modes that take it): κ = 1 is segment-wise, κ = ∞ decoupled
     (docs/math.md §1.1). ``mask`` marks valid tokens (default: all), for modes that aggregate.
-    The public entry point: it checks its arguments; callers inside sdp pass validated ones.
+    The public entry point: it checks its arguments (``_check_mode_args``); sdp's own callers
+    call the registry's kernels (``Mode.log_ratio``) with config-validated settings.
     """
-    check_choice("mode", mode, mode_names())
-    check_float_tensor("old_logprobs", old_logprobs)
-    spec = MODES[mode]
-    if drift_clip is not None and not spec.takes_drift_clip:
-        takes = ", ".join(f"mode={m.name!r}" for m in MODES.values() if m.takes_drift_clip)
-        raise ValueError(f"drift_clip applies to {takes} only; got mode={mode!r}")
-    inputs = {"proximal_logprobs": proximal_logprobs, "proximal_logprobs_t": proximal_logprobs_t}
-    needs = spec.needs + (("proximal_logprobs",) if drift_clip is not None else ())
-    for name in needs:
-        given = inputs[name]
-        if given is None:
-            why = f"mode={mode!r}" if name in spec.needs else "drift_clip"
-            raise ValueError(f"{name} is required for {why}")
-        check_like(name, given, old_logprobs, "old_logprobs")
+    spec = _check_mode_args(mode, old_logprobs, proximal_logprobs, proximal_logprobs_t, drift_clip)
     if mask is None:
         mask = torch.ones_like(old_logprobs, dtype=torch.bool)
     params = {} if drift_clip is None else {"drift_clip": drift_clip}
@@ -140,11 +161,27 @@ def _any_row(flags: Tensor) -> Tensor:
     return flags.view(torch.uint8).amax(-1).bool()
 
 
-def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str, levels: tuple[str, ...] = IS_LEVELS) -> Masked:
+def _check_inputs(log_ratio: Tensor, mask: Tensor, level: str, levels: tuple[str, ...]) -> Masked:
+    """A float [B, T] log ratio, a 0/1 mask shaped like it and a known level; the wrapped mask."""
     check_float_tensor("log_ratio", log_ratio)
     check_2d("log_ratio", log_ratio)
     check_choice("level", level, levels)
     return masked(mask, log_ratio, "log_ratio")
+
+
+def _check_weight_args(
+    log_ratio: Tensor, mask: Tensor, level: str, cap: float | None, floor: float | None, action: str
+) -> Masked:
+    """``importance_weights``' boundary: ValueError naming the first bad argument."""
+    mk = _check_inputs(log_ratio, mask, level, IS_LEVELS)
+    check_choice("action", action, WEIGHT_ACTIONS)
+    if cap is not None:
+        check_number("cap", cap, above=0)
+    if floor is not None:
+        check_number("floor", floor, above=0, inclusive=True)
+    if cap is not None and floor is not None and floor > cap:
+        raise ValueError(f"floor must be <= cap; got floor={floor!r}, cap={cap!r}")
+    return mk
 
 
 def importance_weights(
@@ -165,16 +202,10 @@ def importance_weights(
     to 0. ``batch_normalize`` then divides by the mean weight (docs/math.md §2). Padding is 0.
     ``all_reduce`` (a sum over data-parallel shards) makes that mean the whole batch's.
     Metrics: mean/std/min/max/ESS describe the returned weights, fractions the raw ones.
+    Its arguments are checked here (``_check_weight_args``), the public entry point; the
+    trainer's come from the config's loss.* keys, validated there.
     """
-    mk = _check_inputs(log_ratio, mask, level)
-    check_choice("action", action, WEIGHT_ACTIONS)
-    if cap is not None:
-        check_number("cap", cap, above=0)
-    if floor is not None:
-        check_number("floor", floor, above=0, inclusive=True)
-    if cap is not None and floor is not None and floor > cap:
-        raise ValueError(f"floor must be <= cap; got floor={floor!r}, cap={cap!r}")
-
+    mk = _check_weight_args(log_ratio, mask, level, cap, floor, action)
     with torch.no_grad():
         lr = mk.select(log_ratio.detach())
         level_raw = torch.exp(_level_log_ratio(lr, mk, level).clamp(-LOG_CLAMP, LOG_CLAMP))
@@ -301,26 +332,17 @@ def _rejection_statistic(lr: Tensor, mk: Masked, level: str, metric: str) -> Ten
     return total if level == "sequence" else total / mk.row_divisor.to(total.dtype)
 
 
-def rejection_mask(
+def _check_rejection_args(
     log_ratio: Tensor,
     mask: Tensor,
-    *,
-    level: str | None = None,
-    upper: float | None = None,
-    lower: float | None = None,
-    veto: float | None = None,
-    metric: str = "ratio",
-) -> tuple[Tensor, dict[str, float]]:
-    """Mask that keeps the tokens/sequences whose statistic is within bounds (docs/math.md §3).
-
-    ``metric="ratio"``: the ratio exp(clamp(s, ±20)), s built as in ``importance_weights``, kept
-    in [lower, upper] (``lower`` defaults to 1/upper). ``"k2"``/``"k3"``: verl's divergence
-    estimates of lr, kept where ≤ ``upper`` (nats; no lower bound), per token or aggregated per
-    sequence by ``level`` (sequence: sum, geometric: mean, max: max). ``veto`` drops every
-    sequence holding a valid token with raw lr < log(veto); with ``level`` None the veto is the
-    only test (verl's token veto, which needs no bounds). The result has the dtype of ``mask``;
-    it does not depend on any weight.
-    """
+    level: str | None,
+    upper: float | None,
+    lower: float | None,
+    veto: float | None,
+    metric: str,
+) -> tuple[Masked, float | None]:
+    """``rejection_mask``'s boundary: ValueError naming the first bad argument; the wrapped mask
+    and the lower bound in use (a ratio's defaults to 1/upper)."""
     check_choice("metric", metric, REJECTION_METRICS)
     if level is None:
         if upper is not None or lower is not None:
@@ -344,7 +366,31 @@ def rejection_mask(
                 raise ValueError(f"lower must be <= upper; got lower={lower!r}, upper={upper!r}")
     if veto is not None:
         check_number("veto", veto, above=0)
+    return mk, lower
 
+
+def rejection_mask(
+    log_ratio: Tensor,
+    mask: Tensor,
+    *,
+    level: str | None = None,
+    upper: float | None = None,
+    lower: float | None = None,
+    veto: float | None = None,
+    metric: str = "ratio",
+) -> tuple[Tensor, dict[str, float]]:
+    """Mask that keeps the tokens/sequences whose statistic is within bounds (docs/math.md §3).
+
+    ``metric="ratio"``: the ratio exp(clamp(s, ±20)), s built as in ``importance_weights``, kept
+    in [lower, upper] (``lower`` defaults to 1/upper). ``"k2"``/``"k3"``: verl's divergence
+    estimates of lr, kept where ≤ ``upper`` (nats; no lower bound), per token or aggregated per
+    sequence by ``level`` (sequence: sum, geometric: mean, max: max). ``veto`` drops every
+    sequence holding a valid token with raw lr < log(veto); with ``level`` None the veto is the
+    only test (verl's token veto, which needs no bounds). The result has the dtype of ``mask``;
+    it does not depend on any weight. Its arguments are checked here (``_check_rejection_args``),
+    the public entry point; the trainer's come from loss.rejection, validated by the config.
+    """
+    mk, lower = _check_rejection_args(log_ratio, mask, level, upper, lower, veto, metric)
     with torch.no_grad():
         lr = mk.select(log_ratio.detach())
         stats: dict[str, Tensor] = {}

@@ -80,6 +80,9 @@ class LocalEngine(InferenceEngine):
             are cast to it; ``models.precision.cast_weights``); None keeps the model's.
         step_callback: called by the generating thread after each decode step, outside the model
             turn (so it may call ``pause``); for tests and progress meters.
+
+    ``temperature`` and ``max_batch_size`` are trusted: the config validated rollout.temperature and
+    engine.max_batch_size, the batch reader a batch's temperature (``sdp recompute``).
     """
 
     def __init__(
@@ -95,10 +98,6 @@ class LocalEngine(InferenceEngine):
         dtype: torch.dtype | None = None,
         step_callback: Callable[[], None] | None = None,
     ) -> None:
-        if not temperature > 0 or temperature == float("inf"):
-            raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.temperature = float(temperature)
         self.device = torch.device(device)
         if dtype is not None:

@@ -120,18 +120,15 @@ class Trainer:
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
         the adapters disabled is the reference). Only parameters that require grad train.
         ``parallel``: ddp, or fsdp to shard the model over several processes (``train/sharding.py``).
-        ``share_prefixes``: each distinct prompt runs once per forward (``train/shared_prefix.py``)."""
+        ``share_prefixes``: each distinct prompt runs once per forward (``train/shared_prefix.py``).
+        The settings are trusted: the config validated them (config/validation.py: a mode that reads
+        π_prox_t keeps the recompute pass, so ``track_proximal_t``; A-3PO only with decoupled)."""
         from accelerate import Accelerator
 
-        # the config validated every choice (sdp_cli/config/validation.py); these are the
-        # contracts between arguments that a Python caller could still break
         self.mode = resolve_mode(loss.mode)
-        assert track_proximal_t or not self.mode.reads_proximal_t, f"{loss.mode} trains on π_prox_t: track it"
         #: A-3PO: π_prox interpolated inside each optimizer step, never a forward (docs/math.md §9.7)
         self.loglinear = loss.proximal_source == "loglinear"
-        assert not self.loglinear or (self.mode.name == "decoupled" and not track_proximal_t), (
-            "loss.proximal_source=loglinear approximates the decoupled π_prox and computes no π_prox to track π_prox_t against"
-        )
+        # the contracts train/run.py keeps beyond the config's checks
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )
@@ -141,10 +138,9 @@ class Trainer:
         #: the constant denominator of seq-mean-token-sum-norm: L · sequences per optimizer step
         self.norm_denominator: float | None = None
         if loss.agg == "seq-mean-token-sum-norm":
-            if loss.norm_length is None or batch_sequences is None:
-                raise ValueError(
-                    "loss.agg=seq-mean-token-sum-norm needs loss.norm_length and batch_sequences"
-                )
+            assert loss.norm_length is not None and batch_sequences is not None, (
+                "loss.agg=seq-mean-token-sum-norm needs loss.norm_length and batch_sequences"
+            )
             self.norm_denominator = loss.norm_length * batch_sequences / optim.minibatches
         #: π_prox_t = π_{v+1} is kept for stale tokens (segment_wise, or measured with recompute=always)
         self.track_proximal_t = track_proximal_t

@@ -146,9 +146,18 @@ def test_hf_model_and_gsm8k_need_paths():
         (["optim.beta1=1.5"], "optim.beta1=1.5 must be in [0, 1)"),
         (["rollout.max_head_offpolicyness=-1"], "must be >= 0"),
         (["mode=segment_wise", "rollout.recompute=never"], "needs the recompute pass"),
+        # the Trainer trusts these (it no longer asserts them): A-3PO only with decoupled, and
+        # never with the π_prox_t tracking that recompute=always turns on
+        (["mode=segment_wise", "loss.proximal_source=loglinear"], "loss.proximal_source=loglinear (A-3PO) approximates"),
+        (["mode=decoupled", "loss.proximal_source=loglinear", "rollout.recompute=always"],
+         "rollout.recompute=always reads the batch's π_prox"),
         (["engine.port=70000"], "engine.port=70000"),
         (["model.hidden_size=130", "model.num_heads=4"], "divisible"),
         (["rollout.temperature"], "cannot parse override"),
+        # the engines and the trainer trust the temperature (no check of their own)
+        (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
+        (["rollout.temperature=1000"], "rollout.temperature=1000.0 is outside [0.01, 100]"),
+        (["rollout.temperature=nan"], "rollout.temperature=nan must be a finite number"),
         (["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=3"], "is above"),
         (["optim.minibatches=100000"], "exceeds the batch size"),
     ],

@@ -70,7 +70,9 @@ def test_the_constant_counts_sequences_per_optimizer_step():
 
 
 def test_the_norm_needs_its_constant():
-    with pytest.raises(ValueError, match="norm_length and batch_sequences"):
+    # an internal contract (train/run.py resolves a null loss.norm_length to the generation budget:
+    # the dr-grpo run below goes through it)
+    with pytest.raises(AssertionError, match="norm_length and batch_sequences"):
         Trainer(cases.tiny_model(), loss=NORM, optim=OptimConfig(), temperature=1.0)
 
 
