@@ -331,7 +331,7 @@ def test_a_printed_override_reads_back_as_the_value_through_the_shell_and_hydra(
 def _long_records(data: Path, lines: list[int]) -> None:
     """Records at ``lines`` get a 20,000-digit ``a``: a prompt far over the tiny model's context."""
     for number in lines:
-        _replace_line(data, number, json.dumps({"a": "9" * 20000, "b": 1, "answer": "9" * 20000}))
+        _replace_line(data, number, json.dumps({"a": "9" * 20000, "b": number, "answer": "9" * 20000}))
 
 
 def test_prompts_longer_than_the_context_are_dropped_counted_and_the_run_finishes(workdir, capsys, tmp_path, monkeypatch):

@@ -262,13 +262,13 @@ def test_every_prompt_too_long_for_the_context_is_one_line(tmp_path):
 
 
 def test_the_warm_start_skips_and_counts_records_whose_prompt_and_answer_exceed_the_context(tmp_path):
-    records = [{"prompt": "x" * 4, "answer": "y" * n} for n in (1, 5, 6, 30)]
+    records = [{"prompt": "x" * 4, "answer": "1" * n} for n in (1, 5, 7, 30)]
     task = _task(tmp_path, records)
     task.prepare(build_tokenizer("ascii"), context=Context(tokens=12, budget=2, budget_key="rollout.max_new_tokens=2"))
     assert task.fit_warm_start(build_tokenizer("ascii"), 12) == 2
-    # prompt 4 + BOS = 5 tokens, answer n, EOS 1: 5 + n + 1 <= 12 keeps n = 1 and 5, skips 6 and 30
+    # prompt 4 + BOS = 5 tokens, answer n, EOS 1: 5 + n + 1 <= 12 keeps n = 1 and 5, skips 7 and 30
     pool = {item.answer for item in task.sft_sample(random.Random(0), 50)}
-    assert pool == {"y", "y" * 5}
+    assert pool == {"1", "1" * 5}
     assert {item.answer for item in task.validation_items(10, 0)} == pool
     assert "the warm start skips 2 training records whose prompt + answer + EOS exceed the model's context of 12 tokens" in task.summary()
     with pytest.raises(UserError) as err:
