@@ -326,7 +326,7 @@ class TaskConfig:
     eval_fraction: float | None = None
     """hold out this share of path's records for evaluation (the same records in every run)."""
     max_prompt_tokens: int | None = None
-    """drop prompts longer than this many tokens (the count of dropped prompts is reported)."""
+    """drop prompts longer than this many tokens (counted); null = the model's context less the generation budget."""
     shuffle: bool = True
     """walk the training data in a new seeded order every epoch; false = file order."""
     digits: int | None = None

@@ -59,6 +59,8 @@ def accuracy_on(
         eos_id=policy.eos_token_id,
         pad_id=policy.pad_token_id,
         batch_size=batch_size,
+        # no sequence past the model's context (issue 24), whatever the budget
+        max_length=getattr(getattr(policy.model, "config", None), "max_position_embeddings", None),
         progress=progress,
     )
     completions = [(policy.decode(result.token_ids), item, result.stopped) for item, result in zip(items, decoded)]

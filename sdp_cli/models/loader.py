@@ -23,6 +23,7 @@ import torch
 
 from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
+from sdp_cli.models.context import TINY_CONTEXT
 from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import cast_weights
@@ -93,7 +94,7 @@ def load_policy(
     num_heads: int = 4,
     num_kv_heads: int = 4,
     intermediate_size: int = 512,
-    max_positions: int = 1024,
+    max_positions: int = TINY_CONTEXT,
     charset: str | None = None,
     cache_dir: str | Path | None = None,
     dtype: str = "float32",

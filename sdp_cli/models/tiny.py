@@ -15,6 +15,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from sdp_cli.errors import UserError
+from sdp_cli.models.context import TINY_CONTEXT
 
 VOCAB_MULTIPLE = 32
 
@@ -31,7 +32,7 @@ def tiny_arch(
     num_heads: int = 4,
     num_kv_heads: int = 4,
     intermediate_size: int = 512,
-    max_positions: int = 1024,
+    max_positions: int = TINY_CONTEXT,
 ) -> dict[str, Any]:
     """Validated architecture parameters (also part of the warm-start cache key)."""
     arch = {

@@ -22,6 +22,27 @@ RewardValue = Union[float, Mapping[str, float]]
 
 
 @dataclass(frozen=True)
+class Context:
+    """The model's context window and the generation budget a prompt must leave room for
+    (docs/tasks.md, "Limits on a record").
+
+    Attributes:
+        tokens: the longest sequence the model takes (prompt + completion), in tokens.
+        budget: the most tokens generated after a prompt.
+        budget_key: the config key and value that set ``budget``, named in messages.
+    """
+
+    tokens: int
+    budget: int
+    budget_key: str
+
+    @property
+    def prompt_room(self) -> int:
+        """The longest prompt that leaves room for the budget."""
+        return self.tokens - self.budget
+
+
+@dataclass(frozen=True)
 class TaskItem:
     """One problem.
 
@@ -95,6 +116,16 @@ class Task(abc.ABC):
     def summary(self) -> str:
         """One line about the task's problems (shown at the start of a run)."""
         return f"task {self.name}: generated problems"
+
+    def fit_warm_start(self, tokenizer: Any, context: int) -> int:
+        """Keep for the warm start only the training problems whose ``prompt + answer + EOS`` fit
+        in ``context`` tokens, and say how many were left out. A generated task's problems are a
+        few dozen characters: none."""
+        return 0
+
+    def sft_sample(self, rng: random.Random, n: int) -> list[TaskItem]:
+        """Draw ``n`` warm-start problems (``sample`` restricted by ``fit_warm_start``)."""
+        return self.sample(rng, n)
 
     def sft_example(self, item: TaskItem) -> tuple[str, str]:
         """``(prompt, target)`` for supervised warm start; the loss covers the target and EOS."""

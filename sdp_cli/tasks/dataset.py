@@ -12,7 +12,10 @@ records, the same for every run seed). A held-out prompt that also occurs among 
 prompts is left out of evaluation, so evaluation never sees a training prompt.
 
 Training walks the data in epochs, each in a seeded shuffled order (``stream``); prompts longer
-than ``max_prompt_tokens`` are dropped (counted in ``dropped``) once a tokenizer is known.
+than ``max_prompt_tokens``, or than the room the model's context leaves beside the generation
+budget (``Context``), are dropped (counted in ``dropped``) once a tokenizer is known. The tiny
+model's warm start skips the records whose prompt + answer + EOS exceed the context
+(``fit_warm_start``, counted in ``sft_skipped``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sdp_cli.errors import UserError
-from sdp_cli.tasks.base import RewardValue, Task, TaskItem
+from sdp_cli.tasks.base import Context, RewardValue, Task, TaskItem
 from sdp_cli.tasks.datafile import Record, read_records
 from sdp_cli.tasks.plugins import RewardSpec, call_reward, load_reward
 from sdp_cli.tasks.rewards import check_record
@@ -108,6 +111,12 @@ class DatasetTask(Task):
         self._records = {TRAIN: train, EVAL: eval_records}
         self._prompts = {split: [self._prompt(split, i, r) for i, r in enumerate(rs)] for split, rs in self._records.items()}
         self.dropped = {TRAIN: 0, EVAL: 0}
+        #: the model's context and generation budget prompts were measured against (``prepare``)
+        self.context: Context | None = None
+        #: warm-start problems when ``fit_warm_start`` left some out, else None (all of ``items``)
+        self._sft_items: list[TaskItem] | None = None
+        self._sft_fit: int | None = None
+        self.sft_skipped = 0
         self.eval_overlap = 0
         self.token_counts: dict[tuple[str, int], int] = {}
         self.items: list[TaskItem] = []
@@ -170,10 +179,32 @@ class DatasetTask(Task):
         """Whether prompts depend on the tokenizer (chat template, length limit)."""
         return self.options.chat_template or self.options.max_prompt_tokens is not None
 
-    def prepare(self, tokenizer: Any) -> None:
+    def prepare(self, tokenizer: Any, context: Context | None = None) -> None:
         """Render the prompts with ``tokenizer`` (chat template), count their tokens as
-        ``encode(text, add_special_tokens=True)`` does and drop those over the limit."""
+        ``encode(text, add_special_tokens=True)`` does and drop those over the limit:
+        ``max_prompt_tokens``, or the room ``context`` leaves beside the generation budget
+        when that is smaller (docs/tasks.md, "Limits on a record")."""
+        self.context = context
         self._build_items(tokenizer)
+
+    def _limit(self) -> int | None:
+        """The longest prompt kept, in tokens (None: no limit)."""
+        room = None if self.context is None else self.context.prompt_room
+        return min((n for n in (self.options.max_prompt_tokens, room) if n is not None), default=None)
+
+    def _context_binds(self) -> bool:
+        """Whether the model's context, not ``task.max_prompt_tokens``, sets the limit."""
+        user = self.options.max_prompt_tokens
+        return self.context is not None and (user is None or self.context.prompt_room < user)
+
+    def _limit_text(self) -> str:
+        if not self._context_binds():
+            return f"task.max_prompt_tokens={self.options.max_prompt_tokens}"
+        assert self.context is not None, "the context binds only when there is one"
+        return (
+            f"the {self.context.prompt_room} tokens the model's context ({self.context.tokens}) "
+            f"leaves beside {self.context.budget_key}"
+        )
 
     def _render(self, prompt: _Prompt, tokenizer: Any) -> str:
         if not self.options.chat_template:
@@ -183,7 +214,7 @@ class DatasetTask(Task):
         return chat_prompt(tokenizer, messages, self.options.system_prompt, prompt.record.where)
 
     def _build_items(self, tokenizer: Any) -> None:
-        limit = self.options.max_prompt_tokens
+        limit = self._limit()
         built: dict[str, list[TaskItem]] = {TRAIN: [], EVAL: []}
         self.dropped = {TRAIN: 0, EVAL: 0}
         self.token_counts = {}
@@ -199,9 +230,14 @@ class DatasetTask(Task):
                 built[split].append(self._item(prompt, text))
         if not built[TRAIN]:
             shortest = min((c for (s, _), c in self.token_counts.items() if s == TRAIN), default=0)
+            if self._context_binds():
+                assert self.context is not None, "the context binds only when there is one"
+                fix = f"shorten the prompts or lower {self.context.budget_key.split('=')[0]}"
+            else:
+                fix = "raise the limit"
             raise UserError(
-                f"every training prompt in {self.path} is longer than task.max_prompt_tokens={limit} "
-                f"(the shortest has {shortest} tokens); raise the limit"
+                f"every training prompt in {self.path} is longer than {self._limit_text()} "
+                f"(the shortest has {shortest} tokens); {fix}"
             )
         seen = {item.prompt for item in built[TRAIN]}
         kept = [item for item in built[EVAL] if item.prompt not in seen]
@@ -212,6 +248,7 @@ class DatasetTask(Task):
                 "evaluation would only repeat training prompts: give task.eval_path disjoint data"
             )
         self.items, self._eval_items = built[TRAIN], kept
+        self._sft_items, self._sft_fit, self.sft_skipped = None, None, 0
         self._epoch_order = (-1, [])
         self._prepared = True
 
@@ -262,11 +299,43 @@ class DatasetTask(Task):
         self._ready()
         return random.Random(seed).sample(self._eval_items, min(n, len(self._eval_items)))
 
-    def validation_items(self, n: int, seed: int) -> list[TaskItem]:
-        """At most ``n`` distinct training records chosen by ``seed`` (the warm start's validation
-        set; see ``Task.validation_items``)."""
+    def fit_warm_start(self, tokenizer: Any, context: int) -> int:
+        """Leave out of the warm start the training records whose ``prompt + answer + EOS`` (as
+        ``sft_batch`` tokenizes them) exceed ``context`` tokens; how many that is. One-line
+        UserError when none fits."""
         self._ready()
-        return random.Random(seed).sample(self.items, min(n, len(self.items)))
+        if self._sft_fit == context:
+            return self.sft_skipped
+        kept = []
+        for item in self.items:
+            prompt, answer = self.sft_example(item)
+            length = len(tokenizer.encode(prompt, add_special_tokens=True))
+            if length + len(tokenizer.encode(answer, add_special_tokens=False)) + 1 <= context:
+                kept.append(item)
+        if not kept:
+            raise UserError(
+                f"no training record of {self.path} fits the model's context of {context} tokens with its answer "
+                "(prompt + answer + EOS, what the tiny model's warm start trains on); "
+                "shorten the prompts or answers, or set model.warm_start_steps=0"
+            )
+        self._sft_items, self._sft_fit = kept, context
+        self.sft_skipped = len(self.items) - len(kept)
+        return self.sft_skipped
+
+    def _sft_pool(self) -> list[TaskItem]:
+        self._ready()
+        return self.items if self._sft_items is None else self._sft_items
+
+    def sft_sample(self, rng: random.Random, n: int) -> list[TaskItem]:
+        """As ``sample``, from the records the warm start may train on (``fit_warm_start``)."""
+        pool = self._sft_pool()
+        return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
+
+    def validation_items(self, n: int, seed: int) -> list[TaskItem]:
+        """At most ``n`` distinct training records chosen by ``seed``, among those the warm start
+        may train on (its validation set; see ``Task.validation_items``)."""
+        pool = self._sft_pool()
+        return random.Random(seed).sample(pool, min(n, len(pool)))
 
     def record(self, item: TaskItem) -> Record:
         """The data record a problem came from."""
@@ -306,10 +375,18 @@ class DatasetTask(Task):
             parts.append("no held-out split (task.eval_path or task.eval_fraction), so no greedy evaluation")
         if self.eval_overlap:
             parts.append(f"{self.eval_overlap} held-out prompts left out because they are also training prompts")
-        limit = self.options.max_prompt_tokens
-        if limit is not None:
+        counts = f"{self.dropped[TRAIN]} training and {self.dropped[EVAL]} held-out prompts dropped"
+        if self._context_binds() and (self.dropped[TRAIN] or self.dropped[EVAL]):
+            assert self.context is not None, "the context binds only when there is one"
             parts.append(
-                f"{self.dropped[TRAIN]} training and {self.dropped[EVAL]} held-out prompts dropped "
-                f"(longer than task.max_prompt_tokens={limit})"
+                f"{counts}: longer than {self._limit_text()} (shorten them or lower "
+                f"{self.context.budget_key.split('=')[0]}; task.max_prompt_tokens sets a smaller limit)"
+            )
+        elif self.options.max_prompt_tokens is not None:
+            parts.append(f"{counts} (longer than {self._limit_text()})")
+        if self.sft_skipped:
+            parts.append(
+                f"the warm start skips {self.sft_skipped} training records whose prompt + answer + EOS "
+                f"exceed the model's context of {self._sft_fit} tokens"
             )
         return "; ".join(parts)

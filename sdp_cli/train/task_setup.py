@@ -1,8 +1,9 @@
 """The run's task from its config, checked before anything is written, and the prompt preview.
 
-``prepare_task`` reads and checks the data, imports the reward function and, when prompts depend
-on the tokenizer (chat template, ``task.max_prompt_tokens``), renders them with the model's
-tokenizer. ``sdp train`` calls it before it creates the run directory, so bad data, a broken
+``prepare_task`` reads and checks the data, imports the reward function and renders the prompts
+with the model's tokenizer (chat template), dropping those longer than ``task.max_prompt_tokens``
+or than the model's context leaves beside the generation budget (``run_context``; docs/tasks.md
+"Limits on a record"), and counts the records the tiny model's warm start skips. ``sdp train`` calls it before it creates the run directory, so bad data, a broken
 reward file or a missing model is one line and nothing written. ``show_prompts`` is the
 ``sdp train --show-prompts N`` dry run: the exact prompts the policy will see, with token counts.
 """
@@ -14,8 +15,10 @@ from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
+from sdp_cli.models.context import TINY_CONTEXT, model_context
 from sdp_cli.models.gguf import is_gguf, load_gguf_tokenizer
 from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task
+from sdp_cli.tasks.base import Context
 
 
 def task_kwargs(cfg: SdpConfig) -> dict[str, Any]:
@@ -62,15 +65,38 @@ def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
     return build_tokenizer(cfg.model.charset or task.charset)
 
 
+def run_context(cfg: SdpConfig, task: Task) -> Context | None:
+    """The model's context and the largest generation budget of the run (rollouts, and greedy
+    evaluation when ``train.eval_max_new_tokens`` is larger); None when the model's config does
+    not state a context. One-line UserError when the budget leaves no room for a prompt."""
+    tokens = model_context(cfg)
+    if tokens is None:
+        return None
+    rollout = cfg.rollout.max_new_tokens or task.max_new_tokens
+    evaluation = cfg.train.eval_max_new_tokens or rollout
+    key = "rollout.max_new_tokens" if rollout >= evaluation else "train.eval_max_new_tokens"
+    budget = max(rollout, evaluation)
+    if budget >= tokens:
+        raise UserError(
+            f"{key}={budget} leaves no room for a prompt in the model's context of {tokens} tokens; lower it"
+        )
+    return Context(tokens=tokens, budget=budget, budget_key=f"{key}={budget}")
+
+
 def prepare_task(cfg: SdpConfig, *, tokenizer: Any = None) -> Task:
     """The task, ready to sample: data checked, reward imported, prompts rendered and length
-    filtered with the model's tokenizer where they need one. One-line UserError otherwise."""
+    filtered with the model's tokenizer, warm-start records fitted to the tiny model's context.
+    One-line UserError otherwise."""
     task = build_task_from(cfg)
+    context = run_context(cfg, task)
     if isinstance(task, DatasetTask):
-        if task.needs_tokenizer or tokenizer is not None:
-            task.prepare(tokenizer if tokenizer is not None else load_tokenizer(cfg, task))
+        if task.needs_tokenizer or tokenizer is not None or context is not None:
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, task)
+            task.prepare(tokenizer, context)
         if cfg.model.kind == "tiny" and cfg.model.warm_start_steps != 0:
             task.require_answers("the tiny model's warm start imitates (or set model.warm_start_steps=0)")
+            # as the warm start counts them (sdp_cli/models/warm_start.py), but before anything is written
+            task.fit_warm_start(tokenizer, TINY_CONTEXT)
     return task
 
 
@@ -79,7 +105,7 @@ def show_prompts(cfg: SdpConfig, n: int) -> str:
     task = build_task_from(cfg)
     tokenizer = load_tokenizer(cfg, task)
     if isinstance(task, DatasetTask):
-        task.prepare(tokenizer)
+        task.prepare(tokenizer, run_context(cfg, task))
     # the loop's producer draws with this generator (sdp_cli/train/producer.py)
     items = task.stream(random.Random(cfg.seed + 1), 0, n)
     lines = [task.summary()]

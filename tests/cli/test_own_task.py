@@ -326,3 +326,34 @@ def test_a_printed_override_reads_back_as_the_value_through_the_shell_and_hydra(
     words = shlex.split(resume_command(run_dir, SdpConfig()))
     assert words[:2] == ["sdp", "train"] and len(words) == 3, words
     assert OverridesParser.create().parse_override(words[2]).value() == str(run_dir)
+
+
+def _long_records(data: Path, lines: list[int]) -> None:
+    """Records at ``lines`` get a 20,000-digit ``a``: a prompt far over the tiny model's context."""
+    for number in lines:
+        _replace_line(data, number, json.dumps({"a": "9" * 20000, "b": number, "answer": "9" * 20000}))
+
+
+def test_prompts_longer_than_the_context_are_dropped_counted_and_the_run_finishes(workdir, capsys, tmp_path, monkeypatch):
+    # issue 24: before, such prompts made the tiny model's warm start run for over ten minutes
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+    _long_records(workdir / "data.jsonl", [3, 50, 120])
+    argv = ["train", "--config-dir", "conf", "task=larger", "+preset=quick", "model.warm_start_steps=5",
+            "train.steps=2", "train.eval_samples=0", "run.progress=false", "run.tensorboard=false",
+            f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    code, _, err = run_main(argv, capsys)
+    assert code == 0, err
+    (line,) = [line for line in err.splitlines() if line.startswith("task dataset:")]
+    # the three long records fall in the training or the held-out split (eval_fraction 0.1)
+    assert "training and" in line and "held-out prompts dropped" in line
+    assert "the 1020 tokens the model's context (1024) leaves beside rollout.max_new_tokens=4" in line
+    dropped = [int(w) for w in line.split("dropped")[0].split(";")[-1].split() if w.isdigit()]
+    assert sum(dropped) == 3
+
+
+def test_every_prompt_longer_than_the_context_refuses_in_one_line_and_writes_nothing(workdir, capsys):
+    data = workdir / "data.jsonl"
+    _long_records(data, list(range(1, len(data.read_text().splitlines()) + 1)))
+    line = _refused(["train", "--config-dir", "conf", "task=larger", "+preset=quick"], capsys, workdir)
+    assert "every training prompt in data.jsonl is longer than the 1020 tokens the model's context (1024)" in line
+    assert "lower rollout.max_new_tokens" in line

@@ -98,3 +98,14 @@ def test_batched_cached_decode_matches_reference():
         stops.append(stopped)
     assert decoded[2].token_ids == [] and decoded[2].stopped  # EOS as the very first token
     assert not all(stops)  # and at least one row runs out of budget
+
+
+def test_max_length_caps_each_row_at_the_context(model):
+    # issue 24: no row grows past max_length tokens (prompt + completion); with an EOS the model
+    # cannot produce (id 10**6), every row runs to its own cap: min(12, 10 - prompt length)
+    prompts = [[5] * n for n in (1, 4, 9)]
+    decoded = greedy_decode(model, prompts, max_new_tokens=12, eos_id=10**6, pad_id=0, max_length=10)
+    assert [len(d.token_ids) for d in decoded] == [9, 6, 1]
+    assert not any(d.stopped for d in decoded)
+    for prompt, result in zip(prompts, decoded):  # the tokens are the uncapped decode's first ones
+        assert result.token_ids == _reference_greedy(model, prompt, 12, 10**6)[0][: len(result.token_ids)]

@@ -279,3 +279,22 @@ def test_default_arith1_warm_start_reaches_the_feasibility_accuracy(tmp_path):
     policy = load_policy("tiny", task=task, cache_dir=tmp_path)
     assert policy.name.startswith("tiny-qwen2:arith1:ws40:")
     assert greedy_accuracy(policy, task, 500, seed=123) >= 0.25
+
+
+def test_the_warm_start_never_trains_on_a_sequence_longer_than_the_context(tmp_path, monkeypatch):
+    # issue 24: records whose prompt + answer + EOS exceed the model's context (max_positions 32
+    # here) are skipped and counted; the rest train, and no batch is wider than the context
+    path = tmp_path / "d.jsonl"
+    records = [{"prompt": "x" * 10, "answer": "7"}, {"prompt": "y" * 20, "answer": "8"},
+               {"prompt": "z" * 200, "answer": "9"}, {"prompt": "w" * 28, "answer": "12"}]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    task = build_task("dataset", path=str(path), reward="final_number", max_new_tokens=30)
+    widths = []
+    loss = ws.sft_loss
+    monkeypatch.setattr(ws, "sft_loss", lambda model, ids, *rest: widths.append(ids.shape[1]) or loss(model, ids, *rest))
+    arch = tiny_arch(**{**SMALL, "max_positions": 32})
+    entry, info = ws.warm_start(task, cache_dir=tmp_path, eval_n=8, **_settings(arch=arch, charset="ascii", steps=3))
+    # BOS + prompt + answer + EOS: 13, 23, 203 and 32 tokens -> only the 200-character one is skipped
+    assert info["skipped_records"] == 1
+    assert widths and max(widths) <= 32 and len(widths) == 3
+    assert info["validation_n"] == 3

@@ -10,6 +10,7 @@ import pytest
 from sdp_cli.errors import UserError
 from sdp_cli.models.tokenizer import build_tokenizer
 from sdp_cli.tasks import build_task
+from sdp_cli.tasks.base import Context
 from sdp_cli.tasks.dataset import SPLIT_SEED
 
 
@@ -223,3 +224,53 @@ def test_show_prompts_refuses_a_lone_surrogate_in_one_line(tmp_path, capsys, mon
     assert err.strip() == f"error: {path}:2: field 'prompt' holds a lone surrogate (\\ud83d), which is not text " \
         "(a UTF-16 half, e.g. from a cut emoji); fix or drop the record", err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl"]  # nothing written
+
+
+# ---- the model's context (issue 24): prompts that leave no room for generation are dropped
+
+
+def test_prompts_that_do_not_fit_the_context_beside_the_budget_are_dropped_and_counted(tmp_path):
+    records = [{"prompt": "x" * n, "answer": "1"} for n in (3, 5, 9, 12, 20000)]
+    task = _task(tmp_path, records)
+    task.prepare(build_tokenizer("ascii"), context=Context(tokens=16, budget=6, budget_key="rollout.max_new_tokens=6"))
+    # room = 16 - 6 = 10 tokens; tokens = characters + BOS: 4, 6, 10, 13, 20001 -> 3 stay
+    assert sorted(len(i.prompt) for i in task.items) == [3, 5, 9]
+    assert task.dropped["train"] == 2
+    summary = task.summary()
+    assert "2 training and 0 held-out prompts dropped" in summary
+    assert "the 10 tokens the model's context (16) leaves beside rollout.max_new_tokens=6" in summary
+    assert "task.max_prompt_tokens" in summary  # the fix is named
+
+
+def test_a_smaller_max_prompt_tokens_wins_over_the_context(tmp_path):
+    records = [{"prompt": "x" * n, "answer": "1"} for n in (3, 5, 9)]
+    task = _task(tmp_path, records, max_prompt_tokens=6)
+    task.prepare(build_tokenizer("ascii"), context=Context(tokens=16, budget=6, budget_key="rollout.max_new_tokens=6"))
+    # limit min(6, 16 - 6) = 6: prompts of 4 and 6 tokens stay
+    assert sorted(len(i.prompt) for i in task.items) == [3, 5]
+    assert "(longer than task.max_prompt_tokens=6)" in task.summary()
+
+
+def test_every_prompt_too_long_for_the_context_is_one_line(tmp_path):
+    task = _task(tmp_path, [{"prompt": "x" * 20000, "answer": "1"}] * 3)
+    with pytest.raises(UserError) as err:
+        task.prepare(build_tokenizer("ascii"), context=Context(tokens=1024, budget=4, budget_key="rollout.max_new_tokens=4"))
+    message = _one_line(err)
+    # 20000 characters + BOS = 20001 tokens; room 1024 - 4 = 1020
+    assert "longer than the 1020 tokens the model's context (1024) leaves beside rollout.max_new_tokens=4" in message
+    assert "the shortest has 20001 tokens" in message and "rollout.max_new_tokens" in message
+
+
+def test_the_warm_start_skips_and_counts_records_whose_prompt_and_answer_exceed_the_context(tmp_path):
+    records = [{"prompt": "x" * 4, "answer": "1" * n} for n in (1, 5, 7, 30)]
+    task = _task(tmp_path, records)
+    task.prepare(build_tokenizer("ascii"), context=Context(tokens=12, budget=2, budget_key="rollout.max_new_tokens=2"))
+    assert task.fit_warm_start(build_tokenizer("ascii"), 12) == 2
+    # prompt 4 + BOS = 5 tokens, answer n, EOS 1: 5 + n + 1 <= 12 keeps n = 1 and 5, skips 7 and 30
+    pool = {item.answer for item in task.sft_sample(random.Random(0), 50)}
+    assert pool == {"1", "1" * 5}
+    assert {item.answer for item in task.validation_items(10, 0)} == pool
+    assert "the warm start skips 2 training records whose prompt + answer + EOS exceed the model's context of 12 tokens" in task.summary()
+    with pytest.raises(UserError) as err:
+        task.fit_warm_start(build_tokenizer("ascii"), 6)
+    assert "model.warm_start_steps=0" in _one_line(err)
