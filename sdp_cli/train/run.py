@@ -21,7 +21,7 @@ import torch
 
 from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.engine.factory import build_engine
 from sdp_cli.errors import Interrupted, UserError, describe_os_error
 from sdp_cli.faults import fault_point
@@ -109,7 +109,7 @@ class TrainingRun:
         self.coordinator = coordinator
         # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
         self.stop_request = stop_request or StopRequest()
-        self.engine: Any = None
+        self.engine: InferenceEngine | None = None
         self.loop: AsyncLoop | None = None
         #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
         self.eval_rewards: RewardPool | None = None
