@@ -23,7 +23,7 @@ from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.engine.factory import build_engine
-from sdp_cli.errors import Interrupted, UserError, describe_os_error
+from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
@@ -494,14 +494,14 @@ class TrainingRun:
             self.trackers.close(ok=ok)
 
     def _checkpoint_at_stop(self, step: int) -> SavedAtStop:
-        """The checkpoint of ``step`` (written now unless it exists): (path, None), or
-        (None, why not) when it cannot be written (a full disk)."""
+        """The checkpoint of ``step`` (written now unless it exists), or the error that kept it
+        from being written (a full disk)."""
         if step == self.start_step and self._last_checkpoint is None:
-            return None, None  # a fresh run that never stepped: a resume starts it over
+            return None  # a fresh run that never stepped: a resume starts it over
         try:
-            return self.checkpoint(step), None
+            return self.checkpoint(step)
         except OSError as err:
-            return None, describe_os_error(err)
+            return err
 
     def _stopped(self, exc: BaseException) -> Interrupted | UserError:
         """The end of a session stopped at a step boundary: by a signal (``LoopInterrupted``: that
@@ -510,7 +510,7 @@ class TrainingRun:
         step = self.loop.state.step
         self._end_evaluation()
         signal = isinstance(exc, LoopInterrupted)
-        saved = self._checkpoint_at_stop(step) if signal or step > self.start_step else (None, None)
+        saved = self._checkpoint_at_stop(step) if signal or step > self.start_step else None
         self._reward_errors(step)
         end = self.end.interrupted(step, self.stop_request, saved) if signal else self.end.stopped(step, exc, saved)
         self._close_logs(ok=False)

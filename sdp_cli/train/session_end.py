@@ -54,9 +54,16 @@ def resume_command(run_dir: Path, cfg: SdpConfig, *extra: str) -> str:
     return " ".join(["sdp", "train", *(shlex.quote(o) for o in [*overrides, *extra])])
 
 
-#: a checkpoint written at a stop: (its path, None), or (None, why it could not be written),
-#: or (None, None) when there is none to write
-SavedAtStop = tuple[Path | None, str | None]
+#: the checkpoint of a stop: its path, the error that kept it from being written, or None when
+#: there is none to write
+SavedAtStop = Path | OSError | None
+
+
+def _checkpoint_fields(saved: SavedAtStop) -> tuple[Path | None, str | None]:
+    """(the checkpoint, why it could not be written) of a stop."""
+    if isinstance(saved, OSError):
+        return None, describe_os_error(saved)
+    return saved, None
 
 
 class SessionEnd:
@@ -83,7 +90,7 @@ class SessionEnd:
     def interrupted(self, step: int, stop: StopRequest, saved: SavedAtStop) -> Interrupted:
         """The end of a session stopped by a signal at step boundary ``step``, with the checkpoint
         ``saved`` of that step: its ``interrupted`` event, and the line to end on."""
-        path, problem = saved
+        path, problem = _checkpoint_fields(saved)
         self.event("interrupted", step=step, signal=stop.name, checkpoint=str(path) if path else None, error=problem)
         where = f"resume with: {self.resume_command()}"
         if problem:
@@ -94,7 +101,7 @@ class SessionEnd:
     def stopped(self, step: int, exc: BaseException, saved: SavedAtStop) -> UserError:
         """The end of a session stopped at ``step`` by ``exc`` (an engine fault, a failed producer
         or reward, a full disk): its ``stopped`` event, and the line to end on."""
-        path, problem = saved
+        path, problem = _checkpoint_fields(saved)
         cause = exc if isinstance(exc, RewardError) else exc.__cause__
         detail: dict[str, Any] = {}
         if isinstance(cause, RewardError):  # user code: its own traceback
