@@ -299,7 +299,8 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    """The RL task (group `task`); the data keys apply to task=dataset and task=gsm8k (docs/tasks.md)."""
+    """The RL task (group `task`); the data keys (sdp_cli/dataset_options.py) apply to task=dataset and
+    task=gsm8k (docs/tasks.md)."""
 
     name: str = "arith1"
     """arith1 | arith2 | runsum | gsm8k | dataset (your own data file)."""

@@ -35,6 +35,7 @@ from sdp_cli.choices import (
     WEIGHT_ACTIONS,
 )
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
+from sdp_cli.dataset_options import DATASET_OPTIONS
 from sdp_cli.errors import UserError
 from sdp_cli.modes import Mode, resolve_mode
 from sdp_cli.user_code import is_code_spec
@@ -545,11 +546,6 @@ def validate(cfg: SdpConfig) -> None:
     _check_bounds(cfg)
 
 
-#: task keys of every task, not only the data tasks: where and how rewards run
-EVERY_TASK_KEYS = ("reward_workers", "reward_pool", "reward_errors", "reward_timeout_s", "reward_max_error_rate",
-                   "reward_error_window")  # fmt: skip
-
-
 def _validate_task(task: TaskConfig) -> None:
     _choice("task.name", task.name, TASKS)
     if task.digits is not None and task.name != "runsum":
@@ -559,7 +555,7 @@ def _validate_task(task: TaskConfig) -> None:
     if task.name not in DATA_TASKS:
         defaults = TaskConfig()
         for f in fields(TaskConfig):
-            if f.name not in ("name", "digits", *EVERY_TASK_KEYS) and getattr(task, f.name) != getattr(defaults, f.name):
+            if f.name in DATASET_OPTIONS and getattr(task, f.name) != getattr(defaults, f.name):
                 raise ConfigValueError(
                     f"task.{f.name} applies to data tasks (task=dataset, task=gsm8k), not task={task.name}; remove it"
                 )

@@ -5,16 +5,16 @@ Pure Python: importing this package does not import torch.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any, Callable
 
 from sdp_cli.choices import DATA_TASKS
+from sdp_cli.dataset_options import DATASET_OPTIONS, DatasetOptions
 from sdp_cli.errors import UserError
 from sdp_cli.tasks import gsm8k
 from sdp_cli.tasks.arith import AdditionTask
 from sdp_cli.tasks.base import RewardValue, Task, TaskItem
-from sdp_cli.tasks.dataset import DatasetOptions, DatasetTask
+from sdp_cli.tasks.dataset import DatasetTask
 from sdp_cli.tasks.gsm8k import Gsm8kTask
 from sdp_cli.tasks.runsum import RunningSumTask
 
@@ -55,7 +55,7 @@ TASKS: dict[str, Callable[..., Task]] = {
 def task_parameters(name: str) -> list[str]:
     """The keyword arguments ``build_task(name, ...)`` accepts."""
     if name in DATA_TASKS:
-        return [f.name for f in dataclasses.fields(DatasetOptions)]
+        return list(DATASET_OPTIONS)
     return list(inspect.signature(TASKS[name]).parameters)
 
 

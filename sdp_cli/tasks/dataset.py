@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from sdp_cli.dataset_options import DatasetOptions
 from sdp_cli.errors import UserError
 from sdp_cli.tasks.base import Context, RewardValue, Task, TaskItem
 from sdp_cli.tasks.datafile import Record, read_records
@@ -38,27 +39,6 @@ from sdp_cli.tasks.templates import field as record_field
 #: the eval_fraction split is seeded by this, not by the run seed: every run holds out the same records
 SPLIT_SEED = "sdp-eval-split"
 TRAIN, EVAL = "train", "eval"
-
-
-@dataclass
-class DatasetOptions:
-    """The ``task.*`` keys of a data-set task (schema: ``sdp_cli.config.schema.TaskConfig``)."""
-
-    path: str | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    prompt_template: str | None = None
-    chat_template: bool = False
-    system_prompt: str | None = None
-    reward: str | None = None
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    require_stop: bool = True
-    eval_path: str | None = None
-    eval_fraction: float | None = None
-    max_prompt_tokens: int | None = None
-    shuffle: bool = True
-    seed: int = 0
-    max_new_tokens: int = 256
 
 
 @dataclass(frozen=True)

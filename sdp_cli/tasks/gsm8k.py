@@ -13,9 +13,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.dataset_options import DatasetOptions
 from sdp_cli.errors import UserError
 from sdp_cli.tasks.datafile import Record
-from sdp_cli.tasks.dataset import DatasetOptions, DatasetTask
+from sdp_cli.tasks.dataset import DatasetTask
 from sdp_cli.tasks.numeric import extract_final_number, parse_number
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer: "

@@ -88,6 +88,14 @@ class LedgerLog:
             self._fh.close()
 
 
+def record_fate(ledger: LedgerLog | None, event: str, group_ids: list[int], **fields: Any) -> None:
+    """Write the fate of ``group_ids`` to the loop's ledger (none in benchmarks and unit tests).
+    Callers hold the loop's hand-off lock or are the trainer thread, which also takes the
+    snapshots, so every fate falls on one side of a snapshot."""
+    if ledger is not None and group_ids:
+        ledger.write(event, group_ids, **fields)
+
+
 def parse_events(data: bytes) -> list[dict[str, Any]]:
     """The events of a ledger's bytes, each checked to be what :class:`LedgerLog` writes;
     ``ValueError("line N: ...")`` names the first that is not."""

@@ -1,7 +1,8 @@
 """The asynchronous RL loop: a rollout producer thread and the trainer, overlapping.
 
-Producer thread (``sdp_cli/train/producer.py``): while the staleness manager grants capacity,
-generate groups on the engine, reward them off the generation path and hand them to the queue.
+Producer thread (``RolloutProducer``, ``sdp_cli/train/producer.py``, held as ``self.producer``):
+while the staleness manager grants capacity, generate groups on the engine, reward them off the
+generation path and hand them to the queue.
 
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
 step, then push the new weights following docs/design.md §2: pause (``PauseController``, whose
@@ -23,7 +24,6 @@ agree.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import threading
@@ -36,13 +36,13 @@ from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, We
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController, PauseHooks
-from sdp_cli.rollout.recompute import ProximalRecomputer
-from sdp_cli.rollout.records import RolloutGroup
+from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
 from sdp_cli.tasks.base import Task
 from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.ledger import LedgerLog
+from sdp_cli.train.ledger import LedgerLog, record_fate
 from sdp_cli.train.loop_state import (
     LoopCounters,
     LoopInterrupted,
@@ -64,7 +64,7 @@ __all__ = ["AsyncLoop", "LoopInterrupted", "LoopStopped", "StepRecord", "TextCod
 logger = logging.getLogger(__name__)
 
 
-class AsyncLoop(RolloutProducer):
+class AsyncLoop:
     """Runs rollout production and training concurrently until ``train.steps`` steps are done."""
 
     def __init__(
@@ -91,20 +91,15 @@ class AsyncLoop(RolloutProducer):
         self.engine = engine
         self.trainer = trainer
         self.task = task
-        self.codec = codec
         self.pad_token_id = pad_token_id
-        self.params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
         self.push_weights = push_weights
         self.on_batch = on_batch
         self.on_step = on_step
-        self.max_consecutive_engine_faults = max_consecutive_engine_faults
         self.ledger = ledger
         # polled before every batch is taken: a step either completes or never starts
         self.should_stop = should_stop
         # The producer is paused during the recompute pass, so its core is free for scoring.
         self.recompute_threads = recompute_threads
-        #: torch's intra-op threads of the producer thread (None: what it inherits)
-        self.rollout_threads = rollout_threads
 
         ro = cfg.rollout
         self.batch_groups = ro.batch_groups
@@ -139,52 +134,54 @@ class AsyncLoop(RolloutProducer):
         self.score_at_take = self.recompute_enabled and ro.proximal_t_source == "engine"
 
         self.state = LoopState(producer_rng=random.Random(cfg.seed + 1).getstate())
-        self._in_hand: dict[int, RolloutGroup] = {}
         self._handoff_lock = threading.RLock()
         # A recompute pass scores under the loaded weights: a weight push waits for a running
         # one. Lock order: _pass_lock before _handoff_lock.
         self._pass_lock = threading.Lock()
-        self._capacity_changed = threading.Condition()
-        self._stop = threading.Event()
-        self._producer_error: BaseException | None = None
-        self._producer: threading.Thread | None = None
-        self._group_ids = itertools.count(self.state.next_group_id)
-        # Recompute ahead: the engine version whose pass the producer has run, and what it did
-        # since the last push (reported with the push's own pass).
-        self._recomputed_for: int | None = None
-        self._ahead = PassTotals()
         self._at_take = PassTotals()
         self._prefill_tokens_seen = 0
-        self.rewards = RewardPool(
-            workers=cfg.task.reward_workers,
-            kind=cfg.task.reward_pool,
-            name=f"of task {task.name}",
-            rules=RewardRules.of(cfg.task),
+        self.producer = RolloutProducer(
+            engine=engine,
+            task=task,
+            codec=codec,
+            params=SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids),
+            group_size=ro.group_size,
+            groups_per_request=ro.groups_per_request,
+            rewards=RewardPool(
+                workers=cfg.task.reward_workers,
+                kind=cfg.task.reward_pool,
+                name=f"of task {task.name}",
+                rules=RewardRules.of(cfg.task),
+            ),
+            manager=self.manager,
+            strategy=self.strategy,
+            queue=self.queue,
+            cache=self.cache,
+            recomputer=self.recomputer,
+            recompute_ahead=self.recompute_enabled,
+            state=self.state,
+            ledger=ledger,
+            version=lambda: self._version,
+            handoff_lock=self._handoff_lock,
+            pass_lock=self._pass_lock,
+            max_consecutive_engine_faults=max_consecutive_engine_faults,
+            rollout_threads=rollout_threads,
         )
 
     # ============================================================= trainer side
     def start(self) -> None:
         """Start the producer thread."""
-        assert self._producer is None, "AsyncLoop.start() called twice"
-        self._producer = threading.Thread(target=self._produce, name="sdp-rollout-producer", daemon=True)
-        self._producer.start()
+        self.producer.start()
 
     def stop(self, *, wait: bool = True) -> None:
         """Stop the producer and wait for it (it finishes the generate call it is in); groups
         still being scored stay in the producer's hands. ``wait=False``: do not wait (an abort;
         the process is about to end)."""
-        self._stop.set()
-        self.rewards.close()
-        if self.engine.is_paused():
-            self.engine.resume()
-        with self._capacity_changed:
-            self._capacity_changed.notify_all()
-        if self._producer is not None and wait:
-            self._producer.join(timeout=60)
+        self.producer.stop(wait=wait)
 
     def run(self) -> None:
         """Train until ``train.steps`` steps are done (continuing from ``state.step``)."""
-        if self._producer is None:
+        if not self.producer.started:
             self.start()
         aborted = False
         try:
@@ -195,8 +192,8 @@ class AsyncLoop(RolloutProducer):
             raise
         finally:
             self.stop(wait=not aborted)
-        if self._producer_error is not None:
-            raise self._producer_error
+        if self.producer.error is not None:
+            raise self.producer.error
 
     def run_step(self) -> StepRecord:
         """Take one batch, train on it and push the new weights."""
@@ -256,7 +253,8 @@ class AsyncLoop(RolloutProducer):
             before = [g.group_id for g in self.cache.get_all()]
             if self.strategy.filter_stale_from_cache(self.cache, version):
                 kept = {g.group_id for g in self.cache.get_all()}
-                self._record("dropped", [g for g in before if g not in kept], version=version, where="cache")
+                dropped = [g for g in before if g not in kept]
+                record_fate(self.ledger, "dropped", dropped, version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
                 # Under the hand-off lock: the producer's recompute pass never writes into a
                 # batch being taken, and never scores what the take-time pass scores.
@@ -264,7 +262,8 @@ class AsyncLoop(RolloutProducer):
                     if self.score_at_take:
                         self._score_at_take(self.cache.get_all()[: self.batch_groups])
                     groups = self.cache.take_first_n(self.batch_groups)
-                    self._record(
+                    record_fate(
+                        self.ledger,
                         "consumed",
                         [g.group_id for g in groups],
                         step=self.state.step + 1,
@@ -289,18 +288,29 @@ class AsyncLoop(RolloutProducer):
         samples = [s for g in groups for s in g.samples]
         self._at_take.add(*self._recompute_pass(inflight=samples, held=False))
 
+    def _recompute_pass(self, inflight: list[RolloutSample], *, held: bool = True) -> tuple[RecomputeStats, float]:
+        """One recompute pass over ``inflight`` (and, if ``held``, the queue and the cache) in
+        one go, counted; (stats, seconds). The caller keeps everyone else out of the samples."""
+        t0 = time.perf_counter()
+        stats = self.recomputer.recompute_all(
+            queue=self.queue if held else None, cache=self.cache if held else None, inflight=inflight
+        )
+        seconds = time.perf_counter() - t0
+        self.state.counters.count_recompute(stats, seconds)
+        return stats, seconds
+
     def _raise_if_stopped(self) -> None:
-        if self._producer_error is not None:
-            raise LoopStopped(f"rollout producer failed: {failure_text(self._producer_error)}") from self._producer_error
+        if self.producer.error is not None:
+            raise LoopStopped(f"rollout producer failed: {failure_text(self.producer.error)}") from self.producer.error
         if self.should_stop is not None and self.should_stop():
             raise LoopInterrupted("a stop was requested")
-        if self._stop.is_set():
+        if self.producer.stopping:
             raise LoopStopped("stopped")
 
     def _push(self) -> dict[str, float]:
         """docs/design.md §2: pause → recompute (old weights) → load new weights → purge → resume.
 
-        The producer usually ran the recompute pass already (``_recompute_ahead``); this one
+        The producer usually ran the recompute pass already (``RolloutProducer._recompute_ahead``); this one
         scores whatever is left, including the producer's partial samples.
         """
         new_version = self.trainer.version
@@ -317,10 +327,10 @@ class AsyncLoop(RolloutProducer):
                 purged = self.strategy.purge_stale_samples_from_queue(self.queue, new_version)
                 if purged:
                     kept = {g.group_id for g in self.queue.snapshot()}
-                    self._record("dropped", [g for g in before if g not in kept], version=new_version, where="queue")
+                    dropped = [g for g in before if g not in kept]
+                    record_fate(self.ledger, "dropped", dropped, version=new_version, where="queue")
                 metrics["staleness/purged_groups"] = float(purged)
-        with self._capacity_changed:
-            self._capacity_changed.notify_all()
+        self.producer.wake()
         return metrics
 
     def _recompute_at_push(self) -> None:
@@ -328,12 +338,12 @@ class AsyncLoop(RolloutProducer):
         every sample the system holds, under ``_handoff_lock`` (``_push`` holds ``_pass_lock``
         and the engine is paused, so the old weights stay loaded and no token is added)."""
         with self._handoff_lock:
-            in_hand = [s for g in self._in_hand.values() for s in g.samples]
+            in_hand = [s for g in self.producer.in_hand.values() for s in g.samples]
             with intra_op_threads(self.recompute_threads):
                 stats, elapsed = self._recompute_pass(inflight=in_hand)
             self.state.counters.recompute_blocking_seconds += elapsed
             # this version's passes: the producer's since the last push, and this one
-            passes, self._ahead = self._ahead, PassTotals()
+            passes = self.producer.take_ahead()
             metrics = {"time/recompute_ahead_s": passes.seconds}
             passes.add(stats, elapsed)
             metrics["recompute/tokens"] = float(passes.tokens)
@@ -393,8 +403,8 @@ class AsyncLoop(RolloutProducer):
                 "strategy": self.strategy.state_dict(),
                 "queue": [g.to_dict() for g in self.queue.snapshot()],
                 "cache": [g.to_dict() for g in self.cache.get_all()],
-                "in_flight_groups": len(self._in_hand),
-                "in_flight_group_ids": sorted(self._in_hand),
+                "in_flight_groups": len(self.producer.in_hand),
+                "in_flight_group_ids": sorted(self.producer.in_hand),
                 **({"ledger_offset": None} if self.ledger is None else self.ledger.mark()),
             }
 
@@ -403,11 +413,10 @@ class AsyncLoop(RolloutProducer):
         gone: their capacity returns (running → 0) and the ledger says they were abandoned;
         queued and cached groups come back. The engine must already run the checkpoint's
         weights: its version becomes the loop's."""
-        assert self._producer is None, "restore() must be called before start()"
+        assert not self.producer.started, "restore() must be called before start()"
         self.state.step = int(snap["step"])
         self._version = self.engine.get_version()
         self.state.next_group_id = int(snap["next_group_id"])
-        self._group_ids = itertools.count(self.state.next_group_id)
         self.state.producer_rng = rng_state_from_json(snap["producer_rng"])
         self.state.counters = LoopCounters(**snap["counters"])
         self.manager.load_state_dict(snap["manager"], drop_inflight=True)
@@ -416,4 +425,5 @@ class AsyncLoop(RolloutProducer):
             self.queue.put(RolloutGroup.from_dict(data))
         for data in snap["cache"]:
             self.cache.add(RolloutGroup.from_dict(data))
-        self._record("abandoned", list(snap.get("in_flight_group_ids", [])), checkpoint_step=self.state.step)
+        abandoned = list(snap.get("in_flight_group_ids", []))
+        record_fate(self.ledger, "abandoned", abandoned, checkpoint_step=self.state.step)

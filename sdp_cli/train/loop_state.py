@@ -65,6 +65,11 @@ class LoopCounters:
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def count_recompute(self, stats: RecomputeStats, seconds: float) -> None:
+        """A recompute pass, wherever it ran: its tokens and its time."""
+        self.recompute_tokens += stats.tokens_recomputed
+        self.recompute_seconds += seconds
+
 
 @dataclass
 class LoopState:

@@ -21,7 +21,7 @@ import torch
 
 from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.engine.factory import build_engine
 from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
@@ -54,7 +54,7 @@ from sdp_cli.train.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.reporting import EventLog, MetricsLog
 from sdp_cli.train.rewarding import RewardPool, RewardRules, user_code_running
-from sdp_cli.train.session_end import SessionEnd, summary_line
+from sdp_cli.train.session_end import SavedAtStop, SessionEnd, summary_line
 from sdp_cli.train.start import RunStart, config_dict, open_run
 from sdp_cli.train.trackers import active_trackers, open_trackers
 from sdp_cli.train.task_setup import prepare_task
@@ -81,7 +81,7 @@ def thread_counts(cfg: SdpConfig) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- run
-class TrainingRun(SessionEnd):
+class TrainingRun:
     """One ``sdp train`` invocation (fresh or resumed)."""
 
     def __init__(
@@ -109,7 +109,7 @@ class TrainingRun(SessionEnd):
         self.coordinator = coordinator
         # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
         self.stop_request = stop_request or StopRequest()
-        self.engine: Any = None
+        self.engine: InferenceEngine | None = None
         self.loop: AsyncLoop | None = None
         #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
         self.eval_rewards: RewardPool | None = None
@@ -117,6 +117,8 @@ class TrainingRun(SessionEnd):
         self._last_checkpoint: tuple[int, Path] | None = None
         # only rank 0 writes to the run directory
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
+        #: what the session's end records and says
+        self.end = SessionEnd(cfg, run_dir, self.events)
         self.display = display or StartDisplay(enabled=False)
 
     # -- setup --------------------------------------------------------------
@@ -413,14 +415,22 @@ class TrainingRun(SessionEnd):
             self._end_session(error.exit_code)
             raise error
         if stopped is not None:
-            end = self._interrupted() if isinstance(stopped, LoopInterrupted) else self._stopped(stopped)
+            end = self._stopped(stopped)
             self._end_session(end.exit_code)
             raise end
         wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         self._end_evaluation()
         self._end_session(0)
-        summary = self._summary(wall, acc_start, acc_end, session_start)
+        summary = self.end.summary(
+            self.loop.state,
+            sum(self.loop.strategy.filtered_by_version.values()),
+            start_step=self.start_step,
+            wall=wall,
+            acc_start=acc_start,
+            acc_end=acc_end,
+            session_start=session_start,
+        )
         atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
         self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self._close_logs()
@@ -439,6 +449,86 @@ class TrainingRun(SessionEnd):
         pad, scale = int(self.policy.pad_token_id), self.cfg.loss.scale_adv_by_std
         return self.coordinator.serve(lambda groups: self.trainer.step(assemble_batch(
             groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)))
+
+    # -- end (what it records and says: self.end, sdp_cli/train/session_end.py) -----------------
+    def _end_session(self, code: int) -> None:
+        """Release the other ranks, which exit with ``code`` as rank 0 will (0, 1 or 2, or 128 +
+        the signal); after the last collective this session needs (checkpoint, evaluation)."""
+        self.coordinator.end(code)
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop what this session started that outlives it (a launched server); idempotent.
+        ``abort``: the process is about to end, the evaluation's reward workers and the logs
+        are closed too."""
+        if getattr(self, "progress", None) is not None:
+            self.progress.close()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.close()
+        if abort:
+            self._end_evaluation()
+            self._close_logs(ok=False)
+
+    def _end_evaluation(self) -> None:
+        """No evaluation follows: end its reward workers (a call still running is left to them)."""
+        if self.eval_rewards is not None:
+            self.eval_rewards.close()
+
+    def _reward_errors(self, step: int) -> dict[str, float]:
+        """``reward/errors`` (task.reward_errors=zero): the reward calls that failed and scored 0
+        since the last step; and a ``reward_error`` event with the first traceback of each error
+        not seen before (greedy evaluation's included)."""
+        failed, first = self.loop.producer.rewards.take_errors()
+        if self.eval_rewards is not None:
+            first += self.eval_rewards.take_errors()[1]
+        for error in first:
+            self.end.event("reward_error", step=step, error=str(error), traceback=error.details or None)
+        return {"reward/errors": float(failed)} if self.cfg.task.reward_errors == "zero" else {}
+
+    def _close_logs(self, *, ok: bool = True) -> None:
+        """Close the run's logs; ``ok``: the session finished (trackers mark a run that did not)."""
+        for log in ("metrics", "ledger", "events"):
+            if getattr(self, log, None) is not None:
+                getattr(self, log).close()
+        if getattr(self, "trackers", None) is not None:
+            self.trackers.close(ok=ok)
+
+    def _checkpoint_at_stop(self, step: int) -> SavedAtStop:
+        """The checkpoint of ``step`` (written now unless it exists), or the error that kept it
+        from being written (a full disk)."""
+        if step == self.start_step and self._last_checkpoint is None:
+            return None  # a fresh run that never stepped: a resume starts it over
+        try:
+            return self.checkpoint(step)
+        except OSError as err:
+            return err
+
+    def _stopped(self, exc: BaseException) -> Interrupted | UserError:
+        """The end of a session stopped at a step boundary: by a signal (``LoopInterrupted``: that
+        step is checkpointed), or by an engine fault, a failed producer or reward, a full disk
+        (checkpointed if it trained a step)."""
+        step = self.loop.state.step
+        self._end_evaluation()
+        signal = isinstance(exc, LoopInterrupted)
+        saved = self._checkpoint_at_stop(step) if signal or step > self.start_step else None
+        self._reward_errors(step)
+        end = self.end.interrupted(step, self.stop_request, saved) if signal else self.end.stopped(step, exc, saved)
+        self._close_logs(ok=False)
+        return end
+
+    def aborted(self, signum: int) -> Interrupted:
+        """The end of a session aborted by a second Ctrl-C: no checkpoint, the last complete one
+        is the resume point."""
+        step = self.loop.state.step if self.loop is not None else self.start_step
+        end = self.end.aborted(step, signum)
+        self.close(abort=True)
+        return end
+
+    def crashed(self, exc: BaseException) -> None:
+        """The end of a session ended by a bug (an exception no stop expects): close what it
+        opened, and add to the traceback how to go on from the last complete checkpoint."""
+        self.close(abort=True)
+        exc.add_note(self.end.crash_note(self.loop.state.step if self.loop is not None else self.start_step))
 
 
 def run_training(
@@ -517,7 +607,7 @@ def _train(
         if not coordinator.is_main:
             coordinator.end_follower(run.follow())
         summary = run.run()
-        print(summary_line(summary, run.resume_command(f"train.steps={2 * summary['steps']}")))
+        print(summary_line(summary, run.end.resume_command(f"train.steps={2 * summary['steps']}")))
         return summary
     except Abort as abort:
         if run is None:

@@ -17,27 +17,19 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
 from sdp_cli.models.context import TINY_CONTEXT, model_context
 from sdp_cli.models.gguf import is_gguf, load_gguf_tokenizer
-from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task
+from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task, task_parameters
 from sdp_cli.tasks.base import Context
 
 
 def task_kwargs(cfg: SdpConfig) -> dict[str, Any]:
-    """The ``build_task`` arguments of ``cfg.task`` (unset keys keep the task's defaults)."""
-    task = cfg.task
-    if task.name not in DATA_TASKS:
-        return {} if task.digits is None else {"digits": task.digits}
-    kwargs: dict[str, Any] = {
-        "path": task.path,
-        "chat_template": task.chat_template,
-        "reward_kwargs": dict(task.reward_kwargs),
-        "require_stop": task.require_stop,
-        "shuffle": task.shuffle,
-        "seed": cfg.seed,
-    }
-    for key in ("prompt_key", "answer_key", "prompt_template", "system_prompt", "reward", "eval_path",
-                "eval_fraction", "max_prompt_tokens"):  # fmt: skip
-        if getattr(task, key) is not None:
-            kwargs[key] = getattr(task, key)
+    """The ``build_task`` arguments of ``cfg.task``: each parameter of the task (a data task's:
+    ``sdp_cli.dataset_options``) that is a ``task.*`` key set in the config, and ``seed``, the
+    run's; unset (null) keys keep the task's defaults."""
+    kwargs: dict[str, Any] = {}
+    for name in task_parameters(cfg.task.name):
+        value = cfg.seed if name == "seed" else getattr(cfg.task, name, None)
+        if value is not None:
+            kwargs[name] = dict(value) if isinstance(value, dict) else value
     return kwargs
 
 

@@ -20,8 +20,8 @@ import torch
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train import loop as loop_module
 from sdp_cli.train import run as run_module
+from sdp_cli.train.producer import RolloutProducer
 from sdp_cli.train.run import run_training
 
 DELTA = -0.25  # negative keeps every reported logprob ≤ 0
@@ -134,7 +134,7 @@ def test_natural_timing_never_puts_the_offset_in_the_weight(tmp_path, monkeypatc
 def test_trainer_takes_batches_before_the_producer_scores_them(tmp_path, monkeypatch):
     # No recompute ahead: every lag-1 token reaches the trainer unscored, so the take-time pass
     # (or, before it existed, the trainer's own π_prox) is what gives it π_prox_t.
-    monkeypatch.setattr(loop_module.AsyncLoop, "_recompute_ahead", lambda self: None)
+    monkeypatch.setattr(RolloutProducer, "_recompute_ahead", lambda self: None)
     run_dir = _train(tmp_path, monkeypatch, "rollout.max_head_offpolicyness=2", "train.steps=6")
     checked = _check_run(run_dir, source="engine")
     assert checked.get(1, 0) > 0 and sum(n for lag, n in checked.items() if lag >= 2) > 0

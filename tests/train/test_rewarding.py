@@ -126,7 +126,7 @@ def test_generation_goes_on_while_a_reward_is_computed():
                 f"generate was called {engine.calls} time(s) while the first reward was running"
             )
         assert loop.queue.qsize() == 0  # nothing is handed over before it is scored
-        in_hand = len(loop._in_hand)
+        in_hand = len(loop.producer.in_hand)
         assert in_hand >= 2  # the groups being scored are still the producer's
         task.gate.set()
         deadline = time.monotonic() + 10
@@ -156,10 +156,10 @@ def test_a_failing_reward_stops_the_loop_with_its_one_line(kind, tmp_path):
     loop.start()
     try:
         deadline = time.monotonic() + 60
-        while loop._producer_error is None and time.monotonic() < deadline:
+        while loop.producer.error is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert isinstance(loop._producer_error, RewardError), loop._producer_error
-        assert str(loop._producer_error) == "reward function judge.py:judge failed on record 0: ValueError: no such number"
+        assert isinstance(loop.producer.error, RewardError), loop.producer.error
+        assert str(loop.producer.error) == "reward function judge.py:judge failed on record 0: ValueError: no such number"
         assert loop.queue.qsize() == 0
     finally:
         loop.stop()

@@ -151,10 +151,10 @@ class InterruptingEngine(CountingEngine):
 
 def test_a_producer_failure_without_a_message_is_named_by_its_type():
     loop, _ = _loop(GatedTask())
-    loop.engine = InterruptingEngine()
+    loop.producer.engine = InterruptingEngine()
     loop.start()
     try:
-        _wait(lambda: loop._producer_error is not None, 10, "the producer to fail")
+        _wait(lambda: loop.producer.error is not None, 10, "the producer to fail")
         with pytest.raises(LoopStopped) as stopped:
             loop._raise_if_stopped()
     finally:
