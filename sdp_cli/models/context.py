@@ -56,7 +56,7 @@ def model_context(cfg: SdpConfig) -> int | None:
     elif is_gguf(cfg.model.path):
         context = _gguf_context(cfg.model.path or "")
     else:
-        from sdp_cli.models.loader import resolve_model_dir
+        from sdp_cli.models.model_dir import resolve_model_dir
 
         try:
             config = json.loads((resolve_model_dir(cfg.model.path or "") / "config.json").read_text())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
 from sdp_cli.models.context import TINY_CONTEXT
 from sdp_cli.models.gguf import is_gguf, load_gguf
+from sdp_cli.models.model_dir import is_hub_id, resolve_model_dir
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
@@ -36,49 +36,6 @@ from sdp_cli.tasks.base import Task
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-#: `name` or `org/name` as the hub spells repository ids
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
-#: what a hub download fetches: configs, safetensors weights, tokenizer and chat-template files
-#: (never pickle weights, never code)
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-
-
-def is_hub_id(path: str | Path) -> bool:
-    """Whether ``model.path`` names a hub model: no such local path, and shaped like ``org/name``."""
-    text = str(path)
-    return not Path(text).expanduser().exists() and bool(_HUB_ID.match(text)) and ".." not in text
-
-
-def resolve_model_dir(path: str | Path) -> Path:
-    """The local directory of ``model.path``: the path itself, or a hub id's cached snapshot,
-    downloaded first unless ``HF_HUB_OFFLINE`` is set. One-line UserError when neither works."""
-    if not is_hub_id(path):
-        return Path(path).expanduser()
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    repo = str(path)
-    try:
-        return Path(snapshot_download(repo, allow_patterns=HUB_FILES))
-    except GatedRepoError:
-        raise UserError(f"model.path={repo} is a gated hub model; accept its terms on huggingface.co and log in (hf auth login)") from None
-    except RepositoryNotFoundError:
-        raise UserError(
-            f"model.path={repo} is no local directory and no model on the Hugging Face hub "
-            "(or a private one: log in with hf auth login); check the name"
-        ) from None
-    except LocalEntryNotFoundError:
-        if constants.HF_HUB_OFFLINE:
-            raise UserError(
-                f"model.path={repo} is no local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
-                "unset HF_HUB_OFFLINE to download it, or pass a local model directory"
-            ) from None
-        raise UserError(f"model.path={repo}: the Hugging Face hub cannot be reached; check the network or pass a local directory") from None
-    except (HfHubHTTPError, OSError, ValueError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise UserError(f"model.path={repo}: download from the Hugging Face hub failed ({first}); retry or pass a local directory") from None
-
-
 def load_policy(
     kind: str,
     *,

@@ -35,7 +35,7 @@ def _meta_model(cfg: SdpConfig, task: Task) -> torch.nn.Module | None:
             return None
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from sdp_cli.models.loader import resolve_model_dir
+        from sdp_cli.models.model_dir import resolve_model_dir
 
         try:
             config = AutoConfig.from_pretrained(resolve_model_dir(cfg.model.path or ""), local_files_only=True)

@@ -206,7 +206,8 @@ def preflight(cfg: SdpConfig) -> Task:
     if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
         check_gguf_file(cfg.model.path)
     elif cfg.model.kind == "hf":
-        from sdp_cli.models.loader import check_hf_model_dir, resolve_model_dir
+        from sdp_cli.models.loader import check_hf_model_dir
+        from sdp_cli.models.model_dir import resolve_model_dir
 
         if not resolve_model_dir(cfg.model.path or "").is_dir():
             raise UserError(

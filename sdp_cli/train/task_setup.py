@@ -44,7 +44,7 @@ def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
         return load_gguf_tokenizer(cfg.model.path)
     if cfg.model.kind == "hf":
         from sdp_cli.models.loader import load_tokenizer as load_saved_tokenizer
-        from sdp_cli.models.loader import resolve_model_dir
+        from sdp_cli.models.model_dir import resolve_model_dir
 
         directory = resolve_model_dir(cfg.model.path or "")
         try:

@@ -43,7 +43,7 @@ def _env(hf_home: Path, tmp_path: Path) -> dict[str, str]:
 
 
 def test_a_hub_id_resolves_to_its_cached_snapshot(hf_home, tmp_path):
-    code = f"from sdp_cli.models.loader import resolve_model_dir; print(resolve_model_dir({REPO!r}))"
+    code = f"from sdp_cli.models.model_dir import resolve_model_dir; print(resolve_model_dir({REPO!r}))"
     out = subprocess.run([sys.executable, "-c", code], env=_env(hf_home, tmp_path), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == hf_home / "hub" / "models--sdp-test--tiny-arith" / "snapshots" / REVISION
@@ -75,7 +75,7 @@ def test_an_uncached_hub_id_offline_is_one_line_and_writes_nothing(hf_home, tmp_
 
 
 def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hf_home, tmp_path, monkeypatch):
-    from sdp_cli.models.loader import is_hub_id
+    from sdp_cli.models.model_dir import is_hub_id
 
     monkeypatch.chdir(tmp_path)
     assert is_hub_id(REPO)
