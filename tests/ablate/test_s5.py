@@ -1,7 +1,7 @@
 """`sdp ablate s5` (issue 22, S5): its data file, the plan it makes, and one job of each mode
 trained for two steps on a tiny Hugging Face model standing in for SmolLM2-135M-Instruct.
 
-The real sweep is a benchmark (docs/real-models.md, "A task SmolLM2-135M learns on a CPU"),
+The real sweep is a benchmark (docs/results.md "S5"),
 not CI: here only the machinery is checked, with the sweep's own config.
 """
 
