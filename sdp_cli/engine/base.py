@@ -66,6 +66,9 @@ class InferenceEngine(abc.ABC):
 
     #: sampling temperature; ``score`` uses the same one so that sampled and scored logprobs agree
     temperature: float
+    #: ``update_weights`` takes ``WeightUpdate(state_dict=...)``; otherwise only a safetensors
+    #: directory the engine can read (``path``), which the trainer then writes for every push
+    accepts_state_dict: bool = False
 
     @abc.abstractmethod
     def get_version(self) -> int:
