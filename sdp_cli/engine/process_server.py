@@ -176,7 +176,10 @@ def _requests(body: Any) -> list[dict[str, Any]]:
         n, stop, seed = r.get("max_new_tokens"), r.get("stop_token_ids", []), r.get("seed")
         if not isinstance(n, int) or n < 1 or not isinstance(stop, list) or not (seed is None or isinstance(seed, int)):
             raise BadRequest(f"request {r['request_id']}: bad max_new_tokens, stop_token_ids or seed")
-        out.append({**r, "stop_token_ids": [int(t) for t in stop]})
+        out.append({
+            "request_id": r["request_id"], "input_ids": ids, "max_new_tokens": n,
+            "stop_token_ids": [int(t) for t in stop], "seed": seed, "prefill_from": k,
+        })  # fmt: skip
     return out
 
 
@@ -204,6 +207,8 @@ class _Handler(BaseHTTPRequestHandler):
         service = self.server.service
         try:
             body = json.loads(raw or b"null")
+            if not isinstance(body, dict):
+                raise BadRequest("expected a JSON object")
             if self.path == "/generate":
                 result: Any = service.generate(_requests(body))
             elif self.path == "/score":
