@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     server = _Server((args.host, args.port), EngineService(engine), token)
     print(
         f"sdp local engine: pid {os.getpid()}, {torch.get_num_threads()} thread(s), model loaded in "
-        f"{time.perf_counter() - started:.2f} s, serving on {args.host}:{args.port}",
+        f"{time.perf_counter() - started:.2f} s, serving on {args.host}:{args.port}, scratch {args.scratch}",
         flush=True,
     )
     server.serve_forever()

@@ -145,6 +145,8 @@ def totals() -> dict[str, int]:
         "signals_injected": len(signals),
         "signals_survived": survived(signals),
         "signals_vllm_survived": survived([f for f in signals if "vLLM" in f.name]),
+        "engine_process_kills_injected": len([f for f in engine if "local engine process killed" in f.name]),
+        "engine_process_kills_survived": survived([f for f in engine if "local engine process killed" in f.name]),
         "runs": len(REPORT.runs),
         "runs_survived": sum(r.survived for r in REPORT.runs.values()),
         "samples_lost": sum(r.samples_lost for r in REPORT.runs.values()),
