@@ -53,7 +53,9 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=root))
     env = dict(os.environ, SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"train.steps={steps}", f"run.dir={run_dir}"]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     run = RunDir(run_dir)
     summary = json.loads(run.summary.read_text())
     steps = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]

@@ -208,6 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
         if not self._authorised():
             return
         service = self.server.service
+        assert service is not None, "requests are served once the model is loaded"
         try:
             body = json.loads(raw or b"null")
             if not isinstance(body, dict):
@@ -256,8 +257,9 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True  # a restarted process binds the port of the one that died
 
-    def __init__(self, address: tuple[str, int], service: EngineService, token: str):
+    def __init__(self, address: tuple[str, int], token: str, service: EngineService | None = None):
         super().__init__(address, _Handler)
+        #: set once the model is loaded; requests are served only from then on
         self.service = service
         self.token = token
 
@@ -293,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         parser.error(f"${TOKEN_ENV} is empty: the server would take requests from anyone")
     threading.Thread(target=_leave_with_parent, args=(args.parent_pid, args.scratch), daemon=True).start()
+    # Bind first: the port sdp picked is then ours before the seconds of imports below (until
+    # it serves, connections wait in the backlog and sdp's readiness probe waits for /health).
+    server = _Server((args.host, args.port), token)
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         dtype=DTYPES[args.dtype],
     )
-    server = _Server((args.host, args.port), EngineService(engine), token)
+    server.service = EngineService(engine)
     print(
         f"sdp local engine: pid {os.getpid()}, {torch.get_num_threads()} thread(s), model loaded in "
         f"{time.perf_counter() - started:.2f} s, serving on {args.host}:{args.port}, scratch {args.scratch}",

@@ -144,6 +144,7 @@ class RemoteEngine(InferenceEngine):
         managed: Sequence[ManagedServer] = (),
     ):
         self._managed = list(managed)
+        self.log_paths = tuple(server.spec.log_path for server in self._managed)
         launched = {server.base_url: server for server in self._managed}
         options = options or RemoteOptions()
         if not base_urls:

@@ -199,7 +199,8 @@ class TrainingRun(SessionEnd):
             self.engine = build_engine(
                 cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device, threads=thread_counts(cfg)[1]
             )
-            phase.result = "ready" if attached else f"ready (logs in {self.run_dir.logs})"
+            logs = ", ".join(str(path) for path in self.engine.log_paths)
+            phase.result = f"ready (log: {logs})" if logs else "ready"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(

@@ -66,7 +66,7 @@ def serve(tmp_path: Path, temperature: float, holder: Holder | None = None) -> S
     )
     service = EngineService(local)
     port = free_port()
-    server = _Server(("127.0.0.1", port), service, TOKEN)
+    server = _Server(("127.0.0.1", port), TOKEN, service)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     options = RemoteOptions(temperature=temperature, http=dataclasses.replace(local_http_options(60.0), api_key=TOKEN))
     scratch = tmp_path / "scratch"
