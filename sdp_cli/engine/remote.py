@@ -1,11 +1,14 @@
-"""Logic shared by the HTTP engines (vLLM, SGLang): versions, pause, weights and scoring.
+"""Logic shared by the HTTP engines (vLLM, SGLang, the local engine's process): versions, pause,
+weights and scoring.
 
 The client owns the rollout records and accumulates (token, logprob, version) triples across the
 segments a server answers (``sdp_cli.engine.wire``); the tokens of a segment carry the client's
 version at submission, cross-checked against the weight-version label the server reports (a
 disagreement is an ``EngineError``). Each sample goes through ``remote_sample.SampleRun``, three
 steps per segment: *admit* (wait while paused, pick its server, register the request), *send*
-(the dialect's request, the answer checked), *record* (tokens, π_prox_t, finish or resubmit).
+(the dialect's request, the answer checked), *record* (tokens, π_prox_t, finish or resubmit);
+a dialect with ``batched_requests`` sends every segment of a round in one request
+(``remote_sample.run_rounds``), the others one request per segment from its own thread.
 The state the threads share (pause switch, version, counters) is ``remote_state.RemoteState``;
 a server's outage and restore is ``remote_server.RemoteServer``.
 
@@ -292,7 +295,7 @@ class RemoteEngine(InferenceEngine):
                 errors = run_rounds(runs, self._state, self._server_generate_batch)
             else:
                 futures = [
-                    self._generate_pool.submit(lambda run: run.run(), self._sample_run(s, params, i))
+                    self._generate_pool.submit(self._sample_run(s, params, i).run)
                     for i, s in enumerate(pending)
                 ]
         finally:
