@@ -37,6 +37,7 @@ import hmac
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from http import HTTPStatus
@@ -262,6 +263,13 @@ class _Server(ThreadingHTTPServer):
         #: set once the model is loaded; requests are served only from then on
         self.service = service
         self.token = token
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that left before its answer (sdp's readiness probe gives up on connections
+        # queued while the process imports) is no error of the engine: no traceback in its log.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 def _leave_with_parent(parent_pid: int, scratch: Path | None) -> None:

@@ -174,6 +174,35 @@ def test_the_server_refuses_strangers_and_bad_requests_in_one_line(served):
         assert outside.status_code == 400 and "outside the model's vocabulary" in outside.json()["error"]
 
 
+def test_a_client_gone_before_its_answer_leaves_no_traceback(capfd):
+    """A connection queued while the process imports and dropped by sdp's readiness probe before
+    the answer: the server's read or write fails with a ConnectionError, which is no engine error
+    and must not print a traceback into the engine's log; any other failure still does."""
+    import socket
+    import struct
+
+    server = _Server(("127.0.0.1", free_port()), TOKEN)  # bound, not yet serving: as during imports
+    client = socket.create_connection(server.server_address)
+    client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    client.close()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        # the server still answers the next client, after the dropped one's (queued first)
+        assert httpx.get(f"http://127.0.0.1:{server.server_address[1]}/health", timeout=10).status_code == 200
+        time.sleep(0.2)  # the dropped request's thread has finished
+        assert "Traceback" not in capfd.readouterr().err
+        try:
+            raise RuntimeError("a failure of the server itself")
+        except RuntimeError:
+            server.handle_error(None, ("127.0.0.1", 1))
+        assert "RuntimeError: a failure of the server itself" in capfd.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # ------------------------------------------------------------------ the real process
 @pytest.fixture
 def process_cfg(tmp_path, monkeypatch):
