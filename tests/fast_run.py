@@ -15,8 +15,12 @@ import torch
 from sdp_cli.config.compose import compose_config
 from sdp_cli.train.run import run_training
 
-#: the fast debug run users get with ``sdp train +debug=fast`` (sdp_cli/conf/debug/fast.yaml)
-FAST = ["+debug=fast"]
+#: the fast debug run users get with ``sdp train +debug=fast`` (sdp_cli/conf/debug/fast.yaml),
+#: with the local engine in this process: a run then starts no engine process (seconds of
+#: imports each), and faults injected into the engine (sdp_cli/faults.py) hit sdp itself. The
+#: engine's own process is tested where it matters (tests/engine/test_process_engine.py,
+#: tests/reliability/test_engine_process.py, tests/train/test_threads.py).
+FAST = ["+debug=fast", "engine.in_process=true"]
 
 
 def train_run(root: Path, overrides: list[str]) -> Path:

@@ -34,6 +34,7 @@ ALLOWED_AT_RESUME = (
     "train.gradient_checkpointing",
     "train.share_prefixes",
     "train.parallel",  # DDP and FSDP checkpoints are the same files (docs/training.md)
+    "engine.in_process",  # where the local engine runs, not what it computes
     "engine.urls",
     "engine.launch",
     "engine.python",

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from sdp_cli.engines import engine_kind
 from sdp_cli.modes import resolve_mode
 
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
@@ -204,7 +205,9 @@ class EngineConfig:
     """The inference engine (group `engine`)."""
 
     kind: str = "local"
-    """local (embedded) | vllm | sglang."""
+    """a registered engine (sdp_cli/engines.py): local (sdp's own, in its own process) | vllm | sglang."""
+    in_process: bool = False
+    """local engine: run it in sdp's own process instead of its own (no start-up cost; tests, debugging)."""
     max_batch_size: int = 256
     """local engine: most sequences decoded together."""
     urls: list[str] = field(default_factory=list)
@@ -221,13 +224,14 @@ class EngineConfig:
     """dtype the engine holds the weights in and samples/scores with: float32 | bfloat16 (local engine;
     launched servers also float16, auto); null = train.dtype for the local engine, float32 for servers."""
     startup_timeout_s: float = 300.0
-    """remote engines: how long to wait for a launched server to become ready."""
+    """launched servers and the local engine's process: how long to wait for one to become ready."""
     request_timeout_s: float = 300.0
-    """remote engines: timeout of one HTTP request."""
+    """remote engines and the local engine's process: timeout of one HTTP request."""
     retries: int = 5
     """remote engines: retries (exponential backoff) on connection errors and 5xx."""
     reconnect_timeout_s: float = 300.0
-    """remote engines: how long a server that stopped answering may take to come back."""
+    """remote engines and the local engine's process: how long one that stopped answering may take
+    to come back (a launched one that exited is started again)."""
     max_consecutive_faults: int = 5
     """engine faults in a row (their groups are rejected and retried) before the run stops."""
     api_key_env: str | None = None
@@ -382,9 +386,7 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
 def engine_weight_dtype(cfg: "SdpConfig") -> str:
     """The dtype the engine's weights are held in (``engine.dtype``, resolved): as set, or when null
     ``train.dtype`` for the local engine and float32 for a server (docs/engines.md "Engine dtype")."""
-    if cfg.engine.dtype is not None:
-        return cfg.engine.dtype
-    return cfg.train.dtype if cfg.engine.kind == "local" else "float32"
+    return engine_kind(cfg.engine.kind).weight_dtype(cfg)
 
 
 @dataclass

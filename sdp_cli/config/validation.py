@@ -13,7 +13,6 @@ from typing import Any
 from sdp_cli.choices import (
     CHARSETS,
     DATA_TASKS,
-    ENGINE_KINDS,
     IS_LEVELS,
     KL_TYPES,
     LOSS_AGGS,
@@ -36,6 +35,7 @@ from sdp_cli.choices import (
 )
 from sdp_cli.config.schema import MAX_TEMPERATURE, MIN_TEMPERATURE, LoraConfig, LossConfig, SdpConfig, TaskConfig
 from sdp_cli.dataset_options import DATASET_OPTIONS
+from sdp_cli.engines import engine_dtypes, engine_kind, engine_names
 from sdp_cli.errors import UserError
 from sdp_cli.modes import Mode, resolve_mode
 from sdp_cli.user_code import is_code_spec
@@ -485,11 +485,12 @@ def validate(cfg: SdpConfig) -> None:
     _positive("train.eval_max_new_tokens", tr.eval_max_new_tokens, allow_none=True)
 
     eng = cfg.engine
-    _choice("engine.kind", eng.kind, ENGINE_KINDS)
+    _choice("engine.kind", eng.kind, engine_names())
+    kind = engine_kind(eng.kind)
     _positive("engine.max_batch_size", eng.max_batch_size)
     if not 0 <= eng.port <= 65535:
         raise ConfigValueError(f"engine.port={eng.port} must be in 0..65535")
-    if eng.kind != "local" and not eng.urls and not is_loopback(eng.host) and not eng.api_key_env:
+    if kind.launches(cfg) and not is_loopback(eng.host) and not eng.api_key_env:
         raise ConfigValueError(
             f"engine.host={eng.host} would open the inference server to the network without a key; "
             "set engine.api_key_env to a variable holding one, or bind to 127.0.0.1"
@@ -502,11 +503,12 @@ def validate(cfg: SdpConfig) -> None:
     _timeout("engine.reconnect_timeout_s", eng.reconnect_timeout_s)
     _positive("engine.max_consecutive_faults", eng.max_consecutive_faults)
     if eng.dtype is not None:
-        _choice("engine.dtype", eng.dtype, ("float32", "bfloat16", "float16", "auto"))
-    if eng.kind == "local" and eng.dtype not in (None, *TRAIN_DTYPES):
+        _choice("engine.dtype", eng.dtype, engine_dtypes())
+    if eng.dtype not in (None, *kind.dtypes):
+        why = "is for launched servers" if eng.dtype in engine_dtypes(servers=True) else "is not one it runs"
+        null = f"means {kind.default_dtype}" if kind.default_dtype else "follows train.dtype"
         raise ConfigValueError(
-            f"engine.dtype={eng.dtype} is for launched servers; the local engine runs float32 or bfloat16 "
-            "(null follows train.dtype)"
+            f"engine.dtype={eng.dtype} {why}; the {kind.name} engine runs {' or '.join(kind.dtypes)} (null {null})"
         )
     _positive("engine.max_model_len", eng.max_model_len, allow_none=True)
     _positive("engine.cpu_kv_cache_gib", eng.cpu_kv_cache_gib, allow_none=True)

@@ -66,6 +66,11 @@ class InferenceEngine(abc.ABC):
 
     #: sampling temperature; ``score`` uses the same one so that sampled and scored logprobs agree
     temperature: float
+    #: ``update_weights`` takes ``WeightUpdate(state_dict=...)``; otherwise only a safetensors
+    #: directory the engine can read (``path``), which the trainer then writes for every push
+    accepts_state_dict: bool = False
+    #: files the engine's processes write their output to (for messages); none in sdp's process
+    log_paths: tuple[Path, ...] = ()
 
     @abc.abstractmethod
     def get_version(self) -> int:

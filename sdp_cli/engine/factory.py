@@ -1,8 +1,11 @@
 """The inference engine of a run, built from its config (``engine.kind``; docs/engines.md).
 
-``local`` runs a copy of the policy in-process; ``vllm`` and ``sglang`` attach to the servers of
-``engine.urls`` or, with ``engine.launch``, start one on the policy. Each engine module is
-imported only when its kind is asked for, and none of them imports this one.
+``build_engine`` looks the kind up in the engine registry (``sdp_cli/engines.py``) and calls its
+build function; those of the built-in engines are here. ``local`` runs a copy of the policy in
+its own process (``sdp_cli/engine/process.py``), or with ``engine.in_process`` in sdp's;
+``vllm`` and ``sglang`` attach to the servers of ``engine.urls`` or, with ``engine.launch``,
+start one on the policy. Each engine module is imported only when its kind is asked for, and
+none of them imports this one.
 """
 
 from __future__ import annotations
@@ -11,43 +14,67 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.choices import ENGINE_KINDS, REMOTE_ENGINE_KINDS
 from sdp_cli.engine.base import InferenceEngine
+from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 
 
 def build_engine(
-    cfg: Any, policy: Any, run_dir: RunDir | Path, *, device: Any = "cpu"
+    cfg: Any, policy: Any, run_dir: RunDir | Path, *, device: Any = "cpu", threads: int | None = None
 ) -> InferenceEngine:
     """The engine of ``cfg.engine`` (``EngineConfig`` in sdp_cli/config/schema.py) at version 0;
-    a resumed run declares its version with ``set_version``. ``device`` is the local engine's."""
-    kind = cfg.engine.kind
-    if kind == "local":
-        return _local_engine(cfg, policy, device)
-    if kind in REMOTE_ENGINE_KINDS:
-        return _remote_engine(cfg, policy, run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir))
-    raise UserError(f"engine.kind={kind!r} is not an engine; choose one of {', '.join(ENGINE_KINDS)}")
+    a resumed run declares its version with ``set_version``. ``device`` is where a local engine
+    runs the model, ``threads`` its torch threads in its own process (None: torch's default)."""
+    build = engine_kind(cfg.engine.kind).builder()
+    run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    return build(cfg, policy, run_dir, device=device, threads=threads)
 
 
-def _local_engine(cfg: Any, policy: Any, device: Any) -> InferenceEngine:
-    from sdp_cli.config.schema import engine_weight_dtype
+def build_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads: int | None) -> InferenceEngine:
+    """``engine=local``: its own copy of the policy (never the trainer's storage), merged under
+    LoRA, held in engine.dtype (docs/engines.md "Engine dtype"), in its own process unless
+    ``engine.in_process``."""
     from sdp_cli.engine.local import LocalEngine
     from sdp_cli.models.loader import DTYPES
     from sdp_cli.models.lora import merged_copy
 
-    # its own copy (never the trainer's storage), merged under LoRA, held in engine.dtype
-    # (docs/engines.md "Engine dtype")
-    return LocalEngine(
-        merged_copy(policy.model),
-        dtype=DTYPES[engine_weight_dtype(cfg)],
+    engine_cfg = cfg.engine
+    settings = dict(
         temperature=cfg.rollout.temperature,
         eos_token_id=policy.eos_token_id,
         pad_token_id=policy.pad_token_id,
-        max_batch_size=cfg.engine.max_batch_size,
+        max_batch_size=engine_cfg.max_batch_size,
         seed=cfg.seed,
-        device=device,
     )
+    dtype = engine_kind(engine_cfg.kind).weight_dtype(cfg)
+    if engine_cfg.in_process:
+        return LocalEngine(merged_copy(policy.model), dtype=DTYPES[dtype], device=device, **settings)
+    from sdp_cli.engine.process import ProcessEngine, ProcessLaunchConfig, local_http_options
+    from sdp_cli.engine.remote import RemoteOptions
+
+    launch = ProcessLaunchConfig(
+        model="",  # written by ProcessEngine.launch into its scratch directory
+        dtype=dtype,
+        seed=cfg.seed,
+        startup_timeout_s=float(engine_cfg.startup_timeout_s),
+        temperature=float(cfg.rollout.temperature),
+        eos_token_ids=tuple(_ids(policy.eos_token_id)),
+        pad_token_id=int(policy.pad_token_id),
+        max_batch_size=int(engine_cfg.max_batch_size),
+        threads=threads,
+        device=str(device),
+    )
+    options = RemoteOptions(
+        temperature=float(cfg.rollout.temperature),
+        reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
+        http=local_http_options(float(engine_cfg.request_timeout_s)),
+    )
+    return ProcessEngine.launch(launch, policy, run_dir.logs, options)
+
+
+def _ids(value: int | Any) -> list[int]:
+    return [int(value)] if isinstance(value, int) else [int(t) for t in value]
 
 
 def _api_key(engine_cfg: Any) -> str | None:
@@ -63,15 +90,13 @@ def _api_key(engine_cfg: Any) -> str | None:
     return api_key
 
 
-def _remote_engine(cfg: Any, policy: Any, run_dir: RunDir) -> InferenceEngine:
-    """With ``engine.urls`` attach to those servers; otherwise, with ``engine.launch``, save the
-    policy to ``<run>/weights/launch`` and start one server on it, logging to ``<run>/logs``."""
-    from sdp_cli.config.schema import engine_weight_dtype
+def _server_options(cfg: Any) -> Any:
+    """The ``RemoteOptions`` of a server engine from ``engine.*``."""
     from sdp_cli.engine.http import HttpOptions
     from sdp_cli.engine.remote import RemoteOptions
 
     engine_cfg = cfg.engine
-    options = RemoteOptions(
+    return RemoteOptions(
         temperature=float(cfg.rollout.temperature),
         allow_temperature_mismatch=bool(engine_cfg.allow_temperature_mismatch),
         reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
@@ -81,25 +106,25 @@ def _remote_engine(cfg: Any, policy: Any, run_dir: RunDir) -> InferenceEngine:
             api_key=_api_key(engine_cfg),
         ),
     )
-    kind = engine_cfg.kind
+
+
+def _server_launch(cfg: Any, policy: Any, run_dir: RunDir) -> dict[str, Any] | None:
+    """The ``ServerLaunch`` fields of a server to start (the policy saved to
+    ``<run>/weights/launch`` for it), or None with ``engine.urls`` (attach to those)."""
+    from sdp_cli.config.schema import engine_weight_dtype
+
+    engine_cfg = cfg.engine
     if engine_cfg.urls:
-        if kind == "vllm":
-            from sdp_cli.engine.vllm import VLLMEngine
-
-            return VLLMEngine(
-                list(engine_cfg.urls), options, reload_method=engine_cfg.reload_method or "reload_weights"
-            )
-        from sdp_cli.engine.sglang import SGLangEngine
-
-        return SGLangEngine(list(engine_cfg.urls), options)
+        return None
     if not engine_cfg.launch:
         raise UserError(
-            f"engine={kind} has no engine.urls and engine.launch=false; give the server URLs or set engine.launch=true"
+            f"engine={engine_cfg.kind} has no engine.urls and engine.launch=false; "
+            "give the server URLs or set engine.launch=true"
         )
     from sdp_cli.models.loader import save_policy
 
     model_dir = save_policy(policy, run_dir.launch_weights)
-    common = dict(
+    return dict(
         model=str(model_dir),
         python=engine_cfg.python,
         host=engine_cfg.host,
@@ -109,16 +134,33 @@ def _remote_engine(cfg: Any, policy: Any, run_dir: RunDir) -> InferenceEngine:
         env=dict(engine_cfg.env),
         startup_timeout_s=float(engine_cfg.startup_timeout_s),
     )
-    if kind == "vllm":
-        from sdp_cli.engine.vllm import VLLMEngine, VLLMLaunchConfig
 
-        launch = VLLMLaunchConfig(
-            **common,
-            max_model_len=engine_cfg.max_model_len,
-            enforce_eager=bool(engine_cfg.enforce_eager),
-            cpu_kv_cache_gib=engine_cfg.cpu_kv_cache_gib,
+
+def build_vllm(cfg: Any, policy: Any, run_dir: RunDir, **_: Any) -> InferenceEngine:
+    """``engine=vllm``: attach to ``engine.urls`` or launch a server on the policy."""
+    from sdp_cli.engine.vllm import VLLMEngine, VLLMLaunchConfig
+
+    engine_cfg, options = cfg.engine, _server_options(cfg)
+    common = _server_launch(cfg, policy, run_dir)
+    if common is None:
+        return VLLMEngine(
+            list(engine_cfg.urls), options, reload_method=engine_cfg.reload_method or "reload_weights"
         )
-        return VLLMEngine.launch(launch, run_dir.logs, options)
+    launch = VLLMLaunchConfig(
+        **common,
+        max_model_len=engine_cfg.max_model_len,
+        enforce_eager=bool(engine_cfg.enforce_eager),
+        cpu_kv_cache_gib=engine_cfg.cpu_kv_cache_gib,
+    )
+    return VLLMEngine.launch(launch, run_dir.logs, options)
+
+
+def build_sglang(cfg: Any, policy: Any, run_dir: RunDir, **_: Any) -> InferenceEngine:
+    """``engine=sglang``: attach to ``engine.urls`` or launch a server on the policy."""
     from sdp_cli.engine.sglang import SGLangEngine, SGLangLaunchConfig
 
+    options = _server_options(cfg)
+    common = _server_launch(cfg, policy, run_dir)
+    if common is None:
+        return SGLangEngine(list(cfg.engine.urls), options)
     return SGLangEngine.launch(SGLangLaunchConfig(**common), run_dir.logs, options)

@@ -13,6 +13,10 @@ Fusing would mean merging KV caches of different lengths, which depends on each 
 cache layout (sliding-window and linear-attention layers), while one cache per call works for
 any ``*ForCausalLM``. For throughput, pass many samples per call.
 
+Aborts (the local engine's process answers a remote engine's pause with them, docs/engines.md
+"The local engine's process"): ``abort`` ends the samples of running calls at the next token
+boundary, unfinished; their call returns once none of its samples is left.
+
 Weight updates (docs/design.md §2): ``pause`` stops every call at a token boundary; ``update_weights``
 swaps the weights and bumps a weight epoch; at its next turn a call whose cache predates the epoch
 re-prefills prompt + partial output under the new weights, takes π_prox_t for its tokens of
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +55,8 @@ class _Batch:
     """
 
     rows: list[RolloutSample | None]
-    max_new_tokens: int
+    #: the longest output row ``i`` may reach (``SamplingParams.max_new_tokens`` or its own limit)
+    limits: list[int]
     stop_ids: torch.Tensor  # [S] ids that end a row
     generator: torch.Generator
     live: torch.Tensor | None = None  # [B] bool, False once a row has finished
@@ -84,6 +89,8 @@ class LocalEngine(InferenceEngine):
     ``temperature`` and ``max_batch_size`` are trusted: the config validated rollout.temperature and
     engine.max_batch_size, the batch reader a batch's temperature (``sdp recompute``).
     """
+
+    accepts_state_dict = True
 
     def __init__(
         self,
@@ -121,6 +128,8 @@ class LocalEngine(InferenceEngine):
         self._weights_epoch = 0
         self._inflight: dict[int, RolloutSample] = {}
         self._inflight_lock = threading.Lock()
+        #: ids of in-flight samples ``abort`` ended; their rows leave at the next turn
+        self._aborted: set[int] = set()
         self._prefill_proximal_tokens = 0  # written inside a model turn, read under the lock
         # which rows may share a prompt's forward (``_forward_shared``)
         self._attention_layout = attention_layout(getattr(self.model, "config", None))
@@ -161,6 +170,13 @@ class LocalEngine(InferenceEngine):
 
     def close(self) -> None:
         self._gate.close()
+
+    def abort(self, sample_ids: Collection[int] | None = None) -> None:
+        """End the in-flight samples ``sample_ids`` (None: all) at the next token boundary,
+        unfinished; the ``generate`` call of each returns once none of its samples is left."""
+        with self._inflight_lock:
+            running = self._inflight.keys()
+            self._aborted |= set(running) if sample_ids is None else set(sample_ids) & running
 
     # ---------------------------------------------------------------- weights
     def update_weights(self, update: WeightUpdate) -> None:
@@ -218,13 +234,19 @@ class LocalEngine(InferenceEngine):
         return results
 
     # ------------------------------------------------------------- generation
-    def generate(self, samples: Sequence[RolloutSample], params: SamplingParams) -> None:
+    def generate(
+        self, samples: Sequence[RolloutSample], params: SamplingParams, *, limits: Sequence[int] | None = None
+    ) -> None:
         """Sample every response to the end (stop token or ``params.max_new_tokens``), in place.
 
         ``max_new_tokens`` bounds the whole response, including a partial output a sample arrives
-        with. Blocks while the engine is paused; an exception of any step is raised here.
+        with; ``limits`` gives each sample its own bound instead. Blocks while the engine is
+        paused; an exception of any step is raised here. A sample ``abort`` ended is left
+        unfinished.
         """
         samples = list(samples)
+        limits = [params.max_new_tokens] * len(samples) if limits is None else [int(n) for n in limits]
+        assert len(limits) == len(samples), f"{len(limits)} limits for {len(samples)} samples"
         self._validate(samples)
         with self._inflight_lock:
             taken = [s.sample_id for s in samples if s.sample_id in self._inflight]
@@ -235,12 +257,12 @@ class LocalEngine(InferenceEngine):
             self._inflight.update((s.sample_id, s) for s in samples)
         try:
             todo = []
-            for sample in samples:
-                if sample.output_len >= params.max_new_tokens:
+            for sample, limit in zip(samples, limits, strict=True):
+                if sample.output_len >= limit:
                     sample.finish("length")
                     self._forget([sample])
                 else:
-                    todo.append(sample)
+                    todo.append((sample, limit))
             generator = self._generator
             if params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
@@ -251,7 +273,7 @@ class LocalEngine(InferenceEngine):
             )
             for lo in range(0, len(todo), self.max_batch_size):
                 chunk = todo[lo : lo + self.max_batch_size]
-                self._decode(_Batch(list(chunk), params.max_new_tokens, stop_ids, generator))
+                self._decode(_Batch([s for s, _ in chunk], [n for _, n in chunk], stop_ids, generator))
         finally:
             self._forget(samples)
 
@@ -279,17 +301,36 @@ class LocalEngine(InferenceEngine):
         with self._inflight_lock:
             for s in samples:
                 self._inflight.pop(s.sample_id, None)
+                self._aborted.discard(s.sample_id)
 
     def _decode(self, batch: _Batch) -> None:
-        """Decode turn after turn until every row of ``batch`` has finished."""
+        """Decode turn after turn until every row of ``batch`` has finished or was aborted."""
         while any(row is not None for row in batch.rows):
             with self._gate.decode_turn(), torch.inference_mode():
+                if not self._drop_aborted(batch):
+                    return
                 if batch.weights_epoch != self._weights_epoch:
                     self._prefill(batch)
                 self._sample_and_advance(batch)
             fault_point("local.generate")
             if self._step_callback is not None:
                 self._step_callback()
+
+    def _drop_aborted(self, batch: _Batch) -> bool:
+        """Retire the rows ``abort`` ended (they stay in the tensors, like finished rows, until
+        the next compaction); whether any row is left."""
+        with self._inflight_lock:
+            if not self._aborted:
+                return True
+            hit = [i for i, row in enumerate(batch.rows) if row is not None and row.sample_id in self._aborted]
+            for i in hit:
+                self._aborted.discard(batch.rows[i].sample_id)
+                self._inflight.pop(batch.rows[i].sample_id, None)
+        for i in hit:
+            batch.rows[i] = None
+            if batch.live is not None:
+                batch.live[i] = False
+        return any(row is not None for row in batch.rows)
 
     def _prefill(self, batch: _Batch) -> None:
         """(Re-)build the KV cache of prompt + output so far under the loaded weights.
@@ -299,7 +340,8 @@ class LocalEngine(InferenceEngine):
         same prompt share its forward.
         """
         version = self._version
-        samples = [s for s in batch.rows if s is not None]
+        live = [(s, n) for s, n in zip(batch.rows, batch.limits, strict=True) if s is not None]
+        samples = [s for s, _ in live]
         logits, mask, cache = self._forward_shared(
             [s.prompt_ids for s in samples], [s.output_ids for s in samples], use_cache=True
         )
@@ -329,9 +371,10 @@ class LocalEngine(InferenceEngine):
                 self._prefill_proximal_tokens += patched
         lengths = torch.tensor([s.output_len for s in samples], device=self.device)
         batch.rows = list(samples)
+        batch.limits = [n for _, n in live]
         batch.live = torch.ones(len(samples), dtype=torch.bool, device=self.device)
         batch.remaining = torch.tensor(
-            [batch.max_new_tokens - s.output_len for s in samples],
+            [n - s.output_len for s, n in live],
             dtype=torch.long,
             device=self.device,
         )
@@ -373,6 +416,7 @@ class LocalEngine(InferenceEngine):
                 keep = batch.live.nonzero().squeeze(1)
                 batch.cache.batch_select_indices(keep)
                 batch.rows = [batch.rows[row] for row in keep.tolist()]
+                batch.limits = [batch.limits[row] for row in keep.tolist()]
                 batch.live = batch.live[keep]
                 batch.attention_mask = batch.attention_mask[keep]
                 batch.next_positions = batch.next_positions[keep]

@@ -1,11 +1,14 @@
-"""Logic shared by the HTTP engines (vLLM, SGLang): versions, pause, weights and scoring.
+"""Logic shared by the HTTP engines (vLLM, SGLang, the local engine's process): versions, pause,
+weights and scoring.
 
 The client owns the rollout records and accumulates (token, logprob, version) triples across the
 segments a server answers (``sdp_cli.engine.wire``); the tokens of a segment carry the client's
 version at submission, cross-checked against the weight-version label the server reports (a
 disagreement is an ``EngineError``). Each sample goes through ``remote_sample.SampleRun``, three
 steps per segment: *admit* (wait while paused, pick its server, register the request), *send*
-(the dialect's request, the answer checked), *record* (tokens, π_prox_t, finish or resubmit).
+(the dialect's request, the answer checked), *record* (tokens, π_prox_t, finish or resubmit);
+a dialect with ``batched_requests`` sends every segment of a round in one request
+(``remote_sample.run_rounds``), the others one request per segment from its own thread.
 The state the threads share (pause switch, version, counters) is ``remote_state.RemoteState``;
 a server's outage and restore is ``remote_server.RemoteServer``.
 
@@ -38,7 +41,7 @@ from sdp_cli.engine.base import (
     WeightUpdate,
 )
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.engine.remote_sample import MAX_RESTORES_IN_A_ROW, SampleRun
+from sdp_cli.engine.remote_sample import MAX_RESTORES_IN_A_ROW, SampleRun, run_rounds
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.remote_state import RemoteState
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer
@@ -123,8 +126,15 @@ class RemoteEngine(InferenceEngine):
     ``close()`` the ``managed`` servers it was started with (see ``_attach_launched``).
     """
 
-    #: name used in messages and config keys ("vllm", "sglang")
+    #: name used in messages and config keys ("vllm", "sglang", "local")
     engine_name = "remote"
+    #: the dialect answers many segments (or scores) in one request (``_server_generate_batch``,
+    #: ``_server_score_batch``); otherwise one request each (``_server_generate``, ``_server_score``),
+    #: sent concurrently (docs/engines.md "How the remote engines keep versions and π_prox_t right")
+    batched_requests = False
+    #: the server's sampled and prefill logprobs are both those of softmax(z / T) at any T
+    #: (otherwise T != 1 is refused: ``check_temperature``)
+    temperature_exact = False
 
     def __init__(
         self,
@@ -135,12 +145,15 @@ class RemoteEngine(InferenceEngine):
         managed: Sequence[ManagedServer] = (),
     ):
         self._managed = list(managed)
+        self.log_paths = tuple(server.spec.log_path for server in self._managed)
+        launched = {server.base_url: server for server in self._managed}
         options = options or RemoteOptions()
         if not base_urls:
             raise EngineError(
                 f"engine={self.engine_name} needs at least one server address (engine.urls)"
             )
-        check_temperature(options, self.engine_name)
+        if not self.temperature_exact:
+            check_temperature(options, self.engine_name)
         self.options = options
         self.temperature = options.temperature
         self._state = RemoteState(self.engine_name, int(version))
@@ -155,6 +168,7 @@ class RemoteEngine(InferenceEngine):
                 engine_name=self.engine_name,
                 cond=self._state.cond,
                 reconnect_timeout_s=options.reconnect_timeout_s,
+                revive=launched[url].revive if url in launched else None,
             )
             for url in base_urls
         ]
@@ -201,17 +215,31 @@ class RemoteEngine(InferenceEngine):
     def _server_connect(self, server: RemoteServer) -> None:
         """Check that the server answers and has the routes sdp needs."""
 
-    @abc.abstractmethod
     def _server_generate(
         self, server: RemoteServer, request: SegmentRequest, refresh_id: Callable[[], str]
     ) -> Segment:
-        """Run one generation request; ``refresh_id()`` gives a fresh request id for a retry."""
+        """Run one generation request; ``refresh_id()`` gives a fresh request id for a retry
+        (dialects without ``batched_requests``)."""
+        raise NotImplementedError(f"{type(self).__name__} sends batches: _server_generate_batch")
 
-    @abc.abstractmethod
+    def _server_generate_batch(
+        self, server: RemoteServer, requests: list[SegmentRequest], refresh_ids: Callable[[], list[str]]
+    ) -> list[Segment | BaseException]:
+        """Run the requests of a round in one call: each one's answer, or the error that stands for
+        it; a failure of the whole call is raised (dialects with ``batched_requests``)."""
+        raise NotImplementedError(f"{type(self).__name__} sends one request per segment: _server_generate")
+
     def _server_score(
         self, server: RemoteServer, sequence: list[int], start: int
     ) -> tuple[list[float], str | None]:
         """Prefill logprobs of ``sequence[start:]`` and the weight-version label they ran under."""
+        raise NotImplementedError(f"{type(self).__name__} scores in batches: _server_score_batch")
+
+    def _server_score_batch(
+        self, server: RemoteServer, sequences: list[list[int]], starts: list[int]
+    ) -> list[tuple[list[float], str | None]]:
+        """``_server_score`` of each sequence (a batched dialect scores them in one request)."""
+        return [self._server_score(server, seq, start) for seq, start in zip(sequences, starts)]
 
     @abc.abstractmethod
     def _server_abort_all(self, server: RemoteServer) -> None:
@@ -258,13 +286,17 @@ class RemoteEngine(InferenceEngine):
             for sample in pending:
                 self._state.inflight[sample.sample_id] = sample
         futures: list[Future[None]] = []
+        errors: list[BaseException] = []
         try:
-            futures = [
-                self._generate_pool.submit(self._run_sample, s, params, i)
-                for i, s in enumerate(pending)
-            ]
+            if self.batched_requests:
+                runs = [self._sample_run(s, params, i) for i, s in enumerate(pending)]
+                errors = run_rounds(runs, self._state, self._server_generate_batch)
+            else:
+                futures = [
+                    self._generate_pool.submit(self._sample_run(s, params, i).run)
+                    for i, s in enumerate(pending)
+                ]
         finally:
-            errors: list[BaseException] = []
             for future in futures:
                 try:
                     future.result()
@@ -282,9 +314,9 @@ class RemoteEngine(InferenceEngine):
                 )
             raise errors[0]
 
-    def _run_sample(self, sample: RolloutSample, params: SamplingParams, position: int) -> None:
-        """Generate the ``position``-th sample of a call (``sdp_cli.engine.remote_sample``)."""
-        SampleRun(
+    def _sample_run(self, sample: RolloutSample, params: SamplingParams, position: int) -> SampleRun:
+        """The way of the ``position``-th sample of a call (``sdp_cli.engine.remote_sample``)."""
+        return SampleRun(
             sample,
             params,
             position,
@@ -293,7 +325,7 @@ class RemoteEngine(InferenceEngine):
             generate=self._server_generate,
             restore=lambda server: server.restore(self),
             max_unexplained_aborts=self.options.max_unexplained_aborts,
-        ).run()
+        )
 
     # ------------------------------------------------------------------ pause / weights
     def pause(self) -> None:
@@ -389,30 +421,50 @@ class RemoteEngine(InferenceEngine):
         with self._state.cond:
             self._state.raise_if_closed()
             expected = version_label(self._state.version)
+        # a batched dialect gets each server's share in one request, the others one per sequence
+        n = len(self.servers)
+        units = (
+            [list(range(i, len(sequences), n)) for i in range(n)]
+            if self.batched_requests
+            else [[i] for i in range(len(sequences))]
+        )
         futures = [
             self._score_pool.submit(
-                self._score_one, self.servers[i % len(self.servers)], list(seq), int(k), expected
+                self._score_unit,
+                self.servers[unit[0] % n],
+                [list(sequences[i]) for i in unit],
+                [int(starts[i]) for i in unit],
+                expected,
             )
-            for i, (seq, k) in enumerate(zip(sequences, starts))
+            for unit in units
+            if unit
         ]
-        return [f.result() for f in futures]
+        results: list[list[float]] = [[] for _ in sequences]
+        for unit, future in zip((u for u in units if u), futures):
+            for i, values in zip(unit, future.result(), strict=True):
+                results[i] = values
+        return results
 
-    def _score_one(
-        self, server: RemoteServer, sequence: list[int], start: int, expected: str
-    ) -> list[float]:
-        if start == len(sequence):
-            return []
+    def _score_unit(
+        self, server: RemoteServer, sequences: list[list[int]], starts: list[int], expected: str
+    ) -> list[list[float]]:
+        """Scores of ``sequences`` on ``server``, asked again for those a failure left without."""
+        results: list[list[float] | None] = [[] if k == len(s) else None for s, k in zip(sequences, starts)]
         last: EngineError | str = "it kept restarting"
         for _ in range(MAX_RESTORES_IN_A_ROW):
+            todo = [i for i, r in enumerate(results) if r is None]
+            if not todo:
+                break
             if server.suspect:
                 server.restore(self)
             restore_epoch = server.restore_epoch
             try:
-                logprobs, label = self._server_score(server, sequence, start)
-                if label is not None and not is_version_label(label):
+                answers = self._server_score_batch(server, [sequences[i] for i in todo], [starts[i] for i in todo])
+                if any(label is not None and not is_version_label(label) for _, label in answers):
                     server.mark_suspect()  # restarted: restore, then score again
                     continue
-                return check_scores(server, sequence, start, expected, logprobs, label)
+                for i, (logprobs, label) in zip(todo, answers, strict=True):
+                    results[i] = check_scores(server, sequences[i], starts[i], expected, logprobs, label)
             except EngineError as exc:
                 # Scoring has no side effects, so a lost server, an answer cut short by a restore
                 # on another thread or a malformed answer is simply scored again.
@@ -421,10 +473,12 @@ class RemoteEngine(InferenceEngine):
                     server.mark_suspect()
                 elif server.restore_epoch == restore_epoch:
                     logger.warning("scoring on %s failed, trying again: %s", server.url, exc)
-        raise EngineError(
-            f"scoring on {server.url} failed {MAX_RESTORES_IN_A_ROW} times in a row; check the "
-            f"server's log (last failure: {last})"
-        )
+        if any(r is None for r in results):
+            raise EngineError(
+                f"scoring on {server.url} failed {MAX_RESTORES_IN_A_ROW} times in a row; check the "
+                f"server's log (last failure: {last})"
+            )
+        return [r for r in results if r is not None]
 
     # ------------------------------------------------------------------ misc
     def stats(self) -> dict[str, int]:

@@ -8,6 +8,12 @@
   leaves the sample as it was, to be admitted again once the server is back;
 - *record*: the tokens with the version they were admitted under, π_prox_t from the prefill of a
   resubmission (docs/design.md §2 step 4), then finish, or resubmit after an abort.
+
+Two drivers run these steps: ``SampleRun.run`` sends one request per segment from its own thread
+(vLLM, SGLang: the server batches concurrent requests itself); ``run_rounds`` drives all samples
+of a call together from the calling thread, a round at a time, and sends each server one request
+holding every segment of the round (the local engine's process, which decodes a request's
+samples as one batch). Admission, answer checks and recording are the same code in both.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ MAX_RESTORES_IN_A_ROW = 3
 
 #: the dialect's request: (server, request, fresh id for a retry) → the parsed answer
 Generate = Callable[[RemoteServer, SegmentRequest, Callable[[], str]], Segment]
+#: a batched dialect's request: (server, requests, fresh ids for a retry) → each request's answer
+#: or the error that stands for it (a failure of the whole request stands for every one)
+GenerateBatch = Callable[[RemoteServer, list[SegmentRequest], Callable[[], list[str]]], list[Segment | BaseException]]
 
 
 @dataclass(frozen=True)
@@ -74,35 +83,50 @@ class SampleRun:
     restores: int = 0
 
     def run(self) -> None:
+        """Generate segment after segment, one request each, until the sample is finished."""
         while (admitted := self._admit()) is not None:
-            segment = self._send(admitted)
-            if segment is not None and self._record(admitted, segment):
+            try:
+                outcome: Segment | BaseException = self.generate(
+                    admitted.server, admitted.request, functools.partial(admitted.server.retry_id, admitted.request_ids)
+                )
+            except BaseException as exc:
+                outcome = exc
+            segment = self.settle(admitted, outcome)
+            if segment is not None and self.record(admitted, segment):
                 return
 
     def _admit(self) -> _Admitted | None:
         """Wait while paused, then admit the next request, restoring a suspect server first.
         None when the sample has no budget left (it is then finished)."""
-        sample, params, state = self.sample, self.params, self.state
         while True:
-            with state.cond:
-                state.wait_running()
-                budget = params.max_new_tokens - sample.output_len
-                if budget <= 0:
-                    sample.finish("length")
-                    return None
-                if self.server is None:
-                    self.server = min(self.servers, key=lambda s: s.load)
-                server = self.server
-                if not server.suspect:
-                    version, pause_epoch = state.version, state.pause_epoch
-                    restore_epoch = server.restore_epoch
-                    proximal_indices = missing_proximal(sample, version)
-                    request_ids = server.admit()
-                    if sample.output_len:
-                        state.counters["resubmissions"] += 1
-                    break
-                server.restoring += 1  # like a request: pause() waits for it
-            self._restore(server)
+            with self.state.cond:
+                self.state.wait_running()
+                outcome = self.admit_locked()
+            if not isinstance(outcome, RemoteServer):
+                return outcome
+            self.restore_server(outcome)
+
+    def admit_locked(self) -> _Admitted | RemoteServer | None:
+        """Admit the next request (lock held, engine running). Returns the admitted request; None
+        when the sample has no budget left (it is then finished); or its server when that is
+        suspect, counted in ``server.restoring`` (the caller then calls ``restore_server``)."""
+        sample, params, state = self.sample, self.params, self.state
+        budget = params.max_new_tokens - sample.output_len
+        if budget <= 0:
+            sample.finish("length")
+            return None
+        if self.server is None:
+            self.server = min(self.servers, key=lambda s: s.load)
+        server = self.server
+        if server.suspect:
+            server.restoring += 1  # like a request: pause() waits for it
+            return server
+        version, pause_epoch = state.version, state.pause_epoch
+        restore_epoch = server.restore_epoch
+        proximal_indices = missing_proximal(sample, version)
+        request_ids = server.admit()
+        if sample.output_len:
+            state.counters["resubmissions"] += 1
         request = SegmentRequest(
             request_id=request_ids[0],
             input_ids=sample.input_ids,
@@ -115,9 +139,9 @@ class SampleRun:
             server, request, request_ids, version, pause_epoch, restore_epoch, proximal_indices
         )
 
-    def _restore(self, server: RemoteServer) -> None:
-        """Restore the suspect server (counted in ``server.restoring`` by the caller); too many
-        restores without a good answer in between fail the sample."""
+    def restore_server(self, server: RemoteServer) -> None:
+        """Restore the suspect server (counted in ``server.restoring`` by ``admit_locked``); too
+        many restores without a good answer in between fail the sample."""
         self.restores += 1
         try:
             if self.restores > MAX_RESTORES_IN_A_ROW:
@@ -131,13 +155,14 @@ class SampleRun:
                 server.restoring -= 1
                 self.state.cond.notify_all()
 
-    def _send(self, admitted: _Admitted) -> Segment | None:
-        """The server's checked answer; None when the server was lost (it is then suspect)."""
+    def settle(self, admitted: _Admitted, outcome: Segment | BaseException) -> Segment | None:
+        """The server's checked answer; None when the server was lost (it is then suspect); any
+        other failure is raised (the sample is left as it was)."""
         server = admitted.server
-        retry_id = functools.partial(server.retry_id, admitted.request_ids)
         try:
-            segment = self.generate(server, admitted.request, retry_id)
-            check_segment(server, admitted.request, segment)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            check_segment(server, admitted.request, outcome)
         except BaseException as exc:
             with self.state.cond:
                 server.end_request(admitted.request_ids)
@@ -147,9 +172,9 @@ class SampleRun:
             if lost_server:
                 return None
             raise
-        return segment
+        return outcome
 
-    def _record(self, admitted: _Admitted, segment: Segment) -> bool:
+    def record(self, admitted: _Admitted, segment: Segment) -> bool:
         """Record the answer in the sample; True when the sample is finished, False when it is
         to be resubmitted (aborted, or answered by a server that lost sdp's weights)."""
         sample, server, state = self.sample, admitted.server, self.state
@@ -204,6 +229,65 @@ class SampleRun:
         for t in admitted.proximal_indices:
             sample.set_proximal_t(t, segment.prefill_logprobs[t - offset], admitted.version)
         self.state.counters["prefill_proximal_tokens"] += len(admitted.proximal_indices)
+
+
+def run_rounds(runs: list[SampleRun], state: RemoteState, generate_batch: GenerateBatch) -> list[BaseException]:
+    """Generate every sample of ``runs`` to its end, a round of segments at a time; returns the
+    failures (a failed sample leaves the rounds, the others go on).
+
+    A round admits every unfinished sample in one critical section (so a ``pause()`` comes
+    before the whole round or waits for all of it), restores suspect servers, sends each server
+    its requests in one ``generate_batch`` call (servers one after another), and records every
+    answer; aborted and lost segments are admitted again in the next round."""
+    errors: list[BaseException] = []
+    pending = list(runs)
+    while pending:
+        admitted: list[tuple[SampleRun, _Admitted]] = []
+        suspect: list[tuple[SampleRun, RemoteServer]] = []
+        with state.cond:
+            try:
+                state.wait_running()
+            except EngineError as exc:  # closed
+                return [*errors, *[exc] * len(pending)]
+            for run in pending:
+                try:
+                    outcome = run.admit_locked()
+                except BaseException as exc:
+                    errors.append(exc)
+                    continue
+                if isinstance(outcome, RemoteServer):
+                    suspect.append((run, outcome))
+                elif outcome is not None:
+                    admitted.append((run, outcome))
+        pending = []
+        for run, server in suspect:
+            try:
+                run.restore_server(server)
+                pending.append(run)
+            except BaseException as exc:
+                errors.append(exc)
+        by_server: dict[RemoteServer, list[tuple[SampleRun, _Admitted]]] = {}
+        for run, admission in admitted:
+            by_server.setdefault(admission.server, []).append((run, admission))
+        for server, items in by_server.items():
+            requests = [admission.request for _, admission in items]
+
+            def retry_ids(server: RemoteServer = server, items: list = items) -> list[str]:
+                return [server.retry_id(admission.request_ids) for _, admission in items]
+
+            try:
+                outcomes = generate_batch(server, requests, retry_ids)
+                assert len(outcomes) == len(items), f"{len(outcomes)} answers for {len(items)} requests"
+            except BaseException as exc:
+                outcomes = [exc] * len(items)
+            for (run, admission), outcome in zip(items, outcomes, strict=True):
+                try:
+                    segment = run.settle(admission, outcome)
+                    if segment is None or not run.record(admission, segment):
+                        pending.append(run)
+                except BaseException as exc:
+                    errors.append(exc)
+    return errors
 
 
 def missing_proximal(sample: RolloutSample, version: int) -> list[int]:

@@ -7,8 +7,8 @@ States of a server:
     answering ──(no answer after the transport's retries, or a label sdp never sets)──▶ suspect
     suspect ──restore()──▶ answering
 
-``restore()`` waits up to ``reconnect_timeout_s`` for the server to answer and reads its
-weight-version label. sdp's own label means the weights are still there; a label sdp never sets
+``restore()`` waits up to ``reconnect_timeout_s`` for the server to answer (a server sdp launched
+whose process exited is started again meanwhile: ``revive``) and reads its weight-version label. sdp's own label means the weights are still there; a label sdp never sets
 means it restarted: the current version's weights are reloaded (or only the label is set while
 the servers still run their start-up weights); another number means another client changed the
 weights, an error. Every field is guarded by the engine's condition ``cond``, which also wakes a
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -74,6 +75,9 @@ class RemoteServer:
     restores: int = 0
     #: serialises restores and weight updates of this server
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: starts a server sdp launched again if its process exited (``ManagedServer.revive``);
+    #: None for a server sdp attached to
+    revive: Callable[[], object] | None = None
 
     @property
     def url(self) -> str:
@@ -161,6 +165,12 @@ class RemoteServer:
                         f"{exc}; it did not come back within engine.reconnect_timeout_s="
                         f"{self.reconnect_timeout_s:g}"
                     ) from None
+            if self.revive is not None:
+                try:
+                    if self.revive():
+                        continue  # started again: ask at once
+                except EngineUnavailable as exc:
+                    logger.warning("%s could not be started again: %s", self.url, exc)
             with self.cond:
                 if self.cond.wait_for(lambda: self.closed, timeout=1.0):
                     raise EngineError(f"engine={self.engine_name} was closed")

@@ -1,9 +1,12 @@
-"""Launching and stopping inference servers (vLLM, SGLang).
+"""Launching, restarting and stopping inference servers (vLLM, SGLang, the local engine's process).
 
 sdp can run the server itself, typically from another virtualenv (the server's Python is
-configurable), or attach to one that is already running. A launched server writes its output
-to a log file in the run directory; readiness is a health route answering 200, and a process
-that exits during startup is reported at once with the end of its log.
+configurable), or attach to one that is already running. ``ServerLaunch`` holds what every
+launched server takes (the engines' launch configs extend it); ``ManagedServer`` runs one. A
+launched server writes its output to a log file; readiness is a health route answering 200, and
+a process that exits during startup is reported at once with the end of its log. A launched
+server whose process exited (a crash, a kill) is started again on the same port by ``revive``,
+which the engine calls when the server stops answering (docs/reliability.md "Engine faults").
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +58,61 @@ class LaunchSpec:
         return f"http://{host}:{self.port}"
 
 
+@dataclass(frozen=True)
+class ServerLaunch:
+    """What every server sdp launches takes; each engine's launch config adds its own fields."""
+
+    #: model directory (Hugging Face layout) or hub id the server loads at start
+    model: str
+    #: Python interpreter of the virtualenv that has the server installed
+    python: str = sys.executable
+    host: str = "127.0.0.1"
+    #: 0 picks a free port
+    port: int = 0
+    dtype: str = "auto"
+    seed: int = 0
+    #: further command-line flags for the server
+    extra_args: tuple[str, ...] = ()
+    #: further environment variables for the server
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 600.0
+
+    def command(self, module: str, port: int, *, model_flag: str = "--model", seed_flag: str = "--seed") -> list[str]:
+        """``python -m module`` with the model, address, dtype and seed flags (the server's names)."""
+        return [
+            self.python, "-m", module,
+            model_flag, self.model,
+            "--host", self.host,
+            "--port", str(port),
+            "--dtype", self.dtype,
+            seed_flag, str(self.seed),
+        ]  # fmt: skip
+
+    def spec(
+        self,
+        label: str,
+        command: list[str],
+        *,
+        port: int,
+        env: Mapping[str, str],
+        health_path: str,
+        log_path: Path,
+        secrets: Sequence[str] = (),
+    ) -> LaunchSpec:
+        """The ``LaunchSpec`` of ``command`` (``extra_args`` go last, so they may override a flag)."""
+        return LaunchSpec(
+            label=label,
+            command=[*command, *self.extra_args],
+            env=env,
+            host=self.host,
+            port=port,
+            health_path=health_path,
+            log_path=log_path,
+            startup_timeout_s=self.startup_timeout_s,
+            secrets=tuple(secrets),
+        )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the server binds it right after)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -62,11 +122,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class ManagedServer:
-    """A server process started by sdp; ``stop()`` (or the context manager) ends it."""
+    """A server process started by sdp; ``revive()`` starts it again if it exited, ``stop()`` (or
+    the context manager) ends it for good."""
 
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
         self._process: subprocess.Popen[bytes] | None = None
+        #: set by stop(): no revive, and a start in progress gives up
+        self._stopped = threading.Event()
+        #: serialises revives (every thread that finds the server gone may ask for one)
+        self._revive_lock = threading.Lock()
+        #: times the process was started again after it exited
+        self.restarts = 0
 
     @property
     def base_url(self) -> str:
@@ -89,8 +156,9 @@ class ManagedServer:
         # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
         with open_in_place(spec.log_path, "ab") as log:
             try:
-                # Its own session, so stop() can end the server's worker processes too.
-                self._process = subprocess.Popen(
+                # Its own session, so stop() can end the server's worker processes too, and a
+                # Ctrl-C at the terminal reaches sdp only (which stops the server at its end).
+                process = subprocess.Popen(
                     spec.command,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -103,20 +171,24 @@ class ManagedServer:
                     f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: {exc.strerror}); "
                     "set engine.python to the server virtualenv's python"
                 ) from None
+        self._process = process
         try:
-            self._wait_ready()
+            self._wait_ready(process)
         except BaseException:
-            self.stop()
+            self._end(process)
+            if self._process is process:
+                self._process = None
             raise
         return self
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> None:
         spec = self.spec
-        assert self._process is not None
         deadline = time.monotonic() + spec.startup_timeout_s
         url = spec.base_url + spec.health_path
         with httpx.Client(timeout=httpx.Timeout(5.0)) as client:
             while True:
+                if self._stopped.is_set():
+                    raise EngineUnavailable(f"the {spec.label} was stopped while it started")
                 try:
                     if client.get(url).status_code == 200:
                         logger.info("%s ready at %s", spec.label, spec.base_url)
@@ -124,7 +196,7 @@ class ManagedServer:
                 except httpx.TransportError:
                     pass  # not listening yet
                 try:
-                    code = self._process.wait(timeout=spec.poll_interval_s)
+                    code = process.wait(timeout=spec.poll_interval_s)
                 except subprocess.TimeoutExpired:
                     code = None
                 if code is not None:
@@ -138,6 +210,23 @@ class ManagedServer:
                         f"see {spec.log_path} or raise engine.startup_timeout_s"
                     )
 
+    def revive(self) -> bool:
+        """Start the server again, on the same port, if its process has exited (or an earlier
+        revive failed); True if it did. Raises EngineUnavailable when the new process does not
+        become ready (``start``). Call it on a started server only."""
+        with self._revive_lock:
+            process = self._process
+            if self._stopped.is_set() or (process is not None and process.poll() is None):
+                return False
+            logger.warning(
+                "%s (pid %s) exited with code %s; starting it again (log: %s): %s",
+                self.spec.label, process and process.pid, process and process.returncode,
+                self.spec.log_path, self.log_tail(),
+            )  # fmt: skip
+            self.restarts += 1
+            self.start()
+            return True
+
     def log_tail(self, lines: int = 3) -> str:
         """The last lines of the server's log, joined into one line."""
         try:
@@ -149,8 +238,14 @@ class ManagedServer:
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Terminate the server's process group; kill it if it has not exited after ``grace_s``."""
+        self._stopped.set()
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
+        if process is not None:
+            self._end(process, grace_s)
+
+    def _end(self, process: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+        """SIGTERM the process group of ``process``, then SIGKILL after ``grace_s``; reaps it."""
+        if process.poll() is not None:
             return
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:

@@ -17,16 +17,15 @@ tokens are then drawn from softmax(z / T) itself, the distribution of the logpro
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
-from sdp_cli.engine.servers import LaunchSpec, free_port
+from sdp_cli.engine.servers import LaunchSpec, ServerLaunch, free_port
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
@@ -50,24 +49,11 @@ NEUTRAL_SAMPLING = {
 
 
 @dataclass(frozen=True)
-class SGLangLaunchConfig:
-    """How sdp starts an SGLang server of its own."""
+class SGLangLaunchConfig(ServerLaunch):
+    """How sdp starts an SGLang server of its own (``ServerLaunch`` and SGLang's own settings)."""
 
-    #: model directory (Hugging Face layout) or hub id the server loads at start
-    model: str
-    #: Python interpreter of the virtualenv that has SGLang installed
-    python: str = sys.executable
-    host: str = "127.0.0.1"
-    #: 0 picks a free port
-    port: int = 0
-    dtype: str = "auto"
     #: fraction of GPU memory for weights and KV cache (None: SGLang chooses)
     mem_fraction_static: float | None = None
-    seed: int = 0
-    #: further command-line flags for the server
-    extra_args: tuple[str, ...] = ()
-    #: further environment variables for the server
-    env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 900.0
 
 
@@ -76,29 +62,19 @@ def launch_spec(
 ) -> LaunchSpec:
     """The command and environment of an SGLang server whose weights are labelled ``version``."""
     port = config.port or free_port(config.host)
-    command = [
-        config.python, "-m", "sglang.launch_server",
-        "--model-path", config.model,
-        "--host", config.host,
-        "--port", str(port),
-        "--dtype", config.dtype,
-        "--random-seed", str(config.seed),
-        "--weight-version", version_label(version),
-    ]  # fmt: skip
+    command = config.command("sglang.launch_server", port, model_flag="--model-path", seed_flag="--random-seed")
+    command += ["--weight-version", version_label(version)]
     if config.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(config.mem_fraction_static)]
     if api_key:
         command += ["--api-key", api_key]
-    command += list(config.extra_args)
-    return LaunchSpec(
-        label="SGLang server",
-        command=command,
-        env=dict(config.env),
-        host=config.host,
+    return config.spec(
+        "SGLang server",
+        command,
         port=port,
+        env=dict(config.env),
         health_path="/health_generate",
         log_path=Path(log_dir) / "sglang_server.log",
-        startup_timeout_s=config.startup_timeout_s,
         secrets=(api_key,) if api_key else (),
     )
 

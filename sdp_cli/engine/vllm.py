@@ -22,16 +22,15 @@ not on the token route): tokens are then drawn from softmax(z / T) itself.
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
-from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, ServerLaunch, free_port
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
@@ -59,28 +58,14 @@ NEUTRAL_SAMPLING = {
 
 
 @dataclass(frozen=True)
-class VLLMLaunchConfig:
-    """How sdp starts a vLLM server of its own."""
+class VLLMLaunchConfig(ServerLaunch):
+    """How sdp starts a vLLM server of its own (``ServerLaunch`` and vLLM's own settings)."""
 
-    #: model directory (Hugging Face layout) or hub id the server loads at start
-    model: str
-    #: Python interpreter of the virtualenv that has vLLM installed
-    python: str = sys.executable
-    host: str = "127.0.0.1"
-    #: 0 picks a free port
-    port: int = 0
-    dtype: str = "auto"
     max_model_len: int | None = None
     #: skip torch.compile / CUDA graphs: faster start, slower decoding
     enforce_eager: bool = False
     #: KV cache size in GiB on the CPU backend (VLLM_CPU_KVCACHE_SPACE)
     cpu_kv_cache_gib: float | None = None
-    seed: int = 0
-    #: further command-line flags for the server
-    extra_args: tuple[str, ...] = ()
-    #: further environment variables for the server
-    env: dict[str, str] = field(default_factory=dict)
-    startup_timeout_s: float = 600.0
 
 
 def launch_spec(
@@ -94,21 +79,12 @@ def launch_spec(
     # not shadow the server virtualenv's own packages.
     shutil.copyfile(Path(__file__).with_name("vllm_ext.py"), ext_dir / f"{EXTENSION_MODULE}.py")
     port = config.port or free_port(config.host)
-    command = [
-        config.python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", config.model,
-        "--host", config.host,
-        "--port", str(port),
-        "--dtype", config.dtype,
-        "--seed", str(config.seed),
-        "--enable-scale-out",
-        "--worker-extension-cls", EXTENSION_CLASS,
-    ]  # fmt: skip
+    command = config.command("vllm.entrypoints.openai.api_server", port)
+    command += ["--enable-scale-out", "--worker-extension-cls", EXTENSION_CLASS]
     if config.max_model_len is not None:
         command += ["--max-model-len", str(config.max_model_len)]
     if config.enforce_eager:
         command.append("--enforce-eager")
-    command += list(config.extra_args)
     env = {"VLLM_SERVER_DEV_MODE": "1", **config.env}
     python_path = [str(ext_dir), *filter(None, [config.env.get("PYTHONPATH")])]
     env["PYTHONPATH"] = ":".join(python_path)
@@ -116,15 +92,13 @@ def launch_spec(
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{config.cpu_kv_cache_gib:g}"
     if api_key:
         env["VLLM_API_KEY"] = api_key  # the environment, not argv: argv is visible to every user
-    return LaunchSpec(
-        label="vLLM server",
-        command=command,
-        env=env,
-        host=config.host,
+    return config.spec(
+        "vLLM server",
+        command,
         port=port,
+        env=env,
         health_path="/health",
         log_path=log_dir / "vllm_server.log",
-        startup_timeout_s=config.startup_timeout_s,
         secrets=(api_key,) if api_key else (),
     )
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.config.schema import SdpConfig, engine_weight_dtype
+from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
 from sdp_cli.models.precision import cast_weights
@@ -69,7 +70,8 @@ def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
 def bf16_note(cfg: SdpConfig, device: torch.device | str) -> str | None:
     """The one line ``sdp train`` prints at the start when bfloat16 will be emulated: train.dtype
     or the local engine's dtype is bfloat16, on a CPU without bf16 instructions (docs/real-models.md)."""
-    local = cfg.engine.kind == "local" and engine_weight_dtype(cfg) == "bfloat16"
+    # an engine that is no server runs sdp's own torch code on this machine
+    local = not engine_kind(cfg.engine.kind).server and engine_weight_dtype(cfg) == "bfloat16"
     if torch.device(device).type != "cpu" or not (cfg.train.dtype == "bfloat16" or local):
         return None
     if native_bf16() is not False:

@@ -23,6 +23,7 @@ from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
 from sdp_cli.engine.factory import build_engine
+from sdp_cli.engines import engine_kind
 from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
@@ -63,14 +64,15 @@ from sdp_cli.train.trainer import Trainer
 
 # ------------------------------------------------------------------- helpers
 def thread_counts(cfg: SdpConfig) -> tuple[int, int]:
-    """torch's intra-op threads of (the trainer, the rollout producer).
+    """torch's intra-op threads of (the trainer, the engine): the local engine's process, or with
+    ``engine.in_process`` the rollout producer thread it generates in.
 
-    η > 0: generation and training overlap, so each worker gets its own half of the cores (or
+    η > 0: generation and training overlap, so each gets its own half of the cores (or
     ``train.threads`` each). η = 0: the two phases alternate; the trainer takes every core (or
-    ``train.threads``) and the producer one thread. A second multi-threaded OpenMP pool in the
-    producer thread would slow both phases: measured on 2 cores, the trainer's step took 0.105 s
-    instead of 0.051 s and generation 0.040 s instead of 0.028 s (docs/training.md "Staleness and
-    threads")."""
+    ``train.threads``) and the engine one thread. A second multi-threaded OpenMP pool taking
+    turns with the trainer's on the same cores slows both phases: measured on 2 cores in one
+    process, the trainer's step took 0.105 s instead of 0.051 s and generation 0.040 s instead of
+    0.028 s (docs/training.md "Staleness and threads")."""
     cores = os.cpu_count() or 1
     overlap = cfg.rollout.max_head_offpolicyness > 0
     if cfg.train.threads is not None:
@@ -201,13 +203,14 @@ class TrainingRun:
             print("note: train.parallel=fsdp in one process: nothing to shard, the model trains whole", file=sys.stderr)
 
         self.eval_rewards = RewardPool(kind=cfg.task.reward_pool, name=f"of task {self.task.name}", rules=RewardRules.of(cfg.task))
-        if cfg.engine.kind == "local":
-            self.engine = build_engine(cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device)
-        else:
-            how = f"attaching to {len(cfg.engine.urls)} server(s)" if cfg.engine.urls else "starting a server"
-            with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
-                self.engine = build_engine(cfg, self.whole.get(), self.run_dir)
-                phase.result = "ready" if cfg.engine.urls else f"ready (server log in {self.run_dir.logs})"
+        attached = engine_kind(cfg.engine.kind).attaches(cfg)
+        how = f"attaching to {len(cfg.engine.urls)} server(s)" if attached else "starting"
+        with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
+            self.engine = build_engine(
+                cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device, threads=thread_counts(cfg)[1]
+            )
+            logs = ", ".join(str(path) for path in self.engine.log_paths)
+            phase.result = f"ready (log: {logs})" if logs else "ready"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
         # session (sdp_cli/train/ledger.py).
         self.ledger = LedgerLog(
@@ -234,7 +237,7 @@ class TrainingRun:
         )
         if checkpoint is not None:
             self._last_checkpoint = (checkpoint.step, checkpoint.path)
-        if checkpoint is not None or cfg.engine.urls:
+        if checkpoint is not None or engine_kind(cfg.engine.kind).attaches(cfg):
             self._sync_engine(self.trainer.version)
         if checkpoint is not None:
             self.loop.restore(checkpoint.state["loop"])
@@ -275,7 +278,7 @@ class TrainingRun:
         launched server were built from them, so only the version is declared; servers sdp
         attached to (engine.urls) run whatever they ran before (another run's weights, or a
         crashed session's newer ones), so they load these weights."""
-        if self.cfg.engine.kind == "local" or not self.cfg.engine.urls:
+        if not engine_kind(self.cfg.engine.kind).attaches(self.cfg):
             self.engine.set_version(version)
             return
         target = self.run_dir.weights_of(version)
@@ -290,7 +293,7 @@ class TrainingRun:
     def _weight_update(self, version: int) -> WeightUpdate:
         if self.cfg.train.keep_version_checkpoints:
             self._save_version(version)
-        if self.cfg.engine.kind == "local":
+        if self.engine.accepts_state_dict:
             return WeightUpdate(version=version, state_dict=self.whole.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)

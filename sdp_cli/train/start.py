@@ -20,6 +20,7 @@ from sdp_cli.config.compose import ConfigSource, compose_config, to_yaml
 from sdp_cli.config.schema import EngineConfig, SdpConfig
 from sdp_cli.config.validation import load_mode
 from sdp_cli.dirlock import DirectoryLock
+from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.models.gguf import check_gguf_file, is_gguf
@@ -43,7 +44,7 @@ from sdp_cli.train.trackers import active_trackers, check_installed
 
 def _launched_python(cfg: SdpConfig) -> str | None:
     """engine.python when sdp launches a server with it and it is not the default."""
-    launches = cfg.engine.kind != "local" and not cfg.engine.urls
+    launches = engine_kind(cfg.engine.kind).launches(cfg)
     return cfg.engine.python if launches and cfg.engine.python != EngineConfig().python else None
 
 
@@ -109,7 +110,7 @@ def bind_warning(cfg: SdpConfig) -> str | None:
     """The warning for a server sdp launches (a remote engine without engine.urls) bound beyond
     loopback — config validation already requires an API key for it — or None."""
     host = cfg.engine.host
-    if cfg.engine.kind == "local" or cfg.engine.urls or is_loopback(host):
+    if not engine_kind(cfg.engine.kind).launches(cfg) or is_loopback(host):
         return None
     return (
         f"warning: engine.host={host}: the inference server will accept connections from the network "
@@ -220,7 +221,7 @@ def preflight(cfg: SdpConfig) -> Task:
     if (warning := bind_warning(cfg)) is not None:
         print(warning, file=sys.stderr)
     key_env = cfg.engine.api_key_env
-    if cfg.engine.kind != "local" and key_env and not os.environ.get(key_env):
+    if engine_kind(cfg.engine.kind).server and key_env and not os.environ.get(key_env):
         raise UserError(
             f"engine.api_key_env={key_env}, but that environment variable is empty; "
             "export the key in it or unset engine.api_key_env"

@@ -148,6 +148,8 @@ def totals() -> dict[str, int]:
         "signals_vllm_survived": survived([f for f in signals if "vLLM" in f.name]),
         "hung_rewards_injected": len(hung),
         "hung_rewards_survived": survived(hung),
+        "engine_process_kills_injected": len([f for f in engine if "local engine process killed" in f.name]),
+        "engine_process_kills_survived": survived([f for f in engine if "local engine process killed" in f.name]),
         "runs": len(REPORT.runs),
         "runs_survived": sum(r.survived for r in REPORT.runs.values()),
         "samples_lost": sum(r.samples_lost for r in REPORT.runs.values()),

@@ -186,6 +186,26 @@ def test_segment_wise_lag0_weight_is_exactly_one_decoupled_is_not(bf16_run):
     assert lag0_tokens > 0
 
 
+def test_the_engine_process_runs_in_engine_dtype(tmp_path):
+    """engine.in_process=false (the default outside tests): the engine's own process holds the
+    bf16 copy (the mismatch against the fp32 trainer shows, > 1e-4 as above; a float32 process
+    would stay under the fp32 run's 1e-5) and lag-0 tokens' π_prox_t is their π_behav bit for bit
+    after the trip over the wire (JSON floats round-trip exactly)."""
+    run_dir = train_run(tmp_path, [*RUN, "engine.in_process=false", "engine.dtype=bfloat16"])
+    rows = [r for r in _rows(run_dir) if r["mismatch/lag0_tokens"] > 0]
+    assert rows
+    for r in rows:
+        assert r["mismatch/lag0_abs_mean"] > 1e-4, r["step"]
+        assert r["shadow/segment_wise/lag0/behav_imp_weight/avg"] == 1.0, r["step"]
+    lag0_tokens = 0
+    for path in sorted((run_dir / "batches").glob("*.safetensors")):
+        b = read_batch(path)
+        on_policy = (b.versions == b.trainer_version) & (b.versions >= 0)
+        lag0_tokens += int(on_policy.sum())
+        assert torch.equal(b.proximal_logprobs_t[on_policy], b.old_logprobs[on_policy])
+    assert lag0_tokens > 0
+
+
 def test_a_bf16_lora_run_recomputes_exactly(tmp_path):
     """Under LoRA the trained base itself is cast to bfloat16; cast with ``Module.to`` (as before),
     RoPE's inv_freq went bf16 in the trainer and the engine's copy, and recompute's fresh bf16 load

@@ -43,7 +43,7 @@ class OffsetEngine(LocalEngine):
 
 
 def _offset_engine_factory(step_delay_s: float = 0.0):
-    def build(cfg, policy, run_dir, *, device="cpu"):
+    def build(cfg, policy, run_dir, *, device="cpu", threads=None):
         import copy
 
         callback = (lambda: time.sleep(step_delay_s)) if step_delay_s else None

@@ -1,7 +1,11 @@
-"""torch's intra-op threads of the trainer and of the rollout producer (train/run.py
-thread_counts): at η = 0 the phases alternate and the producer must not bring up a second
-multi-threaded OpenMP pool (it slowed both phases about 1.5-2× on 2 cores); at η > 0 each
-worker gets its share of the cores."""
+"""torch's intra-op threads of the trainer and of the engine (train/run.py thread_counts): the
+local engine's own process, or with engine.in_process the rollout producer thread it generates
+in. At η = 0 the phases alternate and the engine must not bring up a second multi-threaded
+OpenMP pool (it slowed both phases about 1.5-2× on 2 cores); at η > 0 each gets its share of
+the cores."""
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,3 +55,26 @@ def test_a_run_generates_and_trains_with_those_threads(fast_config, monkeypatch,
     finally:
         torch.set_num_threads(before)
     assert seen == {"train": {expected[0]}, "generate": {expected[1]}}
+
+
+def test_the_engine_process_runs_with_its_share(fast_config, monkeypatch):
+    """engine.in_process=false: the engine's own process takes the engine's count (η = 2 on 8
+    cores: 4, which is not torch's default on the 2-core test machine), the trainer its own."""
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    seen: set[int] = set()
+    step = Trainer.step
+
+    def counted_step(self, batch):
+        seen.add(torch.get_num_threads())
+        return step(self, batch)
+
+    monkeypatch.setattr(Trainer, "step", counted_step)
+    before = torch.get_num_threads()
+    try:
+        cfg, raw = fast_config("engine.in_process=false", "rollout.max_head_offpolicyness=2", "train.steps=2")
+        summary = run_training(cfg, raw, overrides=[])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {4}
+    log = (Path(summary["run_dir"]) / "logs" / "local_engine.log").read_text()
+    assert re.findall(r"sdp local engine: pid \d+, (\d+) thread", log) == ["4"]

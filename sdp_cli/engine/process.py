@@ -1,0 +1,299 @@
+"""``engine=local``: sdp's own engine in its own process, spoken to as a remote engine.
+
+The process (``sdp_cli/engine/process_server.py``) runs a ``LocalEngine`` with its own
+interpreter and torch threads, so generation, the recompute pass and training no longer share
+sdp's interpreter (docs/training.md "What asynchrony buys on a CPU"). The trainer reaches it
+through ``RemoteEngine``, the path the vLLM and SGLang clients take: segments, versions checked
+against labels, pause by abort and resubmission with re-prefill, restores after an outage. This
+dialect sends batches (``batched_requests``): one request per round of segments, decoded by the
+engine as one batch, and one scoring request per pass.
+
+Weights (docs/engines.md "The local engine's process"): the start-up policy and every push are
+safetensors files in a scratch directory on tmpfs (``/dev/shm``, else the temporary directory),
+written by sdp and read by the process; nothing is pickled. The current version's file stays
+until the next push, so that a restarted process gets it again. The process is launched like a
+server (``servers.ManagedServer``): loopback only, a random token in its environment, a log in
+``<run>/logs/local_engine.log``; a process that exited is started again when it stops answering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sdp_cli
+from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.engine.http import HttpOptions
+from sdp_cli.engine.process_server import TOKEN_ENV
+from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
+from sdp_cli.engine.remote_server import RemoteServer
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, ServerLaunch, free_port
+from sdp_cli.engine.wire import (
+    Segment,
+    SegmentRequest,
+    as_logprob,
+    as_token_ids,
+    expand_spans,
+    malformed,
+)
+
+#: scratch directories live here when it is a writable tmpfs (files in memory, no disk writes)
+SHM = Path("/dev/shm")
+LOG_NAME = "local_engine.log"
+#: the file a weight push writes (the layout ``_local_weights.read_safetensors_dir`` reads)
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ProcessLaunchConfig(ServerLaunch):
+    """How sdp starts its local engine's process (``ServerLaunch`` with sdp's python, on loopback,
+    and the ``LocalEngine`` settings)."""
+
+    temperature: float = 1.0
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    max_batch_size: int = 256
+    #: torch threads of the process (None: torch's default, every core)
+    threads: int | None = None
+    device: str = "cpu"
+    #: the policy's attention implementation (the process builds the same model)
+    attn_implementation: str | None = None
+    startup_timeout_s: float = 300.0
+
+
+def local_http_options(request_timeout_s: float) -> HttpOptions:
+    """The transport to the process: loopback, so a lost process shows at once (two quick
+    retries); its token is added at launch."""
+    return HttpOptions(
+        connect_timeout_s=5.0,
+        request_timeout_s=request_timeout_s,
+        max_retries=2,
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
+
+
+def scratch_root() -> Path:
+    """Where weight files go: ``/dev/shm`` when it is a writable directory, else the temp dir."""
+    return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def write_weights(state_dict: Mapping[str, Any], directory: Path) -> Path:
+    """``state_dict`` as ``directory/model.safetensors``, whole or not at all (written beside and
+    renamed). Tensors sharing storage (tied embeddings) are written once: the engine's copy
+    keeps them tied (``_local_weights.copy_weights``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{WEIGHTS_FILE}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, directory / WEIGHTS_FILE)
+    return directory
+
+
+def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scratch: Path) -> LaunchSpec:
+    """The command and environment of the local engine's process."""
+    port = config.port or free_port(config.host)
+    command = config.command("sdp_cli.engine.process_server", port)
+    command += [
+        "--temperature", repr(config.temperature),
+        "--eos", *map(str, config.eos_token_ids),
+        "--pad", str(config.pad_token_id),
+        "--max-batch-size", str(config.max_batch_size),
+        "--device", config.device,
+        "--parent-pid", str(os.getpid()),
+        "--scratch", str(scratch),
+    ]  # fmt: skip
+    env = {TOKEN_ENV: token, **config.env}  # the token in the environment: argv is visible to all
+    if config.threads:
+        command += ["--threads", str(config.threads)]
+        env["OMP_NUM_THREADS"] = str(config.threads)  # the process's OpenMP pool from its start
+    if config.attn_implementation:
+        command += ["--attn-implementation", config.attn_implementation]
+    # the sdp_cli this process runs, whatever the environment's path says
+    package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return config.spec(
+        "local engine process",
+        command,
+        port=port,
+        env=env,
+        health_path="/health",
+        log_path=Path(log_dir) / LOG_NAME,
+        secrets=(token,),
+    )
+
+
+class ProcessEngine(RemoteEngine):
+    """``InferenceEngine`` over sdp's engine process (``launch`` starts it)."""
+
+    engine_name = "local"
+    batched_requests = True
+    #: samples and scores at softmax(z / T) itself, sampled and prefill logprobs alike
+    temperature_exact = True
+    accepts_state_dict = True
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        options: RemoteOptions | None = None,
+        *,
+        scratch: Path,
+        version: int = 0,
+        managed: Sequence[ManagedServer] = (),
+    ):
+        #: where weight pushes are written (removed by ``close``)
+        self.scratch = scratch
+        super().__init__(base_urls, options, version=version, managed=managed)
+
+    @classmethod
+    def launch(
+        cls, config: ProcessLaunchConfig, policy: Any, log_dir: Path, options: RemoteOptions
+    ) -> ProcessEngine:
+        """Write ``policy`` to a new scratch directory, start the process on it and attach;
+        ``close()`` stops the process and removes the directory."""
+        from sdp_cli.models.loader import save_policy
+
+        scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
+        try:
+            model_dir = save_policy(policy, scratch / "launch")
+            attn = getattr(getattr(policy.model, "config", None), "_attn_implementation", None)
+            config = dataclasses.replace(config, model=str(model_dir), python=sys.executable, attn_implementation=attn)
+            token = secrets.token_hex(16)
+            options = dataclasses.replace(options, http=dataclasses.replace(options.http, api_key=token))
+            spec = launch_spec(config, log_dir, token=token, scratch=scratch)
+            return cls._attach_launched(spec, options, scratch=scratch)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, update: WeightUpdate) -> None:
+        """A state dict is written to the scratch directory and loaded from there; the previous
+        versions' files go once the new one is loaded."""
+        if update.state_dict is None:
+            super().update_weights(update)
+            return
+        if not self.is_paused():
+            raise EngineError("engine=local: update_weights needs a paused engine; call pause() first")
+        target = write_weights(update.state_dict, self.scratch / f"v{update.version:06d}")
+        super().update_weights(WeightUpdate(version=update.version, path=target, extra=update.extra))
+        for old in self.scratch.glob("v*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # ------------------------------------------------------------------ dialect
+    def _unavailable_hint(self) -> str:
+        return f"sdp's engine process stopped answering; see {LOG_NAME} in the run's logs directory"
+
+    def _server_connect(self, server: RemoteServer) -> None:
+        server.http.get("/health")
+
+    def _server_generate_batch(
+        self, server: RemoteServer, requests: list[SegmentRequest], refresh_ids: Callable[[], list[str]]
+    ) -> list[Segment | BaseException]:
+        def body(request_ids: list[str]) -> dict[str, Any]:
+            return {
+                "requests": [
+                    {
+                        "request_id": request_id,
+                        "input_ids": r.input_ids,
+                        "max_new_tokens": r.max_new_tokens,
+                        "stop_token_ids": list(r.stop_token_ids),
+                        "seed": r.seed,
+                        "prefill_from": r.prefill_from,
+                    }
+                    for r, request_id in zip(requests, request_ids, strict=True)
+                ]
+            }
+
+        answer = server.http.post(
+            "/generate", body([r.request_id for r in requests]), refresh=lambda: body(refresh_ids())
+        )
+        items = answer.get("segments") if isinstance(answer, dict) else None
+        if not isinstance(items, list) or len(items) != len(requests):
+            raise malformed(server, "/generate", f"expected {len(requests)} segments")
+        out: list[Segment | BaseException] = []
+        for item in items:
+            try:
+                out.append(_segment(server, item))
+            except EngineError as exc:
+                out.append(exc)
+        return out
+
+    def _server_score_batch(
+        self, server: RemoteServer, sequences: list[list[int]], starts: list[int]
+    ) -> list[tuple[list[float], str | None]]:
+        answer = server.http.post("/score", {"sequences": sequences, "starts": starts})
+        rows = answer.get("logprobs") if isinstance(answer, dict) else None
+        label = answer.get("weight_version") if isinstance(answer, dict) else None
+        if not isinstance(rows, list) or len(rows) != len(sequences) or not isinstance(label, str):
+            raise malformed(server, "/score", f"expected {len(sequences)} rows of logprobs and a weight_version")
+        return [
+            ([as_logprob(server, "/score", x, "a score") for x in row] if isinstance(row, list) else [], label)
+            for row in rows
+        ]
+
+    def _server_abort_all(self, server: RemoteServer) -> None:
+        server.http.post("/abort", {"request_ids": None}, timeout=self.options.http.admin_timeout_s)
+
+    def _server_abort_requests(self, server: RemoteServer, request_ids: list[str]) -> None:
+        server.http.post("/abort", {"request_ids": request_ids}, retry=False)
+
+    def _server_load_weights(self, server: RemoteServer, path: Path, label: str) -> None:
+        server.http.post(
+            "/load_weights", {"path": str(path), "label": label}, timeout=self.options.http.admin_timeout_s
+        )
+
+    def _server_set_version(self, server: RemoteServer, label: str) -> None:
+        server.http.post("/weight_version", {"label": label}, timeout=self.options.http.admin_timeout_s)
+
+    def _server_get_version(self, server: RemoteServer) -> str | None:
+        answer = server.http.get("/weight_version")
+        if not isinstance(answer, dict) or not isinstance(answer.get("weight_version"), str):
+            raise malformed(server, "/weight_version", "no weight_version string")
+        return answer["weight_version"]
+
+
+def _segment(server: RemoteServer, item: Any) -> Segment:
+    """One request's answer of ``/generate``, parsed and checked."""
+    path = "/generate"
+    if not isinstance(item, dict):
+        raise malformed(server, path, "a segment is not an object")
+    token_ids = as_token_ids(server, path, item.get("token_ids"), "token_ids")
+    logprobs = item.get("logprobs")
+    if not isinstance(logprobs, list):
+        raise malformed(server, path, "logprobs is not a list")
+    prefill = item.get("prefill_logprobs")
+    if prefill is not None and not isinstance(prefill, list):
+        raise malformed(server, path, "prefill_logprobs is not a list")
+    prefill_version = item.get("prefill_version")
+    return Segment(
+        token_ids=token_ids,
+        logprobs=[as_logprob(server, path, x, "a logprob") for x in logprobs],
+        finish_reason=str(item.get("finish_reason")),
+        token_versions=expand_spans(server, path, item.get("weight_versions"), len(token_ids)),
+        prefill_logprobs=None if prefill is None else [as_logprob(server, path, x, "a prefill logprob") for x in prefill],
+        prefill_version=None if prefill_version is None else str(prefill_version),
+    )

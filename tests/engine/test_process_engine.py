@@ -1,0 +1,258 @@
+"""The local engine in its own process (docs/engines.md "The local engine's process"): the
+``RemoteEngine`` client path vLLM and SGLang users run, in batches, against sdp's engine server.
+
+The fast tests serve ``process_server``'s routes from a thread of this process (no interpreter
+start), the last ones start the real process. References are full unpadded forwards under each
+version's weights (tests/engine/tiny_qwen.py), as for the in-process engine: every token carries
+the version that sampled it, and π_prox_t of a token of version v is log π_{v+1}, from the
+prefill of the resubmission after the update (docs/design.md §2 step 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sdp_cli.engine.base import SamplingParams, WeightUpdate
+from sdp_cli.engine.local import LocalEngine
+from sdp_cli.engine.process import ProcessEngine, local_http_options
+from sdp_cli.engine.process_server import EngineService, _Server
+from sdp_cli.engine.remote import RemoteOptions
+from sdp_cli.engine.servers import free_port
+from sdp_cli.rollout.records import RolloutSample
+
+from .test_local_segments import WAIT_S, check_versions_and_proximal, perturb_, snapshot, start_generate
+from .tiny_qwen import EOS, PAD, prompts, reference_logprobs, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOKEN = "test-token"
+
+
+class Holder:
+    """Step callback of the served engine: after the listed decode steps it stops the
+    generating thread at that token boundary until the test releases it."""
+
+    def __init__(self, at_steps: set[int]):
+        self.at_steps, self.steps = at_steps, 0
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def __call__(self) -> None:
+        self.steps += 1
+        if self.steps in self.at_steps:
+            self.reached.set()
+            assert self.go.wait(WAIT_S), "the test never released the engine"
+            self.go.clear()
+
+
+@dataclasses.dataclass
+class Served:
+    engine: ProcessEngine
+    service: EngineService
+    server: _Server
+
+
+def serve(tmp_path: Path, temperature: float, holder: Holder | None = None) -> Served:
+    """sdp's engine server on a thread of this process, and a client attached to it."""
+    local = LocalEngine(
+        tiny_model(), temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=7, step_callback=holder
+    )
+    service = EngineService(local)
+    port = free_port()
+    server = _Server(("127.0.0.1", port), TOKEN, service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    options = RemoteOptions(temperature=temperature, http=dataclasses.replace(local_http_options(60.0), api_key=TOKEN))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    return Served(ProcessEngine([f"http://127.0.0.1:{port}"], options, scratch=scratch), service, server)
+
+
+@pytest.fixture
+def served(tmp_path):
+    made: list[Served] = []
+
+    def make(temperature: float = 1.0, holder: Holder | None = None) -> Served:
+        made.append(serve(tmp_path, temperature, holder))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.engine.close()
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def pause_while_held(served: Served, holder: Holder) -> None:
+    """Pause the client while the engine is held at a token boundary: the abort reaches the
+    server first, so the segment in flight ends exactly there."""
+    assert holder.reached.wait(WAIT_S), "the engine never reached the step"
+    holder.reached.clear()
+    pausing = threading.Thread(target=served.engine.pause, daemon=True)
+    pausing.start()
+    deadline = time.monotonic() + WAIT_S
+    while not served.service._aborted:  # the abort has arrived
+        assert time.monotonic() < deadline, "the abort never reached the server"
+        time.sleep(0.005)
+    holder.go.set()
+    pausing.join(WAIT_S)
+    assert not pausing.is_alive()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_versions_and_proximal_t_across_three_updates_mid_generation(served, temperature):
+    holder = Holder({3, 8, 12})
+    s = served(temperature, holder)
+    trainer = tiny_model()  # moves the way a trainer would
+    states = {0: snapshot(trainer)}
+    samples = prompts([5, 2, 8, 3, 6, 4])
+    thread, errors = start_generate(s.engine, samples, SamplingParams(max_new_tokens=20))
+    for version in (1, 2, 3):
+        pause_while_held(s, holder)
+        # the partial outputs are in the client's samples
+        inflight = s.engine.inflight_samples()
+        # (a remote engine lists a call's samples until the call returns, finished ones too)
+        partial = [x for x in inflight if not x.is_finished]
+        assert partial and all(0 < x.output_len < 20 for x in partial)
+        lengths = [x.output_len for x in samples]
+        perturb_(trainer, seed=version)
+        states[version] = snapshot(trainer)
+        # in memory: written to the scratch directory (tied embeddings once), loaded from there
+        s.engine.update_weights(WeightUpdate(version=version, state_dict=states[version]))
+        assert sorted(p.name for p in s.engine.scratch.iterdir()) == [f"v{version:06d}"]
+        assert [x.output_len for x in samples] == lengths, "nothing is generated while paused"
+        s.engine.resume()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and not errors, errors
+    assert all(x.is_finished for x in samples)
+    # steps 1-3 under version 0; the updates reached samples in flight, so some tokens are of
+    # every version and every stale one has π_{v+1} from the resubmission's prefill
+    assert {v for x in samples for v in x.versions} == {0, 1, 2, 3}
+    check_versions_and_proximal(samples, states, temperature)
+    stats = s.engine.stats()
+    patched = sum(pv == v + 1 for x in samples for v, pv in zip(x.versions, x.proximal_t_versions))
+    assert stats["prefill_proximal_tokens"] == patched > 0
+
+
+def test_scores_over_the_wire_equal_full_forwards(served):
+    s = served(0.7)
+    samples = prompts([4, 1, 6])
+    s.engine.generate(samples, SamplingParams(max_new_tokens=6, seed=11))
+    seqs = [x.input_ids for x in samples]
+    scores = s.engine.score([*seqs, seqs[0]], [x.prompt_len for x in samples] + [len(seqs[0])])
+    assert scores[-1] == []
+    model = tiny_model()
+    for x, row in zip(samples, scores, strict=False):
+        ref = reference_logprobs(model, x.input_ids, x.prompt_len, 0.7)
+        assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) <= 1e-5
+        # and the sampled logprobs (π_behav) are the same distribution's
+        assert max(abs(a - b) for a, b in zip(x.old_logprobs, ref, strict=True)) <= 1e-5
+
+
+def test_the_server_refuses_strangers_and_bad_requests_in_one_line(served):
+    s = served()
+    url = s.engine.servers[0].url
+    with httpx.Client(base_url=url) as client:
+        assert client.get("/health").status_code == 200  # readiness needs no token
+        refused = client.post("/abort", json={"request_ids": None})
+        assert refused.status_code == 401 and refused.json() == {"error": "missing or wrong token"}
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        bad = client.post("/generate", json={"requests": [{"request_id": "a", "input_ids": [1, "x"]}]}, headers=auth)
+        assert bad.status_code == 400
+        assert bad.json() == {"error": "request a: input_ids is not a list of token ids"}
+        outside = client.post(
+            "/generate",
+            json={"requests": [{"request_id": "b", "input_ids": [999], "max_new_tokens": 2, "stop_token_ids": []}]},
+            headers=auth,
+        )
+        assert outside.status_code == 400 and "outside the model's vocabulary" in outside.json()["error"]
+
+
+def test_a_client_gone_before_its_answer_leaves_no_traceback(capfd):
+    """A connection queued while the process imports and dropped by sdp's readiness probe before
+    the answer: the server's read or write fails with a ConnectionError, which is no engine error
+    and must not print a traceback into the engine's log; any other failure still does."""
+    import socket
+    import struct
+
+    server = _Server(("127.0.0.1", free_port()), TOKEN)  # bound, not yet serving: as during imports
+    client = socket.create_connection(server.server_address)
+    client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    client.close()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        # the server still answers the next client, after the dropped one's (queued first)
+        assert httpx.get(f"http://127.0.0.1:{server.server_address[1]}/health", timeout=10).status_code == 200
+        time.sleep(0.2)  # the dropped request's thread has finished
+        assert "Traceback" not in capfd.readouterr().err
+        try:
+            raise RuntimeError("a failure of the server itself")
+        except RuntimeError:
+            server.handle_error(None, ("127.0.0.1", 1))
+        assert "RuntimeError: a failure of the server itself" in capfd.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------ the real process
+@pytest.fixture
+def process_cfg(tmp_path, monkeypatch):
+    from sdp_cli.config.compose import compose_config
+
+    from ..fast_run import FAST
+
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+    cfg, _ = compose_config([*FAST, "engine.in_process=false"])
+    return cfg
+
+
+def test_a_killed_process_is_started_again_and_close_leaves_nothing(process_cfg, tmp_path):
+    """kill -9 of the engine process after a weight push: the next call still completes, every
+    token by the pushed weights (the restarted process got them again, not its start-up ones),
+    and close() ends the process and removes the scratch directory. (Kills mid-run, during
+    generation: tests/reliability/test_engine_process.py.)"""
+    from sdp_cli.engine.factory import build_engine
+    from sdp_cli.train.policy_setup import load_policy_from
+    from sdp_cli.train.task_setup import build_task_from
+
+    policy = load_policy_from(process_cfg, build_task_from(process_cfg))
+    engine = build_engine(process_cfg, policy, tmp_path / "run", threads=1)
+    managed = engine._managed[0]
+    scratch = engine.scratch
+    first_pid = managed.pid
+    try:
+        assert (tmp_path / "run" / "logs" / "local_engine.log").read_text().count("serving on") == 1
+        prompt = policy.tokenizer("12+7=")["input_ids"]
+        state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+        perturb_(policy.model, seed=1)
+        engine.pause()
+        engine.update_weights(WeightUpdate(version=1, state_dict=policy.model.state_dict()))
+        engine.resume()
+        os.kill(first_pid, signal.SIGKILL)  # the process dies between calls ...
+        samples = [RolloutSample(prompt_ids=list(prompt)) for _ in range(4)]
+        engine.generate(samples, SamplingParams(max_new_tokens=6))  # ... and is back for this one
+        assert managed.restarts == 1 and managed.pid != first_pid
+        assert engine.stats()["restores"] == 1
+        # the tokens are version 1's: the restarted process reloaded the pushed weights, not
+        # its start-up ones (which differ: the reference under them is far off)
+        for x in samples:
+            assert set(x.versions) == {1}
+            ref1 = reference_logprobs(policy.model.eval(), x.input_ids, x.prompt_len, 1.0)
+            assert max(abs(a - b) for a, b in zip(x.old_logprobs, ref1, strict=True)) <= 1e-4
+        policy.model.load_state_dict(state)
+        ref0 = reference_logprobs(policy.model.eval(), samples[0].input_ids, samples[0].prompt_len, 1.0)
+        assert max(abs(a - b) for a, b in zip(samples[0].old_logprobs, ref0, strict=True)) > 1e-3
+    finally:
+        engine.close()
+    assert managed.pid is None and not scratch.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(first_pid, 0)

@@ -1,0 +1,157 @@
+"""Faults of the local engine's own process (docs/reliability.md "Engine faults"): `sdp train`
+with `engine.in_process=false` in a subprocess, its engine process killed -9 mid-run, sdp
+stopped by SIGINT/SIGTERM and killed -9 with its engine process running.
+
+A killed engine process is survived like a server fault: sdp starts it again on the same port,
+gives it the current weights and resubmits the samples it held, so every run reaches its target
+with nothing lost or duplicated (ledger audit), and every token's behaviour logprob is its
+logprob under the weights of the version it is tagged with. A stop of sdp, by signal or kill,
+leaves no engine process and no scratch directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from . import report
+from .harness import FAST, check_finished_run, first_step_time_after, metrics, run_sdp, sdp_env, wait_for
+from .test_engine_faults_vllm import assert_tokens_carry_their_version
+from .test_signals import check_interrupted
+
+pytestmark = pytest.mark.reliability
+
+LOG = Path("logs") / "local_engine.log"
+
+
+def _args(run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        *FAST,
+        "engine.in_process=false",
+        "+preset=segment_wise",
+        "rollout.max_head_offpolicyness=2",
+        # as in test_engine_faults_vllm.py: weight decay makes every version differ from the
+        # last, so a token tagged with the wrong version cannot pass the version check
+        "optim.lr=3e-3",
+        "optim.weight_decay=10",
+        f"train.steps={steps}",
+        "train.checkpoint_every=3",
+        "train.save_batches=true",
+        "train.keep_version_checkpoints=true",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
+
+
+def engine_pids(run_dir: Path) -> list[int]:
+    """The engine processes the run started, in order (each writes its pid when it serves)."""
+    log = run_dir / LOG
+    text = log.read_text() if log.is_file() else ""
+    return [int(p) for p in re.findall(r"sdp local engine: pid (\d+)", text)]
+
+
+def scratches(run_dir: Path) -> list[Path]:
+    """The scratch directories the run's engine processes were started with, in order."""
+    return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", (run_dir / LOG).read_text())]
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie of sdp counts as gone: it no longer runs)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def _finished(run_dir: Path, steps: int, run_id: str, *outputs: str):
+    verdict = check_finished_run(run_dir, steps)
+    assert assert_tokens_carry_their_version(run_dir) > 0
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    return verdict
+
+
+def test_engine_process_killed_three_times_mid_run(tmp_path, sdp_cache):
+    steps = 14
+    run_dir = tmp_path / "run"
+    log = tmp_path / "sdp.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sdp_cli", "train", *_args(run_dir, steps)],
+            env=sdp_env(sdp_cache), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    kills: list[tuple[int, float]] = []  # (step reached before the kill, when)
+    try:
+        for n, after_step in enumerate((2, 6, 10), start=1):
+            wait_for(lambda: len(metrics(run_dir)) >= after_step and len(engine_pids(run_dir)) == n, 600,
+                     f"step {after_step} on engine process {n}", proc)  # fmt: skip
+            pid = engine_pids(run_dir)[-1]
+            os.kill(pid, signal.SIGKILL)
+            kills.append((len(metrics(run_dir)), time.time()))
+        assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run_id = "local engine process killed -9 three times"
+    _finished(run_dir, steps, run_id, log.read_text())
+    assert len(engine_pids(run_dir)) == 4, "each kill was followed by one restart"
+    last = metrics(run_dir)[-1]
+    assert last["engine/restores"] >= 3, "every restarted process got the current weights again"
+    for step, killed_at in kills:
+        back = first_step_time_after(run_dir, step, killed_at)
+        report.fault("engine", "local engine process killed -9 mid-run", run_id, back - killed_at)
+    assert all(gone(pid) for pid in engine_pids(run_dir))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_stops_the_engine_process_too(signum, tmp_path, sdp_cache):
+    steps = 30
+    run_dir = tmp_path / "run"
+    env = sdp_env(sdp_cache)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdp_cli", "train", *_args(run_dir, steps)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    wait_for(lambda: len(metrics(run_dir)) >= 2, 600, "step 2", proc)
+    (pid,) = engine_pids(run_dir)
+    (scratch,) = scratches(run_dir)
+    assert scratch.is_dir()
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    stopped_at = time.time()
+    step = check_interrupted(run_dir, signum, proc.returncode, stderr, updates_per_step=1)
+    assert gone(pid) and not scratch.exists(), "sdp's end stops its engine process and removes its files"
+    done = run_sdp(["train", f"resume={run_dir}"], env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = f"{signal.Signals(signum).name}, local engine process"
+    _finished(run_dir, steps, run_id, done.stdout, done.stderr)
+    back = first_step_time_after(run_dir, step, stopped_at)
+    report.fault("signal", f"{signal.Signals(signum).name} with the local engine's process", run_id, back - stopped_at)
+
+
+def test_kill_9_of_sdp_leaves_no_engine_process(tmp_path, sdp_cache):
+    """The engine process notices that sdp has gone (it is re-parented), removes the scratch
+    directory sdp cannot remove any more and exits; the resumed run starts a new one."""
+    steps = 8
+    run_dir = tmp_path / "run"
+    env = sdp_env(sdp_cache, SDP_TEST_FAULTS="kill:run.metrics_written@4")
+    done = run_sdp(["train", *_args(run_dir, steps)], env, timeout=600)
+    killed_at = time.time()
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    (pid,) = engine_pids(run_dir)
+    (scratch,) = scratches(run_dir)
+    wait_for(lambda: gone(pid) and not scratch.exists(), 10, "the orphaned engine process to clean up and exit")
+    done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = "kill -9 of sdp with its engine process"
+    _finished(run_dir, steps, run_id, done.stdout, done.stderr)
+    back = first_step_time_after(run_dir, 0, killed_at)
+    report.fault("kill -9", "sdp with its local engine process", run_id, back - killed_at)
