@@ -43,7 +43,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 #: the label of a fresh process's start-up weights
 START_LABEL = "default"
@@ -189,7 +189,11 @@ class _Handler(BaseHTTPRequestHandler):
     # TCP_NODELAY: an answer leaves at once instead of waiting for the client's delayed ACK
     # (Nagle's algorithm held small answers back 40 ms each)
     disable_nagle_algorithm = True
-    server: "_Server"
+
+    @property
+    def _owner(self) -> "_Server":
+        """The server that made this handler (http.server types it as its base class)."""
+        return cast("_Server", self.server)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
         pass  # one line per request would flood the log
@@ -199,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(HTTPStatus.OK, {"ok": True})
         elif self._authorised():
             if self.path == "/weight_version":
-                self._answer(HTTPStatus.OK, {"weight_version": self.server.service.label()})
+                self._answer(HTTPStatus.OK, {"weight_version": self._owner.service.label()})
             else:
                 self._answer(HTTPStatus.NOT_FOUND, {"error": f"no route {self.path}"})
 
@@ -208,7 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         if not self._authorised():
             return
-        service = self.server.service
+        service = self._owner.service
         assert service is not None, "requests are served once the model is loaded"
         try:
             body = json.loads(raw or b"null")
@@ -240,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _authorised(self) -> bool:
         given = self.headers.get("Authorization", "").removeprefix("Bearer ")
-        if hmac.compare_digest(given.encode(), self.server.token.encode()):
+        if hmac.compare_digest(given.encode(), self._owner.token.encode()):
             return True
         self._answer(HTTPStatus.UNAUTHORIZED, {"error": "missing or wrong token"})
         return False
