@@ -34,7 +34,7 @@ from _results import write_results
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import InferenceEngine
 from sdp_cli.tasks.arith import AdditionTask
-from sdp_cli.train.loop import AsyncLoop
+from sdp_cli.train.asyncloop.loop import AsyncLoop
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "own_task"

@@ -1,5 +1,5 @@
 """Benchmark of the trainer's forward + backward with each distinct prompt run once
-(``train.share_prefixes``, sdp_cli/train/shared_prefix.py) against the plain forward, on
+(``train.share_prefixes``, sdp_cli/train/step/shared_prefix.py) against the plain forward, on
 GRPO-shaped batches: ``--groups`` prompts × ``--group-size`` samples.
 
 The tiny model by default (arith1's shape: 5-token prompts, responses of up to 4 tokens); with
@@ -23,8 +23,8 @@ import torch
 from _results import write_results
 
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
 
 
 def grpo_batch(groups: int, group_size: int, prompt_len: int, response_len: int, vocab: int, seed: int):

@@ -1,6 +1,6 @@
 """The options of a data-set task (``task=dataset``, ``task=gsm8k``; docs/tasks.md): the one list
 of its keys. The task takes them (``sdp_cli/tasks/dataset.py``); ``sdp train`` hands it the
-``task.*`` keys of these names that the config sets (``sdp_cli/train/task_setup.py``); config
+``task.*`` keys of these names that the config sets (``sdp_cli/train/session/task_setup.py``); config
 validation refuses them for the other tasks. Standard library only, so that the config layer
 reads it without importing the tasks.
 """

@@ -4,17 +4,17 @@
     overrides.json              the command-line overrides (``resume`` re-composes from them)
     config_source.json          --config-dir / --config-name, when given (``resume`` composes with them)
     identity.json               the run's random id, written once when the directory is made; every
-                                checkpoint carries it (sdp_cli/train/resume_check.py)
+                                checkpoint carries it (sdp_cli/train/session/resume_check.py)
     metrics.jsonl               one line per step
     events.jsonl                start / resume / crashes / checkpoints / stops / end
-    ledger.jsonl                the fate of every rollout group (sdp_cli/train/ledger.py)
+    ledger.jsonl                the fate of every rollout group (sdp_cli/train/asyncloop/ledger.py)
     summary.json                final numbers of the run (present once it finished)
     .lock                       the lock one process holds while it trains (sdp_cli/dirlock.py)
     tensorboard/                TensorBoard event files (run.trackers)
     wandb/                      W&B's files (run.trackers includes wandb)
     trackers.json               the W&B / MLflow run ids a resume continues
     logs/                       output of a server sdp launched
-    checkpoints/step-000050/    atomic, validated checkpoints (sdp_cli/train/checkpoint.py)
+    checkpoints/step-000050/    atomic, validated checkpoints (sdp_cli/train/session/checkpoint.py)
     checkpoints/latest          the name of the newest one (a hint; validation decides)
     batches/step-000050.safetensors   training batches (train.save_batches=true)
     versions/v000012/           the policy of every version (train.keep_version_checkpoints=true;

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sdp_cli.config.compose import compose_config
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 #: the fast debug run users get with ``sdp train +debug=fast`` (sdp_cli/conf/debug/fast.yaml),
 #: with the local engine in this process: a run then starts no engine process (seconds of

@@ -5,7 +5,7 @@ The keys are read from the schema (``field_docs``), never from a list here, so a
 the schema is known at once and a key removed from it fails every page that still names it.
 A candidate is a dotted name starting with a schema section (``train.steps``,
 ``model.lora.r``, ``+engine.env.MY_VAR=1``) in code spans and prose alike; it is not a key when
-it is part of a longer dotted or slashed name (``sdp_cli.train.loop``, ``sdp_cli/train/run.py``,
+it is part of a longer dotted or slashed name (``sdp_cli.train.asyncloop.loop``, ``sdp_cli/train/session/run.py``,
 ``cfg.train.steps``), a call (``model.eval()``) or a file name (``NOT_KEYS``). The few dotted
 names of other things (a function, a checkpoint field, a typo shown on purpose) are listed in
 ``NOT_CONFIG`` with what each is.
@@ -76,7 +76,7 @@ def test_the_schema_is_read():
     [
         ("set `train.reward_workers=4`", ["train.reward_workers"]),
         ("`+engine.env.MY_VAR=1` and model.lora.r and task.reward_kwargs.pattern", ["engine.env.MY_VAR", "model.lora.r", "task.reward_kwargs.pattern"]),
-        ("in sdp_cli/train/run.py, sdp_cli.train.loop, cfg.train.steps", []),
+        ("in sdp_cli/train/session/run.py, sdp_cli.train.asyncloop.loop, cfg.train.steps", []),
         ("run.name=${task.name}-${seed}", ["run.name", "task.name"]),
         ("`model.eval()` and train-time and rollout/lag_mean and the loss.", []),
         ("`train.py`, `run.sh` and `model.safetensors`", ["train.py", "run.sh", "model.safetensors"]),

@@ -100,7 +100,7 @@ def test_the_graph_sees_the_imports_it_should():
     graph = _graph()
     # a top-level, a relative-free `from pkg import module`, and a lazy import in a function
     assert "sdp_cli.errors" in graph["sdp_cli.config.compose"]
-    assert "sdp_cli.train.run" in graph["sdp_cli.cli.train"]
+    assert "sdp_cli.train.session.run" in graph["sdp_cli.cli.train"]
     assert "sdp_cli.cli.train" in graph["sdp_cli.cli.main"]
 
 
@@ -128,3 +128,35 @@ def test_no_package_import_cycle():
         ]
         problems.append(f"{' ↔ '.join(component)} (via {'; '.join(via)})")
     assert not problems, "import cycles between packages:\n" + "\n".join(problems)
+
+
+#: packages split into wings, lowest first: a module of a wing imports no module of a wing above
+#: it (docs/design.md §7); a module of the package outside every wing may not be imported by one
+WINGS = {"sdp_cli.train": ("step", "asyncloop", "session")}
+
+
+def _wing(module: str, package: str, wings: tuple[str, ...]) -> int | None:
+    """The rank of the wing ``module`` lies in, len(wings) for the rest of ``package``, or None."""
+    if module != package and not module.startswith(package + "."):
+        return None
+    part = module[len(package) + 1 :].split(".")[0]
+    return wings.index(part) if part in wings else len(wings)
+
+
+def test_wings_import_only_downward():
+    graph = _graph()
+    upward = [
+        f"{module} → {target}"
+        for package, wings in WINGS.items()
+        for module, targets in sorted(graph.items())
+        if (rank := _wing(module, package, wings)) is not None
+        for target in sorted(targets)
+        if (other := _wing(target, package, wings)) is not None and other > rank
+    ]
+    assert not upward, "imports from a lower wing to a higher one:\n" + "\n".join(upward)
+
+
+def test_every_wing_has_modules():
+    modules = set(_graph())
+    missing = [f"{p}.{w}" for p, wings in WINGS.items() for w in wings if not any(m.startswith(f"{p}.{w}.") for m in modules)]
+    assert not missing, f"wings with no module: {missing}"

@@ -107,7 +107,7 @@ def run_state(run_dir: Path) -> str:
         return FINISHED
     if not run_dir.is_dir() or not any(run_dir.iterdir()):
         return NEW
-    from sdp_cli.train import checkpoint as ckpt
+    from sdp_cli.train.session import checkpoint as ckpt
 
     return RESUMABLE if ckpt.find_latest(layout.checkpoints) is not None else PARTIAL
 
@@ -430,7 +430,7 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
     """
     from sdp_cli.config.compose import compose_config
     from sdp_cli.stopsignals import StopRequest, handling
-    from sdp_cli.train.run import run_training
+    from sdp_cli.train.session.run import run_training
 
     name = run_name(overrides)
     run_dir = Path(sweep_dir) / RUNS_SUBDIR / name

@@ -60,7 +60,7 @@ def check_server_url(url: str) -> str:
 def load_version_policy(path: Path, device: str = "cpu") -> Any:
     """The policy of a version checkpoint, in the dtype it was saved in (the one the engine ran):
     a whole model, or LoRA adapters merged onto the run's base, ``versions/base``
-    (sdp_cli/train/policy_setup.py)."""
+    (sdp_cli/train/session/policy_setup.py)."""
     from sdp_cli.models.loader import load_policy
     from sdp_cli.models.lora import is_adapter_dir, load_merged
     from sdp_cli.rundir import VERSION_BASE

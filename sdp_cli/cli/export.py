@@ -1,5 +1,5 @@
 """`sdp export`: write a run's trained policy as a plain Hugging Face model directory. Parsing
-and reporting only; ``sdp_cli.train.saved_policy`` finds and loads the policy,
+and reporting only; ``sdp_cli.train.session.saved_policy`` finds and loads the policy,
 ``sdp_cli.models.export`` writes it."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def export_command(
         raise UserError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}")
     from sdp_cli.models.export import check_export_target, export_policy
     from sdp_cli.models.loader import DTYPES
-    from sdp_cli.train.saved_policy import find_saved_policy, load_saved_policy
+    from sdp_cli.train.session.saved_policy import find_saved_policy, load_saved_policy
 
     check_export_target(out)  # before any loading: a refused OUT costs nothing
     saved = find_saved_policy(source)

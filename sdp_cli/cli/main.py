@@ -79,7 +79,7 @@ def _must_leave_at_once() -> bool:
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         return True
-    rewarding = sys.modules.get("sdp_cli.train.rewarding")
+    rewarding = sys.modules.get("sdp_cli.train.asyncloop.rewarding")
     return rewarding is not None and rewarding.user_code_running(grace_s=1.0)
 
 

@@ -85,7 +85,7 @@ def train_command(
     from sdp_cli.config.compose import compose_config, config_source, to_yaml
 
     source = config_source(config_dir, config_name)
-    # A resume composes the run's saved overrides with these (sdp_cli/train/start.py): alone they
+    # A resume composes the run's saved overrides with these (sdp_cli/train/session/start.py): alone they
     # may not validate (task.reward given again for a data task the saved overrides choose), so
     # here only `resume=` and the run.* keys, which steer this process, are composed.
     resuming = [o for o in overrides if o.startswith("resume=")]
@@ -95,7 +95,7 @@ def train_command(
         overrides_now = overrides
     cfg, raw = compose_config(overrides_now, source=source)
     if print_config or show_prompts:
-        from sdp_cli.train.task_setup import prompt_comment, show_prompts as render_prompts
+        from sdp_cli.train.session.task_setup import prompt_comment, show_prompts as render_prompts
 
         if print_config:
             typer.echo(to_yaml(raw), nl=False)
@@ -104,7 +104,7 @@ def train_command(
             typer.echo(render_prompts(cfg, show_prompts))
         raise typer.Exit()
 
-    from sdp_cli.train.run import run_training
+    from sdp_cli.train.session.run import run_training
 
     try:
         run_training(cfg, raw, overrides=overrides, source=source, keep_lock=True)  # until the process ends

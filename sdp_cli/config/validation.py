@@ -55,7 +55,7 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
 def _mode(value: str) -> Mode | None:
     """The registered mode ``loss.mode`` names; None for a function of yours, whose form is
     checked here and which is imported when the run starts (``load_mode``), after a resume has
-    checked that the command line names it (train/start.py ``refuse_saved_programs``)."""
+    checked that the command line names it (train/session/start.py ``refuse_saved_programs``)."""
     if is_code_spec(value):
         target, _, attr = value.rpartition(":")
         if not target or not attr.isidentifier():

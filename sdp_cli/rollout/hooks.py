@@ -5,7 +5,7 @@
 arguments, run synchronously in registration order, and a failure is raised as ``HookError``
 naming the hook and the phase — unless the hook was registered with ``wrap_errors=False``: then
 its own exception reaches the caller unchanged, for callers that handle failures by type (the
-training loop's recompute pass, ``sdp_cli/train/loop.py``, raises ``EngineError`` like any other
+training loop's recompute pass, ``sdp_cli/train/asyncloop/loop.py``, raises ``EngineError`` like any other
 engine call). Whatever fails, the engine is not left paused:
 
 - a pre-pause hook fails: the engine was never paused; later hooks do not run.

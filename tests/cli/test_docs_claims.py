@@ -10,7 +10,7 @@ import yaml
 
 from sdp_cli.models import load_policy
 from sdp_cli.tasks import build_task
-from sdp_cli.train.policy_setup import describe_policy
+from sdp_cli.train.session.policy_setup import describe_policy
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 ABLATE_CONF = Path(__file__).resolve().parents[2] / "sdp_cli" / "conf" / "ablate"

@@ -318,7 +318,7 @@ def test_a_printed_override_reads_back_as_the_value_through_the_shell_and_hydra(
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from sdp_cli.train.session_end import resume_command
+    from sdp_cli.train.session.session_end import resume_command
 
     # a resume command for a run directory named `value`: one shell word per override, whose
     # value Hydra reads back as exactly the directory's name (a string, also for "0", "true" or "a,b")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdp_cli.train import display
+from sdp_cli.train.session import display
 
 from .run_main import run_main
 

@@ -24,7 +24,7 @@ from sdp_cli.engine.base import InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.engines import ENGINES, register_engine, unregister
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 from ..fast_run import FAST
 

@@ -221,8 +221,8 @@ def test_a_killed_process_is_started_again_and_close_leaves_nothing(process_cfg,
     and close() ends the process and removes the scratch directory. (Kills mid-run, during
     generation: tests/reliability/test_engine_process.py.)"""
     from sdp_cli.engine.factory import build_engine
-    from sdp_cli.train.policy_setup import load_policy_from
-    from sdp_cli.train.task_setup import build_task_from
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import build_task_from
 
     policy = load_policy_from(process_cfg, build_task_from(process_cfg))
     engine = build_engine(process_cfg, policy, tmp_path / "run", threads=1)

@@ -30,8 +30,8 @@ from sdp_cli.core.metrics import lag0_mismatch
 from sdp_cli.engine.base import SamplingParams
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
 
 from .qwen_shape import BOS_ID, EOS_ID, PAD_ID
 

@@ -1,4 +1,4 @@
-"""``train.parallel=fsdp``'s sharding (sdp_cli/train/sharding.py) with one process on one GPU.
+"""``train.parallel=fsdp``'s sharding (sdp_cli/train/step/sharding.py) with one process on one GPU.
 
 `sdp train` in one process trains unsharded (docs/training.md "Sharded training (FSDP)"), and
 tests/train/test_fsdp.py runs the sharding with gloo on the CPU only. Here a one-process NCCL
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp_cli.train import sharding
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step import sharding
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
 
 from .qwen_shape import PAD_ID, grpo_groups
 

@@ -1,4 +1,4 @@
-"""The trainer's shared-prompt forward (sdp_cli/train/shared_prefix.py) on a GPU's kernels.
+"""The trainer's shared-prompt forward (sdp_cli/train/step/shared_prefix.py) on a GPU's kernels.
 
 tests/train/test_shared_prefix.py checks it on the CPU in float32. Here CUDA's attention and
 matmul kernels run it on a Qwen2.5-0.5B-shaped model (151,936-token vocabulary, 24 layers, grouped
@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
 
 from .qwen_shape import PAD_ID, grpo_groups
 

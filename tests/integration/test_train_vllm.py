@@ -14,7 +14,7 @@ import torch
 from sdp_cli.config.compose import compose_config
 from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 from ..fast_run import FAST
 from ..scoring import target_logprobs

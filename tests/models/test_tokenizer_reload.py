@@ -25,7 +25,7 @@ from sdp_cli.models.loader import load_tokenizer
 from sdp_cli.models.tiny import tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 from sdp_cli.tasks import build_task
-from sdp_cli.train.policy_setup import save_checkpoint_policy, save_version
+from sdp_cli.train.session.policy_setup import save_checkpoint_policy, save_version
 
 from ..fast_run import FAST
 from ..gpu.qwen_shape import build_model, padded_tokenizer
@@ -139,8 +139,8 @@ def test_saved_policy_reloads_and_encodes_decodes_identically(tmp_path_factory):
 
 def test_train_setup_reads_the_saved_tokenizer(tmp_path_factory):
     # what `sdp train` renders and length-filters prompts with, before the weights load
-    from sdp_cli.train.task_setup import build_task_from
-    from sdp_cli.train.task_setup import load_tokenizer as setup_tokenizer
+    from sdp_cli.train.session.task_setup import build_task_from
+    from sdp_cli.train.session.task_setup import load_tokenizer as setup_tokenizer
 
     _, directory = _saved(tmp_path_factory, "ascii")
     cfg = compose_config([*FAST, "model=hf", f"model.path={directory}"])[0]

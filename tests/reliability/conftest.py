@@ -113,8 +113,8 @@ def vllm_server(tmp_path_factory, sdp_cache):
     from sdp_cli.config.compose import compose_config
     from sdp_cli.engine.vllm import VLLMLaunchConfig, launch_spec
     from sdp_cli.models.loader import save_policy
-    from sdp_cli.train.policy_setup import load_policy_from
-    from sdp_cli.train.task_setup import build_task_from
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import build_task_from
 
     cfg, _ = compose_config(FAST)
     policy = load_policy_from(cfg, build_task_from(cfg))

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import Audit, audit
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.ledger import Audit, audit
 
 from ..fast_run import FAST
 GROUP_SIZE = 4

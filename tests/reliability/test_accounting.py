@@ -12,7 +12,7 @@ import pytest
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.faults import _parse
-from sdp_cli.train.ledger import LedgerLog, audit
+from sdp_cli.train.asyncloop.ledger import LedgerLog, audit
 
 pytestmark = pytest.mark.reliability
 

@@ -584,7 +584,7 @@ def test_oversized_headers_are_refused_before_they_are_read(tmp_path):
 
 def test_a_checkpoint_that_matches_its_manifest_but_is_hostile_is_one_line(tmp_path):
     """Files whose manifest was forged to match still go through a parser that refuses them."""
-    from sdp_cli.train import checkpoint as ckpt
+    from sdp_cli.train.session import checkpoint as ckpt
 
     root = tmp_path / "checkpoints"
     ckpt.write_checkpoint(

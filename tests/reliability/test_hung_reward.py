@@ -28,7 +28,7 @@ import pytest
 from sdp_cli.dirlock import DirectoryLock
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.session import checkpoint as ckpt
 
 from . import report
 from .harness import FAST, check_finished_run, events, first_step_time_after, metrics, sdp_env, wait_for

@@ -147,7 +147,7 @@ def test_a_server_bound_beyond_loopback_needs_an_api_key_and_warns(tmp_path):
     import subprocess
     import sys
 
-    from sdp_cli.train.start import bind_warning
+    from sdp_cli.train.session.start import bind_warning
 
     env = {k: v for k, v in os.environ.items() if k != "SDP_TEST_FAULTS"}
     cmd = [sys.executable, "-m", "sdp_cli", "train", "engine=vllm", "engine.host=0.0.0.0", f"run.dir={tmp_path / 'r'}"]

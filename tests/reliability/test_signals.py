@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import audit
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.ledger import audit
 
 from . import report
 from .conftest import API_KEY_ENV

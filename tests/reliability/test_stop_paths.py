@@ -18,7 +18,7 @@ import time
 import pytest
 
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.session import checkpoint as ckpt
 
 from . import report
 from .harness import FAST, check_finished_run, events, first_step_time_after, metrics, run_sdp, sdp_env, wait_for

@@ -13,7 +13,7 @@ from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.runsum import MAX_DIGITS, MIN_DIGITS, _item, is_held_out, longest_answer
-from sdp_cli.train.task_setup import build_task_from
+from sdp_cli.train.session.task_setup import build_task_from
 
 # 6+6+0+4+8+7: running sums 6, 6+6=12, 12+0=12, 12+4=16, 16+8=24, 24+7=31
 ITEM = _item((6, 6, 0, 4, 8, 7))

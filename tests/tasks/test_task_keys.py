@@ -11,7 +11,7 @@ from sdp_cli.dataset_options import DATASET_OPTIONS
 from sdp_cli.errors import UserError
 from sdp_cli.tasks import TASKS, build_task, task_parameters
 from sdp_cli.tasks.gsm8k import sample_path
-from sdp_cli.train.task_setup import build_task_from, task_kwargs
+from sdp_cli.train.session.task_setup import build_task_from, task_kwargs
 
 
 def test_a_data_task_gets_the_keys_the_config_sets_and_the_run_seed():

@@ -14,9 +14,9 @@ import torch
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import TrainBatch, assemble_batch
-from sdp_cli.train.sharding import local_tensor
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.step.batch import TrainBatch, assemble_batch
+from sdp_cli.train.step.sharding import local_tensor
+from sdp_cli.train.step.trainer import Trainer
 
 VOCAB = 32
 
@@ -119,7 +119,7 @@ def capture_gradients(
 class Case:
     """One multi-process gradient case: a trainer step (2 PPO epochs) on a fixed batch of ``rows``
     sequences in ``minibatches`` minibatches; ``shared_prompts``: groups of 8 samples with one
-    prompt, so that each process's shard runs its distinct prompts once (train/shared_prefix.py)
+    prompt, so that each process's shard runs its distinct prompts once (train/step/shared_prefix.py)
     when ``ranks_share``; with ``ranks_share=False`` one process's shard could share and
     another's could not, so none may (the shared forward calls the model twice, and the
     forward's collectives must pair up)."""

@@ -70,7 +70,7 @@ def test_the_constant_counts_sequences_per_optimizer_step():
 
 
 def test_the_norm_needs_its_constant():
-    # an internal contract (train/run.py resolves a null loss.norm_length to the generation budget:
+    # an internal contract (train/session/run.py resolves a null loss.norm_length to the generation budget:
     # the dr-grpo run below goes through it)
     with pytest.raises(AssertionError, match="norm_length and batch_sequences"):
         Trainer(cases.tiny_model(), loss=NORM, optim=OptimConfig(), temperature=1.0)
@@ -88,7 +88,7 @@ def test_the_norm_needs_its_constant():
 def test_sdp_train_runs_with(fast_config, overrides):
     from pathlib import Path
 
-    from sdp_cli.train.run import run_training
+    from sdp_cli.train.session.run import run_training
 
     cfg, raw = fast_config(*overrides, "train.steps=2")
     summary = run_training(cfg, raw, overrides=[])

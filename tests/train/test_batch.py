@@ -5,7 +5,7 @@ import torch
 
 from sdp_cli.core.token_status import FILL, OK, UNCORRECTABLE, lacks_next_version, token_status
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch, fill_one_step_proximal
+from sdp_cli.train.step.batch import assemble_batch, fill_one_step_proximal
 
 
 def _sample(prompt, outputs, logprobs, versions, reward, group_id=0):

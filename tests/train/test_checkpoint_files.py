@@ -1,4 +1,4 @@
-"""Checkpoint files (sdp_cli/train/checkpoint.py): keep-last-N pruning never deletes the newest
+"""Checkpoint files (sdp_cli/train/session/checkpoint.py): keep-last-N pruning never deletes the newest
 complete checkpoint, and checkpoints without optimizer state."""
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.session import checkpoint as ckpt
 
 
 _OPTIMIZER = object()

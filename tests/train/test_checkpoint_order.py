@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from sdp_cli.rundir import older_versions, step_dirs, version_dirs
-from sdp_cli.train import checkpoint as ckpt
+from sdp_cli.train.session import checkpoint as ckpt
 
 
 def _write(root: Path, step: int, keep: int = 2) -> Path:

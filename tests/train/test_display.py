@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_cli.train import display
-from sdp_cli.train.display import Progress, StartDisplay, format_duration, progress_line
+from sdp_cli.train.session import display
+from sdp_cli.train.session.display import Progress, StartDisplay, format_duration, progress_line
 
 from ..fast_run import FAST
 

@@ -48,14 +48,14 @@ ACCELERATE_CPU_CHILD = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1"
     ],
 )
 def test_launches_that_start_every_process_are_accepted(env):
-    from sdp_cli.train.distributed import check_launch
+    from sdp_cli.train.asyncloop.distributed import check_launch
 
     check_launch(env)
 
 
 def test_accelerate_cpu_multi_process_is_refused_in_one_line():
     from sdp_cli.errors import UserError
-    from sdp_cli.train.distributed import check_launch
+    from sdp_cli.train.asyncloop.distributed import check_launch
 
     with pytest.raises(UserError) as err:
         check_launch(ACCELERATE_CPU_CHILD)
@@ -83,7 +83,7 @@ def test_sharded_accelerate_launches_are_refused_in_one_line(name):
     # underneath); accelerate.Accelerator() would then wrap the trainer's model in FSDP/DeepSpeed,
     # while sdp shards it itself (train.parallel=fsdp): the line says how to launch that instead
     from sdp_cli.errors import UserError
-    from sdp_cli.train.distributed import check_launch
+    from sdp_cli.train.asyncloop.distributed import check_launch
 
     with pytest.raises(UserError) as err:
         check_launch({name: "true", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})

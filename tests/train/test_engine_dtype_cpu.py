@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-import sdp_cli.train.policy_setup as policy_setup
+import sdp_cli.train.session.policy_setup as policy_setup
 from sdp_cli.config.compose import compose_config
-from sdp_cli.train.policy_setup import bf16_note, native_bf16
+from sdp_cli.train.session.policy_setup import bf16_note, native_bf16
 
 from ..fast_run import FAST, train_run
 

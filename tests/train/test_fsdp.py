@@ -149,7 +149,7 @@ def test_the_example_accelerate_configs_start_plain_processes(name):
 def test_each_decoder_layer_is_its_own_unit():
     """FSDP units: the layers the model's ``_no_split_modules`` names (Qwen2DecoderLayer), so a
     forward all-gathers one layer at a time; the root keeps embeddings, norm and head."""
-    from sdp_cli.train.sharding import transformer_blocks
+    from sdp_cli.train.step.sharding import transformer_blocks
 
     model = cases.tiny_model()
     assert transformer_blocks(model) == list(model.model.layers) and len(model.model.layers) == 1

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdp_cli.train.response_logprobs import ResponseLogprobs
-from sdp_cli.train.sharding import local_tensor, shard
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.sharding import local_tensor, shard
 
 from . import cases
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.config.compose import compose_config
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 
 from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 from ..scoring import target_logprobs
 from .conftest import FAST
@@ -139,7 +139,7 @@ def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
 def test_recompute_threads_apply_inside_the_block_only():
     import torch
 
-    from sdp_cli.train.loop_state import intra_op_threads
+    from sdp_cli.train.asyncloop.loop_state import intra_op_threads
 
     before = torch.get_num_threads()
     other = 1 if before != 1 else 2

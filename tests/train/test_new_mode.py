@@ -23,7 +23,7 @@ from sdp_cli.core.weights import drift_log_factor
 from sdp_cli.modes import register_mode, unregister
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import write_batch
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session.run import run_training
 
 from ..analysis.test_inspect import batch_with_an_unrecomputed_token
 from ..analysis.test_recompute_logic import SEQS, FakeScorer, fake_logprob, make_batch, version_dirs

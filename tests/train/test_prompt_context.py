@@ -11,7 +11,7 @@ from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 from sdp_cli.models import load_policy, save_policy
 from sdp_cli.models.context import model_context
-from sdp_cli.train.task_setup import prepare_task
+from sdp_cli.train.session.task_setup import prepare_task
 
 
 def _data(tmp_path, lengths, answer="1"):

@@ -20,9 +20,9 @@ import torch
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train import run as run_module
-from sdp_cli.train.producer import RolloutProducer
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session import run as run_module
+from sdp_cli.train.asyncloop.producer import RolloutProducer
+from sdp_cli.train.session.run import run_training
 
 DELTA = -0.25  # negative keeps every reported logprob ≤ 0
 

@@ -11,7 +11,7 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError
 from sdp_cli.rollout.hooks import HookError
 from sdp_cli.rollout.recompute import RecomputeStats
-from sdp_cli.train.loop import AsyncLoop
+from sdp_cli.train.asyncloop.loop import AsyncLoop
 
 from .test_rewarding import Codec, CountingEngine, GatedTask
 

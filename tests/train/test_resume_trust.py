@@ -18,9 +18,9 @@ from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 from sdp_cli.models import load_policy, save_policy
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import audit
-from sdp_cli.train.run import run_training
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.ledger import audit
+from sdp_cli.train.session.run import run_training
 
 from ..fast_run import FAST, train_run
 
@@ -83,7 +83,7 @@ def refused(run_dir, *extra, match):
 
 def resign(checkpoint):
     """Rewrite a checkpoint's manifest for its current files (sizes and sha256 of each file, as
-    sdp_cli/train/checkpoint.py writes it), so a test can change a file and keep it 'complete'."""
+    sdp_cli/train/session/checkpoint.py writes it), so a test can change a file and keep it 'complete'."""
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != "manifest.json")
     manifest["files"] = {
@@ -525,7 +525,7 @@ def test_the_ledger_mark_is_the_sha256_of_the_bytes_before_it(tmp_path):
     truncated to a checkpoint's length and appended to it."""
     import hashlib
 
-    from sdp_cli.train.ledger import LedgerLog
+    from sdp_cli.train.asyncloop.ledger import LedgerLog
 
     log = LedgerLog(tmp_path / "ledger.jsonl")
     log.write("consumed", [0, 1], step=1, samples=[4, 4])

@@ -13,8 +13,8 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import InferenceEngine
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.tasks.plugins import RewardError, call_reward, load_reward
-from sdp_cli.train.loop import AsyncLoop
-from sdp_cli.train.rewarding import RewardPool, extra_means
+from sdp_cli.train.asyncloop.loop import AsyncLoop
+from sdp_cli.train.asyncloop.rewarding import RewardPool, extra_means
 
 
 class CountingEngine(InferenceEngine):

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.tasks.plugins import RewardError, call_reward, load_reward
-from sdp_cli.train import rewarding
-from sdp_cli.train.loop_state import LoopStopped
-from sdp_cli.train.rewarding import RewardPool, RewardRules
+from sdp_cli.train.asyncloop import rewarding
+from sdp_cli.train.asyncloop.loop_state import LoopStopped
+from sdp_cli.train.asyncloop.rewarding import RewardPool, RewardRules
 
 from .test_rewarding import CountingEngine, GatedTask, _loop
 

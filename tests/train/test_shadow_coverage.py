@@ -13,9 +13,9 @@ import torch
 from sdp_cli.analysis.inspect import WeightOptions, analyse_batches
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.batch_io import write_train_batch
-from sdp_cli.train.trainer import SHADOW_DRIFT_CLIP, Trainer
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.batch_io import write_train_batch
+from sdp_cli.train.step.trainer import SHADOW_DRIFT_CLIP, Trainer
 
 from .test_trainer import _groups, _model, _set_old_logprobs
 

@@ -1,4 +1,4 @@
-"""The trainer's shared-prompt forward (train/shared_prefix.py): the plan by hand, the same
+"""The trainer's shared-prompt forward (train/step/shared_prefix.py): the plan by hand, the same
 log-probs, entropies and gradients as the plain forward on random GRPO-shaped batches, the same
 trainer step, and the plain forward wherever sharing cannot hold."""
 
@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.models.kv_cache import CACHE_NAME
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.policy_setup import enable_gradient_checkpointing
-from sdp_cli.train.response_logprobs import ResponseLogprobs
-from sdp_cli.train.shared_prefix import plan_shared_prefix
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.session.policy_setup import enable_gradient_checkpointing
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.shared_prefix import plan_shared_prefix
+from sdp_cli.train.step.trainer import Trainer
 
 from ..sliding_models import KINDS, sliding_model
 from . import cases

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from sdp_cli.rollout.staleness import StalenessManager
-from sdp_cli.train.loop import AsyncLoop
-from sdp_cli.train.run import run_training
+from sdp_cli.train.asyncloop.loop import AsyncLoop
+from sdp_cli.train.session.run import run_training
 
 from .conftest import FAST
 

@@ -1,4 +1,4 @@
-"""torch's intra-op threads of the trainer and of the engine (train/run.py thread_counts): the
+"""torch's intra-op threads of the trainer and of the engine (train/session/run.py thread_counts): the
 local engine's own process, or with engine.in_process the rollout producer thread it generates
 in. At η = 0 the phases alternate and the engine must not bring up a second multi-threaded
 OpenMP pool (it slowed both phases about 1.5-2× on 2 cores); at η > 0 each gets its share of
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sdp_cli.engine.local import LocalEngine
-from sdp_cli.train.run import run_training, thread_counts
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.session.run import run_training, thread_counts
+from sdp_cli.train.step.trainer import Trainer
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ import yaml
 from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
-from sdp_cli.train import trackers as trackers_mod
-from sdp_cli.train.run import run_training
-from sdp_cli.train.trackers import (
+from sdp_cli.train.session import trackers as trackers_mod
+from sdp_cli.train.session.run import run_training
+from sdp_cli.train.session.trackers import (
     REDACTED,
     Trackers,
     active_trackers,

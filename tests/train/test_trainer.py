@@ -9,8 +9,8 @@ import torch
 from sdp_cli.config.schema import LossConfig, OptimConfig, RejectionConfig
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.trainer import Trainer
 
 VOCAB = 32
 
@@ -187,7 +187,7 @@ def test_step_metrics_keep_the_order_they_were_first_reported_in():
     """metrics.jsonl rows of two runs list their keys in the same order: the per-minibatch mean
     keeps first-seen order (a set would follow the process's string hash seed). 40 keys in a
     fixed scrambled order: a hash order matching it by chance has probability 1/40!."""
-    from sdp_cli.train.trainer import _mean_of
+    from sdp_cli.train.step.trainer import _mean_of
 
     keys = [f"loss/k{(7 * i) % 40}" for i in range(40)]
     first, second = dict.fromkeys(keys[:30], 1.0), dict.fromkeys(keys[10:], 3.0)

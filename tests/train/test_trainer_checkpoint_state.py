@@ -9,9 +9,9 @@ import json
 import torch
 
 from sdp_cli.config.schema import LossConfig, OptimConfig
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.step.trainer import Trainer
 
 from .test_trainer import _groups, _model, _same_weights, _set_old_logprobs
 

@@ -13,9 +13,9 @@ from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.models.lora import apply_lora
 from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.policy_setup import enable_gradient_checkpointing
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.session.policy_setup import enable_gradient_checkpointing
+from sdp_cli.train.step.trainer import Trainer
 
 VOCAB = 32
 T = 0.7

@@ -34,7 +34,7 @@ def shard(model: torch.nn.Module, device: torch.device, world_size: int) -> torc
     from torch.distributed.fsdp import fully_shard
 
     # FSDP warns that the root's outputs are views whose in-place change would skip its hooks;
-    # the trainer only indexes them (train/response_logprobs.py), never changes them in place
+    # the trainer only indexes them (train/step/response_logprobs.py), never changes them in place
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
     mesh = init_device_mesh(device.type, (world_size,))
     for block in transformer_blocks(model):

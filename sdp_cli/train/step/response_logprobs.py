@@ -8,7 +8,7 @@ vocabulary block at a time. On the first forward the head is checked against the
 last-position logits: a model that post-processes its logits (soft-capping, a logit scale)
 falls back to full logits and ``core.logprobs_from_logits``, with a warning.
 
-With ``share_prefixes`` each distinct prompt of a batch runs once (``train/shared_prefix.py``).
+With ``share_prefixes`` each distinct prompt of a batch runs once (``train/step/shared_prefix.py``).
 That is exact for full and sliding-window attention; a model whose config declares any other
 attention pattern (chunked, linear, recurrent, unknown: ``models/attention.py``) runs the plain
 forward, with a warning. The first batch that can share is also run plainly and the two
@@ -26,8 +26,8 @@ import torch
 
 from sdp_cli.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
-from sdp_cli.train.batch import TrainBatch
-from sdp_cli.train.shared_prefix import PrefixPlan, plan_shared_prefix, shared_prefix_hidden
+from sdp_cli.train.step.batch import TrainBatch
+from sdp_cli.train.step.shared_prefix import PrefixPlan, plan_shared_prefix, shared_prefix_hidden
 
 
 class ResponseLogprobs:

@@ -8,11 +8,11 @@
   change (model, task, loss, rollout, ...) is refused naming the key, and the config a resume
   composes must hash to the ``config_hash`` its checkpoint was trained with.
 - The model: the checkpoint's policy must have the parameter names and shapes of the model
-  the config builds (``sdp_cli.train.model_shape``).
+  the config builds (``sdp_cli.train.session.model_shape``).
 - The ledger: present, at least as long as the offset the checkpoint recorded, whole JSON
   lines up to it, those bytes the sha256 the checkpoint recorded, each line an event sdp
   writes, and the fates they give, with the groups the snapshot holds and had in flight, one
-  per group id below its ``next_group_id`` (``sdp_cli.train.ledger.audit``).
+  per group id below its ``next_group_id`` (``sdp_cli.train.asyncloop.ledger.audit``).
 
 Every refusal is one ``UserError`` line raised before anything is written, so a refused resume
 leaves every file of the run as it was. Runs made by an sdp without identities (no
@@ -34,8 +34,8 @@ from sdp_cli.errors import UserError
 from sdp_cli.fileio import atomic_write_text
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import audit_events, parse_events
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.ledger import audit_events, parse_events
 
 #: the key of ``state.json`` that holds a checkpoint's run id and config hash
 STAMP = "run"
@@ -121,7 +121,7 @@ def check_checkpoint(
         )
     check_ledger(run_dir, checkpoint, cfg.rollout.group_size)
     if cfg.model.lora.r == 0:
-        from sdp_cli.train.model_shape import policy_mismatch
+        from sdp_cli.train.session.model_shape import policy_mismatch
 
         problem = policy_mismatch(cfg, task, checkpoint.policy_dir)
         if problem is not None:

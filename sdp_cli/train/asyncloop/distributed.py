@@ -24,7 +24,7 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutGroup
 from sdp_cli.stopsignals import StopRequest
-from sdp_cli.train.trainer_state import PlacedModel
+from sdp_cli.train.step.trainer_state import PlacedModel
 
 T = TypeVar("T")
 

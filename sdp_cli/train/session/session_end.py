@@ -1,7 +1,7 @@
 """How a training session ends: its summary when it finishes; a signal, a stop, an abort, a crash.
 
 :class:`SessionEnd` is what the end records and says; the session (``TrainingRun`` in
-``sdp_cli/train/run.py``) holds one as ``run.end`` and, at its end, closes what it opened and
+``sdp_cli/train/session/run.py``) holds one as ``run.end`` and, at its end, closes what it opened and
 hands it the step it reached (docs/reliability.md, "Signals"). A signal stops the loop at a step
 boundary, that step is checkpointed and an ``interrupted`` event written; an engine fault, a
 failed producer or reward, or a full disk end in a ``stopped`` event and one line; a second
@@ -24,10 +24,10 @@ from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir
 from sdp_cli.stopsignals import StopRequest, signal_name
 from sdp_cli.tasks.plugins import RewardError
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.loop_state import LoopState
-from sdp_cli.train.reporting import EventLog
-from sdp_cli.train.start import PROGRAM_KEYS
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.loop_state import LoopState
+from sdp_cli.train.session.reporting import EventLog
+from sdp_cli.train.session.start import PROGRAM_KEYS
 
 # a path or module:function that a Hydra override value holds unquoted and reads back as this
 # string (the "/" or ":" keeps it from reading as a number, a bool or null)

@@ -4,7 +4,7 @@ a version checkpoint, with LoRA adapters merged onto the base they were trained 
 
 A full fine-tuning checkpoint's ``policy/`` is already a whole model (the float32 master
 weights, config and tokenizer); a version checkpoint holds the weights the engine ran. Under
-LoRA both hold only the adapters (``train/policy_setup.py``). Their base is ``versions/base``
+LoRA both hold only the adapters (``train/session/policy_setup.py``). Their base is ``versions/base``
 when the run kept version checkpoints (written in ``train.dtype``, the dtype the base trained
 in), else it is rebuilt from the run's config as a resume rebuilds it (``model.path``, or the
 tiny model's cached warm start) and cast to ``train.dtype``.
@@ -35,7 +35,7 @@ class SavedPolicy:
 def find_saved_policy(source: str | Path) -> SavedPolicy:
     """The saved policy ``source`` names: a run directory (its newest complete checkpoint), a
     checkpoint directory or a version directory. One-line UserError for anything else."""
-    from sdp_cli.train.checkpoint import find_latest, is_complete
+    from sdp_cli.train.session.checkpoint import find_latest, is_complete
 
     path = Path(source).expanduser()
     if not path.is_dir():
@@ -74,10 +74,10 @@ def _base_from_config(run: RunDir) -> Any:
     """The LoRA base as a resume of ``run`` loads it: the run's config composed again from its
     overrides (and its --config-dir), then ``train.dtype``, which the base trains in."""
     from sdp_cli.config.compose import ConfigSource, compose_config
-    from sdp_cli.train.policy_setup import DTYPES, load_policy_from
-    from sdp_cli.train.recovery import read_overrides
-    from sdp_cli.train.start import resume_source
-    from sdp_cli.train.task_setup import prepare_task
+    from sdp_cli.train.session.policy_setup import DTYPES, load_policy_from
+    from sdp_cli.train.session.recovery import read_overrides
+    from sdp_cli.train.session.start import resume_source
+    from sdp_cli.train.session.task_setup import prepare_task
 
     cfg, _ = compose_config(read_overrides(run.overrides), source=resume_source(run, ConfigSource()))
     policy = load_policy_from(cfg, prepare_task(cfg))

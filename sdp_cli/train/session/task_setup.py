@@ -98,7 +98,7 @@ def show_prompts(cfg: SdpConfig, n: int) -> str:
     tokenizer = load_tokenizer(cfg, task)
     if isinstance(task, DatasetTask):
         task.prepare(tokenizer, run_context(cfg, task))
-    # the loop's producer draws with this generator (sdp_cli/train/producer.py)
+    # the loop's producer draws with this generator (sdp_cli/train/asyncloop/producer.py)
     items = task.stream(random.Random(cfg.seed + 1), 0, n)
     lines = [task.summary()]
     for k, item in enumerate(items):

@@ -4,7 +4,7 @@ A crash can leave a JSON-lines log (metrics, events, ledger) with a torn last li
 event, and weight directories whose writing was killed (``.v*`` temporaries). Before a resume,
 ``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
 deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
-(sdp_cli/train/checkpoint.py).
+(sdp_cli/train/session/checkpoint.py).
 
 Before a resume writes anything, ``check_run_files`` refuses a run directory that holds a
 symbolic link or a special file, a hard-linked log, and logs damaged before their torn tail
@@ -28,9 +28,9 @@ from sdp_cli.errors import UserError
 from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import WANDB, RunDir, step_dirs
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.reporting import EventLog
-from sdp_cli.train.trackers import saved_ids
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.session.reporting import EventLog
+from sdp_cli.train.session.trackers import saved_ids
 
 #: events that end a session; a resume after any other last event follows a crash
 END_EVENTS = ("stopped", "interrupted", "aborted", "finished")
@@ -149,7 +149,7 @@ def check_run_files(run_dir: RunDir) -> None:
     (``wandb/`` is W&B's own), the lock and the logs regular files of one name, every line of
     ``metrics.jsonl`` and ``events.jsonl`` before its torn tail a JSON object (a metrics row
     with an integer ``step``), and ``trackers.json`` what sdp wrote. The ledger is checked
-    against its checkpoint (sdp_cli/train/resume_check.py)."""
+    against its checkpoint (sdp_cli/train/session/resume_check.py)."""
     check_tree(run_dir.path, skip=(WANDB,))
     for path in (run_dir.lock, run_dir.metrics, run_dir.events, run_dir.ledger):
         refuse_in_place(path)
@@ -187,8 +187,8 @@ def _last_event(path: Path) -> dict[str, Any] | None:
 def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     """Before a resume: cut lines a crash tore, say in the events that the last session
     crashed, and delete weight directories whose writing was killed. The ledger's tail is cut
-    only past the prefix its checkpoint recorded, which ``sdp_cli.train.resume_check`` found
-    whole (the resume then truncates it to that prefix, sdp_cli/train/ledger.py)."""
+    only past the prefix its checkpoint recorded, which ``sdp_cli.train.session.resume_check`` found
+    whole (the resume then truncates it to that prefix, sdp_cli/train/asyncloop/ledger.py)."""
     for log in (run_dir.events, run_dir.metrics, run_dir.ledger):
         _drop_torn_line(log)
     last = _last_event(run_dir.events)

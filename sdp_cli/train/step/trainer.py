@@ -17,13 +17,13 @@ The model and optimizer go through ``accelerate`` so the same code runs under
 the loss by the count of the whole minibatch (all-reduced) and scales it by the number of
 processes, which DDP's gradient average undoes, so the update equals a single-process one
 (docs/training.md, "Several processes"). With ``parallel="fsdp"`` the model is sharded by
-``train/sharding.py`` instead of wrapped in DDP; FSDP's reduce-scatter averages the same way,
+``train/step/sharding.py`` instead of wrapped in DDP; FSDP's reduce-scatter averages the same way,
 so the same scaling holds. Every registered behavioural weight (decoupled,
 segment-wise, its drift-clipped form, and any mode added with ``register_mode``) is measured on
 the same tokens whenever its inputs exist, whatever the training mode ("shadow" metrics).
 
 Log-probs come from the model's final hidden states and its output embedding, only at response
-tokens, so no [tokens, vocab] logits tensor exists (``train/response_logprobs.py``, docs/math.md
+tokens, so no [tokens, vocab] logits tensor exists (``train/step/response_logprobs.py``, docs/math.md
 §6.2). ``dtype="bfloat16"`` runs forward and backward under autocast; the optimizer sees float32
 parameters. With ``loss.kl_coef > 0`` a reference policy (a frozen copy, or the LoRA model with
 its adapters disabled) scores each batch once, and the KL and entropy terms of
@@ -54,10 +54,10 @@ from sdp_cli.core.weights import (
 )
 from sdp_cli.models.lora import is_lora
 from sdp_cli.modes import DRIFT_SUFFIX, MODES, resolve_mode
-from sdp_cli.train.batch import TrainBatch, fill_one_step_proximal
-from sdp_cli.train.response_logprobs import ResponseLogprobs
-from sdp_cli.train.sharding import sharded_grad_norm
-from sdp_cli.train.trainer_state import PlacedModel
+from sdp_cli.train.step.batch import TrainBatch, fill_one_step_proximal
+from sdp_cli.train.step.response_logprobs import ResponseLogprobs
+from sdp_cli.train.step.sharding import sharded_grad_norm
+from sdp_cli.train.step.trainer_state import PlacedModel
 
 #: κ of the drift-clipped shadow weight when the run trains without one (loss.drift_clip=null)
 SHADOW_DRIFT_CLIP = RECOMMENDED_DRIFT_CLIP
@@ -119,8 +119,8 @@ class Trainer:
         ``dtype``: float32, or bfloat16 for autocast. ``reference``: the frozen policy of the KL
         term (needed when ``loss.kl_coef > 0`` unless ``model`` is a LoRA model, whose base with
         the adapters disabled is the reference). Only parameters that require grad train.
-        ``parallel``: ddp, or fsdp to shard the model over several processes (``train/sharding.py``).
-        ``share_prefixes``: each distinct prompt runs once per forward (``train/shared_prefix.py``).
+        ``parallel``: ddp, or fsdp to shard the model over several processes (``train/step/sharding.py``).
+        ``share_prefixes``: each distinct prompt runs once per forward (``train/step/shared_prefix.py``).
         The settings are trusted: the config validated them (config/validation.py: a mode that reads
         π_prox_t keeps the recompute pass, so ``track_proximal_t``; A-3PO only with decoupled)."""
         from accelerate import Accelerator
@@ -128,7 +128,7 @@ class Trainer:
         self.mode = resolve_mode(loss.mode)
         #: A-3PO: π_prox interpolated inside each optimizer step, never a forward (docs/math.md §9.7)
         self.loglinear = loss.proximal_source == "loglinear"
-        # the contracts train/run.py keeps beyond the config's checks
+        # the contracts train/session/run.py keeps beyond the config's checks
         assert loss.kl_coef == 0 or reference is not None or is_lora(model), (
             "loss.kl_coef > 0 needs a reference model (or a LoRA model)"
         )

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from sdp_cli.rollout.batch_file import SavedBatch, write_batch
-from sdp_cli.train.batch import TrainBatch
-from sdp_cli.train.trainer import StepOutput
+from sdp_cli.train.step.batch import TrainBatch
+from sdp_cli.train.step.trainer import StepOutput
 
 
 def _per_output_token(batch: TrainBatch, tensor: torch.Tensor) -> list[list[float]]:

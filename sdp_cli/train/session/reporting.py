@@ -1,6 +1,6 @@
 """Where a run reports: ``metrics.jsonl`` (one line per step), ``events.jsonl`` (what happened:
 start, resume, faults, checkpoints, end). Experiment trackers (TensorBoard, W&B, MLflow) are
-``sdp_cli.train.trackers``; the terminal display is ``sdp_cli.train.display``."""
+``sdp_cli.train.session.trackers``; the terminal display is ``sdp_cli.train.session.display``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _jsonable(value: Any) -> Any:
 
 class MetricsLog:
     """Appends one JSON object per step; on resume, drops lines past the checkpoint step (the
-    lines were checked by ``sdp_cli.train.recovery.check_run_files``; the rewrite is a rename,
+    lines were checked by ``sdp_cli.train.session.recovery.check_run_files``; the rewrite is a rename,
     so it never writes through a link)."""
 
     def __init__(self, path: Path, *, resume_step: int | None = None):

@@ -1,8 +1,8 @@
-"""The producer half of the async loop (``sdp_cli/train/loop.py``), run in its own thread.
+"""The producer half of the async loop (``sdp_cli/train/asyncloop/loop.py``), run in its own thread.
 
 While the staleness manager grants capacity: sample prompts, generate G responses per prompt on
 the engine (tokens tagged with the engine version) and pass the finished groups to the reward
-pool (``sdp_cli/train/rewarding.py``) without waiting for their scores; the pool hands each scored
+pool (``sdp_cli/train/asyncloop/rewarding.py``) without waiting for their scores; the pool hands each scored
 group to the queue (segment-wise: filtered before enqueue). Until then a group stays in the
 producer's hands (``in_hand``). Between generate calls the producer runs the recompute pass of
 the loaded version ahead of the weight push (``_recompute_ahead``).
@@ -31,9 +31,9 @@ from sdp_cli.rollout.records import RolloutGroup, RolloutSample, samples_of
 from sdp_cli.rollout.staleness import StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy
 from sdp_cli.tasks.base import Task, TaskItem
-from sdp_cli.train.ledger import LedgerLog, record_fate
-from sdp_cli.train.loop_state import LoopState, PassTotals, TextCodec
-from sdp_cli.train.rewarding import EXTRAS, RewardPool
+from sdp_cli.train.asyncloop.ledger import LedgerLog, record_fate
+from sdp_cli.train.asyncloop.loop_state import LoopState, PassTotals, TextCodec
+from sdp_cli.train.asyncloop.rewarding import EXTRAS, RewardPool
 
 logger = logging.getLogger(__name__)
 

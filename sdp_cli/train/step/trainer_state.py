@@ -3,7 +3,7 @@
 
 Unsharded (one process, or DDP) the model goes through ``accelerate`` and every rank holds it
 whole. Sharded (``parallel="fsdp"`` with several processes) it stays out of accelerate, which
-would wrap it in DDP: ``train/sharding.py`` splits it, and its whole weights and optimizer
+would wrap it in DDP: ``train/step/sharding.py`` splits it, and its whole weights and optimizer
 state come from collective gathers that every rank must join, landing on rank 0.
 """
 
@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 
 from sdp_cli.models.lora import merged_state_dict
-from sdp_cli.train import sharding
+from sdp_cli.train.step import sharding
 
 
 class PlacedModel:
@@ -69,7 +69,7 @@ class PlacedModel:
         return sharding.full_optimizer_state(self.model, self.optimizer, sharded=self.sharded)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        assert not self.sharded, "a sharded run loads whole weights before sharding (train/run.py)"
+        assert not self.sharded, "a sharded run loads whole weights before sharding (train/session/run.py)"
         self.unwrapped().load_state_dict(state)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:

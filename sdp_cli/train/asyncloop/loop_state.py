@@ -1,6 +1,6 @@
 """The async loop's plain types: what it hands out (``StepRecord``), what it checkpoints
 (``LoopState``, ``LoopCounters``, the producer RNG as JSON) and its small helpers
-(``sdp_cli/train/loop.py``)."""
+(``sdp_cli/train/asyncloop/loop.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 import torch
 
 from sdp_cli.rollout.recompute import RecomputeStats
-from sdp_cli.train.batch import TrainBatch
-from sdp_cli.train.trainer import StepOutput
+from sdp_cli.train.step.batch import TrainBatch
+from sdp_cli.train.step.trainer import StepOutput
 
 
 class TextCodec(Protocol):

@@ -1,7 +1,7 @@
 """``sdp train`` end to end: components, the async loop, checkpoints, summary.
 
 The run directory (``runs/<timestamp>-<mode>-<task>/``) is laid out by ``sdp_cli.rundir.RunDir``;
-creating it and tidying it after a crash is ``sdp_cli.train.recovery``.
+creating it and tidying it after a crash is ``sdp_cli.train.session.recovery``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
-from sdp_cli.train import checkpoint as ckpt
-from sdp_cli.train.ledger import LedgerLog
-from sdp_cli.train.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.policy_setup import (
+from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.train.asyncloop.ledger import LedgerLog
+from sdp_cli.train.asyncloop.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.asyncloop.distributed import Coordinator
+from sdp_cli.train.session.policy_setup import (
     PromptCodec,
     WholePolicy,
     bf16_note,
@@ -50,16 +50,16 @@ from sdp_cli.train.policy_setup import (
     save_checkpoint_policy,
     save_version,
 )
-from sdp_cli.train.recovery import recover_after_crash
-from sdp_cli.train.resume_check import STAMP, read_identity, stamp
-from sdp_cli.train.display import Progress, StartDisplay, start_evaluation_title
-from sdp_cli.train.reporting import EventLog, MetricsLog
-from sdp_cli.train.rewarding import RewardPool, RewardRules, user_code_running
-from sdp_cli.train.session_end import SavedAtStop, SessionEnd, summary_line
-from sdp_cli.train.start import RunStart, config_dict, open_run
-from sdp_cli.train.trackers import active_trackers, open_trackers
-from sdp_cli.train.task_setup import prepare_task
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.session.recovery import recover_after_crash
+from sdp_cli.train.session.resume_check import STAMP, read_identity, stamp
+from sdp_cli.train.session.display import Progress, StartDisplay, start_evaluation_title
+from sdp_cli.train.session.reporting import EventLog, MetricsLog
+from sdp_cli.train.asyncloop.rewarding import RewardPool, RewardRules, user_code_running
+from sdp_cli.train.session.session_end import SavedAtStop, SessionEnd, summary_line
+from sdp_cli.train.session.start import RunStart, config_dict, open_run
+from sdp_cli.train.session.trackers import active_trackers, open_trackers
+from sdp_cli.train.session.task_setup import prepare_task
+from sdp_cli.train.step.trainer import Trainer
 
 
 # ------------------------------------------------------------------- helpers
@@ -106,7 +106,7 @@ class TrainingRun:
         self.overrides = overrides
         self.run_dir = run_dir
         self.resuming = resuming
-        #: the checkpoint a resume continues from, checked by sdp_cli/train/resume_check.py
+        #: the checkpoint a resume continues from, checked by sdp_cli/train/session/resume_check.py
         self.resume_from = checkpoint
         self.coordinator = coordinator
         # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
@@ -212,7 +212,7 @@ class TrainingRun:
             logs = ", ".join(str(path) for path in self.engine.log_paths)
             phase.result = f"ready (log: {logs})" if logs else "ready"
         # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
-        # session (sdp_cli/train/ledger.py).
+        # session (sdp_cli/train/asyncloop/ledger.py).
         self.ledger = LedgerLog(
             self.run_dir.ledger,
             truncate_to=checkpoint.state["loop"].get("ledger_offset") if checkpoint else 0,
@@ -330,7 +330,7 @@ class TrainingRun:
         self.coordinator.agree_stop(self.stop_request)
 
     def _save_batch(self, record: StepRecord) -> None:
-        from sdp_cli.train.batch_io import write_train_batch
+        from sdp_cli.train.step.batch_io import write_train_batch
 
         write_train_batch(
             self.run_dir.batch(record.step),
@@ -453,7 +453,7 @@ class TrainingRun:
         return self.coordinator.serve(lambda groups: self.trainer.step(assemble_batch(
             groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)))
 
-    # -- end (what it records and says: self.end, sdp_cli/train/session_end.py) -----------------
+    # -- end (what it records and says: self.end, sdp_cli/train/session/session_end.py) -----------------
     def _end_session(self, code: int) -> None:
         """Release the other ranks, which exit with ``code`` as rank 0 will (0, 1 or 2, or 128 +
         the signal); after the last collective this session needs (checkpoint, evaluation)."""
@@ -553,7 +553,7 @@ def run_training(
     """
     from accelerate import Accelerator
 
-    from sdp_cli.train.distributed import Coordinator, check_launch
+    from sdp_cli.train.asyncloop.distributed import Coordinator, check_launch
 
     check_launch(os.environ)
     coordinator = Coordinator(Accelerator(cpu=not torch.cuda.is_available()))
@@ -581,7 +581,7 @@ def _train(
         owned = start.owned
         display = StartDisplay(enabled=start.cfg.run.progress and coordinator.is_main)
         if coordinator.is_main:
-            if not start.resuming:  # a resume announced its checkpoint and step (train/start.py)
+            if not start.resuming:  # a resume announced its checkpoint and step (train/session/start.py)
                 display.line(f"run dir {start.run_dir.path}")
             print(start.task.summary(), file=sys.stderr)
         run = TrainingRun(

@@ -112,7 +112,7 @@ def load_for_training(
 
 def _save_base(policy: Any, target: Path, dtype: torch.dtype) -> None:
     """Write the LoRA base once, whole or not at all: into a temporary sibling renamed into
-    place (named ``.v…`` so that crash recovery removes a torn one, sdp_cli/train/recovery.py)."""
+    place (named ``.v…`` so that crash recovery removes a torn one, sdp_cli/train/session/recovery.py)."""
     from sdp_cli.models import save_policy
 
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +254,7 @@ class WholePolicy:
             return self.trained
         version = self.trainer.version
         if self._copy is None or self._copy[0] != version:
-            from sdp_cli.train.sharding import whole_model
+            from sdp_cli.train.step.sharding import whole_model
 
             self._copy = None  # free the previous copy before gathering the next
             model = whole_model(self.trainer.placed.skeleton, self.gather())

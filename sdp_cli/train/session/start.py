@@ -3,7 +3,7 @@
 A new run's directory is made and locked only after the model, task data and engine settings
 passed (:func:`preflight`); a resume locks the directory it is given before reading it
 (docs/reliability.md, "One process per directory") and checks the checkpoint, the overrides
-and the ledger before it changes anything (sdp_cli/train/resume_check.py). What a resume
+and the ledger before it changes anything (sdp_cli/train/session/resume_check.py). What a resume
 changes in the directory is returned as ``deferred`` writes, made once setup has accepted it.
 """
 
@@ -27,9 +27,9 @@ from sdp_cli.models.gguf import check_gguf_file, is_gguf
 from sdp_cli.redact import is_loopback, is_redacted, redact_urls
 from sdp_cli.rundir import RunDir
 from sdp_cli.tasks import Task
-from sdp_cli.train.distributed import Coordinator
-from sdp_cli.train.checkpoint import Checkpoint
-from sdp_cli.train.recovery import (
+from sdp_cli.train.asyncloop.distributed import Coordinator
+from sdp_cli.train.session.checkpoint import Checkpoint
+from sdp_cli.train.session.recovery import (
     OwnedRunDir,
     announce_resume_point,
     check_run_files,
@@ -37,9 +37,9 @@ from sdp_cli.train.recovery import (
     read_overrides,
     resume_point,
 )
-from sdp_cli.train.resume_check import read_for_resume, refuse_structural_changes, write_identity
-from sdp_cli.train.task_setup import prepare_task
-from sdp_cli.train.trackers import active_trackers, check_installed
+from sdp_cli.train.session.resume_check import read_for_resume, refuse_structural_changes, write_identity
+from sdp_cli.train.session.task_setup import prepare_task
+from sdp_cli.train.session.trackers import active_trackers, check_installed
 
 
 def _launched_python(cfg: SdpConfig) -> str | None:
@@ -120,7 +120,7 @@ def bind_warning(cfg: SdpConfig) -> str | None:
 
 @dataclass
 class RunStart:
-    """A run directory ready for :class:`sdp_cli.train.run.TrainingRun`."""
+    """A run directory ready for :class:`sdp_cli.train.session.run.TrainingRun`."""
 
     cfg: SdpConfig
     raw: Any

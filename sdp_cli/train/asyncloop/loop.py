@@ -1,6 +1,6 @@
 """The asynchronous RL loop: a rollout producer thread and the trainer, overlapping.
 
-Producer thread (``RolloutProducer``, ``sdp_cli/train/producer.py``, held as ``self.producer``):
+Producer thread (``RolloutProducer``, ``sdp_cli/train/asyncloop/producer.py``, held as ``self.producer``):
 while the staleness manager grants capacity, generate groups on the engine, reward them off the
 generation path and hand them to the queue.
 
@@ -17,7 +17,7 @@ pass sees every sample the system holds exactly once.
 Faults (docs/reliability.md): a generate call that raises ``EngineError`` rejects its groups
 (their capacity returns) and the producer tries again; ``engine.max_consecutive_faults`` faults
 in a row stop the run. Every terminal fate of a group (consumed, dropped, rejected, abandoned
-at a resume) is written to the group ledger (``sdp_cli.train.ledger``) in the same critical
+at a resume) is written to the group ledger (``sdp_cli.train.asyncloop.ledger``) in the same critical
 section that changes the state, so a checkpoint's snapshot and the ledger length it records
 agree.
 """
@@ -41,9 +41,9 @@ from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
 from sdp_cli.tasks.base import Task
-from sdp_cli.train.batch import assemble_batch
-from sdp_cli.train.ledger import LedgerLog, record_fate
-from sdp_cli.train.loop_state import (
+from sdp_cli.train.step.batch import assemble_batch
+from sdp_cli.train.asyncloop.ledger import LedgerLog, record_fate
+from sdp_cli.train.asyncloop.loop_state import (
     LoopCounters,
     LoopInterrupted,
     LoopState,
@@ -55,9 +55,9 @@ from sdp_cli.train.loop_state import (
     rng_state_from_json,
     rng_state_to_json,
 )
-from sdp_cli.train.producer import RolloutProducer, failure_text
-from sdp_cli.train.rewarding import EXTRAS, RewardPool, RewardRules, extra_means
-from sdp_cli.train.trainer import Trainer
+from sdp_cli.train.asyncloop.producer import RolloutProducer, failure_text
+from sdp_cli.train.asyncloop.rewarding import EXTRAS, RewardPool, RewardRules, extra_means
+from sdp_cli.train.step.trainer import Trainer
 
 __all__ = ["AsyncLoop", "LoopInterrupted", "LoopStopped", "StepRecord", "TextCodec"]
 
