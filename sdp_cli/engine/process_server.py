@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     extra = {"attn_implementation": args.attn_implementation} if args.attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True, **extra)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True, use_safetensors=True, **extra)
     engine = LocalEngine(
         model,
         temperature=args.temperature,

@@ -212,7 +212,7 @@ def test_an_exception_inside_local_generation(tmp_path, sdp_cache):
     failed_at = time.time()
     assert done.returncode == 2
     line = error_line(done.stderr, alone=False)
-    assert "rollout producer failed: fault injected at local.generate" in line
+    assert "rollout producer failed: InjectedFault: fault injected at local.generate" in line
     assert f"resume with: sdp train resume={run_dir}" in line
     stopped = events(run_dir)[-1]
     assert stopped["event"] == "stopped" and "InjectedFault" in stopped["traceback"]
