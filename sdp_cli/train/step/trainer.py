@@ -320,15 +320,8 @@ class Trainer:
                 float((loss_mask > 0).sum()), 1.0
             )
         if log_ratio is not None:
-            weights, wmetrics = importance_weights(
-                log_ratio,
-                loss_mask,
-                level=cfg.is_level,
-                cap=cfg.weight_cap,
-                floor=cfg.weight_floor,
-                action=cfg.weight_action,
-                batch_normalize=cfg.batch_normalize,
-            )
+            # over this process's rows, as before: per-minibatch weights normalise across processes
+            weights, wmetrics = self._weights(log_ratio, loss_mask, across_processes=False)
             metrics.update({f"weights/{k}": v for k, v in wmetrics.items()})
             metrics.update(self._trained_ess(log_ratio, loss_mask, wmetrics))
             rej = cfg.rejection
@@ -488,10 +481,13 @@ class Trainer:
             metrics.update({f"opsm/{k}": v for k, v in ometrics.items()})
         return anchor, weights, metrics
 
-    def _weights(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _weights(
+        self, log_ratio: torch.Tensor, mask: torch.Tensor, *, across_processes: bool = True
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The behavioural weight ``loss`` configures (docs/math.md §2), normalised over the whole
-        minibatch across processes."""
+        minibatch across processes (``across_processes=False``: over this process's rows)."""
         cfg = self.loss_cfg
+        across = across_processes and self.accelerator.num_processes > 1
         return importance_weights(
             log_ratio,
             mask,
@@ -500,7 +496,7 @@ class Trainer:
             floor=cfg.weight_floor,
             action=cfg.weight_action,
             batch_normalize=cfg.batch_normalize,
-            all_reduce=self._sum_over_processes if self.accelerator.num_processes > 1 else None,
+            all_reduce=self._sum_over_processes if across else None,
         )
 
     def _trained_ess(
