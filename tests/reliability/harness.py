@@ -30,6 +30,25 @@ def train_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sdp_cli", "train", *args]
 
 
+def versioned_segment_wise(run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """The overrides of a segment-wise run whose tokens' versions can be audited afterwards:
+    batches and every version's checkpoint kept, a checkpoint every 3 steps. The tiny warm start
+    earns no reward, so the gradient is zero: AdamW's decoupled decay (weights × 0.97 per step)
+    makes every version differ from the last (max |Δ logprob| 0.02-0.3 per sequence), so a token
+    tagged with the wrong version cannot pass the version check."""
+    return [
+        "+preset=segment_wise",
+        "optim.lr=3e-3",
+        "optim.weight_decay=10",
+        f"train.steps={steps}",
+        "train.checkpoint_every=3",
+        "train.save_batches=true",
+        "train.keep_version_checkpoints=true",
+        f"run.dir={run_dir}",
+        *extra,
+    ]
+
+
 def run_sdp(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "sdp_cli", *args],

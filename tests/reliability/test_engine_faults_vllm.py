@@ -34,6 +34,7 @@ from .harness import (
     run_sdp,
     sdp_env,
     start_sdp,
+    versioned_segment_wise,
     wait_for,
 )
 from .proxy import FaultProxy, is_generation, is_scoring
@@ -53,18 +54,7 @@ def _args(url: str, run_dir: Path, steps: int, *extra: str) -> list[str]:
         "engine.retries=2",
         "engine.request_timeout_s=6",
         "engine.reconnect_timeout_s=240",
-        "+preset=segment_wise",
-        # The tiny warm start earns no reward, so the gradient is zero: AdamW's decoupled decay
-        # (weights × 0.97 per step) makes every version differ from the last (max |Δ logprob|
-        # 0.02-0.3 per sequence), so a token tagged with the wrong version cannot pass the check.
-        "optim.lr=3e-3",
-        "optim.weight_decay=10",
-        f"train.steps={steps}",
-        "train.checkpoint_every=3",
-        "train.save_batches=true",
-        "train.keep_version_checkpoints=true",
-        f"run.dir={run_dir}",
-        *extra,
+        *versioned_segment_wise(run_dir, steps, *extra),
     ]
 
 

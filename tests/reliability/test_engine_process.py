@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 
 from . import report
-from .harness import FAST, check_finished_run, first_step_time_after, metrics, run_sdp, sdp_env, wait_for
+from .harness import (
+    FAST,
+    check_finished_run,
+    first_step_time_after,
+    metrics,
+    run_sdp,
+    sdp_env,
+    versioned_segment_wise,
+    wait_for,
+)
 from .test_engine_faults_vllm import assert_tokens_carry_their_version
 from .test_signals import check_interrupted
 
@@ -35,18 +44,8 @@ def _args(run_dir: Path, steps: int, *extra: str) -> list[str]:
     return [
         *FAST,
         "engine.in_process=false",
-        "+preset=segment_wise",
         "rollout.max_head_offpolicyness=2",
-        # as in test_engine_faults_vllm.py: weight decay makes every version differ from the
-        # last, so a token tagged with the wrong version cannot pass the version check
-        "optim.lr=3e-3",
-        "optim.weight_decay=10",
-        f"train.steps={steps}",
-        "train.checkpoint_every=3",
-        "train.save_batches=true",
-        "train.keep_version_checkpoints=true",
-        f"run.dir={run_dir}",
-        *extra,
+        *versioned_segment_wise(run_dir, steps, *extra),
     ]
 
 
