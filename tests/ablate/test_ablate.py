@@ -196,7 +196,7 @@ def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
 @pytest.mark.parametrize(
     "sweep,overrides,fragment",
     [
-        ("nope", [], "unknown sweep 'nope'; choose one of default, harsh, s1, s2, s3m, s3u, s4, s5, smoke"),
+        ("nope", [], "unknown sweep 'nope'; choose one of default, harsh, s1, s1b, s2, s3m, s3u, s4, s4b, s5, smoke"),
         (
             "smoke",
             ["rollout.max_head_offpolicyness=0,-1"],

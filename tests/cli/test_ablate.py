@@ -241,7 +241,7 @@ def test_report_reaggregates_without_running(smoke, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["ablate", "nope"], "error: unknown sweep 'nope'; choose one of default, harsh, s1, s2, s3m, s3u, s4, s5, smoke"),
+        (["ablate", "nope"], "error: unknown sweep 'nope'; choose one of default, harsh, s1, s1b, s2, s3m, s3u, s4, s4b, s5, smoke"),
         (
             ["ablate", "smoke", "rollout.max_head_offpolicyness=0,-1"],
             "error: run bypass-eta-1-seed0: rollout.max_head_offpolicyness=-1 must be >= 0",
