@@ -33,6 +33,7 @@ weights into (a killed sdp cannot).
 from __future__ import annotations
 
 import argparse
+import gc
 import hmac
 import json
 import os
@@ -335,6 +336,10 @@ def main(argv: list[str] | None = None) -> None:
         dtype=DTYPES[args.dtype],
     )
     server.service = EngineService(engine)
+    # the imports and the model live as long as the process: out of the collector's full passes,
+    # which walked them with the GIL held between decode steps
+    gc.collect()
+    gc.freeze()
     print(
         f"sdp local engine: pid {os.getpid()}, {torch.get_num_threads()} thread(s), model loaded in "
         f"{time.perf_counter() - started:.2f} s, serving on {args.host}:{args.port}, scratch {args.scratch}",

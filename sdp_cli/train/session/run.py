@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -404,6 +405,11 @@ class TrainingRun:
         session_start = dict(self.loop.state.counters.to_dict())
         t0 = time.perf_counter()
         stopped: BaseException | None = None
+        # What setup built (modules, model, tokenizer) lives as long as the loop: frozen, it is
+        # out of the cyclic collector's full passes, each of which walked it with the GIL held
+        # (0.3 s on 2 cores, stalling the trainer, the producer and the reward threads at once).
+        gc.collect()
+        gc.freeze()
         try:
             self.loop.run()
         except (LoopStopped, EngineError, RewardError, OSError) as exc:  # RewardError: of an evaluation
@@ -411,6 +417,8 @@ class TrainingRun:
         except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting; the
             self.close()  # logs stay open for the aborted event (_train)
             raise
+        finally:
+            gc.unfreeze()  # a process that trains again (a sweep's worker) can free this run's objects
         # the other ranks still follow: checkpoints and evaluations may gather from them
         self.close()
         if not self.coordinator.call("in_sync"):
