@@ -52,3 +52,19 @@ def test_too_few_pairs_is_one_line(tmp_path, capsys):
     a = _table(tmp_path / "a.csv", [("decoupled", 8, 0, 0.8), ("segment_wise", 8, 0, 0.9)])
     assert interaction.main([str(a), str(a)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_one_table_at_two_staleness_levels_pairs_by_seed(tmp_path, capsys):
+    # gaps at η = 16: seed 0 −0.30, seed 1 −0.20; at η = 2: seed 0 −0.02, seed 1 +0.04
+    t = _table(tmp_path / "t.csv", [("decoupled", 16, 0, 0.90), ("segment_wise", 16, 0, 0.60),
+                                    ("decoupled", 16, 1, 0.85), ("segment_wise", 16, 1, 0.65),
+                                    ("decoupled", 2, 0, 0.88), ("segment_wise", 2, 0, 0.86),
+                                    ("decoupled", 2, 1, 0.84), ("segment_wise", 2, 1, 0.88)])  # fmt: skip
+    assert interaction.main([str(t), str(t), "--eta", "16", "2"]) == 0
+    out = capsys.readouterr().out
+    # differences: −0.30 − (−0.02) = −0.28, −0.20 − 0.04 = −0.24; mean −0.26
+    assert "2 paired seeds" in out and "at η = 16: -0.2500" in out and "at η = 2: +0.0100" in out, out
+    assert "difference of the gaps -0.2600" in out, out
+    # without --eta the cells pair by η: the same table against itself differs by exactly 0
+    assert interaction.main([str(t), str(t)]) == 0
+    assert "difference of the gaps +0.0000" in capsys.readouterr().out
