@@ -110,6 +110,11 @@ def _train(tmp_path: Path, monkeypatch, *overrides: str, step_delay_s: float = 0
         "train.checkpoint_every=0",
         "train.save_batches=true",
         "train.keep_version_checkpoints=true",
+        # The tiny warm start earns no reward, so its gradient is zero: AdamW's decoupled decay
+        # (weights × 0.97 per step) makes every version differ from the last, so π_{v+1}/π_v ≠ 1
+        # and a π_prox_t left at π_behav (weight 0) cannot pass for the right one.
+        "optim.lr=3e-3",
+        "optim.weight_decay=10",
         f"run.dir={run_dir}",
         *overrides,
     ]
@@ -133,8 +138,10 @@ def test_natural_timing_never_puts_the_offset_in_the_weight(tmp_path, monkeypatc
 
 def test_trainer_takes_batches_before_the_producer_scores_them(tmp_path, monkeypatch):
     # No recompute ahead: every lag-1 token reaches the trainer unscored, so the take-time pass
-    # (or, before it existed, the trainer's own π_prox) is what gives it π_prox_t.
-    monkeypatch.setattr(RolloutProducer, "_recompute_ahead", lambda self: None)
+    # (or, before it existed, the trainer's own π_prox) is what gives it π_prox_t. The producer
+    # is told the version's pass is done, as the real one says: a pass left due forever would
+    # send it round its loop without waiting, holding the GIL against the trainer (50 s here).
+    monkeypatch.setattr(RolloutProducer, "_recompute_ahead", lambda self: setattr(self, "_recomputed_for", self.version()))
     run_dir = _train(tmp_path, monkeypatch, "rollout.max_head_offpolicyness=2", "train.steps=6")
     checked = _check_run(run_dir, source="engine")
     assert checked.get(1, 0) > 0 and sum(n for lag, n in checked.items() if lag >= 2) > 0
