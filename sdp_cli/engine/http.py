@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable
+from sdp_cli.engine.loopback_http import LoopbackClient, LoopbackResponse
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class HttpServer:
         unavailable_hint: str = "check that the server is running and the address is right",
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] | None = None,
+        loopback: bool = False,
     ):
         self.base_url = base_url.rstrip("/")
         self.options = options
@@ -93,6 +95,19 @@ class HttpServer:
         # Interruptible wait: close() wakes a thread that is backing off.
         self._sleep = sleep if sleep is not None else self._closed.wait
         headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        # sdp's own engine process: a lean client, whose requests hold sdp's GIL a third as long
+        # (sdp_cli/engine/loopback_http.py); the same retries and errors as below
+        self._client: httpx.Client | LoopbackClient
+        if loopback:
+            if transport is not None:
+                raise ValueError("a loopback HttpServer takes no httpx transport")
+            self._client = LoopbackClient(
+                self.base_url,
+                headers=headers,
+                connect_timeout_s=options.connect_timeout_s,
+                read_timeout_s=options.request_timeout_s,
+            )
+            return
         self._client = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -205,7 +220,7 @@ class HttpServer:
         raise EngineError(f"{where} failed after {attempts} attempt(s): {last_failure}")
 
     def _decode(
-        self, where: str, response: httpx.Response, answer_statuses: Collection[int] = ()
+        self, where: str, response: httpx.Response | LoopbackResponse, answer_statuses: Collection[int] = ()
     ) -> Any:
         if response.status_code >= 400 and response.status_code not in answer_statuses:
             _raise_for_status(where, response)
@@ -223,7 +238,7 @@ class HttpServer:
         self._client.close()
 
 
-def _raise_for_status(where: str, response: httpx.Response) -> None:
+def _raise_for_status(where: str, response: httpx.Response | LoopbackResponse) -> None:
     status, text = response.status_code, _excerpt(response.text)
     if status in (401, 403):
         raise EngineError(

@@ -149,6 +149,7 @@ class ProcessEngine(RemoteEngine):
     #: samples and scores at softmax(z / T) itself, sampled and prefill logprobs alike
     temperature_exact = True
     accepts_state_dict = True
+    loopback_http = True
 
     def __init__(
         self,

@@ -135,6 +135,9 @@ class RemoteEngine(InferenceEngine):
     #: the server's sampled and prefill logprobs are both those of softmax(z / T) at any T
     #: (otherwise T != 1 is refused: ``check_temperature``)
     temperature_exact = False
+    #: the servers are sdp's own processes on loopback: ``HttpServer``'s lean client
+    #: (``sdp_cli/engine/loopback_http.py``) instead of httpx
+    loopback_http = False
 
     def __init__(
         self,
@@ -164,6 +167,7 @@ class RemoteEngine(InferenceEngine):
                     options.http,
                     label=f"{self.engine_name} server",
                     unavailable_hint=self._unavailable_hint(),
+                    loopback=self.loopback_http,
                 ),
                 engine_name=self.engine_name,
                 cond=self._state.cond,
