@@ -88,7 +88,10 @@ class LoopbackClient:
         except BaseException as exc:
             connecting = connection.sock is None  # the connection was never made
             self._drop(connection)
-            raise _as_httpx(exc, connecting=connecting) from exc
+            mapped = _as_httpx(exc, connecting=connecting)
+            if mapped is exc:
+                raise
+            raise mapped from exc
         if response.will_close:
             self._drop(connection)
         return LoopbackResponse(response.status, content)
