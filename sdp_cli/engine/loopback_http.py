@@ -14,13 +14,15 @@ timeout=)`` call and response fields (``status_code``, ``content``, ``text``, ``
 tells apart: ``ConnectError`` (nothing listens: the process is gone or restarting),
 ``ConnectTimeout``, ``ReadTimeout`` (the process took the request and is slow) and
 ``RemoteProtocolError`` (the connection closed under a request, e.g. the process was killed). A
-connection that failed is closed and the next request opens a new one.
+connection that failed is closed and the next request opens a new one; an idle one the server
+closed (a restarted process) is found and replaced before it is used.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import threading
 from collections.abc import Mapping
@@ -109,6 +111,11 @@ class LoopbackClient:
 
     def _connection(self, connect_s: float) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
+        if connection is not None and connection.sock is not None and _closed_by_peer(connection.sock):
+            # an idle connection has nothing to read unless the server closed it (a restarted
+            # process): drop it before it is used, as httpx's pool does
+            self._drop(connection)
+            connection = None
         if connection is None:
             connection = http.client.HTTPConnection(self._host, self._port, timeout=connect_s)
             self._local.connection = connection
@@ -122,6 +129,12 @@ class LoopbackClient:
             self._local.connection = None
         with self._lock:
             self._open.discard(connection)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """An idle keep-alive socket is readable only at EOF (or an error): the server closed it."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
 
 
 def _dumps(body: Any) -> bytes:
