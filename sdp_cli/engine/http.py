@@ -107,18 +107,18 @@ class HttpServer:
                 connect_timeout_s=options.connect_timeout_s,
                 read_timeout_s=options.request_timeout_s,
             )
-            return
-        self._client = httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s),
-            limits=httpx.Limits(
-                max_connections=options.max_connections,
-                max_keepalive_connections=options.max_connections,
-                keepalive_expiry=options.keepalive_expiry_s,
-            ),
-            transport=transport,
-        )
+        else:
+            self._client = httpx.Client(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s),
+                limits=httpx.Limits(
+                    max_connections=options.max_connections,
+                    max_keepalive_connections=options.max_connections,
+                    keepalive_expiry=options.keepalive_expiry_s,
+                ),
+                transport=transport,
+            )
 
     def __repr__(self) -> str:
         return f"HttpServer({self.base_url!r})"
