@@ -432,20 +432,22 @@ class RemoteEngine(InferenceEngine):
             if self.batched_requests
             else [[i] for i in range(len(sequences))]
         )
-        futures = [
-            self._score_pool.submit(
-                self._score_unit,
-                self.servers[unit[0] % n],
-                [list(sequences[i]) for i in unit],
-                [int(starts[i]) for i in unit],
-                expected,
+        units = [unit for unit in units if unit]
+
+        def score_unit(unit: list[int]) -> list[list[float]]:
+            return self._score_unit(
+                self.servers[unit[0] % n], [list(sequences[i]) for i in unit], [int(starts[i]) for i in unit], expected
             )
-            for unit in units
-            if unit
-        ]
+
+        # one unit (one server, batched) is scored here: a hand-off to a pool thread and back
+        # would cost the trainer's step the interpreter twice (docs/training.md)
+        if len(units) == 1:
+            answers = [score_unit(units[0])]
+        else:
+            answers = [future.result() for future in [self._score_pool.submit(score_unit, unit) for unit in units]]
         results: list[list[float]] = [[] for _ in sequences]
-        for unit, future in zip((u for u in units if u), futures):
-            for i, values in zip(unit, future.result(), strict=True):
+        for unit, answer in zip(units, answers, strict=True):
+            for i, values in zip(unit, answer, strict=True):
                 results[i] = values
         return results
 

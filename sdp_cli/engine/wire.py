@@ -14,7 +14,9 @@ produced by weights sdp loaded (docs/reliability.md "Engine faults").
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,9 +77,20 @@ def is_version_label(label: str) -> bool:
     return label.isdecimal()
 
 
+def _new_id_prefix() -> None:
+    global _id_prefix, _id_counter
+    _id_prefix, _id_counter = uuid.uuid4().hex[:16], itertools.count()
+
+
+_new_id_prefix()
+os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child must not repeat the parent's ids
+
+
 def new_request_id() -> str:
-    """A fixed-length id; SGLang aborts by rid *prefix*, so ids must not prefix one another."""
-    return uuid.uuid4().hex
+    """A fixed-length id (32 hex digits); SGLang aborts by rid *prefix*, so ids must not prefix
+    one another. A random prefix per process and a counter: unique without a call into the
+    operating system's random source per request (there is one per segment)."""
+    return f"{_id_prefix}{next(_id_counter):016x}"
 
 
 def request_seed(seed: int | None, position: int, output_len: int) -> int | None:

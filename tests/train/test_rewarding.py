@@ -232,3 +232,59 @@ def test_work_submitted_after_close_is_dropped_silently():
     pool.submit([lambda: 1.0], ["r"], lambda r, e: reported.append((r, e)))
     time.sleep(0.1)
     assert reported == []
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_groups_submitted_together_go_as_one_job_per_worker_each_with_its_own_results(workers):
+    # 7 groups of 1..7 calls; call j of group g scores 10·g + j, run on the thread that scored it
+    threads: dict[int, set[int]] = {}
+    lock = threading.Lock()
+
+    def call(g, j):
+        with lock:
+            threads.setdefault(g, set()).add(threading.get_ident())
+        return 10.0 * g + j
+
+    reported: dict[int, list[float]] = {}
+    all_done = threading.Event()
+
+    def done(g, results, error):
+        assert error is None
+        with lock:
+            reported[g] = [score for score, _ in results]
+            if len(reported) == 7:
+                all_done.set()
+
+    pool = RewardPool(workers=workers)
+    submitted = []
+    original_submit = pool.submit
+    pool.submit = lambda calls, wheres, cb: (submitted.append(len(calls)), original_submit(calls, wheres, cb))
+    pool.submit_groups(
+        [([functools.partial(call, g, j) for j in range(g)], [f"g{g}"] * g, functools.partial(done, g)) for g in range(1, 8)]
+    )
+    assert all_done.wait(10)
+    pool.close()
+    assert reported == {g: [10.0 * g + j for j in range(g)] for g in range(1, 8)}
+    assert len(submitted) == workers and sum(submitted) == 28  # one job per worker, every call once
+    assert all(len(t) == 1 for t in threads.values())  # a group is never split across jobs
+
+
+def test_an_error_in_a_job_of_several_groups_reaches_every_group_of_it():
+    errors: list[tuple[int, str]] = []
+    reported = threading.Event()
+
+    def done(g, results, error):
+        assert results is None
+        errors.append((g, str(error)))
+        if len(errors) == 3:
+            reported.set()
+
+    def broken():
+        raise ValueError("bad answer format")
+
+    pool = RewardPool(workers=1, name="r")
+    pool.submit_groups([([lambda: 1.0], ["a"], functools.partial(done, 0)), ([broken], ["b"], functools.partial(done, 1)), ([lambda: 2.0], ["c"], functools.partial(done, 2))])
+    assert reported.wait(10)
+    pool.close()
+    assert [g for g, _ in errors] == [0, 1, 2]
+    assert all("bad answer format" in text for _, text in errors)

@@ -287,7 +287,8 @@ class RolloutProducer:
         self.wake()
 
     def _score(self, groups: list[RolloutGroup]) -> None:
-        """Send each finished group's reward calls to the pool; ``_scored`` hands it over."""
+        """Send the finished groups' reward calls to the pool; ``_scored`` hands each over."""
+        jobs = []
         for group in groups:
             calls, wheres = [], []
             for sample in group.samples:
@@ -295,7 +296,8 @@ class RolloutProducer:
                 item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
                 calls.append(self.task.reward_call(completion, item, stopped=sample.finish_reason == "stop"))
                 wheres.append(f"a completion of {item.prompt[:60]!r}")
-            self.rewards.submit(calls, wheres, functools.partial(self._scored, group))
+            jobs.append((calls, wheres, functools.partial(self._scored, group)))
+        self.rewards.submit_groups(jobs)
 
     def _scored(
         self, group: RolloutGroup, results: list[tuple[float, dict[str, float]]] | None, error: BaseException | None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import itertools
 import multiprocessing
 import os
@@ -302,6 +303,16 @@ class _Group:
     done: Done
 
 
+def _split_results(
+    sizes: list[int], dones: list[Done], results: list[tuple[float, dict[str, float]]] | None, error: BaseException | None
+) -> None:
+    """The done callback of a job of several groups (``RewardPool.submit_groups``)."""
+    start = 0
+    for size, done in zip(sizes, dones, strict=True):
+        done(None if results is None else results[start : start + size], error)
+        start += size
+
+
 class _Slot:
     """One worker of a pool: a dispatcher thread that runs its groups on its runner and replaces
     the runner when a call overstays its timeout or the worker process dies."""
@@ -451,6 +462,22 @@ class RewardPool:
                 for slot in self._slots:
                     slot.thread.start()
             self._groups.put(_Group(list(calls), list(wheres), done))
+
+    def submit_groups(self, groups: Sequence[tuple[Sequence[Callable[[], RewardValue]], Sequence[str], Done]]) -> None:
+        """``submit`` for several groups (calls, wheres, done) at once, as at most one job per
+        worker: each hand-off between threads costs the trainer's step the interpreter for a
+        while (docs/training.md "What asynchrony buys on a CPU"), so a round of generation makes a
+        few instead of one per group. Each ``done`` gets its own group's results; an error that
+        stops the run reaches every group of its job."""
+        jobs = min(len(self._slots), len(groups))
+        for j in range(jobs):
+            chunk = groups[len(groups) * j // jobs : len(groups) * (j + 1) // jobs]
+            sizes = [len(calls) for calls, _, _ in chunk]
+            self.submit(
+                [call for calls, _, _ in chunk for call in calls],
+                [where for _, wheres, _ in chunk for where in wheres],
+                functools.partial(_split_results, sizes, [done for _, _, done in chunk]),
+            )
 
     def score(
         self, calls: Sequence[Callable[[], RewardValue]], wheres: Sequence[str], *, give_up: Callable[[], bool]
