@@ -18,7 +18,7 @@ from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
-from sdp_cli.engine.wire import Segment, expand_spans, request_seed
+from sdp_cli.engine.wire import Segment, expand_spans, new_request_id, request_seed
 from sdp_cli.rollout.records import RolloutSample
 
 from .stubs import tiny_lm
@@ -379,3 +379,33 @@ def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedu
                 v,
                 sample.old_logprobs[t],
             )
+
+
+def test_request_ids_are_unique_across_threads_and_a_forked_child_and_never_prefix_one_another():
+    import os
+
+    ids: list[list[str]] = [[] for _ in range(8)]
+
+    def take(out: list[str]) -> None:
+        out.extend(new_request_id() for _ in range(2000))
+
+    threads = [threading.Thread(target=take, args=(out,)) for out in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [i for out in ids for i in out]
+    # SGLang aborts by id prefix: one fixed length and no repeat mean no id prefixes another
+    assert len(set(every)) == len(every) == 16000
+    assert {len(i) for i in every} == {32} and all(int(i, 16) >= 0 for i in every)
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.write(write, " ".join(new_request_id() for _ in range(100)).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    os.close(write)
+    from_child = os.read(read, 1 << 16).decode().split()
+    os.close(read)
+    assert len(from_child) == 100 and not set(from_child) & set(every + [new_request_id() for _ in range(100)])
