@@ -155,6 +155,21 @@ def test_scores_over_the_wire_equal_full_forwards(served):
         assert max(abs(a - b) for a, b in zip(x.old_logprobs, ref, strict=True)) <= 1e-5
 
 
+def test_one_servers_scoring_runs_in_the_thread_that_asks(served, monkeypatch):
+    # a hand-off to a pool thread and back would take the trainer's interpreter twice per pass
+    s = served()
+    samples = prompts([3, 5])
+    s.engine.generate(samples, SamplingParams(max_new_tokens=4, seed=2))
+    threads = []
+    original = s.engine._server_score_batch
+    monkeypatch.setattr(
+        s.engine, "_server_score_batch", lambda *a: (threads.append(threading.get_ident()), original(*a))[1]
+    )
+    scores = s.engine.score([x.input_ids for x in samples], [x.prompt_len for x in samples])
+    assert [len(row) for row in scores] == [x.output_len for x in samples]
+    assert threads == [threading.get_ident()]
+
+
 def test_the_server_refuses_strangers_and_bad_requests_in_one_line(served):
     s = served()
     url = s.engine.servers[0].url
