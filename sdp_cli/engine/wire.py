@@ -83,7 +83,8 @@ def _new_id_prefix() -> None:
 
 
 _new_id_prefix()
-os.register_at_fork(after_in_child=_new_id_prefix)  # a forked child must not repeat the parent's ids
+if hasattr(os, "register_at_fork"):  # POSIX: a forked child must not repeat the parent's ids
+    os.register_at_fork(after_in_child=_new_id_prefix)
 
 
 def new_request_id() -> str:
