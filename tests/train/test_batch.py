@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sdp_cli.core.token_status import FILL, OK, UNCORRECTABLE, lacks_next_version, token_status
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
@@ -96,3 +98,53 @@ def test_assemble_refuses_unscored_or_empty_samples():
     empty = RolloutSample(prompt_ids=[1], reward=1.0)
     with pytest.raises(ValueError, match="empty response"):
         assemble_batch([RolloutGroup(0, [empty])], pad_token_id=0, trainer_version=0)
+
+
+def _reference_layout(samples, pad):
+    """Each sample written into its row one by one: what assemble_batch's scatter must equal."""
+    n, length = len(samples), max(s.prompt_len + s.output_len for s in samples)
+    ids = [[pad] * length for _ in range(n)]
+    attention = [[0] * length for _ in range(n)]
+    per_token = {key: [[fill] * (length - 1) for _ in range(n)] for key, fill in
+                 (("mask", 0.0), ("old", 0.0), ("prox", 0.0), ("versions", -1), ("prox_versions", -1))}  # fmt: skip
+    for i, s in enumerate(samples):
+        for j, token in enumerate(s.input_ids):
+            ids[i][j], attention[i][j] = token, 1
+        for t in range(s.output_len):
+            col = s.prompt_len + t - 1
+            per_token["mask"][i][col] = 1.0
+            per_token["old"][i][col] = s.old_logprobs[t]
+            per_token["prox"][i][col] = s.proximal_logprobs_t[t]
+            per_token["versions"][i][col] = s.versions[t]
+            per_token["prox_versions"][i][col] = s.proximal_t_versions[t]
+    return ids, attention, per_token
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 50), min_size=1, max_size=6),  # prompt
+            st.lists(st.tuples(st.integers(1, 50), st.floats(-20, 0), st.integers(0, 9)), min_size=1, max_size=7),
+        ),
+        min_size=1,
+        max_size=9,
+    )
+)
+@settings(max_examples=150, deadline=None)
+def test_every_token_of_every_sample_lands_where_a_row_by_row_layout_puts_it(specs):
+    samples = []
+    for g, (prompt, outputs) in enumerate(specs):
+        s = _sample(prompt, [o[0] for o in outputs], [o[1] for o in outputs], [o[2] for o in outputs], 1.0, group_id=g)
+        for t, (_, lp, v) in enumerate(outputs):
+            if t % 2:  # some tokens carry an engine π_prox_t of the next version
+                s.set_proximal_t(t, lp / 2, v + 1)
+        samples.append(s)
+    batch = assemble_batch([RolloutGroup(i, [s]) for i, s in enumerate(samples)], pad_token_id=0, trainer_version=10)
+    ids, attention, per_token = _reference_layout(samples, 0)
+    assert batch.input_ids.tolist() == ids
+    assert batch.attention_mask.tolist() == attention
+    assert batch.mask.tolist() == per_token["mask"]
+    assert batch.old_logprobs.tolist() == torch.tensor(per_token["old"], dtype=torch.float32).tolist()
+    assert batch.proximal_logprobs_t.tolist() == torch.tensor(per_token["prox"], dtype=torch.float32).tolist()
+    assert batch.versions.tolist() == per_token["versions"]
+    assert batch.proximal_t_versions.tolist() == per_token["prox_versions"]

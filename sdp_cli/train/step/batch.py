@@ -83,7 +83,10 @@ def assemble_batch(
             raise ValueError(f"assemble_batch: sample {s.sample_id} has an empty response")
 
     n = len(samples)
-    length = max(s.prompt_len + s.output_len for s in samples)
+    prompt_lens = torch.tensor([s.prompt_len for s in samples], dtype=torch.long)
+    output_lens = torch.tensor([s.output_len for s in samples], dtype=torch.long)
+    totals = prompt_lens + output_lens
+    length = int(totals.max())
     input_ids = torch.full((n, length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, length), dtype=torch.long)
     shape = (n, length - 1)
@@ -93,17 +96,18 @@ def assemble_batch(
     versions = torch.full(shape, -1, dtype=torch.long)
     prox_t_versions = torch.full(shape, -1, dtype=torch.long)
 
-    for i, s in enumerate(samples):
-        total = s.prompt_len + s.output_len
-        input_ids[i, :total] = torch.tensor(s.input_ids, dtype=torch.long)
-        attention_mask[i, :total] = 1
-        # output token t sits at position prompt_len + t, i.e. target column prompt_len + t - 1
-        cols = slice(s.prompt_len - 1, total - 1)
-        mask[i, cols] = 1.0
-        old[i, cols] = torch.tensor(s.old_logprobs, dtype=torch.float32)
-        prox_t[i, cols] = torch.tensor(s.proximal_logprobs_t, dtype=torch.float32)
-        versions[i, cols] = torch.tensor(s.versions, dtype=torch.long)
-        prox_t_versions[i, cols] = torch.tensor(s.proximal_t_versions, dtype=torch.long)
+    # One scatter per tensor over all samples' tokens (a loop of small copies per sample held the
+    # trainer's thread 5 ms per step of 128 samples). Row i holds prompt + output from column 0;
+    # output token t sits at position prompt_len + t, i.e. target column prompt_len + t - 1.
+    rows, cols = _ragged_index(totals)
+    input_ids[rows, cols] = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
+    attention_mask[rows, cols] = 1
+    rows, cols = _ragged_index(output_lens, start=prompt_lens - 1)
+    mask[rows, cols] = 1.0
+    old[rows, cols] = torch.tensor([x for s in samples for x in s.old_logprobs], dtype=torch.float32)
+    prox_t[rows, cols] = torch.tensor([x for s in samples for x in s.proximal_logprobs_t], dtype=torch.float32)
+    versions[rows, cols] = torch.tensor([v for s in samples for v in s.versions], dtype=torch.long)
+    prox_t_versions[rows, cols] = torch.tensor([v for s in samples for v in s.proximal_t_versions], dtype=torch.long)
 
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)
     group_ids = torch.tensor([s.group_id for s in samples], dtype=torch.long)
@@ -124,6 +128,17 @@ def assemble_batch(
         trainer_version=trainer_version,
         samples=samples,
     )
+
+
+def _ragged_index(lengths: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) of ``lengths[i]`` consecutive cells in each row i, from column ``start[i]``
+    (0 by default), row after row: the index of a ragged batch laid into a padded tensor."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    row_starts = torch.cumsum(lengths, 0) - lengths  # where each row's cells begin in the flat order
+    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(row_starts, lengths)
+    if start is not None:
+        cols += torch.repeat_interleave(start, lengths)
+    return rows, cols
 
 
 def fill_one_step_proximal(batch: TrainBatch, proximal_logprobs: torch.Tensor) -> int:
