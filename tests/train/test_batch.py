@@ -98,6 +98,11 @@ def test_assemble_refuses_unscored_or_empty_samples():
     empty = RolloutSample(prompt_ids=[1], reward=1.0)
     with pytest.raises(ValueError, match="empty response"):
         assemble_batch([RolloutGroup(0, [empty])], pad_token_id=0, trainer_version=0)
+    # no prompt: output token 0 has no column to go to (never wrapped into the last one)
+    no_prompt = RolloutSample(prompt_ids=[], reward=1.0)
+    no_prompt.append_tokens([3, 4], [-0.1, -0.2], 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        assemble_batch([RolloutGroup(0, [no_prompt, s])], pad_token_id=0, trainer_version=0)
 
 
 def _reference_layout(samples, pad):

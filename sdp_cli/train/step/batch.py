@@ -81,6 +81,8 @@ def assemble_batch(
             raise ValueError(f"assemble_batch: sample {s.sample_id} has no reward")
         if not s.output_ids:
             raise ValueError(f"assemble_batch: sample {s.sample_id} has an empty response")
+        if not s.prompt_ids:  # its first output token would have no target column
+            raise ValueError(f"assemble_batch: sample {s.sample_id} has an empty prompt")
 
     n = len(samples)
     prompt_lens = torch.tensor([s.prompt_len for s in samples], dtype=torch.long)
