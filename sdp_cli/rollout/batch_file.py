@@ -59,6 +59,14 @@ _TORCH_DTYPES = {"I64": torch.int64, "F32": torch.float32, "U8": torch.uint8}
 DTYPES: dict[str, torch.dtype] = {name: _TORCH_DTYPES[st] for name, (st, _) in ENTRY_DTYPES.items()}
 
 
+def ragged_layout(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position within its row) of every entry of rows ``lengths[i]`` long laid end to end,
+    each [sum(lengths)]: the index that scatters a packed batch into a padded tensor."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    row_starts = torch.cumsum(lengths, 0) - lengths
+    return rows, torch.arange(int(lengths.sum())) - row_starts[rows]
+
+
 @dataclass(eq=False)
 class PaddedBatch:
     """Response tokens right-padded to ``[S, T]`` (T = longest response) — the layout the
@@ -220,10 +228,7 @@ class SavedBatch:
 
     def token_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sequence index, position within its sequence) of every token, each [N]."""
-        seqlens = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        seq_idx = torch.repeat_interleave(torch.arange(self.num_sequences), seqlens)
-        pos = torch.arange(self.num_tokens) - self.cu_seqlens[:-1][seq_idx]
-        return seq_idx, pos
+        return ragged_layout(self.cu_seqlens[1:] - self.cu_seqlens[:-1])
 
     def effective_loss_mask(self) -> torch.Tensor:
         """``loss_mask``, or 1 on every output token and 0 on prompt tokens when it is absent."""

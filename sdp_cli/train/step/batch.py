@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from sdp_cli.core.advantages import group_advantages
+from sdp_cli.rollout.batch_file import ragged_layout
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 
 
@@ -101,10 +102,11 @@ def assemble_batch(
     # One scatter per tensor over all samples' tokens (a loop of small copies per sample held the
     # trainer's thread 5 ms per step of 128 samples). Row i holds prompt + output from column 0;
     # output token t sits at position prompt_len + t, i.e. target column prompt_len + t - 1.
-    rows, cols = _ragged_index(totals)
-    input_ids[rows, cols] = torch.tensor([t for s in samples for t in (*s.prompt_ids, *s.output_ids)], dtype=torch.long)
+    rows, cols = ragged_layout(totals)
+    input_ids[rows, cols] = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
     attention_mask[rows, cols] = 1
-    rows, cols = _ragged_index(output_lens, start=prompt_lens - 1)
+    rows, cols = ragged_layout(output_lens)
+    cols += (prompt_lens - 1)[rows]
     mask[rows, cols] = 1.0
     old[rows, cols] = torch.tensor([x for s in samples for x in s.old_logprobs], dtype=torch.float32)
     prox_t[rows, cols] = torch.tensor([x for s in samples for x in s.proximal_logprobs_t], dtype=torch.float32)
@@ -130,17 +132,6 @@ def assemble_batch(
         trainer_version=trainer_version,
         samples=samples,
     )
-
-
-def _ragged_index(lengths: torch.Tensor, start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, columns) of ``lengths[i]`` consecutive cells in each row i, from column ``start[i]``
-    (0 by default), row after row: the index of a ragged batch laid into a padded tensor."""
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    row_starts = torch.cumsum(lengths, 0) - lengths  # where each row's cells begin in the flat order
-    cols = torch.arange(int(lengths.sum())) - torch.repeat_interleave(row_starts, lengths)
-    if start is not None:
-        cols += torch.repeat_interleave(start, lengths)
-    return rows, cols
 
 
 def fill_one_step_proximal(batch: TrainBatch, proximal_logprobs: torch.Tensor) -> int:
