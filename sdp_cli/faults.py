@@ -37,7 +37,7 @@ POINTS = (
     "loop.batch_taken",  # a batch left the cache; the trainer has not stepped on it
     "trainer.optimizer_step",  # one optimizer step of a training step is done
     "loop.recomputed",  # the recompute pass is done; the new weights are not loaded
-    "loop.weights_loaded",  # the engine runs the new weights; the step is not counted yet
+    "loop.weights_loaded",  # the engine runs the new weights; the loop's version is not updated yet
     "run.metrics_written",  # the step's metrics line is written; its checkpoint is not
     "checkpoint.policy",  # checkpoint: the policy is in the temporary directory
     "checkpoint.optimizer",  # checkpoint: optimizer.safetensors is written too

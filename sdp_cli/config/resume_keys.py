@@ -31,6 +31,7 @@ ALLOWED_AT_RESUME = (
     "train.eval_samples",
     "train.eval_max_new_tokens",
     "train.batch_timeout_s",
+    "train.async_push",  # when the engine loads the weights, not which
     "train.gradient_checkpointing",
     "train.share_prefixes",
     "train.parallel",  # DDP and FSDP checkpoints are the same files (docs/training.md)

@@ -179,6 +179,9 @@ class TrainConfig:
     """prompts in each greedy evaluation."""
     batch_timeout_s: float = 600.0
     """give up (with a resumable checkpoint) if no batch arrives for this long."""
+    async_push: bool = True
+    """η > 0: load each step's weights into the engine on a thread of their own while the next step
+    trains (engines that stage weights first: the local engine in its own process; docs/training.md)."""
     dtype: str = "float32"
     """float32 | bfloat16: bfloat16 computes under autocast with float32 master weights and optimizer
     state (a LoRA base model is stored in bfloat16); the local engine follows unless engine.dtype is set."""

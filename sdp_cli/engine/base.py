@@ -61,7 +61,8 @@ class InferenceEngine(abc.ABC):
     """Generates version-tagged rollouts and scores existing tokens.
 
     Thread-safety: ``generate`` may be called from several threads at once; ``pause``,
-    ``update_weights``, ``resume`` and ``score`` are called by the trainer thread.
+    ``update_weights`` and ``resume`` are called by one thread at a time (the trainer's, or the
+    loop's weight pusher while the trainer trains on); ``score`` also by the rollout producer.
     """
 
     #: sampling temperature; ``score`` uses the same one so that sampled and scored logprobs agree
@@ -106,6 +107,12 @@ class InferenceEngine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, update: WeightUpdate) -> None:
         """Load new weights; the engine must be paused. Its version becomes ``update.version``."""
+
+    def stage_weights(self, update: WeightUpdate) -> WeightUpdate | None:
+        """``update`` made independent of the caller's tensors (written where the engine reads
+        it), so that its load may run while the trainer changes its weights; None where this
+        engine only loads in the caller's time (the loop then pushes synchronously)."""
+        return None
 
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[list[float]]:

@@ -186,18 +186,25 @@ class ProcessEngine(RemoteEngine):
             raise
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, update: WeightUpdate) -> None:
-        """A state dict is written to the scratch directory and loaded from there; the previous
-        versions' files go once the new one is loaded."""
+    def stage_weights(self, update: WeightUpdate) -> WeightUpdate:
+        """A state dict written to the scratch directory (tmpfs), as a path update; the engine
+        keeps generating meanwhile."""
         if update.state_dict is None:
-            super().update_weights(update)
-            return
+            return update
+        target = write_weights(update.state_dict, self.scratch / f"v{update.version:06d}")
+        return WeightUpdate(version=update.version, path=target, extra=update.extra)
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """A state dict is staged first (``stage_weights``); the other versions' files go once
+        the new one is loaded (a restarted server is given the loaded one's)."""
         if not self.is_paused():
             raise EngineError("engine=local: update_weights needs a paused engine; call pause() first")
-        target = write_weights(update.state_dict, self.scratch / f"v{update.version:06d}")
-        super().update_weights(WeightUpdate(version=update.version, path=target, extra=update.extra))
+        staged = self.stage_weights(update)
+        super().update_weights(staged)
+        assert staged.path is not None
+        loaded = Path(staged.path).resolve()
         for old in self.scratch.glob("v*"):
-            if old != target:
+            if old.resolve() != loaded:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.reliability
 # session's second step (after its first checkpoint), and trainer.optimizer_step@3 is the first
 # of the two optimizer steps of the second step: a training step half applied.
 NAMED_KILLS = [
-    ("loop.weights_loaded@3", "after the engine loaded new weights, before the step counted"),
+    ("loop.weights_loaded@3", "after the engine loaded new weights (with η > 0, while the next step trains)"),
     ("producer.generated@3", "during generation: groups generated, not handed over"),
     ("local.generate@25", "mid-generation, inside the local engine's decode loop"),
     ("local.score@2", "during the recompute pass (scoring)"),

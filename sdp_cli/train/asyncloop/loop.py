@@ -7,7 +7,10 @@ generation path and hand them to the queue.
 Trainer (``run``, the calling thread): take B groups (queue → cache → filter → batch), train one
 step, then push the new weights following docs/design.md §2: pause (``PauseController``, whose
 post-pause hook ``_recompute_at_push`` is the recompute pass with the old weights still loaded) →
-load the new weights → purge stale queue items → resume.
+load the new weights → purge stale queue items → resume. With η > 0 (``train.async_push``, an
+engine that stages weights) that push runs on a thread of its own while the next step trains:
+the trainer waits for it only before it takes a batch holding tokens whose π_prox_t the push
+still owes, before the next push, and before a checkpoint or a stop (``_join_push``).
 
 Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
 partial), in the queue, in the cache, or consumed/dropped. The producer moves groups from its
@@ -140,6 +143,11 @@ class AsyncLoop:
         self._pass_lock = threading.Lock()
         self._at_take = PassTotals()
         self._prefill_tokens_seen = 0
+        # docs/training.md "The weight push": with η > 0 a step's weights load while the next step
+        # trains; one push at a time, its metrics reported with the step that waits for it.
+        self.async_push = cfg.train.async_push and ro.max_head_offpolicyness > 0
+        self._push_in_flight: _PushInFlight | None = None
+        self._joined_push_metrics: dict[str, float] = {}
         self.producer = RolloutProducer(
             engine=engine,
             task=task,
@@ -187,10 +195,13 @@ class AsyncLoop:
         try:
             while self.state.step < self.cfg.train.steps:
                 self.run_step()
+            self._join_push()
         except KeyboardInterrupt:
             aborted = True
             raise
         finally:
+            if not aborted:
+                self._settle_push()
             self.stop(wait=not aborted)
         if self.producer.error is not None:
             raise self.producer.error
@@ -219,6 +230,8 @@ class AsyncLoop:
             push_error = exc
             push_metrics = {"engine/push_failed": 1.0}
         t3 = time.perf_counter()
+        # the engine's version after a synchronous or failed push; the one loading otherwise
+        version = self.trainer.version if self._push_in_flight is not None else self._version
 
         counters = self.state.counters
         counters.wait_seconds += t1 - t0
@@ -227,13 +240,15 @@ class AsyncLoop:
         self.state.step += 1
         metrics = dict(output.metrics)
         metrics.update(extra_means([s.meta.get(EXTRAS) for g in groups for s in g.samples]))
+        metrics.update(self._joined_push_metrics)  # an asynchronous push, waited for in this step
+        self._joined_push_metrics = {}
         metrics.update(push_metrics)
         metrics.update(self._loop_metrics())
         metrics.update(self._proximal_t_paths())
         metrics["time/wait_s"] = t1 - t0
         metrics["time/train_s"] = t2 - t1
         metrics["time/push_s"] = t3 - t2
-        record = StepRecord(step=self.state.step, version=self._version, metrics=metrics, batch=batch, output=output)
+        record = StepRecord(step=self.state.step, version=version, metrics=metrics, batch=batch, output=output)
         if self.on_step is not None:
             self.on_step(record)
         if push_error is not None:
@@ -256,10 +271,12 @@ class AsyncLoop:
                 dropped = [g for g in before if g not in kept]
                 record_fate(self.ledger, "dropped", dropped, version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
+                if self._push_in_flight is not None and self._owed_by_push(self.cache.get_all()[: self.batch_groups]):
+                    self._join_push()  # outside the hand-off lock, which the push's pass takes
                 # Under the hand-off lock: the producer's recompute pass never writes into a
                 # batch being taken, and never scores what the take-time pass scores.
                 with self._handoff_lock:
-                    if self.score_at_take:
+                    if self.score_at_take and self._push_in_flight is None:
                         self._score_at_take(self.cache.get_all()[: self.batch_groups])
                     groups = self.cache.take_first_n(self.batch_groups)
                     record_fate(
@@ -308,19 +325,35 @@ class AsyncLoop:
             raise LoopStopped("stopped")
 
     def _push(self) -> dict[str, float]:
+        """Push the trainer's new weights: in this thread (the push's metrics are returned) or,
+        with ``async_push`` where the engine stages them, on the push thread ({} is returned; the
+        metrics join the record of the step that waits for it). The last step pushes in this
+        thread, so the run ends with the engine at the trainer's version."""
+        self._join_push()  # one push at a time, in order
+        new_version = self.trainer.version
+        update = self.push_weights(new_version)
+        if self.async_push and self.state.step + 1 < self.cfg.train.steps:
+            staged = self.engine.stage_weights(update)  # the next step may change the tensors now
+            if staged is not None:
+                self._push_in_flight = _PushInFlight(lambda: self._load_weights(staged, new_version))
+                return {}
+        return self._load_weights(update, new_version)
+
+    def _load_weights(self, update: WeightUpdate, new_version: int) -> dict[str, float]:
         """docs/design.md §2: pause → recompute (old weights) → load new weights → purge → resume.
 
         The producer usually ran the recompute pass already (``RolloutProducer._recompute_ahead``); this one
         scores whatever is left, including the producer's partial samples.
         """
-        new_version = self.trainer.version
-        update = self.push_weights(new_version)
-        # The pause runs the post-pause hooks: the recompute pass (``_recompute_at_push``).
+        # The pause runs the post-pause hooks: the recompute pass (``_recompute_at_push``, under the
+        # hand-off lock). The engine stays paused, so no token is made between the pass and the
+        # load, and ``_pass_lock`` keeps the producer's pass out: the load itself needs no hand-off
+        # lock, and a take goes on meanwhile.
         with self._pass_lock, self.pause_controller.paused():
+            metrics, self._push_pass_metrics = self._push_pass_metrics, {}
+            fault_point("loop.recomputed")
+            self.engine.update_weights(update)
             with self._handoff_lock:
-                metrics, self._push_pass_metrics = self._push_pass_metrics, {}
-                fault_point("loop.recomputed")
-                self.engine.update_weights(update)
                 self._version = new_version
                 fault_point("loop.weights_loaded")
                 before = [g.group_id for g in self.queue.snapshot()]
@@ -332,6 +365,31 @@ class AsyncLoop:
                 metrics["staleness/purged_groups"] = float(purged)
         self.producer.wake()
         return metrics
+
+    def _owed_by_push(self, groups: list[RolloutGroup]) -> bool:
+        """Whether ``groups`` hold a token whose π_prox_t needs the push in flight (loading the
+        trainer's version c): of version c − 1 (scored under c once it is loaded) or c − 2 (scored
+        by the push's pass under the weights it replaces). With η > 2 a batch's tokens are
+        usually older, and the push goes on while the step trains."""
+        if not self.recompute_enabled:
+            return False
+        owed_from = self.trainer.version - 2
+        return any(max(s.versions, default=-1) >= owed_from for g in groups for s in g.samples)
+
+    def _join_push(self) -> None:
+        """Wait for the push in flight, if any: its metrics go to the current step's record, its
+        error (``EngineError`` …) is raised here."""
+        push, self._push_in_flight = self._push_in_flight, None
+        if push is not None:
+            self._joined_push_metrics.update(push.result())
+
+    def _settle_push(self) -> None:
+        """A stop: wait for the push in flight; its error is logged (the stop's own reason goes
+        on, and a resume gives the engine the checkpoint's weights)."""
+        try:
+            self._join_push()
+        except Exception as exc:  # noqa: BLE001 - reported, the stop continues
+            logger.warning("the weight push in flight at the stop failed: %s", failure_text(exc))
 
     def _recompute_at_push(self) -> None:
         """Post-pause hook of the weight push (docs/design.md §2 step 2): the recompute pass over
@@ -391,7 +449,9 @@ class AsyncLoop:
 
     # ============================================================== checkpoint
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-safe picture of the loop (buffer contents, counters, RNG) taken atomically."""
+        """A JSON-safe picture of the loop (buffer contents, counters, RNG) taken atomically, with
+        no weight push in flight (its pass and purge change what it holds)."""
+        self._join_push()
         with self._handoff_lock:
             return {
                 "step": self.state.step,
@@ -427,3 +487,29 @@ class AsyncLoop:
             self.cache.add(RolloutGroup.from_dict(data))
         abandoned = list(snap.get("in_flight_group_ids", []))
         record_fate(self.ledger, "abandoned", abandoned, checkpoint_step=self.state.step)
+
+
+class _PushInFlight:
+    """A weight push running on a daemon thread of its own (an abort does not wait for it)."""
+
+    def __init__(self, push: Callable[[], dict[str, float]]):
+        self._push = push
+        self._metrics: dict[str, float] = {}
+        self._error: BaseException | None = None
+        self._started = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="sdp-weight-push", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._metrics = self._push()
+            self._metrics["time/push_async_s"] = time.perf_counter() - self._started
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that joins
+            self._error = exc
+
+    def result(self) -> dict[str, float]:
+        """The push's metrics once it is done; its error is raised in the caller's thread."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._metrics

@@ -38,6 +38,8 @@ class StepRecord:
     """What the loop hands to its observer after each step."""
 
     step: int
+    #: the engine's version after the step's weight push: the version the push loads when it runs
+    #: on (asynchronous), the one still loaded when it failed
     version: int
     metrics: dict[str, float]
     batch: TrainBatch

@@ -1,0 +1,190 @@
+"""The asynchronous weight push (docs/training.md "The weight push"): with η > 0 and an engine
+that stages weights, ``AsyncLoop._push`` stages on the trainer's thread and loads on a thread of
+its own; the trainer waits for it before the next push, before taking a batch that holds tokens
+whose π_prox_t the push owes, and before a snapshot. A fake engine blocks its load on an event,
+so each test sees the push while it is still in flight."""
+
+import threading
+import types
+
+import pytest
+
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.rollout.records import RolloutGroup, RolloutSample
+from sdp_cli.train.asyncloop.loop import AsyncLoop
+
+from .test_push_hooks import LoggingEngine
+from .test_rewarding import Codec, GatedTask
+
+
+class StagingEngine(LoggingEngine):
+    """Stages a state dict as a path update; each load waits for ``release``."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.release = threading.Event()
+        self.loading = threading.Event()
+        self.fail: BaseException | None = None
+        self.loader_threads: list[str] = []
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+
+    def stage_weights(self, update):
+        self.log.append(f"stage v{update.version}")
+        return WeightUpdate(version=update.version, path=f"/staged/v{update.version}")
+
+    def update_weights(self, update):
+        self.loader_threads.append(threading.current_thread().name)
+        self.loading.set()
+        assert self.release.wait(10), "the test never released the load"
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(f"load {update.path or 'state dict'}")
+
+
+def _loop(*, eta=4, mode="decoupled", steps=10, async_push=True):
+    log = []
+    cfg = SdpConfig()
+    cfg.loss.mode = mode
+    cfg.rollout.max_head_offpolicyness = eta
+    cfg.rollout.batch_groups = 1
+    cfg.rollout.group_size = 1
+    cfg.train.steps = steps
+    cfg.train.async_push = async_push
+    engine = StagingEngine(log)
+    trainer = types.SimpleNamespace(version=1)  # the push reads the trainer's version only
+    loop = AsyncLoop(
+        cfg,
+        engine=engine,
+        trainer=trainer,
+        task=GatedTask(),
+        codec=Codec(),
+        pad_token_id=0,
+        stop_token_ids=(2,),
+        max_new_tokens=1,
+        push_weights=lambda version: WeightUpdate(version=version, state_dict={}),
+    )
+    return loop, engine, trainer, log
+
+
+def _group(group_id, version):
+    sample = RolloutSample(prompt_ids=[5, 6], group_id=group_id)
+    sample.append_tokens([7, 8], [-1.0, -1.0], version)
+    sample.finish_reason = "stop"
+    sample.reward = 1.0
+    return RolloutGroup(group_id=group_id, samples=[sample])
+
+
+def test_the_push_stages_here_and_loads_on_its_own_thread_while_the_step_goes_on():
+    loop, engine, trainer, log = _loop()
+    assert loop._push() == {}  # returned with the load still blocked
+    assert engine.loading.wait(10) and log == ["stage v1"]
+    assert loop._push_in_flight is not None
+    engine.release.set()
+    trainer.version = 2
+    loop._push()  # waits for the first push before staging the second: in order
+    assert log[:3] == ["stage v1", "load /staged/v1", "stage v2"]
+    assert loop._joined_push_metrics["time/push_async_s"] > 0  # reported with the step that waited
+    assert engine.loader_threads[0] == "sdp-weight-push"
+    loop._join_push()
+    assert log[-1] == "load /staged/v2" and loop._version == 2
+
+
+@pytest.mark.parametrize(
+    ("eta", "async_push", "steps"),
+    [(0, True, 10), (4, False, 10), (4, True, 1)],
+    ids=["eta-0", "switched-off", "last-step"],
+)
+def test_the_push_stays_in_the_callers_thread(eta, async_push, steps):
+    loop, engine, _, log = _loop(eta=eta, async_push=async_push, steps=steps)
+    engine.release.set()
+    metrics = loop._push()
+    assert loop._push_in_flight is None and log[-1] == "load state dict" and loop._version == 1
+    assert "staleness/purged_groups" in metrics  # its metrics belong to its own step
+    assert engine.loader_threads == [threading.current_thread().name]
+
+
+def test_an_engine_that_does_not_stage_is_pushed_synchronously():
+    loop, engine, _, log = _loop()
+    engine.stage_weights = lambda update: None  # the base class's answer
+    engine.release.set()
+    loop._push()
+    assert loop._push_in_flight is None and loop._version == 1
+
+
+@pytest.mark.parametrize(("lag", "joins"), [(1, True), (2, True), (3, False)], ids=["c-1", "c-2", "c-3"])
+def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag, joins):
+    # trainer at c = 5 after its step; the push in flight loads version 5
+    loop, engine, trainer, _ = _loop(mode="segment_wise")
+    trainer.version = 5
+    loop._push()
+    assert engine.loading.wait(10)
+    loop.queue.put(_group(0, 5 - lag))
+    taken: list = []
+    taker = threading.Thread(target=lambda: taken.append(loop._next_batch()))
+    taker.start()
+    taker.join(1.0)
+    assert (not taken) == joins, "the take should wait for the push exactly when it owes π_prox_t"
+    engine.release.set()
+    taker.join(10)
+    assert taken and taken[0][0].group_id == 0
+    assert (loop._push_in_flight is None) == joins
+    loop._join_push()
+
+
+def test_a_mode_without_proximal_t_takes_any_batch_during_the_push():
+    loop, engine, _, _ = _loop(mode="decoupled")
+    loop._push()
+    assert engine.loading.wait(10)
+    loop.queue.put(_group(0, 0))  # one version stale: decoupled reads no π_prox_t
+    assert loop._next_batch()[0].group_id == 0 and loop._push_in_flight is not None
+    engine.release.set()
+    loop._join_push()
+
+
+def test_a_snapshot_waits_for_the_push_in_flight():
+    loop, engine, _, _ = _loop()
+    loop._push()
+    assert engine.loading.wait(10)
+    threading.Timer(0.3, engine.release.set).start()
+    snap = loop.snapshot()
+    assert snap["version"] == 1 and loop._push_in_flight is None
+
+
+def test_a_failed_push_is_raised_by_the_next_wait_once():
+    loop, engine, trainer, log = _loop()
+    engine.fail = EngineError("server gone")
+    loop._push()
+    engine.release.set()
+    trainer.version = 2
+    with pytest.raises(EngineError, match="server gone"):
+        loop._push()  # the next push waits for it first, and does not start
+    assert log == ["stage v1"] and loop._version == 0 and loop._push_in_flight is None
+    loop._join_push()  # already reported
+
+
+def test_run_step_reports_a_push_that_failed_while_its_step_trained():
+    """The step trained, so it is counted: push_failed on its row, the engine's version behind."""
+    loop, engine, trainer, _ = _loop()
+    loop.trainer = types.SimpleNamespace(version=1, step=lambda batch: None)
+    engine.fail = EngineError("server gone")
+    loop._push()  # step 1's push, in flight
+    engine.release.set()
+    records = []
+    loop.on_step = records.append
+    loop._next_batch = lambda: [_group(0, 0)]
+
+    def step(batch):
+        loop.trainer.version = 2
+        return types.SimpleNamespace(metrics={"loss": 0.0})
+
+    loop.trainer.step = step
+    loop.trainer.version = 1
+    with pytest.raises(EngineError, match="server gone"):
+        loop.run_step()
+    assert records[0].metrics["engine/push_failed"] == 1.0 and records[0].version == 0
