@@ -117,14 +117,22 @@ def test_an_engine_that_does_not_stage_is_pushed_synchronously():
     assert loop._push_in_flight is None and loop._version == 1
 
 
-@pytest.mark.parametrize(("lag", "joins"), [(1, True), (2, True), (3, False)], ids=["c-1", "c-2", "c-3"])
-def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag, joins):
+@pytest.mark.parametrize(
+    ("lag", "scored_by", "joins"),
+    [(1, None, True), (2, None, True), (2, 4, False), (3, None, False)],
+    ids=["c-1", "c-2", "c-2-scored-already", "c-3"],
+)
+def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag, scored_by, joins):
     # trainer at c = 5 after its step; the push in flight loads version 5
     loop, engine, trainer, _ = _loop(mode="segment_wise")
     trainer.version = 5
     loop._push()
     assert engine.loading.wait(10)
-    loop.queue.put(_group(0, 5 - lag))
+    group = _group(0, 5 - lag)
+    if scored_by is not None:  # the producer's pass gave it π_{c−1} already
+        for t in range(group.samples[0].output_len):
+            group.samples[0].set_proximal_t(t, -0.5, scored_by)
+    loop.queue.put(group)
     taken: list = []
     taker = threading.Thread(target=lambda: taken.append(loop._next_batch()))
     taker.start()
@@ -188,3 +196,29 @@ def test_run_step_reports_a_push_that_failed_while_its_step_trained():
     with pytest.raises(EngineError, match="server gone"):
         loop.run_step()
     assert records[0].metrics["engine/push_failed"] == 1.0 and records[0].version == 0
+
+
+def test_the_cache_filter_never_runs_while_the_push_owes_a_cached_group_its_pass():
+    """A version c − 2 token without π_{c−1} anywhere in the cache (not only in the batch): the
+    segment-wise filter would drop its group as past its window while the push's pass, under
+    weights c − 1 still loaded, is about to score it."""
+    loop, engine, trainer, _ = _loop(mode="segment_wise")
+    trainer.version = 5
+    loop._push()
+    assert engine.loading.wait(10)
+    old = _group(0, 2)  # c − 3, its π_{c−2} given long ago
+    for t in range(old.samples[0].output_len):
+        old.samples[0].set_proximal_t(t, -0.5, 3)
+    loop.queue.put(old)
+    loop.queue.put(_group(1, 3))  # c − 2, not yet scored: the second group, not in the batch
+    filtered_during_push = []
+    real_filter = loop.strategy.filter_stale_from_cache
+
+    def watched(cache, version):
+        filtered_during_push.append(loop._push_in_flight is not None)
+        return real_filter(cache, version)
+
+    loop.strategy.filter_stale_from_cache = watched
+    threading.Timer(0.3, engine.release.set).start()
+    assert loop._next_batch()[0].group_id == 0
+    assert filtered_during_push == [False]

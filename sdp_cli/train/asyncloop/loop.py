@@ -265,14 +265,18 @@ class AsyncLoop:
                     self.cache.add(self.queue.get_nowait())
                 except Empty:
                     break
+            if self._push_in_flight is not None and self._pass_owed(self.cache.get_all()):
+                # the push's pass still owes them π_{c−1}: the filter would drop them as past
+                # their window, a take would train on them without it
+                self._join_push()  # outside the hand-off lock, which the push's pass takes
             before = [g.group_id for g in self.cache.get_all()]
             if self.strategy.filter_stale_from_cache(self.cache, version):
                 kept = {g.group_id for g in self.cache.get_all()}
                 dropped = [g for g in before if g not in kept]
                 record_fate(self.ledger, "dropped", dropped, version=version, where="cache")
             if self.cache.size() >= self.batch_groups:
-                if self._push_in_flight is not None and self._owed_by_push(self.cache.get_all()[: self.batch_groups]):
-                    self._join_push()  # outside the hand-off lock, which the push's pass takes
+                if self._push_in_flight is not None and self._needs_new_weights(self.cache.get_all()[: self.batch_groups]):
+                    self._join_push()
                 # Under the hand-off lock: the producer's recompute pass never writes into a
                 # batch being taken, and never scores what the take-time pass scores.
                 with self._handoff_lock:
@@ -366,15 +370,27 @@ class AsyncLoop:
         self.producer.wake()
         return metrics
 
-    def _owed_by_push(self, groups: list[RolloutGroup]) -> bool:
-        """Whether ``groups`` hold a token whose π_prox_t needs the push in flight (loading the
-        trainer's version c): of version c − 1 (scored under c once it is loaded) or c − 2 (scored
-        by the push's pass under the weights it replaces). With η > 2 a batch's tokens are
-        usually older, and the push goes on while the step trains."""
+    def _pass_owed(self, groups: list[RolloutGroup]) -> bool:
+        """Whether ``groups`` hold a token of version c − 2 without π_{c−1} (c the trainer's
+        version, which the push in flight loads): the push's pass scores it under the weights it
+        replaces (the producer's pass after the previous push usually did already)."""
         if not self.recompute_enabled:
             return False
-        owed_from = self.trainer.version - 2
-        return any(max(s.versions, default=-1) >= owed_from for g in groups for s in g.samples)
+        c = self.trainer.version
+        return any(
+            v == c - 2 and p != c - 1
+            for g in groups
+            for s in g.samples
+            if max(s.versions, default=-1) >= c - 2
+            for v, p in zip(s.versions, s.proximal_t_versions)
+        )
+
+    def _needs_new_weights(self, groups: list[RolloutGroup]) -> bool:
+        """Whether ``groups`` hold a token of version c − 1: the take-time pass scores it under
+        weights c, which the push in flight loads. With η > 1 a batch's tokens are usually
+        older, and the push goes on while the step trains."""
+        c = self.trainer.version
+        return self.recompute_enabled and any(max(s.versions, default=-1) >= c - 1 for g in groups for s in g.samples)
 
     def _join_push(self) -> None:
         """Wait for the push in flight, if any: its metrics go to the current step's record, its
