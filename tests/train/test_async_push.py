@@ -179,22 +179,21 @@ def test_a_failed_push_is_raised_by_the_next_wait_once():
 def test_run_step_reports_a_push_that_failed_while_its_step_trained():
     """The step trained, so it is counted: push_failed on its row, the engine's version behind."""
     loop, engine, trainer, _ = _loop()
-    loop.trainer = types.SimpleNamespace(version=1, step=lambda batch: None)
     engine.fail = EngineError("server gone")
-    loop._push()  # step 1's push, in flight
+    loop._push()  # step 1's push (trainer at version 1), in flight
     engine.release.set()
     records = []
     loop.on_step = records.append
     loop._next_batch = lambda: [_group(0, 0)]
 
-    def step(batch):
-        loop.trainer.version = 2
+    def step(batch):  # step 2 trains
+        trainer.version = 2
         return types.SimpleNamespace(metrics={"loss": 0.0})
 
-    loop.trainer.step = step
-    loop.trainer.version = 1
+    trainer.step = step
     with pytest.raises(EngineError, match="server gone"):
         loop.run_step()
+    # counted, flagged, and the engine still at version 0: two behind the trainer
     assert records[0].metrics["engine/push_failed"] == 1.0 and records[0].version == 0
 
 
