@@ -99,7 +99,9 @@ class RecomputePlan:
     started: float
 
 
-def _targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
+def pass_targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
+    """Positions of the tokens a recompute pass under loaded weights ``current`` scores: of
+    version current − 1, without π_prox_t from ``current`` yet."""
     if current - 1 not in versions:  # most held samples have no token of that version: C-speed scan
         return []
     return [
@@ -173,7 +175,7 @@ class ProximalRecomputer:
                 if id(sample) in seen:
                     continue
                 seen.add(id(sample))
-                targets = _targets(sample.versions, sample.proximal_t_versions, current)
+                targets = pass_targets(sample.versions, sample.proximal_t_versions, current)
                 if not targets:
                     continue
 

@@ -39,7 +39,7 @@ from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, We
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController, PauseHooks
-from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats
+from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats, pass_targets
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
@@ -374,15 +374,9 @@ class AsyncLoop:
         """Whether ``groups`` hold a token of version c − 2 without π_{c−1} (c the trainer's
         version, which the push in flight loads): the push's pass scores it under the weights it
         replaces (the producer's pass after the previous push usually did already)."""
-        if not self.recompute_enabled:
-            return False
-        c = self.trainer.version
-        return any(
-            v == c - 2 and p != c - 1
-            for g in groups
-            for s in g.samples
-            if max(s.versions, default=-1) >= c - 2
-            for v, p in zip(s.versions, s.proximal_t_versions)
+        loaded = self.trainer.version - 1  # until the push in flight replaces them
+        return self.recompute_enabled and any(
+            pass_targets(s.versions, s.proximal_t_versions, loaded) for g in groups for s in g.samples
         )
 
     def _needs_new_weights(self, groups: list[RolloutGroup]) -> bool:
