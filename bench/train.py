@@ -21,6 +21,7 @@ before and after is printed and stored: numbers measured under load are not benc
     python bench/train.py            # 60 steps per configuration, 5 repeats
     python bench/train.py --steps 20 --repeats 1
     python bench/train.py --in-process   # the local engine in sdp's process (engine.in_process)
+    python bench/train.py --set rollout.groups_per_request=16   # Hydra overrides for every run
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train.json")
     parser.add_argument("--in-process", action="store_true", help="run the local engine in sdp's process")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
+    )
     args = parser.parse_args()
-    engine = ["engine.in_process=true"] if args.in_process else []
+    engine = (["engine.in_process=true"] if args.in_process else []) + args.set
     load_before = os.getloadavg()[0]
 
     root = Path(tempfile.mkdtemp(prefix="sdp-bench-train-"))
@@ -154,7 +158,8 @@ def main() -> None:
         args.out,
         "train",
         config="defaults (tiny model h128-L4, arith1, B=16 groups × 8 samples, local engine "
-        + ("in sdp's process)" if args.in_process else "in its own process)"),
+        + ("in sdp's process)" if args.in_process else "in its own process)")
+        + "".join(f", {o}" for o in args.set),
         rows=rows,
         targets=targets,
         load_average={"before": load_before, "after": load_after},

@@ -115,8 +115,9 @@ class RolloutConfig:
     """samples per prompt (GRPO group)."""
     max_concurrent_rollouts: int | None = None
     """groups in flight at once; null = 2·batch_groups."""
-    groups_per_request: int = 8
-    """prompt groups the producer sends to the engine in one generate call."""
+    groups_per_request: int | None = None
+    """prompt groups the producer sends to the engine in one generate call; null = the whole batch
+    at η = 0 (nothing trains before all of it is generated), 8 at η > 0."""
     temperature: float = 1.0
     """sampling temperature in [0.01, 100]; the trainer and the recompute pass use the same one."""
     max_new_tokens: int | None = None
@@ -384,6 +385,18 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     return cfg.rollout.recompute == "always" or (
         cfg.rollout.recompute == "auto" and resolve_mode(cfg.loss.mode).reads_proximal_t
     )
+
+
+def groups_per_request(cfg: "SdpConfig") -> int:
+    """``rollout.groups_per_request``, resolved: as set, or when null the whole batch at η = 0 and 8
+    at η > 0. At η = 0 nothing trains before the whole batch is generated, and one call of B·G
+    sequences takes sdp's engine about three quarters of the time of two calls of half as many
+    (docs/benchmarks.md: the η = 0 step 7–10 % shorter); at η > 0 smaller calls hand finished
+    groups to the trainer sooner."""
+    ro = cfg.rollout
+    if ro.groups_per_request is not None:
+        return ro.groups_per_request
+    return ro.batch_groups if ro.max_head_offpolicyness == 0 else 8
 
 
 def engine_weight_dtype(cfg: "SdpConfig") -> str:

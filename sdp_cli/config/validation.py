@@ -438,7 +438,7 @@ def validate(cfg: SdpConfig) -> None:
     _positive("rollout.batch_groups", ro.batch_groups)
     _positive("rollout.group_size", ro.group_size)
     _positive("rollout.max_concurrent_rollouts", ro.max_concurrent_rollouts, allow_none=True)
-    _positive("rollout.groups_per_request", ro.groups_per_request)
+    _positive("rollout.groups_per_request", ro.groups_per_request, allow_none=True)
     _positive("rollout.temperature", ro.temperature)
     if not MIN_TEMPERATURE <= ro.temperature <= MAX_TEMPERATURE:
         raise ConfigValueError(

@@ -7,7 +7,7 @@ import pytest
 
 from sdp_cli.choices import RECOMMENDED_DRIFT_CLIP
 from sdp_cli.config.compose import compose_config, to_yaml
-from sdp_cli.config.schema import SdpConfig, field_docs
+from sdp_cli.config.schema import SdpConfig, field_docs, groups_per_request
 from sdp_cli.config.validation import validate
 from sdp_cli.errors import UserError
 
@@ -160,6 +160,7 @@ def test_hf_model_and_gsm8k_need_paths():
         (["rollout.temperature=nan"], "rollout.temperature=nan must be a finite number"),
         (["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=3"], "is above"),
         (["optim.minibatches=100000"], "exceeds the batch size"),
+        (["rollout.groups_per_request=0"], "rollout.groups_per_request=0 must be > 0"),
     ],
 )
 def test_bad_input_gives_one_line_naming_the_problem(overrides, fragment):
@@ -232,3 +233,21 @@ def test_debug_fast_is_the_documented_small_run_and_key_overrides_win():
     assert picked(fast) == expected
     assert fast.rollout.group_size == 2  # a key=value override beats the debug group
     assert fast.loss.mode == "segment_wise"  # and the group leaves the preset's choices alone
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        # null: the whole batch at η = 0 (it is all generated before a step trains), 8 at η > 0
+        (["rollout.max_head_offpolicyness=0"], 16),
+        (["rollout.max_head_offpolicyness=0", "rollout.batch_groups=5"], 5),
+        (["rollout.max_head_offpolicyness=1"], 8),
+        (["rollout.max_head_offpolicyness=4", "rollout.batch_groups=5"], 8),
+        # a value that is set is kept at any η
+        (["rollout.max_head_offpolicyness=0", "rollout.groups_per_request=3"], 3),
+        (["rollout.max_head_offpolicyness=4", "rollout.groups_per_request=32"], 32),
+    ],
+)
+def test_groups_per_request_resolves_null_by_staleness(overrides, expected):
+    cfg, _ = compose_config(overrides)
+    assert groups_per_request(cfg) == expected

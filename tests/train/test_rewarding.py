@@ -288,3 +288,46 @@ def test_an_error_in_a_job_of_several_groups_reaches_every_group_of_it():
     pool.close()
     assert [g for g, _ in errors] == [0, 1, 2]
     assert all("bad answer format" in text for _, text in errors)
+
+
+class SizeLoggingEngine(CountingEngine):
+    """Also records how many samples each generate call held."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def generate(self, samples, params):
+        self.sizes.append(len(samples))
+        super().generate(samples, params)
+
+
+@pytest.mark.parametrize("eta,first_call", [(0, 10), (1, 8)])
+def test_by_default_the_producer_asks_for_the_whole_batch_at_eta_0_and_8_groups_above(eta, first_call):
+    # rollout.groups_per_request=null: at η = 0 the batch is generated whole before a step can
+    # train, so it goes in one call; at η > 0 in calls of 8 groups (B = 10 tells the two apart)
+    cfg = SdpConfig()
+    cfg.rollout.batch_groups, cfg.rollout.group_size = 10, 1
+    cfg.rollout.max_head_offpolicyness = eta
+    assert cfg.rollout.groups_per_request is None
+    engine = SizeLoggingEngine()
+    task = GatedTask()
+    task.gate.set()
+    loop = AsyncLoop(
+        cfg,
+        engine=engine,
+        trainer=None,
+        task=task,
+        codec=Codec(),
+        pad_token_id=0,
+        stop_token_ids=(2,),
+        max_new_tokens=1,
+        push_weights=lambda version: None,
+    )
+    loop.start()
+    try:
+        with engine.called:
+            assert engine.called.wait_for(lambda: sum(engine.sizes) >= 10, timeout=10)
+        assert engine.sizes[0] == first_call
+    finally:
+        loop.stop()

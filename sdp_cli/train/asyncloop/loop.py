@@ -34,7 +34,7 @@ import time
 from queue import Empty
 from typing import Any, Callable
 
-from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
+from sdp_cli.config.schema import SdpConfig, groups_per_request, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
@@ -154,7 +154,7 @@ class AsyncLoop:
             codec=codec,
             params=SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids),
             group_size=ro.group_size,
-            groups_per_request=ro.groups_per_request,
+            groups_per_request=groups_per_request(cfg),
             rewards=RewardPool(
                 workers=cfg.task.reward_workers,
                 kind=cfg.task.reward_pool,
