@@ -387,16 +387,20 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     )
 
 
+#: prompt groups per generate call at η > 0 when ``rollout.groups_per_request`` is null
+ASYNC_GROUPS_PER_REQUEST = 8
+
+
 def groups_per_request(cfg: "SdpConfig") -> int:
-    """``rollout.groups_per_request``, resolved: as set, or when null the whole batch at η = 0 and 8
-    at η > 0. At η = 0 nothing trains before the whole batch is generated, and one call of B·G
-    sequences takes sdp's engine about three quarters of the time of two calls of half as many
-    (docs/benchmarks.md: the η = 0 step 4–12 % shorter in 5 paired runs of 5); at η > 0 smaller calls hand finished
-    groups to the trainer sooner."""
+    """``rollout.groups_per_request``, resolved: as set, or when null the whole batch at η = 0 and
+    ``ASYNC_GROUPS_PER_REQUEST`` at η > 0. At η = 0 nothing trains before the whole batch is
+    generated, and one call of B·G sequences takes sdp's engine about three quarters of the time
+    of two calls of half as many (docs/benchmarks.md: the η = 0 step 4–12 % shorter in 5 paired
+    runs of 5); at η > 0 smaller calls hand finished groups to the trainer sooner."""
     ro = cfg.rollout
     if ro.groups_per_request is not None:
         return ro.groups_per_request
-    return ro.batch_groups if ro.max_head_offpolicyness == 0 else 8
+    return ro.batch_groups if ro.max_head_offpolicyness == 0 else ASYNC_GROUPS_PER_REQUEST
 
 
 def engine_weight_dtype(cfg: "SdpConfig") -> str:

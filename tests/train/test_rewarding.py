@@ -298,7 +298,8 @@ class SizeLoggingEngine(CountingEngine):
         self.sizes = []
 
     def generate(self, samples, params):
-        self.sizes.append(len(samples))
+        with self.called:  # read by the test's thread
+            self.sizes.append(len(samples))
         super().generate(samples, params)
 
 
