@@ -92,15 +92,9 @@ class Codec:
         return "x"
 
 
-def _loop(task, **task_keys):
-    cfg = SdpConfig()
-    cfg.rollout.batch_groups = 1
-    cfg.rollout.group_size = 2
-    cfg.rollout.groups_per_request = 1
-    for key, value in task_keys.items():
-        setattr(cfg.task, key, value)
-    engine = CountingEngine()
-    loop = AsyncLoop(
+def _producing_loop(cfg, engine, task):
+    """An ``AsyncLoop`` whose producer runs against ``engine`` (no trainer, nothing pushed)."""
+    return AsyncLoop(
         cfg,
         engine=engine,
         trainer=None,
@@ -111,7 +105,17 @@ def _loop(task, **task_keys):
         max_new_tokens=1,
         push_weights=lambda version: None,
     )
-    return loop, engine
+
+
+def _loop(task, **task_keys):
+    cfg = SdpConfig()
+    cfg.rollout.batch_groups = 1
+    cfg.rollout.group_size = 2
+    cfg.rollout.groups_per_request = 1
+    for key, value in task_keys.items():
+        setattr(cfg.task, key, value)
+    engine = CountingEngine()
+    return _producing_loop(cfg, engine, task), engine
 
 
 def test_generation_goes_on_while_a_reward_is_computed():
@@ -314,17 +318,7 @@ def test_by_default_the_producer_asks_for_the_whole_batch_at_eta_0_and_8_groups_
     engine = SizeLoggingEngine()
     task = GatedTask()
     task.gate.set()
-    loop = AsyncLoop(
-        cfg,
-        engine=engine,
-        trainer=None,
-        task=task,
-        codec=Codec(),
-        pad_token_id=0,
-        stop_token_ids=(2,),
-        max_new_tokens=1,
-        push_weights=lambda version: None,
-    )
+    loop = _producing_loop(cfg, engine, task)
     loop.start()
     try:
         with engine.called:
