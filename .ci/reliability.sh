@@ -7,8 +7,11 @@
 # it the same way). Prints the report table (faults injected, runs survived, samples lost and
 # duplicated, time to recover) and keeps the JSON and the server log under runs/ci-reliability.
 #
+# The tests wait on sdp's processes more than they compute, so they run in pytest-xdist workers
+# (SDP_RELIABILITY_WORKERS, default 2; the vLLM server's tests share one worker, conftest.py).
+#
 # Environment: SDP_VLLM_VENV (default .venv-vllm), SDP_PYTEST (default .venv/bin/pytest),
-# SDP_RELIABILITY_SEED (random kill times, default 7).
+# SDP_RELIABILITY_SEED (random kill times, default 7), SDP_RELIABILITY_WORKERS (default 2; 0: one process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +31,8 @@ export SDP_VLLM_PYTHON="$PWD/$VENV/bin/python"
 export HF_HUB_OFFLINE=1
 export SDP_RELIABILITY_REPORT="$OUT/report.json"
 export SDP_RELIABILITY_LOG_DIR="$OUT/vllm"
-"$PYTEST" tests/reliability -m reliability -q -p no:cacheprovider --durations=8 "$@"
+"$PYTEST" tests/reliability -m reliability -q -p no:cacheprovider --durations=8 \
+    -n "${SDP_RELIABILITY_WORKERS:-2}" --dist loadgroup "$@"
 
 # The acceptance thresholds of the reliability issue, on the report the suite wrote.
 .venv/bin/python - "$SDP_RELIABILITY_REPORT" <<'EOF'

