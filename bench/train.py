@@ -15,19 +15,24 @@ The last lines check the targets of issue 26: η = 4 at least 1.15× η = 0 for 
 least 93 % of the ceiling), segment-wise η = 4 within 5 % of decoupled η = 4. Every repeat runs
 all six configurations one after another, in an order rotated each repeat, and each ratio is
 the median of its per-repeat ratios (runs paired within a repeat), printed with their range: a
-drift of the machine between configurations would otherwise enter the ratios. The load average
-before and after is printed and stored: numbers measured under load are not benchmark numbers.
+drift of the machine between configurations would otherwise enter the ratios. Each target is
+also judged by a test (``judge``): the paired repeats' log-ratios against the target's, one-sided
+at α = 0.05 with Holm's correction over the three targets, so a verdict says "met", "below" or
+"unresolved" and, when unresolved, the ratio the design could have told from the target. The load
+average before and after is printed and stored: numbers measured under load are not benchmark numbers.
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
     python bench/train.py --steps 20 --repeats 1
     python bench/train.py --in-process   # the local engine in sdp's process (engine.in_process)
     python bench/train.py --set rollout.groups_per_request=16   # Hydra overrides for every run
+    python bench/train.py --judge bench/results/train.json     # the verdicts of a stored run, again
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -37,6 +42,7 @@ from pathlib import Path
 
 from _results import write_results
 
+from sdp_cli.ablate.stats import holm, minimum_detectable_effect, paired_t, student_t_cdf, student_t_quantile, student_t_sf
 from sdp_cli.rundir import RunDir
 
 CONFIGS = [
@@ -51,6 +57,10 @@ COMMON = ["run.progress=false", "run.tensorboard=false", "train.eval_samples=0",
 #: issue 26's targets: η = 4 over η = 0 for each mode, and segment-wise η = 4 over decoupled η = 4
 TARGET_SPEEDUP = 1.15
 TARGET_SEGMENT_VS_DECOUPLED = 0.95
+#: one-sided level of each target's test (Holm's correction over the three), and the power at
+#: which the design's detectable ratio is quoted
+ALPHA = 0.05
+POWER = 0.8
 
 
 def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
@@ -78,7 +88,11 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
     )
+    parser.add_argument("--judge", type=Path, metavar="JSON", help="print the verdicts of a stored run and exit")
     args = parser.parse_args()
+    if args.judge is not None:
+        check_targets(json.loads(args.judge.read_text())["rows"])
+        return
     engine = (["engine.in_process=true"] if args.in_process else []) + args.set
     load_before = os.getloadavg()[0]
 
@@ -166,37 +180,105 @@ def main() -> None:
     )
 
 
-def check_targets(rows: list[dict]) -> dict[str, float | bool | list[float]]:
+def judge(ratios: list[float], target: float) -> dict[str, float | int | None]:
+    """A target on a ratio, tested on its paired repeats: the paired t test of log(ratio_i) −
+    log(target) (ratios multiply, so their logs are what a t test averages). Returns the geometric
+    mean, the one-sided (1 − α) bounds (the ratio is above ``low`` and below ``high``, each at
+    level α), the one-sided p-values of "above the target" and "below the target", and the ratio
+    ratios the design tells from the target with power ``POWER`` (the target times exp(∓MDE)).
+    Fewer than two repeats: the p-values and bounds are None."""
+    n = len(ratios)
+    out: dict[str, float | int | None] = {"n": n, "geometric_mean": math.exp(statistics.fmean(map(math.log, ratios)))}
+    if n < 2:
+        return {**out, "low": None, "high": None, "p_above": None, "p_below": None, "detectable": None}
+    test = paired_t([math.log(r) - math.log(target) for r in ratios], 2 * ALPHA)  # its interval: one-sided α
+    if test.se == 0.0:  # every repeat gave the same ratio
+        p_above, p_below = (0.0 if test.mean > 0 else 1.0), (0.0 if test.mean < 0 else 1.0)
+    else:
+        p_above, p_below = student_t_sf(test.t, test.dof), student_t_cdf(test.t, test.dof)
+    half = student_t_quantile(1.0 - ALPHA, test.dof) * test.se
+    mde = minimum_detectable_effect(test.sd, n, 2 * ALPHA, POWER)  # one-sided α
+    return {
+        **out,
+        "low": target * math.exp(test.mean - half),
+        "high": target * math.exp(test.mean + half),
+        "p_above": p_above,
+        "p_below": p_below,
+        "detectable": (target * math.exp(-mde), target * math.exp(mde)),
+    }
+
+
+def verdicts(judged: dict[str, dict]) -> dict[str, tuple[str, float | None]]:
+    """Each target's verdict and its Holm-adjusted p-value (over the targets, per side): "met"
+    or "below" where that side's adjusted p is under α, else "unresolved" (with the smaller
+    adjusted p of the two sides); None without a test."""
+    names = [name for name, j in judged.items() if j["p_above"] is not None]
+    adjusted = {
+        side: dict(zip(names, holm([judged[name][side] for name in names]), strict=True))
+        for side in ("p_above", "p_below")
+    }
+    out: dict[str, tuple[str, float | None]] = {name: ("unresolved", None) for name in judged}
+    for name in names:
+        above, below = adjusted["p_above"][name], adjusted["p_below"][name]
+        out[name] = ("met", above) if above < ALPHA else ("below", below) if below < ALPHA else ("unresolved", min(above, below))
+    return out
+
+
+def check_targets(rows: list[dict]) -> dict[str, float | bool | list[float] | dict]:
     """Print and return issue 26's ratios, each next to the ceiling of its mode. A ratio is taken
-    within each repeat (runs of one repeat ran minutes apart) and the median of those is judged;
-    the range over the repeats is printed beside it."""
+    within each repeat (runs of one repeat ran minutes apart); the median of those is printed with
+    their range, and the verdict is the test's (``judge``, ``verdicts``)."""
     sps = {(r["mode"], r["max_head_offpolicyness"]): r["steps_per_second_all"] for r in rows}
     ceiling = {r["mode"]: r["async_ceiling"] for r in rows if r["max_head_offpolicyness"] == 0}
-    out: dict[str, float | bool | list[float]] = {}
+    out: dict[str, float | bool | list[float] | dict] = {}
 
     def paired(a: tuple[str, int], b: tuple[str, int]) -> list[float]:
         return [x / y for x, y in zip(sps[a], sps[b], strict=True)]
 
+    targets = {
+        "decoupled_speedup": (paired(("decoupled", 4), ("decoupled", 0)), TARGET_SPEEDUP),
+        "segment_wise_speedup": (paired(("segment_wise", 4), ("segment_wise", 0)), TARGET_SPEEDUP),
+        "segment_vs_decoupled_eta4": (paired(("segment_wise", 4), ("decoupled", 4)), TARGET_SEGMENT_VS_DECOUPLED),
+    }
+    judged = {name: judge(ratios, target) for name, (ratios, target) in targets.items()}
+    verdict = verdicts(judged)
+
+    def tested(name: str) -> str:
+        j, (said, p) = judged[name], verdict[name]
+        if p is None:
+            return "one repeat: no test"
+        text = f"{said} (Holm p = {p:.2g}; one-sided 95 % bounds {j['low']:.3f} and {j['high']:.3f})"
+        if said == "unresolved":
+            low, high = j["detectable"]
+            text += f"; these repeats tell a ratio below {low:.3f} or above {high:.3f} from the target, with power {POWER}"
+        return text
+
     for mode in ("decoupled", "segment_wise"):
-        ratios = paired((mode, 4), (mode, 0))
+        name = f"{mode}_speedup"
+        ratios = targets[name][0]
         speedup = statistics.median(ratios)
-        out[f"{mode}_speedup"], out[f"{mode}_speedup_by_repeat"] = speedup, ratios
+        out[name], out[f"{name}_by_repeat"] = speedup, ratios
         out[f"{mode}_share_of_ceiling"] = speedup / ceiling[mode]
-        out[f"{mode}_speedup_met"] = speedup >= TARGET_SPEEDUP
+        out[f"{name}_met"] = verdict[name][0] == "met"
         print(
             f"{mode}: η=4 is {speedup:.2f}× η=0 (median of {len(ratios)} paired repeats, range "
             f"{min(ratios):.2f}–{max(ratios):.2f}; target ≥ {TARGET_SPEEDUP}×), {100 * speedup / ceiling[mode]:.0f} % "
-            f"of the ceiling {ceiling[mode]:.2f}× — {'met' if speedup >= TARGET_SPEEDUP else 'NOT met'}"
+            f"of the ceiling {ceiling[mode]:.2f}× — {tested(name)}"
         )
-    ratios = paired(("segment_wise", 4), ("decoupled", 4))
+    name = "segment_vs_decoupled_eta4"
+    ratios = targets[name][0]
     ratio = statistics.median(ratios)
-    out["segment_vs_decoupled_eta4"], out["segment_vs_decoupled_eta4_by_repeat"] = ratio, ratios
-    out["segment_vs_decoupled_met"] = ratio >= TARGET_SEGMENT_VS_DECOUPLED
+    out[name], out[f"{name}_by_repeat"] = ratio, ratios
+    out["segment_vs_decoupled_met"] = verdict[name][0] == "met"
     print(
         f"segment-wise η=4 is {100 * ratio:.1f} % of decoupled η=4 (median of paired repeats, range "
         f"{100 * min(ratios):.1f}–{100 * max(ratios):.1f} %; target ≥ {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %) — "
-        f"{'met' if ratio >= TARGET_SEGMENT_VS_DECOUPLED else 'NOT met'}"
+        f"{tested(name)}"
     )
+    out["tests"] = {
+        name: {**judged[name], "target": targets[name][1], "verdict": verdict[name][0], "p_holm": verdict[name][1]}
+        for name in targets
+    }
     return out
 
 

@@ -1,0 +1,97 @@
+"""bench/train.py's verdicts on issue 26's targets: a paired t test of the log-ratios against the
+target's, one-sided, Holm-corrected over the three targets. Checked against SciPy's t test and
+against Holm's step-down adjustment done by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy import stats
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))  # bench/train.py imports its sibling _results
+    try:
+        spec = importlib.util.spec_from_file_location("bench_train_under_test", BENCH / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+ratio_lists = st.lists(st.floats(0.5, 2.0), min_size=2, max_size=8).filter(lambda r: max(r) - min(r) > 1e-6)
+
+
+@given(ratios=ratio_lists, target=st.sampled_from([0.95, 1.0, 1.15]))
+def test_judge_is_scipys_one_sided_t_test_of_the_log_ratios(bench, ratios, target):
+    judged = bench.judge(ratios, target)
+    logs = [math.log(r) - math.log(target) for r in ratios]
+    assert judged["p_above"] == pytest.approx(stats.ttest_1samp(logs, 0.0, alternative="greater").pvalue, abs=1e-9)
+    assert judged["p_below"] == pytest.approx(stats.ttest_1samp(logs, 0.0, alternative="less").pvalue, abs=1e-9)
+    n = len(ratios)
+    mean, se = sum(logs) / n, stats.sem(logs)
+    half = stats.t.ppf(0.95, n - 1) * se
+    assert judged["low"] == pytest.approx(target * math.exp(mean - half), rel=1e-9)
+    assert judged["high"] == pytest.approx(target * math.exp(mean + half), rel=1e-9)
+    assert judged["geometric_mean"] == pytest.approx(math.exp(sum(map(math.log, ratios)) / n), rel=1e-12)
+    mde = (stats.t.ppf(0.95, n - 1) + stats.t.ppf(0.8, n - 1)) * se
+    low, high = judged["detectable"]
+    assert (low, high) == (pytest.approx(target * math.exp(-mde), rel=1e-9), pytest.approx(target * math.exp(mde), rel=1e-9))
+
+
+def test_repeats_that_agree_exactly_decide_by_their_side_of_the_target(bench):
+    above, below = bench.judge([1.2, 1.2, 1.2], 1.15), bench.judge([1.1, 1.1], 1.15)
+    assert (above["p_above"], above["p_below"]) == (0.0, 1.0)
+    assert (below["p_above"], below["p_below"]) == (1.0, 0.0)
+    assert bench.verdicts({"a": above, "b": below}) == {"a": ("met", 0.0), "b": ("below", 0.0)}
+
+
+def test_one_repeat_is_not_tested(bench):
+    judged = bench.judge([1.3], 1.15)
+    assert judged["p_above"] is None and judged["geometric_mean"] == pytest.approx(1.3)
+    assert bench.verdicts({"only": judged}) == {"only": ("unresolved", None)}
+
+
+def _judged(p_above: float, p_below: float) -> dict:
+    return {"p_above": p_above, "p_below": p_below}
+
+
+def test_verdicts_apply_holms_step_down_over_the_targets(bench):
+    # p_above 0.01, 0.04, 0.03 → sorted 0.01, 0.03, 0.04 → 3·0.01 = 0.03, max(0.03, 2·0.03) = 0.06,
+    # max(0.06, 1·0.04) = 0.06: only the first is met; p_below 0.99, 0.5, 0.6 → 1, 1, 1
+    judged = {"a": _judged(0.01, 0.99), "b": _judged(0.04, 0.5), "c": _judged(0.03, 0.6)}
+    out = bench.verdicts(judged)
+    assert out["a"] == ("met", pytest.approx(0.03))
+    assert out["b"] == ("unresolved", pytest.approx(0.06))
+    assert out["c"] == ("unresolved", pytest.approx(0.06))
+    # below: 0.001 alone among three → 3·0.001
+    out = bench.verdicts({"a": _judged(0.9, 0.001), "b": _judged(0.5, 0.5), "c": _judged(0.4, 0.6)})
+    assert out["a"] == ("below", pytest.approx(0.003))
+
+
+def test_check_targets_judges_the_three_ratios_of_paired_repeats(bench, capsys):
+    rows = [
+        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [12.0, 12.1, 11.9]},
+        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [10.5, 10.4, 10.6]},
+    ]
+    out = bench.check_targets(rows)
+    printed = capsys.readouterr().out
+    # 1.20× over 1.15: met; 1.05× under 1.15: below; 87.5 % against 95 %: below
+    assert out["decoupled_speedup_met"] and not out["segment_wise_speedup_met"]
+    assert out["tests"]["decoupled_speedup"]["verdict"] == "met"
+    assert out["tests"]["segment_wise_speedup"]["verdict"] == "below"
+    assert out["tests"]["segment_vs_decoupled_eta4"]["verdict"] == "below"
+    assert out["segment_vs_decoupled_eta4_by_repeat"] == pytest.approx([10.5 / 12.0, 10.4 / 12.1, 10.6 / 11.9])
+    assert printed.count("Holm p = ") == 3
