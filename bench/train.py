@@ -184,7 +184,7 @@ def judge(ratios: list[float], target: float) -> dict[str, float | int | None]:
     """A target on a ratio, tested on its paired repeats: the paired t test of log(ratio_i) −
     log(target) (ratios multiply, so their logs are what a t test averages). Returns the geometric
     mean, the one-sided (1 − α) bounds (the ratio is above ``low`` and below ``high``, each at
-    level α), the one-sided p-values of "above the target" and "below the target", and the ratio
+    level α), the one-sided p-values of "above the target" and "below the target", and the
     ratios the design tells from the target with power ``POWER`` (the target times exp(∓MDE)).
     Fewer than two repeats: the p-values and bounds are None."""
     n = len(ratios)
