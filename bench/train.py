@@ -42,7 +42,7 @@ from pathlib import Path
 
 from _results import write_results
 
-from sdp_cli.ablate.stats import holm, minimum_detectable_effect, paired_t, student_t_cdf, student_t_quantile, student_t_sf
+from sdp_cli.ablate.stats import holm, minimum_detectable_effect, paired_t, student_t_cdf, student_t_sf
 from sdp_cli.rundir import RunDir
 
 CONFIGS = [
@@ -191,17 +191,17 @@ def judge(ratios: list[float], target: float) -> dict[str, float | int | None]:
     out: dict[str, float | int | None] = {"n": n, "geometric_mean": math.exp(statistics.fmean(map(math.log, ratios)))}
     if n < 2:
         return {**out, "low": None, "high": None, "p_above": None, "p_below": None, "detectable": None}
-    test = paired_t([math.log(r) - math.log(target) for r in ratios], 2 * ALPHA)  # its interval: one-sided α
+    # the two-sided 1 − 2α interval: its ends are the one-sided (1 − α) bounds
+    test = paired_t([math.log(r) - math.log(target) for r in ratios], 2 * ALPHA)
     if test.se == 0.0:  # every repeat gave the same ratio
         p_above, p_below = (0.0 if test.mean > 0 else 1.0), (0.0 if test.mean < 0 else 1.0)
     else:
         p_above, p_below = student_t_sf(test.t, test.dof), student_t_cdf(test.t, test.dof)
-    half = student_t_quantile(1.0 - ALPHA, test.dof) * test.se
     mde = minimum_detectable_effect(test.sd, n, 2 * ALPHA, POWER)  # one-sided α
     return {
         **out,
-        "low": target * math.exp(test.mean - half),
-        "high": target * math.exp(test.mean + half),
+        "low": target * math.exp(test.low),
+        "high": target * math.exp(test.high),
         "p_above": p_above,
         "p_below": p_below,
         "detectable": (target * math.exp(-mde), target * math.exp(mde)),
@@ -220,7 +220,12 @@ def verdicts(judged: dict[str, dict]) -> dict[str, tuple[str, float | None]]:
     out: dict[str, tuple[str, float | None]] = {name: ("unresolved", None) for name in judged}
     for name in names:
         above, below = adjusted["p_above"][name], adjusted["p_below"][name]
-        out[name] = ("met", above) if above < ALPHA else ("below", below) if below < ALPHA else ("unresolved", min(above, below))
+        if above < ALPHA:
+            out[name] = ("met", above)
+        elif below < ALPHA:
+            out[name] = ("below", below)
+        else:
+            out[name] = ("unresolved", min(above, below))
     return out
 
 
