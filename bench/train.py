@@ -91,7 +91,11 @@ def main() -> None:
     parser.add_argument("--judge", type=Path, metavar="JSON", help="print the verdicts of a stored run and exit")
     args = parser.parse_args()
     if args.judge is not None:
-        check_targets(json.loads(args.judge.read_text())["rows"])
+        try:
+            rows = json.loads(args.judge.read_text())["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"--judge {args.judge}: not a bench/train.py result ({exc}); give a file it wrote") from None
+        check_targets(rows)
         return
     engine = (["engine.in_process=true"] if args.in_process else []) + args.set
     load_before = os.getloadavg()[0]
