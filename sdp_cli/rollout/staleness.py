@@ -30,6 +30,7 @@ manager's lock is held and must not call back into the manager.
 from __future__ import annotations
 
 import abc
+import copy
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -217,7 +218,7 @@ class StalenessManager:
         staleness = (self.max_head_offpolicyness + version + 1) * self.consumer_batch_size - (
             stat.accepted + stat.running
         )
-        snapshot = RolloutStat(**asdict(stat))
+        snapshot = copy.copy(stat)  # flat ints: asdict's recursive copy is not needed
         for modifier in self._modifiers:
             staleness = int(modifier.modify_capacity(staleness, version, snapshot))
         return min(self.max_concurrent_rollouts - stat.running, staleness)
@@ -225,7 +226,7 @@ class StalenessManager:
     def get_stats(self) -> RolloutStat:
         """A consistent copy of the counters."""
         with self._lock:
-            return RolloutStat(**asdict(self._stat))
+            return copy.copy(self._stat)
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -290,12 +290,13 @@ class RolloutProducer:
         """Send the finished groups' reward calls to the pool; ``_scored`` hands each over."""
         jobs = []
         for group in groups:
-            calls, wheres = [], []
+            calls = []
             for sample in group.samples:
                 completion = self.codec.decode_completion(sample.output_ids)
                 item = TaskItem(sample.meta["prompt"], sample.meta["answer"], sample.meta["task_meta"])
                 calls.append(self.task.reward_call(completion, item, stopped=sample.finish_reason == "stop"))
-                wheres.append(f"a completion of {item.prompt[:60]!r}")
+            # a group's samples share their prompt, so what an error names is the same for all
+            wheres = [f"a completion of {group.samples[0].meta['prompt'][:60]!r}"] * len(calls)
             jobs.append((calls, wheres, functools.partial(self._scored, group)))
         self.rewards.submit_groups(jobs)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -184,15 +185,26 @@ def build_reference(
     return cast_weights(model, DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
 
 
+#: prompts whose ids ``PromptCodec`` keeps (a built-in task has fewer; a data set's epochs repeat)
+PROMPT_CACHE_SIZE = 4096
+
+
 class PromptCodec:
-    """Prompt encoding and completion decoding of a policy (the stop token is not text)."""
+    """Prompt encoding and completion decoding of a policy (the stop token is not text).
+
+    Prompt ids are cached: the producer encodes every group's prompt in the trainer's
+    interpreter, where each call holds the GIL the trainer's step needs (docs/benchmarks.md), and
+    a tokenizer maps the same text to the same ids."""
 
     def __init__(self, policy: Any):
         self.policy = policy
         self.stop_token_ids = {int(policy.eos_token_id)}
+        self._encoded = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
+            lambda text: tuple(policy.encode_prompt(text))
+        )
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.policy.encode_prompt(text)
+        return list(self._encoded(text))
 
     def decode_completion(self, token_ids: list[int]) -> str:
         if token_ids and token_ids[-1] in self.stop_token_ids:
