@@ -8,7 +8,8 @@ reaches ``POINT``, ``ACTION`` happens:
 - ``raise``: raise :class:`InjectedFault`, an unexpected error (a bug, an out-of-memory);
 - ``engine_error``: raise ``EngineError``, a fault the engine reports (e.g. a lost server);
 - ``enospc``: raise ``OSError(ENOSPC)``, as a write to a full disk does;
-- ``stall``: sleep 3 s, so that a test can signal the process while it is at ``POINT``.
+- ``stall``: sleep 3 s (``SDP_TEST_STALL_S`` seconds when set), so that a test can signal the
+  process while it is at ``POINT``.
 
 Named points let a test crash a run at an exact place (between two files of a checkpoint, mid
 optimizer step) instead of guessing with timers. Without the variable, which is the case
@@ -27,8 +28,22 @@ import time
 
 ENV = "SDP_TEST_FAULTS"
 ACTIONS = ("kill", "raise", "engine_error", "enospc", "stall")
-#: seconds the ``stall`` action sleeps
-STALL_S = 3.0
+STALL_ENV = "SDP_TEST_STALL_S"
+
+
+def _stall_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 3600:
+        raise ValueError(f"{STALL_ENV}: {value!r} is not a number of seconds between 0 and 3600")
+    return seconds
+
+
+#: seconds the ``stall`` action sleeps (a test that times what a signal cuts short sets more, so
+#: that a slow exit on a loaded machine still tells "cut short" from "waited")
+STALL_S = _stall_seconds(os.environ.get(STALL_ENV, "3"))
 POINTS = (
     "producer.generated",  # a generate call returned; its groups are not handed over yet
     "producer.handover",  # mid hand-over: one group is in the queue, the others are not

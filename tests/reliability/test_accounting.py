@@ -11,7 +11,7 @@ import pytest
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.http import HttpOptions, HttpServer
-from sdp_cli.faults import _parse
+from sdp_cli.faults import _parse, _stall_seconds
 from sdp_cli.train.asyncloop.ledger import LedgerLog, audit
 
 pytestmark = pytest.mark.reliability
@@ -80,6 +80,13 @@ def test_fault_specs_are_parsed_and_typos_refused():
     for bad in ("kill:checkpoint.stat", "explode:local.generate", "kill:local.generate@x"):
         with pytest.raises(ValueError, match="SDP_TEST_FAULTS"):
             _parse(bad)
+
+
+def test_the_stall_is_a_number_of_seconds_or_refused():
+    assert _stall_seconds("10") == 10.0 and _stall_seconds("0.5") == 0.5
+    for bad in ("", "ten", "0", "-3", "nan", "inf", "1e9"):
+        with pytest.raises(ValueError, match="SDP_TEST_STALL_S"):
+            _stall_seconds(bad)
 
 
 def test_the_request_timeout_applies_to_requests_without_their_own():
