@@ -109,9 +109,10 @@ class InferenceEngine(abc.ABC):
         """Load new weights; the engine must be paused. Its version becomes ``update.version``."""
 
     def stage_weights(self, update: WeightUpdate) -> WeightUpdate | None:
-        """``update`` made independent of the caller's tensors (written where the engine reads
-        it), so that its load may run while the trainer changes its weights; None where this
-        engine only loads in the caller's time (the loop then pushes synchronously)."""
+        """``update`` made independent of the caller's tensors (a private copy, or a file where
+        the engine reads it), so that its load may run while the trainer changes its weights;
+        None where this engine only loads in the caller's time (the loop then pushes
+        synchronously). ``update_weights`` accepts what this returns."""
         return None
 
     @abc.abstractmethod

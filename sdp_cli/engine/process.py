@@ -24,7 +24,7 @@ import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,28 +84,6 @@ def local_http_options(request_timeout_s: float) -> HttpOptions:
 def scratch_root() -> Path:
     """Where weight files go: ``/dev/shm`` when it is a writable directory, else the temp dir."""
     return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
-
-
-def write_weights(state_dict: Mapping[str, Any], directory: Path) -> Path:
-    """``state_dict`` as ``directory/model.safetensors``, whole or not at all (written beside and
-    renamed). Tensors sharing storage (tied embeddings) are written once: the engine's copy
-    keeps them tied (``_local_weights.copy_weights``)."""
-    import torch
-    from safetensors.torch import save_file
-
-    seen: set[tuple[int, int]] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in state_dict.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        tensors[name] = tensor.detach().to("cpu").contiguous()
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{WEIGHTS_FILE}.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, directory / WEIGHTS_FILE)
-    return directory
 
 
 def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scratch: Path) -> LaunchSpec:
@@ -187,19 +165,28 @@ class ProcessEngine(RemoteEngine):
 
     # ------------------------------------------------------------------ weights
     def stage_weights(self, update: WeightUpdate) -> WeightUpdate:
-        """A state dict written to the scratch directory (tmpfs), as a path update; the engine
-        keeps generating meanwhile."""
-        if update.state_dict is None:
+        """A state dict packed into a private buffer (``PackedWeights``): the caller's tensors
+        may change as soon as this returns, and ``update_weights`` writes the file."""
+        from sdp_cli.engine.weight_file import PackedWeights  # torch, imported where it is used
+
+        if update.state_dict is None or isinstance(update.state_dict, PackedWeights):
             return update
-        target = write_weights(update.state_dict, self.scratch / f"v{update.version:06d}")
-        return WeightUpdate(version=update.version, path=target, extra=update.extra)
+        return WeightUpdate(version=update.version, state_dict=PackedWeights(update.state_dict), extra=update.extra)
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """A state dict is staged first (``stage_weights``); the other versions' files go once
-        the new one is loaded (a restarted server is given the loaded one's)."""
+        """A state dict is staged (``stage_weights``) and written to the scratch directory
+        (tmpfs) as ``v<version>/model.safetensors``, which the process loads; the other
+        versions' files go once the new one is loaded (a restarted server is given the loaded
+        one's)."""
         if not self.is_paused():
             raise EngineError("engine=local: update_weights needs a paused engine; call pause() first")
+        from sdp_cli.engine.weight_file import PackedWeights
+
         staged = self.stage_weights(update)
+        if isinstance(staged.state_dict, PackedWeights):
+            target = self.scratch / f"v{update.version:06d}"
+            staged.state_dict.write(target / WEIGHTS_FILE)
+            staged = WeightUpdate(version=update.version, path=target, extra=update.extra)
         super().update_weights(staged)
         assert staged.path is not None
         loaded = Path(staged.path).resolve()

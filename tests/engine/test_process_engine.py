@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from sdp_cli.engine.base import SamplingParams, WeightUpdate
 from sdp_cli.engine.local import LocalEngine
@@ -138,6 +139,30 @@ def test_versions_and_proximal_t_across_three_updates_mid_generation(served, tem
     stats = s.engine.stats()
     patched = sum(pv == v + 1 for x in samples for v, pv in zip(x.versions, x.proximal_t_versions))
     assert stats["prefill_proximal_tokens"] == patched > 0
+
+
+def test_a_staged_push_loads_the_weights_of_the_stage_not_of_the_load(served):
+    # docs/training.md "The weight push": at η > 0 the trainer stages its weights and trains on
+    # while the push's thread writes and loads them; what loads is what was staged
+    s = served(0.7)
+    trainer = tiny_model()
+    perturb_(trainer, seed=5)
+    staged_state = snapshot(trainer)
+    live = {name: tensor.detach() for name, tensor in trainer.state_dict().items()}
+    staged = s.engine.stage_weights(WeightUpdate(version=1, state_dict=live))
+    perturb_(trainer, seed=6)  # the next step changes the trainer's tensors in place
+    assert not torch.equal(live["lm_head.weight"], staged_state["lm_head.weight"])
+    s.engine.pause()
+    s.engine.update_weights(staged)
+    s.engine.resume()
+    samples = prompts([4, 6])
+    scores = s.engine.score([x.input_ids for x in samples], [1, 1])
+    reference = tiny_model()
+    reference.load_state_dict(staged_state)
+    for x, row in zip(samples, scores, strict=True):
+        ref = reference_logprobs(reference, x.input_ids, 1, 0.7)
+        assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) <= 1e-5
+    assert sorted(p.name for p in s.engine.scratch.iterdir()) == ["v000001"]
 
 
 def test_scores_over_the_wire_equal_full_forwards(served):

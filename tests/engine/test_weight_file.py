@@ -1,0 +1,103 @@
+"""``PackedWeights`` (sdp_cli/engine/weight_file.py): a weight push packed into one buffer in the
+trainer's thread and written as a safetensors file on the push's thread. The file must be one
+that safetensors' own reader and sdp's layout check accept, with exactly the tensors given
+(tied ones once), and the pack must share nothing with the tensors it copied."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from sdp_cli.engine.weight_file import DTYPE_NAMES, PackedWeights
+from sdp_cli.safetensors_layout import check_file
+
+DTYPES = list(DTYPE_NAMES)
+
+
+def make_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+@st.composite
+def state_dicts(draw):
+    """Mixed dtypes and shapes (scalars, empty tensors, transposed views), some names tied to an
+    earlier tensor (one storage under two names), some views into the middle of another's."""
+    n = draw(st.integers(1, 8))
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(n):
+        kind = draw(st.sampled_from(["new", "new", "tied", "transposed", "slice"])) if tensors else "new"
+        earlier = list(tensors.values())
+        if kind == "tied":
+            tensors[f"t{i}"] = earlier[draw(st.integers(0, len(earlier) - 1))]
+            continue
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+        base = make_tensor(dtype, shape if kind == "new" else (4, 6), draw(st.integers(0, 10**6)))
+        if kind == "transposed":
+            base = base.t()  # not contiguous
+        elif kind == "slice":
+            base = base[1:3]  # shares storage at an offset: not tied
+        tensors[f"t{i}"] = base
+    return tensors
+
+
+def first_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors a file keeps: one name per (storage, offset), the first."""
+    seen, kept = set(), {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor
+    return kept
+
+
+@settings(max_examples=60, deadline=None)
+@given(state=state_dicts())
+def test_the_file_holds_exactly_the_tensors_given_and_the_pack_is_a_copy(tmp_path_factory, state):
+    path = tmp_path_factory.mktemp("w") / "v000001" / "model.safetensors"
+    expected = {name: tensor.clone() for name, tensor in first_names(state).items()}
+    packed = PackedWeights(state)
+    assert list(packed) == list(expected)  # tied names once, the first one
+    for name, tensor in expected.items():
+        assert packed[name].dtype == tensor.dtype and torch.equal(packed[name], tensor)
+    # the trainer changes its tensors right after packing: the pack and its file do not follow
+    with torch.no_grad():
+        for tensor in first_names(state).values():
+            tensor.logical_not_() if tensor.dtype == torch.bool else tensor.add_(1)
+    packed.write(path)
+    check_file(path)
+    read = load_file(path)
+    assert set(read) == set(expected) and not list(path.parent.glob(".*"))
+    for name, tensor in expected.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape, name
+        assert torch.equal(read[name], tensor), name
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    assert (8 + header_len) % 8 == 0, "the data starts 8-byte aligned"
+    for name, tensor in expected.items():  # each tensor's bytes at a multiple of its element size
+        assert header[name]["data_offsets"][0] % tensor.element_size() == 0, name
+
+
+def test_a_second_write_replaces_the_file_whole(tmp_path):
+    path = tmp_path / "model.safetensors"
+    PackedWeights({"w": torch.zeros(3, 4)}).write(path)
+    PackedWeights({"w": torch.ones(3, 4), "b": torch.arange(5)}).write(path)
+    read = load_file(path)
+    assert torch.equal(read["w"], torch.ones(3, 4)) and torch.equal(read["b"], torch.arange(5))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_a_dtype_safetensors_cannot_name_is_refused_by_name():
+    with pytest.raises(TypeError, match="lora_scale: dtype torch.complex64"):
+        PackedWeights({"w": torch.zeros(2), "lora_scale": torch.zeros(2, dtype=torch.complex64)})
