@@ -5,13 +5,16 @@ training) and the part the trainer waited for at weight pushes.
 
 Each configuration runs as a separate `sdp train` process (so thread settings do not leak)
 with the warm start already cached; the numbers come from the run's summary.json, whose clock
-starts after setup and the initial evaluation. Prints a table and writes bench/results/train.json.
+times the training loop alone (not setup, the initial evaluation, setup's garbage collection or
+closing the engine). Prints a table and writes bench/results/train.json.
 The split of the wall time (the trainer's steps, waiting for a batch) sums metrics.jsonl's
 time/train_s and time/wait_s. For each mode the bench also runs η = 0 with the trainer on the
 threads it gets when η > 0 (half the cores), which gives the async ceiling: the most any η > 0
 can gain over η = 0 on this machine, even if generation and the recompute pass cost the trainer
 nothing, = (η = 0 seconds per step) / (the trainer's step on its η > 0 share of the cores).
-The last lines check the targets of issue 26: η = 4 at least 1.15× η = 0 for both modes (at
+A second table splits each configuration's step into parts (``step_parts``): the trainer's
+step here and alone, waiting, the trainer's part of the push and the rest, so that at η > 0 the
+distance to the ceiling is shown by cause. The last lines check the targets of issue 26: η = 4 at least 1.15× η = 0 for both modes (at
 least 93 % of the ceiling), segment-wise η = 4 within 5 % of decoupled η = 4. Every repeat runs
 all six configurations one after another, in an order rotated each repeat, and each ratio is
 the median of its per-repeat ratios (runs paired within a repeat), printed with their range: a
@@ -74,8 +77,14 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     summary = json.loads(run.summary.read_text())
     steps = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
     # where the wall time goes: the trainer's steps, and waiting for batches (shares of the wall)
-    for key in ("time/train_s", "time/wait_s"):
+    for key in ("time/train_s", "time/wait_s", "time/push_s"):
         summary[key] = sum(row[key] for row in steps) / summary["wall_seconds"]
+    # the loop's own work per step: between two rows of metrics.jsonl, what the three timed
+    # parts leave (the run's start and end, e.g. its last checkpoint, fall outside these rows)
+    if len(steps) >= 2:
+        between = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)
+        timed = statistics.fmean(sum(row[k] for k in ("time/train_s", "time/wait_s", "time/push_s")) for row in steps[1:])
+        summary["loop_seconds_per_step"] = between - timed
     return summary
 
 
@@ -145,6 +154,7 @@ def main() -> None:
                 "train_share_median": statistics.median(r["time/train_s"] for r in config_runs),
                 "wait_share_median": statistics.median(r["time/wait_s"] for r in config_runs),
                 "trainer_step_seconds_half_cores": alone[mode],
+                "step_parts_ms": step_parts(config_runs, alone[mode], overlapped=eta > 0),
                 "lag_note": "all tokens lag 0" if eta == 0 else "tokens lag up to η",
             }
         )
@@ -169,6 +179,7 @@ def main() -> None:
             f"{100 * r['train_share_median']:>9.1f}%{100 * r['wait_share_median']:>8.1f}%"
             f"{ceiling:>15}"
         )
+    print_step_parts(rows)
     load_after = os.getloadavg()[0]
     targets = check_targets(rows)
     print(f"load average: {load_before:.1f} before, {load_after:.1f} after (2 cores: above ~0.5 the numbers are under load)")
@@ -182,6 +193,63 @@ def main() -> None:
         targets=targets,
         load_average={"before": load_before, "after": load_after},
     )
+
+
+#: the parts of a step, in the order they are printed (``step_parts``)
+PARTS = ("step", "trainer_alone", "trainer", "sharing", "waiting", "push", "loop", "start_end")
+
+
+def step_parts(runs: list[dict], alone_s: float, *, overlapped: bool) -> dict[str, float | None]:
+    """Where a configuration's step goes, ms per step (medians over its runs): the whole step;
+    the trainer's step (batch assembly included, ``time/train_s``) here and alone on its η > 0
+    share of the cores; ``sharing``, the difference: what running beside generation, the
+    recompute pass and sdp's other threads costs the trainer's step; waiting for a batch; the
+    trainer's part of the weight push (``time/push_s``); ``loop``, the loop's own work between
+    steps (metrics, logging: ``run_once``'s ``loop_seconds_per_step``); and ``start_end``, the
+    rest: the run's start and end (its last checkpoint, stopping the producer) spread over its
+    steps. step = trainer + waiting + push + loop + start_end, so at η > 0 (``overlapped``) the
+    loss to the ceiling, step − trainer_alone, is the sum of the five other parts. At η = 0 the
+    trainer has every core to itself and ``sharing`` is None."""
+
+    def per_step(run: dict, key: str) -> float:
+        return 1000.0 * run[key] * run["wall_seconds"] / run["steps"]
+
+    def median(values) -> float:
+        return statistics.median(list(values))
+
+    parts = {
+        "step": median(1000.0 * r["wall_seconds"] / r["steps"] for r in runs),
+        "trainer_alone": 1000.0 * alone_s,
+        "trainer": median(per_step(r, "time/train_s") for r in runs),
+        "waiting": median(per_step(r, "time/wait_s") for r in runs),
+        "push": median(per_step(r, "time/push_s") for r in runs),
+        "loop": median(1000.0 * r["loop_seconds_per_step"] for r in runs),
+    }
+    parts["start_end"] = parts["step"] - parts["trainer"] - parts["waiting"] - parts["push"] - parts["loop"]
+    shared: dict[str, float | None] = {**parts, "sharing": parts["trainer"] - parts["trainer_alone"] if overlapped else None}
+    return {name: shared[name] for name in PARTS}
+
+
+def print_step_parts(rows: list[dict]) -> None:
+    """The parts of each configuration's step, and for η > 0 its loss to the ceiling by part."""
+    print()
+    header = f"{'ms per step (medians)':<20}" + "".join(f"{name.replace('_', ' '):>15}" for name in PARTS)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        label = f"{r['mode']} η={r['max_head_offpolicyness']}"
+        values = [r["step_parts_ms"][name] for name in PARTS]
+        print(f"{label:<20}" + "".join(f"{'–':>15}" if v is None else f"{v:>15.1f}" for v in values))
+    for r in rows:
+        if r["max_head_offpolicyness"] > 0:
+            p = r["step_parts_ms"]
+            print(
+                f"{r['mode']} η={r['max_head_offpolicyness']}: {p['step'] - p['trainer_alone']:.1f} ms per step above the "
+                f"trainer's step alone (the ceiling's): sharing the machine and sdp's process {p['sharing']:.1f}, "
+                f"waiting {p['waiting']:.1f}, the push {p['push']:.1f}, the loop {p['loop']:.1f}, the run's start "
+                f"and end {p['start_end']:.1f}"
+            )
+    print()
 
 
 def judge(ratios: list[float], target: float) -> dict[str, float | int | None]:

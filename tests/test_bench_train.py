@@ -95,3 +95,48 @@ def test_check_targets_judges_the_three_ratios_of_paired_repeats(bench, capsys):
     assert out["tests"]["segment_vs_decoupled_eta4"]["verdict"] == "below"
     assert out["segment_vs_decoupled_eta4_by_repeat"] == pytest.approx([10.5 / 12.0, 10.4 / 12.1, 10.6 / 11.9])
     assert printed.count("Holm p = ") == 3
+
+
+def test_step_parts_split_a_step_by_cause_and_sum_to_it(bench):
+    # one run of 10 steps in 1.2 s: trainer 0.8 s, waiting 0.1, push 0.05 (shares of the wall as
+    # run_once stores them) and 15 ms of the loop's own per step, so per step
+    # 120 ms = 80 + 10 + 5 + 15 + 10 (the run's start and end); the trainer alone 70 ms
+    run = {
+        "wall_seconds": 1.2, "steps": 10, "loop_seconds_per_step": 0.015,
+        "time/train_s": 0.8 / 1.2, "time/wait_s": 0.1 / 1.2, "time/push_s": 0.05 / 1.2,
+    }  # fmt: skip
+    parts = bench.step_parts([run], 0.070, overlapped=True)
+    assert list(parts) == list(bench.PARTS)
+    expected = {
+        "step": 120.0, "trainer_alone": 70.0, "trainer": 80.0, "sharing": 10.0,
+        "waiting": 10.0, "push": 5.0, "loop": 15.0, "start_end": 10.0,
+    }  # fmt: skip
+    assert parts == pytest.approx(expected)
+    # the loss to the ceiling is the sum of the five causes
+    causes = ("sharing", "waiting", "push", "loop", "start_end")
+    assert parts["step"] - parts["trainer_alone"] == pytest.approx(sum(parts[c] for c in causes))
+    # at η = 0 the trainer has every core: no sharing; each part the median over the runs
+    slower = {**run, "wall_seconds": 1.5, "loop_seconds_per_step": 0.02}  # every share of a longer wall
+    third = {**run, "wall_seconds": 1.4, "loop_seconds_per_step": 0.01}
+    parts0 = bench.step_parts([run, slower, third], 0.070, overlapped=False)
+    assert parts0["sharing"] is None
+    assert parts0["step"] == pytest.approx(140.0) and parts0["loop"] == pytest.approx(15.0)
+    assert parts0["trainer"] == pytest.approx(80.0 * 1.4 / 1.2)  # shares × wall: the median run's
+    assert parts0["start_end"] == pytest.approx(140.0 * (1 - 0.95 / 1.2) - 15.0)
+
+
+def test_step_parts_are_printed_with_the_loss_to_the_ceiling(bench, capsys):
+    run = {
+        "wall_seconds": 1.2, "steps": 10, "loop_seconds_per_step": 0.015,
+        "time/train_s": 0.8 / 1.2, "time/wait_s": 0.1 / 1.2, "time/push_s": 0.05 / 1.2,
+    }  # fmt: skip
+    rows = [
+        {"mode": "decoupled", "max_head_offpolicyness": eta, "step_parts_ms": bench.step_parts([run], 0.07, overlapped=eta > 0)}
+        for eta in (0, 4)
+    ]
+    bench.print_step_parts(rows)
+    printed = capsys.readouterr().out
+    assert "decoupled η=4: 50.0 ms per step above the trainer's step alone" in printed
+    assert "sharing the machine and sdp's process 10.0, waiting 10.0, the push 5.0, the loop 15.0" in printed
+    assert "the run's start and end 10.0" in printed
+    assert "decoupled η=0" in printed and "–" in printed  # no sharing at η = 0

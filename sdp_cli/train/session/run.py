@@ -403,13 +403,15 @@ class TrainingRun:
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = dict(self.loop.state.counters.to_dict())
-        t0 = time.perf_counter()
         stopped: BaseException | None = None
         # What setup built (modules, model, tokenizer) lives as long as the loop: frozen, it is
         # out of the cyclic collector's full passes, each of which walked it with the GIL held
         # (0.3 s on 2 cores, stalling the trainer, the producer and the reward threads at once).
         gc.collect()
         gc.freeze()
+        # The session's clock (its steps/s) times the loop alone: not that collection, which is
+        # setup's, nor closing the engine and the pools below.
+        t0 = time.perf_counter()
         try:
             self.loop.run()
         except (LoopStopped, EngineError, RewardError, OSError) as exc:  # RewardError: of an evaluation
@@ -419,6 +421,7 @@ class TrainingRun:
             raise
         finally:
             gc.unfreeze()  # a process that trains again (a sweep's worker) can free this run's objects
+        wall = time.perf_counter() - t0
         # the other ranks still follow: checkpoints and evaluations may gather from them
         self.close()
         if not self.coordinator.call("in_sync"):
@@ -429,7 +432,6 @@ class TrainingRun:
             end = self._stopped(stopped)
             self._end_session(end.exit_code)
             raise end
-        wall = time.perf_counter() - t0
         acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
         self._end_evaluation()
         self._end_session(0)
