@@ -14,9 +14,10 @@ can gain over η = 0 on this machine, even if generation and the recompute pass 
 nothing, = (η = 0 seconds per step) / (the trainer's step on its η > 0 share of the cores).
 A second table splits each configuration's step into parts (``step_parts``): the trainer's
 step here and alone, waiting, the trainer's part of the push and the rest, so that at η > 0 the
-distance to the ceiling is shown by cause. The last lines check the targets of issue 26: η = 4 at least 1.15× η = 0 for both modes (at
-least 93 % of the ceiling), segment-wise η = 4 within 5 % of decoupled η = 4. Every repeat runs
-all six configurations one after another, in an order rotated each repeat, and each ratio is
+distance to the ceiling is shown by cause. The last lines check the targets of issue 26: η = 4
+at least 1.15× η = 0 for both modes (at least 93 % of the ceiling), segment-wise η = 4 within
+5 % of decoupled η = 4. Every repeat runs all six configurations one after another, in an order
+rotated each repeat, and each ratio is
 the median of its per-repeat ratios (runs paired within a repeat), printed with their range: a
 drift of the machine between configurations would otherwise enter the ratios. Each target is
 also judged by a test (``judge``): the paired repeats' log-ratios against the target's, one-sided

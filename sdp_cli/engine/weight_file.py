@@ -1,13 +1,14 @@
 """A weight push's tensors packed into one buffer, then written as a safetensors file.
 
 Every step of a run on the local engine's process pushes the trainer's weights through a file
-on tmpfs (``engine/process.py``). At η > 0 the trainer's thread only *packs* them: one copy of
-each tensor into a private byte buffer laid out as a safetensors file's data, each copy a torch
-op that releases the GIL. The push's own thread then writes the header and that buffer in two
-calls, which release the GIL too, while the next step trains. safetensors' ``save_file`` did both
-in the trainer's thread and held the GIL for most of it (a byte copy of every tensor in Python,
-then its writer): 2.8 ms of the trainer's thread per push on the tiny model, against 0.5 ms for
-packing (docs/benchmarks.md).
+on tmpfs (``engine/process.py``). At η > 0 the trainer's thread only *packs* them into a private
+byte buffer laid out as a safetensors file's data: one torch copy call per dtype, which releases
+the GIL while it copies. The push's own thread then writes the header and that buffer in two
+calls, which release the GIL too, while the next step trains. safetensors' ``save_file`` did
+both in the trainer's thread and held the GIL for most of it (a byte copy of every tensor in
+Python, then its writer). On the tiny model, timed apart: ``save_file`` 2.1 ms, packing 0.7 ms,
+writing 0.9 ms; in the trainer's thread of an η = 4 run, staging took 3.0–3.5 ms before and
+1.3–1.4 ms after (docs/benchmarks.md).
 
 The file is what ``save_file`` writes, read by the same reader (``_local_weights``): tensors
 sharing storage (tied embeddings) once, under the first name, and the data ordered by element
@@ -16,6 +17,7 @@ size, widest first, so that every tensor's bytes start at a multiple of its elem
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -96,11 +98,6 @@ class PackedWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._flat)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data (the file adds its header)."""
-        return self._data.numel()
-
     def write(self, path: Path) -> Path:
         """The safetensors file ``path``, whole or not at all (written beside and renamed)."""
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +109,7 @@ class PackedWeights(Mapping[str, torch.Tensor]):
         return path
 
 
-def _write_all(f, data: bytes | memoryview) -> None:  # noqa: ANN001 - a raw (unbuffered) file
+def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:
     """An unbuffered write may take part of ``data``: write until all of it is out."""
     view = memoryview(data)
     while view:
