@@ -55,6 +55,9 @@ CONFIGS = [
     ("segment_wise", 0, ["+preset=segment_wise", "rollout.max_head_offpolicyness=0"]),
     ("segment_wise", 4, ["+preset=segment_wise", "rollout.max_head_offpolicyness=4"]),
 ]
+#: the loop's timed parts of each step in metrics.jsonl: the trainer's step, waiting for a batch,
+#: the trainer's part of the weight push
+TIMED = ("time/train_s", "time/wait_s", "time/push_s")
 COMMON = ["run.progress=false", "run.tensorboard=false", "train.eval_samples=0", "train.checkpoint_every=0"]
 
 
@@ -78,13 +81,13 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     summary = json.loads(run.summary.read_text())
     steps = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
     # where the wall time goes: the trainer's steps, and waiting for batches (shares of the wall)
-    for key in ("time/train_s", "time/wait_s", "time/push_s"):
+    for key in TIMED:
         summary[key] = sum(row[key] for row in steps) / summary["wall_seconds"]
     # the loop's own work per step: between two rows of metrics.jsonl, what the three timed
     # parts leave (the run's start and end, e.g. its last checkpoint, fall outside these rows)
     if len(steps) >= 2:
         between = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)
-        timed = statistics.fmean(sum(row[k] for k in ("time/train_s", "time/wait_s", "time/push_s")) for row in steps[1:])
+        timed = statistics.fmean(sum(row[k] for k in TIMED) for row in steps[1:])
         summary["loop_seconds_per_step"] = between - timed
     return summary
 

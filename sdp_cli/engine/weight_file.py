@@ -6,7 +6,7 @@ byte buffer laid out as a safetensors file's data: one torch copy call per dtype
 the GIL while it copies. The push's own thread then writes the header and that buffer in two
 calls, which release the GIL too, while the next step trains. safetensors' ``save_file`` did
 both in the trainer's thread and held the GIL for most of it (a byte copy of every tensor in
-Python, then its writer). On the tiny model, timed apart: ``save_file`` 2.1 ms, packing 0.7 ms,
+Python, then its writer). On the tiny model, timed apart: ``save_file`` 2.1 ms, packing 0.7–1.0 ms,
 writing 0.9 ms; in the trainer's thread of an η = 4 run, staging took 3.0–3.5 ms before and
 1.3–1.4 ms after (docs/benchmarks.md).
 
@@ -73,8 +73,7 @@ class PackedWeights(Mapping[str, torch.Tensor]):
         self._data = torch.empty(offset, dtype=torch.uint8)
         # One split and one copy call per dtype: a copy per tensor cost twice the time in
         # Python on a model of 50 small tensors.
-        self._flat: dict[str, torch.Tensor] = {}
-        self._shapes: dict[str, torch.Size] = {}
+        tensors: dict[str, torch.Tensor] = {}
         begin = 0
         with torch.no_grad():
             for dtype in dict.fromkeys(tensor.dtype for _, tensor in sources):  # in file order
@@ -84,19 +83,18 @@ class PackedWeights(Mapping[str, torch.Tensor]):
                 parts = torch.split_with_sizes(self._data[begin:end].view(dtype), numels)
                 torch._foreach_copy_(list(parts), [tensor.reshape(-1).to("cpu") for _, tensor in group])
                 for (name, tensor), part in zip(group, parts, strict=True):
-                    self._flat[name] = part
-                    self._shapes[name] = tensor.shape
+                    tensors[name] = part.view(tensor.shape)
                 begin = end
-        self._flat = {name: self._flat[name] for name in order}
+        self._tensors = {name: tensors[name] for name in order}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._flat[name].view(self._shapes[name])
+        return self._tensors[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._flat)
+        return iter(self._tensors)
 
     def __len__(self) -> int:
-        return len(self._flat)
+        return len(self._tensors)
 
     def write(self, path: Path) -> Path:
         """The safetensors file ``path``, whole or not at all (written beside and renamed)."""
