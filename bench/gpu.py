@@ -337,6 +337,13 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         "wall_seconds": summary.get("wall_seconds"),
         "recompute_share": summary.get("recompute_share"),
         "recompute_blocking_share": summary.get("recompute_blocking_share"),
+        # The first step's lag-0 mismatch is the informative one: there the random model's
+        # distributions are spread. Later the policy may collapse onto the rewarded token, and
+        # a log-prob of exactly 0 on both sides adds zeros to the mean (the H200 run of 2026-11-27).
+        "mismatch_lag0_first_step": lag0[0]["step"] if lag0 else None,
+        "mismatch_lag0_first_abs_mean": lag0[0]["mismatch/lag0_abs_mean"] if lag0 else None,
+        "entropy_first": col("loss/entropy")[0] if col("loss/entropy") else None,
+        "entropy_last": col("loss/entropy")[-1] if col("loss/entropy") else None,
         "mismatch_lag0_tokens": sum(col("mismatch/lag0_tokens")),
         "mismatch_lag0_abs_mean": _mean([r["mismatch/lag0_abs_mean"] for r in lag0]),
         "mismatch_lag0_abs_max": max((r["mismatch/lag0_abs_max"] for r in lag0), default=None),
@@ -347,6 +354,8 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         "lag_max": max(col("staleness/lag_max"), default=None),
         "train_s_mean": _mean(col("time/train_s")),
         "push_s_mean": _mean(col("time/push_s")),
+        "push_async_s_mean": _mean(col("time/push_async_s")),
+        "wait_s_mean": _mean(col("time/wait_s")),
         # the behavioural weights' spread per lag: decoupled's carries the engine/trainer
         # mismatch, segment-wise's only the policy change (docs/engines.md "Engine dtype")
         "weight_std_by_lag": {
@@ -367,6 +376,10 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         "staleness_within_eta": found["lag_max"] is not None and found["lag_max"] <= eta,
     }
     return found, checks
+
+
+def _fmt_s(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3g} s"
 
 
 def part_model(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str, Any]:
@@ -395,10 +408,19 @@ def part_train(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
     if out["status"] not in ("timeout",):
         out["status"] = status_of(checks)
     tps, mismatch = found["tokens_per_second"], found["mismatch_lag0_abs_mean"]
+    first, entropy = found["mismatch_lag0_first_abs_mean"], (found["entropy_first"], found["entropy_last"])
     memory = result.get("cuda_max_allocated_gib")
     out["summary"] = (
         f"{found['steps']} steps, {'n/a' if tps is None else f'{tps:.0f}'} generated tok/s, "
-        f"lag-0 engine/trainer mismatch: mean abs {'n/a' if mismatch is None else f'{mismatch:.2e}'} nats, "
+        + (
+            "lag-0 engine/trainer mismatch: n/a, "
+            if first is None
+            else f"lag-0 engine/trainer mismatch at step {found['mismatch_lag0_first_step']}: mean abs {first:.2e} nats "
+            f"(mean of all steps {mismatch:.2e}), "
+        )
+        + ("" if None in entropy else f"entropy {entropy[0]:.2f} → {entropy[1]:.2f} nats, ")
+        + f"trainer's step {_fmt_s(found['train_s_mean'])}, its part of the push {_fmt_s(found['push_s_mean'])}, "
+        f"waiting {_fmt_s(found['wait_s_mean'])}, "
         f"positions saved ≥ {found['positions_saved_min'] or 0:.0%}, π_prox_t of {found['recompute_tokens']['tokens']:.0f} "
         f"tokens recomputed and {found['recompute_tokens']['tokens_prefill']:.0f} re-prefilled, "
         + (f"CUDA peak {memory} GiB" if memory is not None else f"CUDA peak {NO_CUDA}")

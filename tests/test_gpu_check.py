@@ -117,6 +117,8 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     assert train["gpu_peak_gib"] == "skipped (no CUDA)"
     # bf16 engine and bf16-autocast trainer on the CPU: float noise, far below bf16's own rounding
     assert 0 <= train["mismatch_lag0_abs_mean"] < 1e-3
+    assert train["mismatch_lag0_first_step"] == 1 and 0 <= train["mismatch_lag0_first_abs_mean"] < 1e-3
+    assert train["entropy_first"] >= 0 and train["entropy_last"] >= 0 and train["train_s_mean"] > 0
     rows = [json.loads(line) for line in (out / "train_metrics.jsonl").read_text().splitlines()]
     # every batch: 4 prompts × 4 samples of 8 tokens. A prompt is BOS, the few-shot prefix (7
     # examples "a+b=c." of 6 characters and 5 of 7: 77) and "a+b=" (4): 82 tokens. The plain

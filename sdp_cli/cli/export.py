@@ -45,7 +45,7 @@ def export_command(
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}")
     from sdp_cli.models.export import check_export_target, export_policy
-    from sdp_cli.models.loader import DTYPES
+    from sdp_cli.models.precision import DTYPES
     from sdp_cli.train.session.saved_policy import find_saved_policy, load_saved_policy
 
     check_export_target(out)  # before any loading: a refused OUT costs nothing

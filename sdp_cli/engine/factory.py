@@ -36,7 +36,7 @@ def build_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads:
     LoRA, held in engine.dtype (docs/engines.md "Engine dtype"), in its own process unless
     ``engine.in_process``."""
     from sdp_cli.engine.local import LocalEngine
-    from sdp_cli.models.loader import DTYPES
+    from sdp_cli.models.precision import DTYPES
     from sdp_cli.models.lora import merged_copy
 
     engine_cfg = cfg.engine

@@ -135,11 +135,15 @@ class ProcessEngine(RemoteEngine):
         options: RemoteOptions | None = None,
         *,
         scratch: Path,
+        weight_dtype: str | None = None,
         version: int = 0,
         managed: Sequence[ManagedServer] = (),
     ):
         #: where weight pushes are written (removed by ``close``)
         self.scratch = scratch
+        #: the dtype the process holds its weights in ("float32", "bfloat16"; None: the pushed
+        #: tensors' own): pushes are written in it
+        self.weight_dtype = weight_dtype
         super().__init__(base_urls, options, version=version, managed=managed)
 
     @classmethod
@@ -158,20 +162,23 @@ class ProcessEngine(RemoteEngine):
             token = secrets.token_hex(16)
             options = dataclasses.replace(options, http=dataclasses.replace(options.http, api_key=token))
             spec = launch_spec(config, log_dir, token=token, scratch=scratch)
-            return cls._attach_launched(spec, options, scratch=scratch)
+            return cls._attach_launched(spec, options, scratch=scratch, weight_dtype=config.dtype)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
 
     # ------------------------------------------------------------------ weights
     def stage_weights(self, update: WeightUpdate) -> WeightUpdate:
-        """A state dict packed into a private buffer (``PackedWeights``): the caller's tensors
-        may change as soon as this returns, and ``update_weights`` writes the file."""
+        """A state dict packed into a private buffer (``PackedWeights``), its floating tensors in
+        the process's weight dtype: the caller's tensors may change as soon as this returns, and
+        ``update_weights`` writes the file."""
         from sdp_cli.engine.weight_file import PackedWeights  # torch, imported where it is used
+        from sdp_cli.models.precision import DTYPES
 
         if update.state_dict is None or isinstance(update.state_dict, PackedWeights):
             return update
-        return WeightUpdate(version=update.version, state_dict=PackedWeights(update.state_dict), extra=update.extra)
+        dtype = DTYPES[self.weight_dtype] if self.weight_dtype is not None else None
+        return WeightUpdate(version=update.version, state_dict=PackedWeights(update.state_dict, dtype), extra=update.extra)
 
     def update_weights(self, update: WeightUpdate) -> None:
         """A state dict is staged (``stage_weights``) and written to the scratch directory

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging as hf_logging
 
     from sdp_cli.engine.local import LocalEngine
-    from sdp_cli.models.loader import DTYPES
+    from sdp_cli.models.precision import DTYPES
 
     hf_logging.disable_progress_bar()
     if args.threads:

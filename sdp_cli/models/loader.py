@@ -26,7 +26,7 @@ from sdp_cli.models.context import TINY_CONTEXT
 from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.model_dir import is_hub_id, resolve_model_dir
 from sdp_cli.models.policy import Policy
-from sdp_cli.models.precision import cast_weights
+from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, charset_of
 from sdp_cli.models.warm_start import default_settings, warm_start
@@ -34,7 +34,6 @@ from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 def load_policy(
     kind: str,

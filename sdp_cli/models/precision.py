@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+#: train.dtype and engine.dtype names (float16: launched servers only)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def cast_weights(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` (in place, and returned) with its parameters and persistent buffers in ``dtype``;

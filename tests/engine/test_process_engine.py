@@ -21,12 +21,15 @@ import httpx
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from sdp_cli.engine.base import SamplingParams, WeightUpdate
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.engine.process import ProcessEngine, local_http_options
 from sdp_cli.engine.process_server import EngineService, _Server
 from sdp_cli.engine.remote import RemoteOptions
 from sdp_cli.engine.servers import free_port
+from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.rollout.records import RolloutSample
 
 from .test_local_segments import WAIT_S, check_versions_and_proximal, perturb_, snapshot, start_generate
@@ -60,10 +63,17 @@ class Served:
     server: _Server
 
 
-def serve(tmp_path: Path, temperature: float, holder: Holder | None = None) -> Served:
-    """sdp's engine server on a thread of this process, and a client attached to it."""
+def serve(tmp_path: Path, temperature: float, holder: Holder | None = None, dtype: str | None = None) -> Served:
+    """sdp's engine server on a thread of this process, and a client attached to it (``dtype``:
+    the engine's weight dtype, as ``engine.dtype`` names it; None: float32, unnamed)."""
     local = LocalEngine(
-        tiny_model(), temperature=temperature, eos_token_id=EOS, pad_token_id=PAD, seed=7, step_callback=holder
+        tiny_model(),
+        temperature=temperature,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        seed=7,
+        step_callback=holder,
+        dtype=DTYPES[dtype] if dtype else None,
     )
     service = EngineService(local)
     port = free_port()
@@ -72,15 +82,17 @@ def serve(tmp_path: Path, temperature: float, holder: Holder | None = None) -> S
     options = RemoteOptions(temperature=temperature, http=dataclasses.replace(local_http_options(60.0), api_key=TOKEN))
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    return Served(ProcessEngine([f"http://127.0.0.1:{port}"], options, scratch=scratch), service, server)
+    return Served(
+        ProcessEngine([f"http://127.0.0.1:{port}"], options, scratch=scratch, weight_dtype=dtype), service, server
+    )
 
 
 @pytest.fixture
 def served(tmp_path):
     made: list[Served] = []
 
-    def make(temperature: float = 1.0, holder: Holder | None = None) -> Served:
-        made.append(serve(tmp_path, temperature, holder))
+    def make(temperature: float = 1.0, holder: Holder | None = None, dtype: str | None = None) -> Served:
+        made.append(serve(tmp_path, temperature, holder, dtype))
         return made[-1]
 
     yield make
@@ -163,6 +175,32 @@ def test_a_staged_push_loads_the_weights_of_the_stage_not_of_the_load(served):
         ref = reference_logprobs(reference, x.input_ids, 1, 0.7)
         assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) <= 1e-5
     assert sorted(p.name for p in s.engine.scratch.iterdir()) == ["v000001"]
+
+
+def test_a_bfloat16_engine_is_pushed_bfloat16_weights_equal_to_its_own_cast(served):
+    # The push is packed in the engine's dtype (half the bytes for bfloat16); what the engine
+    # holds after it must be bit for bit what casting the trainer's float32 weights itself gives
+    s = served(1.0, dtype="bfloat16")
+    trainer = tiny_model()
+    perturb_(trainer, seed=5)
+    s.engine.pause()
+    s.engine.update_weights(WeightUpdate(version=1, state_dict=trainer.state_dict()))
+    s.engine.resume()
+    written = load_file(s.engine.scratch / "v000001" / "model.safetensors")
+    assert {t.dtype for t in written.values() if t.is_floating_point()} == {torch.bfloat16}
+    engine_state = s.service.engine.model.state_dict()
+    for name, tensor in trainer.state_dict().items():
+        own_cast = torch.empty_like(engine_state[name]).copy_(tensor)
+        assert engine_state[name].dtype == torch.bfloat16, name
+        assert torch.equal(engine_state[name].view(torch.int16), own_cast.view(torch.int16)), name
+    # scores come from the pushed weights: a bfloat16 model loaded with them gives the same
+    reference = cast_weights(tiny_model(), torch.bfloat16)
+    reference.load_state_dict(engine_state)
+    samples = prompts([4, 6])
+    scores = s.engine.score([x.input_ids for x in samples], [1, 1])
+    for x, row in zip(samples, scores, strict=True):
+        ref = reference_logprobs(reference, x.input_ids, 1, 1.0)
+        assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) <= 1e-5
 
 
 def test_scores_over_the_wire_equal_full_forwards(served):
@@ -269,6 +307,7 @@ def test_a_killed_process_is_started_again_and_close_leaves_nothing(process_cfg,
     managed = engine._managed[0]
     scratch = engine.scratch
     first_pid = managed.pid
+    assert engine.weight_dtype == "float32"  # the launch tells the client its dtype: pushes are written in it
     try:
         assert (tmp_path / "run" / "logs" / "local_engine.log").read_text().count("serving on") == 1
         prompt = policy.tokenizer("12+7=")["input_ids"]

@@ -89,6 +89,42 @@ def test_the_file_holds_exactly_the_tensors_given_and_the_pack_is_a_copy(tmp_pat
         assert header[name]["data_offsets"][0] % tensor.element_size() == 0, name
 
 
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits, so that equality is bit for bit (signed zeros too)."""
+    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()])
+
+
+@settings(max_examples=40, deadline=None)
+@given(state=state_dicts(), engine_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_packed_in_the_engines_dtype_the_engine_gets_bit_for_bit_what_its_own_cast_gives(
+    tmp_path_factory, state, engine_dtype
+):
+    # A push packed in the engine's dtype must load exactly the weights the engine would get by
+    # casting the trainer's tensors itself (copy_ into its own parameters); other dtypes stay
+    path = tmp_path_factory.mktemp("w") / "model.safetensors"
+    packed = PackedWeights(state, engine_dtype)
+    packed.write(path)
+    check_file(path)
+    read = load_file(path)
+    assert list(packed) == list(first_names(state)) and set(read) == set(packed)
+    for name, tensor in first_names(state).items():
+        if tensor.is_floating_point():
+            own_cast = torch.empty(tensor.shape, dtype=engine_dtype).copy_(tensor)
+            assert read[name].dtype == engine_dtype, name
+            assert torch.equal(bits(read[name]), bits(own_cast)), name
+        else:
+            assert read[name].dtype == tensor.dtype and torch.equal(read[name], tensor), name
+
+
+def test_a_bfloat16_pack_is_half_the_bytes_of_a_float32_one(tmp_path):
+    state = {"w": torch.randn(64, 32), "b": torch.randn(32), "step": torch.arange(3)}
+    PackedWeights(state).write(tmp_path / "f32.safetensors")
+    PackedWeights(state, torch.bfloat16).write(tmp_path / "bf16.safetensors")
+    data = {name: (tmp_path / f"{name}.safetensors").stat().st_size for name in ("f32", "bf16")}
+    # floats 4 → 2 bytes each (2080 values), the int64 tensor's 24 bytes unchanged; headers differ a little
+    assert 2080 * 2 - 64 <= data["f32"] - data["bf16"] <= 2080 * 2 + 64
+
+
 def test_a_second_write_replaces_the_file_whole(tmp_path):
     path = tmp_path / "model.safetensors"
     PackedWeights({"w": torch.zeros(3, 4)}).write(path)

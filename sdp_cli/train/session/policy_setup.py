@@ -33,11 +33,9 @@ from sdp_cli.config.schema import SdpConfig, engine_weight_dtype
 from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
-from sdp_cli.models.precision import cast_weights
+from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.tasks import Task
 
-#: train.dtype and engine.dtype names (float16: launched servers only)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:

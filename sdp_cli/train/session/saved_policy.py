@@ -74,7 +74,8 @@ def _base_from_config(run: RunDir) -> Any:
     """The LoRA base as a resume of ``run`` loads it: the run's config composed again from its
     overrides (and its --config-dir), then ``train.dtype``, which the base trains in."""
     from sdp_cli.config.compose import ConfigSource, compose_config
-    from sdp_cli.train.session.policy_setup import DTYPES, load_policy_from
+    from sdp_cli.models.precision import DTYPES
+    from sdp_cli.train.session.policy_setup import load_policy_from
     from sdp_cli.train.session.recovery import read_overrides
     from sdp_cli.train.session.start import resume_source
     from sdp_cli.train.session.task_setup import prepare_task
