@@ -9,7 +9,9 @@ On a GPU, with a Qwen2.5-0.5B-shaped model, randomly initialised (tests/gpu/qwen
   gpu_tests  `pytest -m gpu tests/gpu`: shared-prefix forward vs plain (fp32, bf16), the
              engine/trainer bf16 mismatch against the engine's own scores, a one-process FSDP2 step;
   engine     tokens/s of the embedded engine (bf16) at two batch sizes;
-  fsdp       `torchrun --nproc_per_node 1 -m sdp_cli train ... train.parallel=fsdp`, 3 steps.
+  fsdp       `torchrun --nproc_per_node 1 -m sdp_cli train ... train.parallel=fsdp`, 3 steps;
+  async      the train part's run again at η = 0: what asynchrony buys when generation has its
+             own hardware (one run each: an indication, not a benchmark).
 
 Each part is a child process with its own time limit, inside a total budget; the GPU's memory is
 polled (nvidia-smi) while it runs. OUT/gpu_check.json and the table OUT/gpu_check.md are written
@@ -51,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from sdp_cli.fileio import atomic_write_text, json_document  # noqa: E402
 
-PARTS = ("model", "train", "gpu_tests", "engine", "fsdp")
+PARTS = ("model", "train", "gpu_tests", "engine", "fsdp", "async")
 NO_CUDA = "skipped (no CUDA)"
 #: module → distribution of what the report records (hydra, omegaconf, antlr4: the carried wheels)
 DISTRIBUTIONS = {
@@ -88,12 +90,12 @@ class Plan:
 GPU_PLAN = Plan(
     shape="qwen2.5-0.5b", device="cuda", train_steps=20, batch_groups=8, group_size=8, max_new_tokens=64,
     eval_samples=8, fsdp_steps=3, engine_batches=(64, 256), engine_new_tokens=128, engine_repeats=3,
-    limits={"model": 120, "train": 240, "gpu_tests": 180, "engine": 120, "fsdp": 150},
+    limits={"model": 120, "train": 240, "gpu_tests": 180, "engine": 120, "fsdp": 150, "async": 180},
 )  # fmt: skip
 DRY_PLAN = Plan(
     shape="tiny", device="cpu", train_steps=4, batch_groups=4, group_size=4, max_new_tokens=8,
     eval_samples=4, fsdp_steps=2, engine_batches=(8,), engine_new_tokens=8, engine_repeats=1,
-    limits={"model": 120, "train": 180, "gpu_tests": 300, "engine": 120, "fsdp": 180},
+    limits={"model": 120, "train": 180, "gpu_tests": 300, "engine": 120, "fsdp": 180, "async": 180},
 )  # fmt: skip
 
 
@@ -300,14 +302,14 @@ def installed(args: argparse.Namespace) -> dict[str, Any]:
 LEARNING_RATE = 1e-6
 
 
-def train_overrides(args: argparse.Namespace, plan: Plan, run_dir: Path, steps: int) -> list[str]:
+def train_overrides(args: argparse.Namespace, plan: Plan, run_dir: Path, steps: int, eta: int = 2) -> list[str]:
     """The `sdp train` overrides of the check's runs (docs/training.md keys)."""
     work = args.work
     return [
         "model=hf", f"model.path={work / 'model'}",
         "task=dataset", f"task.path={work / 'data.jsonl'}", "task.eval_fraction=0.125",
         "task.reward=regex", f"+task.reward_kwargs.pattern='{REWARD_PATTERN}'", "task.require_stop=false",
-        "+preset=segment_wise", "rollout.max_head_offpolicyness=2",
+        "+preset=segment_wise", f"rollout.max_head_offpolicyness={eta}",
         f"rollout.batch_groups={plan.batch_groups}", f"rollout.group_size={plan.group_size}",
         f"rollout.max_new_tokens={plan.max_new_tokens}",
         "train.dtype=bfloat16", f"train.steps={steps}", f"train.eval_samples={plan.eval_samples}",
@@ -525,6 +527,39 @@ def part_fsdp(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str,
     }  # fmt: skip
 
 
+def part_async(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str, Any]:
+    """The train part's run at η = 0, against the train part's η = 2 (steps per second of the
+    training loop, summary.json; the same config otherwise)."""
+    run_dir = args.work / "run-eta0"
+    overrides = train_overrides(args, plan, run_dir, plan.train_steps, eta=0)
+    result, seconds, peak = run_child("train", args, plan, timeout, overrides)
+    found, checks = train_metrics(run_dir, plan.train_steps, eta=0)
+    checks = {"exit_code_0": result.get("exit_code") == 0, **{k: checks[k] for k in ASYNC_CHECKS}}
+    out: dict[str, Any] = {
+        **result, "seconds": seconds, "gpu_peak_gib": peak, "checks": checks,
+        "command": "python -m sdp_cli train " + " ".join(overrides),
+        "eta0": {k: found[k] for k in ("steps", "steps_per_second", "wall_seconds", "train_s_mean", "push_s_mean", "wait_s_mean")},
+    }  # fmt: skip
+    if out["status"] != "timeout":
+        out["status"] = status_of(checks)
+    eta2_path = args.work / "run-segment_wise" / "summary.json"
+    eta2 = json.loads(eta2_path.read_text()).get("steps_per_second") if eta2_path.exists() else None
+    eta0 = found["steps_per_second"]
+    out["eta2_steps_per_second"] = eta2
+    out["speedup"] = eta2 / eta0 if eta2 and eta0 else None
+    out["summary"] = (
+        f"η = 0: {'n/a' if eta0 is None else f'{eta0:.3f}'} steps/s (per step: training "
+        f"{_fmt_s(found['train_s_mean'])}, push {_fmt_s(found['push_s_mean'])}, waiting for generation "
+        f"{_fmt_s(found['wait_s_mean'])}); η = 2 (train part): {'n/a' if eta2 is None else f'{eta2:.3f}'} steps/s"
+        + ("" if out["speedup"] is None else f": {out['speedup']:.2f}× (one run each)")
+    )
+    return out
+
+
+#: the train part's checks that hold at η = 0 too (no stale token there, so no π_prox_t to fill)
+ASYNC_CHECKS = ("all_steps_ran", "losses_and_weights_finite", "staleness_within_eta")
+
+
 # --------------------------------------------------------------------------- child processes
 def child_model(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     import torch
@@ -655,7 +690,10 @@ def main() -> None:
         report.set("gpu_memory", {"status": "skipped", "reason": NO_CUDA})
     budget = args.budget or (600.0 if args.dry_run else 420.0)
     deadline = time.monotonic() + budget
-    run = {"model": part_model, "train": part_train, "gpu_tests": part_gpu_tests, "engine": part_engine, "fsdp": part_fsdp}
+    run = {
+        "model": part_model, "train": part_train, "gpu_tests": part_gpu_tests, "engine": part_engine,
+        "fsdp": part_fsdp, "async": part_async,
+    }  # fmt: skip
     for name in (p for p in PARTS if p in parts):
         left = deadline - time.monotonic()
         if left < 20:

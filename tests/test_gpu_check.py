@@ -110,6 +110,7 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     assert parts.pop("install")["status"] in ("ok", "skipped")  # ok where a .whl/ folder is at hand
     assert {name: p["status"] for name, p in parts.items()} == {
         "gpu_memory": "skipped", "model": "ok", "train": "ok", "gpu_tests": "ok", "engine": "ok", "fsdp": "ok",
+        "async": "ok",
     }  # fmt: skip
     train = parts["train"]
     assert all(train["checks"].values()) and train["steps"] == 4 and train["exit_code"] == 0
@@ -130,6 +131,11 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     (row,) = parts["engine"]["rows"]
     assert row["batch"] == 8 and row["new_tokens"] == 8 and row["tokens_per_second"] > 0
     assert parts["fsdp"]["steps"] == 2 and parts["fsdp"]["exit_code"] == 0
+    # the train part's run again at η = 0, and the ratio of the two runs' steps per second
+    timing = parts["async"]
+    assert timing["eta0"]["steps"] == 4 and all(timing["checks"].values())
+    assert timing["speedup"] == pytest.approx(timing["eta2_steps_per_second"] / timing["eta0"]["steps_per_second"])
+    assert timing["eta2_steps_per_second"] == train["steps_per_second"]
     # what comes back from a lent machine: at most 8 files, none of them the model
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.json", "gpu_check.log", "gpu_check.md", "gpu_tests.xml", "train_metrics.jsonl",
