@@ -24,6 +24,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,6 +145,10 @@ class ProcessEngine(RemoteEngine):
         #: the dtype the process holds its weights in ("float32", "bfloat16"; None: the pushed
         #: tensors' own): pushes are written in it
         self.weight_dtype = weight_dtype
+        # The buffer of the last push the process loaded, for the next push to pack into: a
+        # fresh one costs its pages again (0.2 s against 0.09 s for 540 MB on the 2-core machine).
+        self._spare_lock = threading.Lock()
+        self._spare: Any = None
         super().__init__(base_urls, options, version=version, managed=managed)
 
     @classmethod
@@ -178,7 +183,10 @@ class ProcessEngine(RemoteEngine):
         if update.state_dict is None or isinstance(update.state_dict, PackedWeights):
             return update
         dtype = DTYPES[self.weight_dtype] if self.weight_dtype is not None else None
-        return WeightUpdate(version=update.version, state_dict=PackedWeights(update.state_dict, dtype), extra=update.extra)
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        packed = PackedWeights(update.state_dict, dtype, spare=spare)
+        return WeightUpdate(version=update.version, state_dict=packed, extra=update.extra)
 
     def update_weights(self, update: WeightUpdate) -> None:
         """A state dict is staged (``stage_weights``) and written to the scratch directory
@@ -190,11 +198,15 @@ class ProcessEngine(RemoteEngine):
         from sdp_cli.engine.weight_file import PackedWeights
 
         staged = self.stage_weights(update)
-        if isinstance(staged.state_dict, PackedWeights):
+        packed = staged.state_dict if isinstance(staged.state_dict, PackedWeights) else None
+        if packed is not None:
             target = self.scratch / f"v{update.version:06d}"
-            staged.state_dict.write(target / WEIGHTS_FILE)
+            packed.write(target / WEIGHTS_FILE)
             staged = WeightUpdate(version=update.version, path=target, extra=update.extra)
         super().update_weights(staged)
+        if packed is not None:  # loaded: a restarted process reads the file, not the pack
+            with self._spare_lock:
+                self._spare = packed.release()
         assert staged.path is not None
         loaded = Path(staged.path).resolve()
         for old in self.scratch.glob("v*"):
@@ -203,6 +215,8 @@ class ProcessEngine(RemoteEngine):
 
     def close(self) -> None:
         super().close()
+        with self._spare_lock:
+            self._spare = None
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     # ------------------------------------------------------------------ dialect

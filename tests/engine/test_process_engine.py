@@ -203,6 +203,46 @@ def test_a_bfloat16_engine_is_pushed_bfloat16_weights_equal_to_its_own_cast(serv
         assert max(abs(a - b) for a, b in zip(row, ref, strict=True)) <= 1e-5
 
 
+def test_pushes_reuse_the_last_loaded_buffer_and_load_exactly_their_own_weights(served):
+    # A push packs into the buffer of the last push the process loaded; a stage made while
+    # another is still unwritten takes a fresh one. Every load must still be its own weights.
+    s = served(1.0)
+    trainer = tiny_model()
+
+    def push(update: WeightUpdate) -> None:
+        s.engine.pause()
+        s.engine.update_weights(update)
+        s.engine.resume()
+
+    def assert_engine_holds(state: dict[str, torch.Tensor]) -> None:
+        held = s.service.engine.model.state_dict()
+        for name, tensor in state.items():
+            assert torch.equal(held[name], tensor), name
+
+    perturb_(trainer, seed=1)
+    push(WeightUpdate(version=1, state_dict=trainer.state_dict()))
+    assert_engine_holds(snapshot(trainer))
+    spare = s.engine._spare
+    assert spare is not None
+    perturb_(trainer, seed=2)
+    second = snapshot(trainer)
+    staged_second = s.engine.stage_weights(WeightUpdate(version=2, state_dict=trainer.state_dict()))
+    assert s.engine._spare is None  # taken by this stage
+    perturb_(trainer, seed=3)
+    third = snapshot(trainer)
+    staged_third = s.engine.stage_weights(WeightUpdate(version=3, state_dict=trainer.state_dict()))
+    push(staged_second)  # its buffer is the spare's, the third's a fresh one
+    assert_engine_holds(second)
+    assert s.engine._spare.data_ptr() == spare.data_ptr()
+    push(staged_third)
+    assert_engine_holds(third)
+    perturb_(trainer, seed=4)
+    push(WeightUpdate(version=4, state_dict=trainer.state_dict()))  # into the third's buffer
+    assert_engine_holds(snapshot(trainer))
+    s.engine.close()
+    assert s.engine._spare is None
+
+
 def test_scores_over_the_wire_equal_full_forwards(served):
     s = served(0.7)
     samples = prompts([4, 1, 6])

@@ -125,6 +125,34 @@ def test_a_bfloat16_pack_is_half_the_bytes_of_a_float32_one(tmp_path):
     assert 2080 * 2 - 64 <= data["f32"] - data["bf16"] <= 2080 * 2 + 64
 
 
+@settings(max_examples=30, deadline=None)
+@given(first=state_dicts(), second=state_dicts())
+def test_a_pack_into_a_released_buffer_writes_the_same_file_as_a_fresh_one(tmp_path_factory, first, second):
+    # The next push packs into the buffer of the last one (its pages are mapped already): the
+    # file must be byte for byte the one a fresh buffer gives, whatever the buffer held before
+    # and whether it is large enough (too small: a fresh one is taken)
+    d = tmp_path_factory.mktemp("w")
+    spare = PackedWeights(first).release()
+    reused = PackedWeights(second, spare=spare)
+    reused.write(d / "reused.safetensors")
+    PackedWeights(second).write(d / "fresh.safetensors")
+    assert (d / "reused.safetensors").read_bytes() == (d / "fresh.safetensors").read_bytes()
+    needed = sum(t.numel() * t.element_size() for t in first_names(second).values())
+    buffer = reused.release()
+    assert (buffer.data_ptr() == spare.data_ptr()) == (spare.numel() >= needed)
+
+
+def test_a_released_pack_is_empty_and_cannot_be_written(tmp_path):
+    packed = PackedWeights({"w": torch.ones(3)})
+    buffer = packed.release()
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 12 and len(packed) == 0
+    with pytest.raises(RuntimeError, match="released weight pack cannot be written"):
+        packed.write(tmp_path / "model.safetensors")
+    with pytest.raises(RuntimeError, match="released already"):
+        packed.release()
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_second_write_replaces_the_file_whole(tmp_path):
     path = tmp_path / "model.safetensors"
     PackedWeights({"w": torch.zeros(3, 4)}).write(path)
