@@ -35,6 +35,8 @@ from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_policy(
     kind: str,
     *,

@@ -37,7 +37,6 @@ from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.tasks import Task
 
 
-
 def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:
     """The dtype the engine holds its weights in and version checkpoints are written in
     (``engine.dtype`` resolved; None for a server's ``auto``: the weights' own dtype)."""
