@@ -302,6 +302,10 @@ def installed(args: argparse.Namespace) -> dict[str, Any]:
 LEARNING_RATE = 1e-6
 
 
+#: the train part's run directory under --work (the async part reads its summary)
+TRAIN_RUN = "run-segment_wise"
+
+
 def train_overrides(args: argparse.Namespace, plan: Plan, run_dir: Path, steps: int, eta: int = 2) -> list[str]:
     """The `sdp train` overrides of the check's runs (docs/training.md keys)."""
     work = args.work
@@ -338,6 +342,7 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         return [float(r[key]) for r in rows if r.get(key) is not None]
 
     lag0 = [r for r in rows if r.get("mismatch/lag0_tokens", 0) > 0]
+    entropy = col("loss/entropy")
     found: dict[str, Any] = {
         "steps": summary.get("steps"),
         "tokens_per_second": summary.get("tokens_per_second"),
@@ -350,8 +355,8 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         # a log-prob of exactly 0 on both sides adds zeros to the mean (the H200 run of 2026-11-27).
         "mismatch_lag0_first_step": lag0[0]["step"] if lag0 else None,
         "mismatch_lag0_first_abs_mean": lag0[0]["mismatch/lag0_abs_mean"] if lag0 else None,
-        "entropy_first": col("loss/entropy")[0] if col("loss/entropy") else None,
-        "entropy_last": col("loss/entropy")[-1] if col("loss/entropy") else None,
+        "entropy_first": entropy[0] if entropy else None,
+        "entropy_last": entropy[-1] if entropy else None,
         "mismatch_lag0_tokens": sum(col("mismatch/lag0_tokens")),
         "mismatch_lag0_abs_mean": _mean([r["mismatch/lag0_abs_mean"] for r in lag0]),
         "mismatch_lag0_abs_max": max((r["mismatch/lag0_abs_max"] for r in lag0), default=None),
@@ -402,7 +407,7 @@ def part_model(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
 
 
 def part_train(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str, Any]:
-    run_dir = args.work / "run-segment_wise"
+    run_dir = args.work / TRAIN_RUN
     overrides = train_overrides(args, plan, run_dir, plan.train_steps)
     result, seconds, peak = run_child("train", args, plan, timeout, overrides)
     found, checks = train_metrics(run_dir, plan.train_steps, eta=2)
@@ -542,7 +547,7 @@ def part_async(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
     }  # fmt: skip
     if out["status"] != "timeout":
         out["status"] = status_of(checks)
-    eta2_path = args.work / "run-segment_wise" / "summary.json"
+    eta2_path = args.work / TRAIN_RUN / "summary.json"
     eta2 = json.loads(eta2_path.read_text()).get("steps_per_second") if eta2_path.exists() else None
     eta0 = found["steps_per_second"]
     out["eta2_steps_per_second"] = eta2

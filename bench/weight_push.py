@@ -59,8 +59,11 @@ def timed(action) -> float:
     return time.perf_counter() - start
 
 
-def measure(weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats: int, scratch: Path) -> dict[str, list[float]]:
-    """Seconds of each part, ``repeats`` times, the parts alternating (after one warm-up round)."""
+def measure(
+    weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats: int, scratch: Path
+) -> tuple[dict[str, list[float]], int]:
+    """Seconds of each part, ``repeats`` times, the parts alternating (after one warm-up round);
+    and the pack's size in bytes."""
     times: dict[str, list[float]] = {"pack_fresh": [], "pack_reused": [], "write": []}
     spare = PackedWeights(weights, dtype).release()
     path = scratch / "model.safetensors"
@@ -75,7 +78,7 @@ def measure(weights: dict[str, torch.Tensor], dtype: torch.dtype, repeats: int, 
             times["pack_fresh"].append(fresh)
             times["pack_reused"].append(reused)
             times["write"].append(write)
-    return times
+    return times, spare.numel()  # the first pack's buffer, made to measure and reused since
 
 
 def main() -> None:
@@ -96,8 +99,7 @@ def main() -> None:
         for shape in shapes:
             weights = state_dict(shape)
             for dtype in (torch.float32, torch.bfloat16):
-                times = measure(weights, dtype, args.repeats, Path(scratch))
-                size = PackedWeights(weights, dtype).release().numel()
+                times, size = measure(weights, dtype, args.repeats, Path(scratch))
                 medians = {part: 1000 * statistics.median(values) for part, values in times.items()}
                 rows.append({
                     "shape": shape, "dtype": str(dtype).removeprefix("torch."), "parameters": sum(t.numel() for t in weights.values()),
