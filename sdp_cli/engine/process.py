@@ -40,7 +40,7 @@ from sdp_cli.engine.servers import LaunchSpec, ManagedServer, ServerLaunch, free
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
-    as_logprob,
+    as_logprobs,
     as_token_ids,
     expand_spans,
     malformed,
@@ -267,7 +267,7 @@ class ProcessEngine(RemoteEngine):
         if not isinstance(rows, list) or len(rows) != len(sequences) or not isinstance(label, str):
             raise malformed(server, "/score", f"expected {len(sequences)} rows of logprobs and a weight_version")
         return [
-            ([as_logprob(server, "/score", x, "a score") for x in row] if isinstance(row, list) else [], label)
+            (as_logprobs(server, "/score", row, "a score") if isinstance(row, list) else [], label)
             for row in rows
         ]
 
@@ -307,9 +307,9 @@ def _segment(server: RemoteServer, item: Any) -> Segment:
     prefill_version = item.get("prefill_version")
     return Segment(
         token_ids=token_ids,
-        logprobs=[as_logprob(server, path, x, "a logprob") for x in logprobs],
+        logprobs=as_logprobs(server, path, logprobs, "a logprob"),
         finish_reason=str(item.get("finish_reason")),
         token_versions=expand_spans(server, path, item.get("weight_versions"), len(token_ids)),
-        prefill_logprobs=None if prefill is None else [as_logprob(server, path, x, "a prefill logprob") for x in prefill],
+        prefill_logprobs=None if prefill is None else as_logprobs(server, path, prefill, "a prefill logprob"),
         prefill_version=None if prefill_version is None else str(prefill_version),
     )

@@ -24,6 +24,14 @@ from typing import Any, Protocol
 from sdp_cli.choices import FINISH_REASONS
 from sdp_cli.engine.base import EngineError
 
+#: the largest logprob an answer may hold (rounding of a certain token's log-softmax); it is
+#: read as 0
+LOGPROB_TOLERANCE = 1e-4
+#: the types a JSON decoder gives integers and numbers (bool, a subclass of int, is neither)
+_INT = frozenset({int})
+_NUMBER = frozenset({int, float})
+_FLOAT = frozenset({float})
+
 #: finish reasons of a segment: a finished sample, or an abort (resubmitted later)
 SEGMENT_FINISH_REASONS = (*FINISH_REASONS, "abort")
 
@@ -111,19 +119,43 @@ def malformed(server: HasUrl, path: str, problem: str) -> EngineError:
 
 
 def as_token_ids(server: HasUrl, path: str, value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
-    ):
+    # whole-list checks at C speed: a JSON answer's numbers are exactly int or float, and these
+    # run for every token of every answer in the trainer's interpreter (docs/training.md)
+    if not isinstance(value, list) or (value and (not set(map(type, value)) <= _INT or min(value) < 0)):
         raise malformed(server, path, f"{what} is not a list of token ids")
     return list(value)
+
+
+def as_logprobs(server: HasUrl, path: str, values: list[Any], what: str) -> list[float]:
+    """``[as_logprob(server, path, x, what) for x in values]``, checked a whole list at a time."""
+    kinds = set(map(type, values))
+    if kinds and kinds <= _NUMBER and _all_finite(values) and max(values) <= 0:
+        return list(values) if kinds == _FLOAT else [float(x) for x in values]
+    # empty, within the tolerance above 0, or something to refuse (named by the first bad value)
+    return [as_logprob(server, path, x, what) for x in values]
+
+
+def _all_finite(values: list[int | float]) -> bool:
+    try:
+        return all(map(math.isfinite, values))
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _finite(value: int | float) -> bool:
+    """``math.isfinite``, false for an integer too large for a float instead of raising."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def as_logprob(server: HasUrl, path: str, value: Any, what: str) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value > 1e-4
+        or not _finite(value)
+        or value > LOGPROB_TOLERANCE
     ):
         raise malformed(server, path, f"{what} is {value!r}, not a finite log-probability")
     return min(float(value), 0.0)

@@ -1,0 +1,89 @@
+"""The whole-list checks of an engine's answer (``as_token_ids``, ``as_logprobs``) accept and
+refuse exactly what the value-by-value checks do, with the same values and messages."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sdp_cli.engine.base import EngineError
+from sdp_cli.engine.wire import LOGPROB_TOLERANCE, as_logprob, as_logprobs, as_token_ids
+
+
+class _Server:
+    url = "http://127.0.0.1:1"
+
+
+SERVER = _Server()
+
+# what a JSON decoder can put in a list, biased towards the edges of the checks
+json_scalars = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-50.0, max_value=0.0),
+    st.floats(min_value=0.0, max_value=2 * LOGPROB_TOLERANCE),
+    st.sampled_from([0, -0.0, 0.0, LOGPROB_TOLERANCE, -1, 3, True, False, None, "x", 10**400, -(10**400)]),
+    st.integers(min_value=-(10**6), max_value=10**6),
+)
+
+
+def _outcome(call):
+    try:
+        return ("ok", call())
+    except EngineError as exc:
+        return ("refused", str(exc))
+
+
+def _same(a, b) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "refused":
+        return a[1] == b[1]
+    return len(a[1]) == len(b[1]) and all(
+        type(x) is type(y) and (x == y and math.copysign(1, x) == math.copysign(1, y)) for x, y in zip(a[1], b[1])
+    )
+
+
+@given(st.lists(json_scalars, max_size=12))
+def test_logprobs_of_a_list_are_the_value_by_value_checks(values):
+    one_by_one = _outcome(lambda: [as_logprob(SERVER, "/generate", x, "a logprob") for x in values])
+    whole = _outcome(lambda: as_logprobs(SERVER, "/generate", values, "a logprob"))
+    assert _same(whole, one_by_one), (values, whole, one_by_one)
+
+
+@given(st.lists(st.floats(max_value=0.0, allow_nan=False, allow_infinity=False), min_size=1))
+def test_valid_logprobs_come_back_as_the_same_floats(values):
+    assert as_logprobs(SERVER, "/score", values, "a score") == values
+
+
+@pytest.mark.parametrize(
+    "bad", [[float("nan")], [-1.0, float("-inf")], [0.5], [-1.0, True], [None], ["-1"], [-(10**400)]]
+)
+def test_a_bad_logprob_is_refused_with_its_value(bad):
+    with pytest.raises(EngineError, match="not a finite log-probability"):
+        as_logprobs(SERVER, "/score", bad, "a score")
+
+
+def _token_ids_one_by_one(value):
+    # the check before it became whole-list
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise EngineError(f"{SERVER.url}/generate answered a malformed response (token_ids is not a list of token ids)")
+    return list(value)
+
+
+@given(
+    st.one_of(
+        st.lists(st.one_of(st.integers(min_value=-3, max_value=10**9), st.booleans(), st.floats(), st.none()), max_size=8),
+        st.none(),
+        st.integers(),
+        st.text(max_size=3),
+    )
+)
+def test_token_ids_are_checked_as_one_by_one(value):
+    expected = _outcome(lambda: _token_ids_one_by_one(value))
+    got = _outcome(lambda: as_token_ids(SERVER, "/generate", value, "token_ids"))
+    assert got[0] == expected[0], (value, got, expected)
+    if got[0] == "ok":
+        assert got[1] == expected[1] and got[1] is not value  # a copy, never the answer's own list
