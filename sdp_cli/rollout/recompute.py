@@ -123,7 +123,7 @@ def _make_job(
     prompt_len = len(prompt)
     start = prompt_len + targets[0]
     assert start >= 1, "cannot score output token 0 of a sample with an empty prompt"
-    sequence = [int(x) for x in prompt] + [int(x) for x in output[: targets[-1] + 1]]
+    sequence = [*map(int, prompt), *map(int, output[: targets[-1] + 1])]
     return _Job(sequence, start, prompt_len, targets, previous, write, due, sample)
 
 

@@ -218,9 +218,10 @@ class StalenessManager:
         staleness = (self.max_head_offpolicyness + version + 1) * self.consumer_batch_size - (
             stat.accepted + stat.running
         )
-        snapshot = copy.copy(stat)  # flat ints: asdict's recursive copy is not needed
-        for modifier in self._modifiers:
-            staleness = int(modifier.modify_capacity(staleness, version, snapshot))
+        if self._modifiers:  # a copy for them only: the producer asks at every round
+            snapshot = copy.copy(stat)  # flat ints: asdict's recursive copy is not needed
+            for modifier in self._modifiers:
+                staleness = int(modifier.modify_capacity(staleness, version, snapshot))
         return min(self.max_concurrent_rollouts - stat.running, staleness)
 
     def get_stats(self) -> RolloutStat:

@@ -44,6 +44,7 @@ class AdditionTask(Task):
         self.max_new_tokens = max_new_tokens
         operands = range(low, high + 1)
         self.held_out = [(a, b) for a in operands for b in operands if is_held_out(a, b)]
+        self._held_out_set = frozenset(self.held_out)  # a draw looks it up instead of hashing
         assert 0 < len(self.held_out) < len(operands) ** 2, f"{name}: the split leaves a side empty"
 
     def sample(self, rng: random.Random, n: int) -> list[TaskItem]:
@@ -51,7 +52,7 @@ class AdditionTask(Task):
         while len(items) < n:
             a = rng.randint(self.low, self.high)
             b = rng.randint(self.low, self.high)
-            if not is_held_out(a, b):
+            if (a, b) not in self._held_out_set:
                 items.append(_item(a, b))
         return items
 
