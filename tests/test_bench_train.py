@@ -136,6 +136,14 @@ def test_step_parts_are_printed_with_the_loss_to_the_ceiling(bench, capsys):
     ]
     bench.print_step_parts(rows)
     printed = capsys.readouterr().out
+    assert "without the sharing" not in printed  # not computed: not printed
+    bench.speedup_without_sharing(rows)
+    # η = 0 and η = 4 share one run here: 120 ms over 120 − 10 (sharing) − 10 (waiting)
+    assert rows[1]["speedup_without_sharing"] == pytest.approx(120.0 / 100.0)
+    assert "speedup_without_sharing" not in rows[0]
+    bench.print_step_parts(rows)
+    printed = capsys.readouterr().out
+    assert "without the sharing and the waiting 1.20× η=0" in printed
     assert "decoupled η=4: 50.0 ms per step above the trainer's step alone" in printed
     assert "sharing the machine and sdp's process 10.0, waiting 10.0, the push 5.0, the loop 15.0" in printed
     assert "the run's start and end 10.0" in printed

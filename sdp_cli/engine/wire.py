@@ -18,6 +18,7 @@ import itertools
 import math
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -135,17 +136,11 @@ def as_logprobs(server: HasUrl, path: str, values: list[Any], what: str) -> list
     return [as_logprob(server, path, x, what) for x in values]
 
 
-def _all_finite(values: list[int | float]) -> bool:
+def _all_finite(values: Sequence[int | float]) -> bool:
+    """Whether every number is finite; an integer too large for a float is not (``math.isfinite``
+    would raise)."""
     try:
         return all(map(math.isfinite, values))
-    except OverflowError:  # an integer too large for a float
-        return False
-
-
-def _finite(value: int | float) -> bool:
-    """``math.isfinite``, false for an integer too large for a float instead of raising."""
-    try:
-        return math.isfinite(value)
     except OverflowError:
         return False
 
@@ -154,7 +149,7 @@ def as_logprob(server: HasUrl, path: str, value: Any, what: str) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not _finite(value)
+        or not _all_finite((value,))
         or value > LOGPROB_TOLERANCE
     ):
         raise malformed(server, path, f"{what} is {value!r}, not a finite log-probability")
