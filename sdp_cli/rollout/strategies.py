@@ -15,6 +15,8 @@ Items are a ``RolloutSample`` or a ``RolloutGroup``; a group is dropped if any s
 from __future__ import annotations
 
 import abc
+import itertools
+import operator
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -58,6 +60,11 @@ def _segment_wise_sample_reason(
         return f"sample {sid}: holds a token of negative version {oldest}"
     if c - oldest > max_head_offpolicyness:
         return f"sample {sid}: head lags {c - oldest} versions > η = {max_head_offpolicyness}"
+    next_versions = map(operator.add, sample.versions, itertools.repeat(1))
+    if newest < c and all(map(operator.eq, sample.proximal_t_versions, next_versions)):
+        # every token is stale and has π_{v+1}: token_status is OK for each. The common case at
+        # η > 1, checked at C speed: the trainer's thread filters its whole cache at every step
+        return None
     for t in range(n):
         v, pv = sample.versions[t], sample.proximal_t_versions[t]
         status = token_status(v, pv, c)
