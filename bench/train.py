@@ -15,7 +15,8 @@ nothing, = (η = 0 seconds per step) / (the trainer's step on its η > 0 share o
 A second table splits each configuration's step into parts (``step_parts``): the trainer's
 step here and alone, waiting, the trainer's part of the push and the rest, so that at η > 0 the
 distance to the ceiling is shown by cause, with the speedup left without the sharing and the
-waiting (the most that moving the rollout producer out of sdp's process could buy). The last lines check the targets of issue 26: η = 4
+waiting (the most that moving the rollout producer out of sdp's process could buy). The last
+lines check the targets of issue 26: η = 4
 at least 1.15× η = 0 for both modes (at least 93 % of the ceiling), segment-wise η = 4 within
 5 % of decoupled η = 4. Every repeat runs all six configurations one after another, in an order
 rotated each repeat, and each ratio is

@@ -75,7 +75,9 @@ def _token_ids_one_by_one(value):
 
 @given(
     st.one_of(
-        st.lists(st.one_of(st.integers(min_value=-3, max_value=10**9), st.booleans(), st.floats(), st.none()), max_size=8),
+        st.lists(
+            st.one_of(st.integers(min_value=-3, max_value=10**9), st.booleans(), st.floats(), st.none()), max_size=8
+        ),
         st.none(),
         st.integers(),
         st.text(max_size=3),

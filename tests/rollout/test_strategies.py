@@ -225,7 +225,10 @@ def _reason_token_by_token(sample, c, eta):
     st.integers(0, 8),
     # per token: its lag behind c (−1: newer than c), π_prox_t's version relative to the token's
     # (mostly +1, the common case, which the fast path takes), and whether π_prox_t ≠ π_behav
-    st.lists(st.tuples(st.sampled_from([-1, 0, 1, 2, 3, 4, 9]), st.sampled_from([1, 1, 1, 0, 2, -1]), st.booleans()), max_size=6),
+    st.lists(
+        st.tuples(st.sampled_from([-1, 0, 1, 2, 3, 4, 9]), st.sampled_from([1, 1, 1, 0, 2, -1]), st.booleans()),
+        max_size=6,
+    ),
     st.integers(0, 5),
 )
 @example(3, [(2, 1, False), (1, 1, True)], 2)  # every token stale with π_{v+1}: kept
