@@ -60,13 +60,24 @@ def _segment_wise_sample_reason(
         return f"sample {sid}: holds a token of negative version {oldest}"
     if c - oldest > max_head_offpolicyness:
         return f"sample {sid}: head lags {c - oldest} versions > η = {max_head_offpolicyness}"
-    next_versions = map(operator.add, sample.versions, itertools.repeat(1))
-    if newest < c and all(map(operator.eq, sample.proximal_t_versions, next_versions)):
-        # every token is stale and has π_{v+1}: token_status is OK for each. The common case at
-        # η > 1, checked at C speed: the trainer's thread filters its whole cache at every step
+    if _all_stale_with_next_version(sample, newest, c):
         return None
-    for t in range(n):
-        v, pv = sample.versions[t], sample.proximal_t_versions[t]
+    return _token_reason(sample, c)
+
+
+def _all_stale_with_next_version(sample: RolloutSample, newest: int, c: int) -> bool:
+    """Whether every token (``newest`` the latest version) is older than ``c`` and holds
+    π_{v+1}: ``token_status`` is then OK for each. The common case at η > 1, checked at C speed,
+    so that ``_token_reason`` runs only for the others: the trainer's thread filters its whole
+    cache at every step."""
+    next_versions = map(operator.add, sample.versions, itertools.repeat(1))
+    return newest < c and all(map(operator.eq, sample.proximal_t_versions, next_versions))
+
+
+def _token_reason(sample: RolloutSample, c: int) -> str | None:
+    """The first token whose π_prox_t breaks the rule at version ``c``, as a reason; None if none."""
+    sid = sample.sample_id
+    for t, (v, pv) in enumerate(zip(sample.versions, sample.proximal_t_versions)):
         status = token_status(v, pv, c)
         if status == UNCORRECTABLE and v <= c - 2:
             return (
