@@ -11,7 +11,13 @@ An engine's entry here is everything the rest of sdp knows about it:
   weight pushes are safetensors directories in the run directory. Otherwise sdp runs the model with
   its own torch code (the local engine), so its bfloat16 is this CPU's;
 - ``dtypes``: the ``engine.dtype`` values it takes besides null, and ``default_dtype``: what null
-  means (None: ``train.dtype``, the local engine's copy follows the trainer).
+  means (None: ``train.dtype``, the local engine's copy follows the trainer);
+- ``prepare`` and ``start`` (optional, both ``"module:function"``): the build in two halves, so
+  that ``sdp train`` runs the rollout side in a process of its own (docs/training.md "Three
+  processes"): ``prepare(cfg, policy, run_dir, *, device, threads) -> dict`` in sdp's process,
+  where the policy is (it writes what the engine starts from and returns the rest as plain
+  data), and ``start(cfg, recipe, run_dir) -> InferenceEngine`` in the rollout process.
+  ``engine.in_process=true`` builds the engine in sdp's process instead (``build``).
 
 What an engine *object* can do (take an in-memory state dict, compute in the caller's threads)
 is declared by its class (``sdp_cli/engine/base.py`` ``InferenceEngine``). The config validates
@@ -47,12 +53,27 @@ class EngineKind:
     dtypes: tuple[str, ...] = LOCAL_DTYPES
     default_dtype: str | None = None
     doc: str = ""
+    prepare: str | None = None
+    start: str | None = None
 
     def builder(self) -> Callable[..., Any]:
         """The build function, imported at first use when named as ``module:function``."""
         if callable(self.build):
             return self.build
         return _import(self.build)
+
+    def own_process(self, cfg: Any) -> bool:
+        """Whether ``sdp train`` runs the rollout side, and this engine's client, in the rollout
+        process: the engine builds in two halves and ``engine.in_process`` is off."""
+        return self.prepare is not None and self.start is not None and not cfg.engine.in_process
+
+    def preparer(self) -> Callable[..., Any]:
+        assert self.prepare is not None, f"engine {self.name!r} has no prepare half"
+        return _import(self.prepare)
+
+    def starter(self) -> Callable[..., Any]:
+        assert self.start is not None, f"engine {self.name!r} has no start half"
+        return _import(self.start)
 
     def weight_dtype(self, cfg: Any) -> str:
         """``engine.dtype`` resolved: as set, or null's meaning for this engine."""
@@ -129,6 +150,7 @@ register(EngineKind(
     "local", "sdp_cli.engine.factory:build_local",
     doc="sdp's own engine: a transformers copy of the policy with its own sampling loop, in its own "
     "process (engine.in_process=true: in sdp's process)",
+    prepare="sdp_cli.engine.factory:prepare_local", start="sdp_cli.engine.factory:start_local",
 ))  # fmt: skip
 register(EngineKind(
     "vllm", "sdp_cli.engine.factory:build_vllm", server=True, dtypes=SERVER_DTYPES, default_dtype="float32",

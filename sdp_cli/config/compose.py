@@ -382,6 +382,16 @@ def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequen
     return obj
 
 
+def config_from_dict(data: dict[str, Any]) -> SdpConfig:
+    """The typed config whose ``dataclasses.asdict`` is ``data`` (the rollout process is sent its
+    run's config so). Trusted: it was validated where it was composed."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SdpConfig), data))
+    assert isinstance(obj, SdpConfig), f"the config rebuilt is {type(obj).__name__}, not SdpConfig"
+    return obj
+
+
 def compose_config(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> tuple[SdpConfig, Any]:
     """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors."""
     cfg = compose_dict(overrides, source=source)

@@ -34,43 +34,69 @@ def build_engine(
 def build_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads: int | None) -> InferenceEngine:
     """``engine=local``: its own copy of the policy (never the trainer's storage), merged under
     LoRA, held in engine.dtype (docs/engines.md "Engine dtype"), in its own process unless
-    ``engine.in_process``."""
+    ``engine.in_process`` (``prepare_local`` then ``start_local``, which ``sdp train`` runs in the
+    rollout process: docs/training.md "Three processes")."""
+    if not cfg.engine.in_process:
+        return start_local(cfg, prepare_local(cfg, policy, run_dir, device=device, threads=threads), run_dir)
     from sdp_cli.engine.local import LocalEngine
-    from sdp_cli.models.precision import DTYPES
     from sdp_cli.models.lora import merged_copy
+    from sdp_cli.models.precision import DTYPES
 
-    engine_cfg = cfg.engine
-    settings = dict(
+    return LocalEngine(
+        merged_copy(policy.model),
+        dtype=DTYPES[engine_kind(cfg.engine.kind).weight_dtype(cfg)],
+        device=device,
         temperature=cfg.rollout.temperature,
         eos_token_id=policy.eos_token_id,
         pad_token_id=policy.pad_token_id,
-        max_batch_size=engine_cfg.max_batch_size,
+        max_batch_size=cfg.engine.max_batch_size,
         seed=cfg.seed,
     )
-    dtype = engine_kind(engine_cfg.kind).weight_dtype(cfg)
-    if engine_cfg.in_process:
-        return LocalEngine(merged_copy(policy.model), dtype=DTYPES[dtype], device=device, **settings)
+
+
+def prepare_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads: int | None) -> dict[str, Any]:
+    """The first half of ``engine=local`` in its own process, where the policy is: its weights
+    written where the process starts from (``ProcessEngine.prepare``), and what ``start_local``
+    needs of the policy, as plain data."""
+    from sdp_cli.engine.process import ProcessEngine
+
+    scratch, attn = ProcessEngine.prepare(policy)
+    return {
+        "scratch": str(scratch),
+        "attn_implementation": attn,
+        "eos_token_ids": _ids(policy.eos_token_id),
+        "pad_token_id": int(policy.pad_token_id),
+        "device": str(device),
+        "threads": threads,
+    }
+
+
+def start_local(cfg: Any, recipe: dict[str, Any], run_dir: RunDir) -> InferenceEngine:
+    """The second half: start the engine's process on what ``prepare_local`` wrote and attach
+    (in the process that uses the engine)."""
     from sdp_cli.engine.process import ProcessEngine, ProcessLaunchConfig, local_http_options
     from sdp_cli.engine.remote import RemoteOptions
 
+    engine_cfg = cfg.engine
     launch = ProcessLaunchConfig(
-        model="",  # written by ProcessEngine.launch into its scratch directory
-        dtype=dtype,
+        model="",  # the scratch directory's launch/ (ProcessEngine.launch_prepared)
+        dtype=engine_kind(engine_cfg.kind).weight_dtype(cfg),
         seed=cfg.seed,
         startup_timeout_s=float(engine_cfg.startup_timeout_s),
         temperature=float(cfg.rollout.temperature),
-        eos_token_ids=tuple(_ids(policy.eos_token_id)),
-        pad_token_id=int(policy.pad_token_id),
+        eos_token_ids=tuple(recipe["eos_token_ids"]),
+        pad_token_id=int(recipe["pad_token_id"]),
         max_batch_size=int(engine_cfg.max_batch_size),
-        threads=threads,
-        device=str(device),
+        threads=recipe["threads"],
+        device=recipe["device"],
+        attn_implementation=recipe["attn_implementation"],
     )
     options = RemoteOptions(
         temperature=float(cfg.rollout.temperature),
         reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
         http=local_http_options(float(engine_cfg.request_timeout_s)),
     )
-    return ProcessEngine.launch(launch, policy, run_dir.logs, options)
+    return ProcessEngine.launch_prepared(launch, Path(recipe["scratch"]), run_dir.logs, options)
 
 
 def _ids(value: int | Any) -> list[int]:

@@ -51,6 +51,8 @@ SHM = Path("/dev/shm")
 LOG_NAME = "local_engine.log"
 #: the file a weight push writes (the layout ``_local_weights.read_safetensors_dir`` reads)
 WEIGHTS_FILE = "model.safetensors"
+#: the scratch directory's start-up weights (``ProcessEngine.prepare``)
+LAUNCH_DIR = "launch"
 
 
 @dataclass(frozen=True)
@@ -151,19 +153,29 @@ class ProcessEngine(RemoteEngine):
         self._spare: Any = None
         super().__init__(base_urls, options, version=version, managed=managed)
 
-    @classmethod
-    def launch(
-        cls, config: ProcessLaunchConfig, policy: Any, log_dir: Path, options: RemoteOptions
-    ) -> ProcessEngine:
-        """Write ``policy`` to a new scratch directory, start the process on it and attach;
-        ``close()`` stops the process and removes the directory."""
+    @staticmethod
+    def prepare(policy: Any) -> tuple[Path, str | None]:
+        """A new scratch directory holding ``policy`` as ``launch/``, the weights the process
+        starts on, and the policy's attention implementation (the process builds the same
+        model). ``launch_prepared`` starts the process on it, here or in another process."""
         from sdp_cli.models.loader import save_policy
 
         scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
         try:
-            model_dir = save_policy(policy, scratch / "launch")
-            attn = getattr(getattr(policy.model, "config", None), "_attn_implementation", None)
-            config = dataclasses.replace(config, model=str(model_dir), python=sys.executable, attn_implementation=attn)
+            save_policy(policy, scratch / LAUNCH_DIR)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return scratch, getattr(getattr(policy.model, "config", None), "_attn_implementation", None)
+
+    @classmethod
+    def launch_prepared(
+        cls, config: ProcessLaunchConfig, scratch: Path, log_dir: Path, options: RemoteOptions
+    ) -> ProcessEngine:
+        """Start the process on the scratch directory ``prepare`` wrote and attach; ``close()``
+        stops the process and removes the directory, and so does a failed start."""
+        try:
+            config = dataclasses.replace(config, model=str(scratch / LAUNCH_DIR), python=sys.executable)
             token = secrets.token_hex(16)
             options = dataclasses.replace(options, http=dataclasses.replace(options.http, api_key=token))
             spec = launch_spec(config, log_dir, token=token, scratch=scratch)
@@ -190,9 +202,8 @@ class ProcessEngine(RemoteEngine):
 
     def update_weights(self, update: WeightUpdate) -> None:
         """A state dict is staged (``stage_weights``) and written to the scratch directory
-        (tmpfs) as ``v<version>/model.safetensors``, which the process loads; the other
-        versions' files go once the new one is loaded (a restarted server is given the loaded
-        one's)."""
+        (tmpfs) as ``v<version>/model.safetensors``, which the process loads; older versions'
+        files go once the new one is loaded (a restarted server is given the loaded one's)."""
         if not self.is_paused():
             raise EngineError("engine=local: update_weights needs a paused engine; call pause() first")
         from sdp_cli.engine.weight_file import PackedWeights
@@ -207,10 +218,10 @@ class ProcessEngine(RemoteEngine):
         if packed is not None:  # loaded: a restarted process reads the file, not the pack
             with self._spare_lock:
                 self._spare = packed.release()
-        assert staged.path is not None
-        loaded = Path(staged.path).resolve()
         for old in self.scratch.glob("v*"):
-            if old.resolve() != loaded:
+            # older versions only: the next push's directory may be written already (the rollout
+            # process's link writes it while this push loads, docs/training.md "Three processes")
+            if old.name[1:].isdigit() and int(old.name[1:]) < update.version:
                 shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:

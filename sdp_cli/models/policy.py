@@ -33,9 +33,17 @@ class Policy:
     warm_start_accuracy: tuple[float, int] | None = None
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Prompt ids with the tokenizer's special tokens (BOS for the character tokenizer)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=True))
+        return encode_prompt(self.tokenizer, text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Completion text; special tokens are kept so that a stray one cannot look like a right answer."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        return decode(self.tokenizer, token_ids)
+
+
+def encode_prompt(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
+    """Prompt ids with the tokenizer's special tokens (BOS for the character tokenizer)."""
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def decode(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int]) -> str:
+    """Completion text; special tokens are kept so that a stray one cannot look like a right answer."""
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)

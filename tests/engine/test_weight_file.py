@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from sdp_cli.engine.weight_file import DTYPE_NAMES, PackedWeights
+from sdp_cli.engine.weight_file import DTYPE_NAMES, PackedWeights, WeightSlots
 from sdp_cli.safetensors_layout import check_file
 
 DTYPES = list(DTYPE_NAMES)
@@ -165,3 +165,52 @@ def test_a_second_write_replaces_the_file_whole(tmp_path):
 def test_a_dtype_safetensors_cannot_name_is_refused_by_name():
     with pytest.raises(TypeError, match="lora_scale: dtype torch.complex64"):
         PackedWeights({"w": torch.zeros(2), "lora_scale": torch.zeros(2, dtype=torch.complex64)})
+
+
+# ------------------------------------------------------------------ WeightSlots
+@settings(max_examples=40, deadline=None)
+@given(first=state_dicts(), second=state_dicts(), engine_dtype=st.sampled_from([None, torch.bfloat16]))
+def test_a_slot_holds_byte_for_byte_the_file_a_pack_writes(tmp_path_factory, first, second, engine_dtype):
+    # the push's weights written into a mapped slot file, over whatever the slot held before and
+    # whatever its size was: the very bytes PackedWeights writes, which safetensors reads back
+    d = tmp_path_factory.mktemp("w")
+    slots = WeightSlots(d / "scratch", "model.safetensors")
+    try:
+        slots.write(3, first, engine_dtype)
+        target = slots.write(6, second, engine_dtype)  # the same slot (6 % 3 == 3 % 3)
+        assert target == d / "scratch" / "push0"
+        PackedWeights(second, engine_dtype).write(d / "packed.safetensors")
+        written = (target / "model.safetensors").read_bytes()
+        assert written == (d / "packed.safetensors").read_bytes()
+        check_file(target / "model.safetensors")
+        read = load_file(target / "model.safetensors")
+        assert set(read) == set(first_names(second))
+    finally:
+        slots.close()
+
+
+def test_writing_a_version_leaves_the_two_before_it_untouched(tmp_path):
+    # docs/training.md "Three processes": v + 1 is written while the push of v may still load
+    # its slot and the engine may still run v − 1 (a restarted engine reads that slot again)
+    slots = WeightSlots(tmp_path, "model.safetensors")
+    try:
+        paths = {v: slots.write(v, {"w": torch.full((4, 4), float(v))}, None) for v in (7, 8)}
+        before = {v: (p / "model.safetensors").read_bytes() for v, p in paths.items()}
+        third = slots.write(9, {"w": torch.full((4, 4), 9.0)}, None)
+        assert third not in paths.values() and len({*paths.values(), third}) == WeightSlots.SLOTS
+        assert {v: (p / "model.safetensors").read_bytes() for v, p in paths.items()} == before
+        assert torch.equal(load_file(third / "model.safetensors")["w"], torch.full((4, 4), 9.0))
+        assert slots.write(10, {"w": torch.zeros(4, 4)}, None) == paths[7]  # the oldest slot again
+    finally:
+        slots.close()
+
+
+def test_a_slot_of_another_size_is_made_again(tmp_path):
+    slots = WeightSlots(tmp_path, "model.safetensors")
+    try:
+        slots.write(0, {"w": torch.ones(64)}, None)
+        path = slots.write(3, {"w": torch.arange(3.0)}, None) / "model.safetensors"
+        assert torch.equal(load_file(path)["w"], torch.arange(3.0))
+        assert path.stat().st_size == 8 + int.from_bytes(path.read_bytes()[:8], "little") + 3 * 4
+    finally:
+        slots.close()

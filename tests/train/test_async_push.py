@@ -1,8 +1,8 @@
 """The asynchronous weight push (docs/training.md "The weight push"): with η > 0 and an engine
-that stages weights, ``AsyncLoop._push`` stages on the trainer's thread and loads on a thread of
-its own; the trainer waits for it before the next push, before taking a batch that holds tokens
-whose π_prox_t the push owes, and before a snapshot. A fake engine blocks its load on an event,
-so each test sees the push while it is still in flight."""
+that stages weights, ``RolloutSide._push`` stages in the caller's thread and loads on a thread of
+its own; it is waited for before the next push, before a batch is taken that holds tokens whose
+π_prox_t the push owes, and before a snapshot. A fake engine blocks its load on an event, so
+each test sees the push while it is still in flight."""
 
 import threading
 import types
@@ -13,6 +13,7 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.train.asyncloop.loop import AsyncLoop
+from sdp_cli.train.asyncloop.rollout import RolloutSide
 
 from .test_push_hooks import LoggingEngine
 from .test_rewarding import Codec, GatedTask
@@ -58,18 +59,20 @@ def _loop(*, eta=4, mode="decoupled", steps=10, async_push=True):
     cfg.train.async_push = async_push
     engine = StagingEngine(log)
     trainer = types.SimpleNamespace(version=1)  # the push reads the trainer's version only
-    loop = AsyncLoop(
-        cfg,
-        engine=engine,
-        trainer=trainer,
-        task=GatedTask(),
-        codec=Codec(),
-        pad_token_id=0,
-        stop_token_ids=(2,),
-        max_new_tokens=1,
-        push_weights=lambda version: WeightUpdate(version=version, state_dict={}),
-    )
+    loop = RolloutSide(cfg, engine=engine, task=GatedTask(), codec=Codec(), stop_token_ids=(2,), max_new_tokens=1)
+    loop.test_trainer = trainer
     return loop, engine, trainer, log
+
+
+def push(loop, *, last_step=False):
+    """The push of the weights the trainer has now (``RolloutSide._push``)."""
+    version = loop.test_trainer.version
+    return loop._push(WeightUpdate(version=version, state_dict={}), last_step=last_step)
+
+
+def take(loop, wait_s=30.0):
+    """The next batch for the trainer at its version now (``RolloutSide.take_batch``)."""
+    return loop.take_batch(loop.test_trainer.version, 1, stop_requested=False, wait_s=wait_s)
 
 
 def _group(group_id, version):
@@ -82,16 +85,16 @@ def _group(group_id, version):
 
 def test_the_push_stages_here_and_loads_on_its_own_thread_while_the_step_goes_on():
     loop, engine, trainer, log = _loop()
-    assert loop._push() == {}  # returned with the load still blocked
+    assert push(loop) == {}  # returned with the load still blocked
     assert engine.loading.wait(10) and log == ["stage v1"]
     assert loop._push_in_flight is not None
     engine.release.set()
     trainer.version = 2
-    loop._push()  # waits for the first push before staging the second: in order
+    push(loop)  # waits for the first push before staging the second: in order
     assert log[:3] == ["stage v1", "load /staged/v1", "stage v2"]
     assert loop._joined_push_metrics["time/push_async_s"] > 0  # reported with the step that waited
     assert engine.loader_threads[0] == "sdp-weight-push"
-    loop._join_push()
+    loop.join_push()
     assert log[-1] == "load /staged/v2" and loop._version == 2
 
 
@@ -103,7 +106,7 @@ def test_the_push_stages_here_and_loads_on_its_own_thread_while_the_step_goes_on
 def test_the_push_stays_in_the_callers_thread(eta, async_push, steps):
     loop, engine, _, log = _loop(eta=eta, async_push=async_push, steps=steps)
     engine.release.set()
-    metrics = loop._push()
+    metrics = push(loop, last_step=steps == 1)
     assert loop._push_in_flight is None and log[-1] == "load state dict" and loop._version == 1
     assert "staleness/purged_groups" in metrics  # its metrics belong to its own step
     assert engine.loader_threads == [threading.current_thread().name]
@@ -113,7 +116,7 @@ def test_an_engine_that_does_not_stage_is_pushed_synchronously():
     loop, engine, _, log = _loop()
     engine.stage_weights = lambda update: None  # the base class's answer
     engine.release.set()
-    loop._push()
+    push(loop)
     assert loop._push_in_flight is None and loop._version == 1
 
 
@@ -126,7 +129,7 @@ def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag,
     # trainer at c = 5 after its step; the push in flight loads version 5
     loop, engine, trainer, _ = _loop(mode="segment_wise")
     trainer.version = 5
-    loop._push()
+    push(loop)
     assert engine.loading.wait(10)
     group = _group(0, 5 - lag)
     if scored_by is not None:  # the producer's pass gave it π_{c−1} already
@@ -134,7 +137,7 @@ def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag,
             group.samples[0].set_proximal_t(t, -0.5, scored_by)
     loop.queue.put(group)
     taken: list = []
-    taker = threading.Thread(target=lambda: taken.append(loop._next_batch()))
+    taker = threading.Thread(target=lambda: taken.append(take(loop)))
     taker.start()
     taker.join(1.0)
     assert (not taken) == joins, "the take should wait for the push exactly when it owes π_prox_t"
@@ -142,22 +145,22 @@ def test_a_take_waits_for_the_push_only_for_tokens_whose_proximal_t_it_owes(lag,
     taker.join(10)
     assert taken and taken[0][0].group_id == 0
     assert (loop._push_in_flight is None) == joins
-    loop._join_push()
+    loop.join_push()
 
 
 def test_a_mode_without_proximal_t_takes_any_batch_during_the_push():
     loop, engine, _, _ = _loop(mode="decoupled")
-    loop._push()
+    push(loop)
     assert engine.loading.wait(10)
     loop.queue.put(_group(0, 0))  # one version stale: decoupled reads no π_prox_t
-    assert loop._next_batch()[0].group_id == 0 and loop._push_in_flight is not None
+    assert take(loop)[0].group_id == 0 and loop._push_in_flight is not None
     engine.release.set()
-    loop._join_push()
+    loop.join_push()
 
 
 def test_a_snapshot_waits_for_the_push_in_flight():
     loop, engine, _, _ = _loop()
-    loop._push()
+    push(loop)
     assert engine.loading.wait(10)
     threading.Timer(0.3, engine.release.set).start()
     snap = loop.snapshot()
@@ -167,33 +170,42 @@ def test_a_snapshot_waits_for_the_push_in_flight():
 def test_a_failed_push_is_raised_by_the_next_wait_once():
     loop, engine, trainer, log = _loop()
     engine.fail = EngineError("server gone")
-    loop._push()
+    push(loop)
     engine.release.set()
     trainer.version = 2
     with pytest.raises(EngineError, match="server gone"):
-        loop._push()  # the next push waits for it first, and does not start
+        push(loop)  # the next push waits for it first, and does not start
     assert log == ["stage v1"] and loop._version == 0 and loop._push_in_flight is None
-    loop._join_push()  # already reported
+    loop.join_push()  # already reported
 
 
 def test_run_step_reports_a_push_that_failed_while_its_step_trained():
     """The step trained, so it is counted: push_failed on its row, the engine's version behind."""
-    loop, engine, trainer, _ = _loop()
+    rollout, engine, trainer, _ = _loop()
     engine.fail = EngineError("server gone")
-    loop._push()  # step 1's push (trainer at version 1), in flight
+    push(rollout)  # step 1's push (trainer at version 1), in flight
     engine.release.set()
     records = []
-    loop.on_step = records.append
-    loop._next_batch = lambda: [_group(0, 0)]
+    rollout.take_batch = lambda *args, **kwargs: [_group(0, 0)]
 
     def step(batch):  # step 2 trains
         trainer.version = 2
         return types.SimpleNamespace(metrics={"loss": 0.0})
 
     trainer.step = step
+    loop = AsyncLoop(
+        rollout.cfg,
+        rollout=rollout,
+        trainer=trainer,
+        pad_token_id=0,
+        push_weights=lambda version: WeightUpdate(version=version, state_dict={}),
+        on_step=records.append,
+    )
+    loop.step = 1
     with pytest.raises(EngineError, match="server gone"):
         loop.run_step()
     # counted, flagged, and the engine still at version 0: two behind the trainer
+    assert loop.step == 2
     assert records[0].metrics["engine/push_failed"] == 1.0 and records[0].version == 0
 
 
@@ -203,7 +215,7 @@ def test_the_cache_filter_never_runs_while_the_push_owes_a_cached_group_its_pass
     weights c − 1 still loaded, is about to score it."""
     loop, engine, trainer, _ = _loop(mode="segment_wise")
     trainer.version = 5
-    loop._push()
+    push(loop)
     assert engine.loading.wait(10)
     old = _group(0, 2)  # c − 3, its π_{c−2} given long ago
     for t in range(old.samples[0].output_len):
@@ -219,5 +231,5 @@ def test_the_cache_filter_never_runs_while_the_push_owes_a_cached_group_its_pass
 
     loop.strategy.filter_stale_from_cache = watched
     threading.Timer(0.3, engine.release.set).start()
-    assert loop._next_batch()[0].group_id == 0
+    assert take(loop)[0].group_id == 0
     assert filtered_during_push == [False]

@@ -1,17 +1,15 @@
 """The weight push goes through the pause/resume hooks (docs/design.md §2, sdp_cli/rollout/hooks.py):
-the engine is paused by ``PauseController``, the recompute pass is the loop's post-pause hook,
+the engine is paused by ``PauseController``, the recompute pass is the rollout side's post-pause hook,
 and a failing pass reaches the caller as its own exception type with the engine resumed and the
 new weights never loaded. A fake engine logs what is called, in order."""
-
-import types
 
 import pytest
 
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.engine.base import EngineError
+from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.rollout.hooks import HookError
 from sdp_cli.rollout.recompute import RecomputeStats
-from sdp_cli.train.asyncloop.loop import AsyncLoop
+from sdp_cli.train.asyncloop.rollout import RolloutSide
 
 from .test_rewarding import Codec, CountingEngine, GatedTask
 
@@ -36,7 +34,7 @@ class LoggingEngine(CountingEngine):
         return self.paused
 
     def update_weights(self, update):
-        self.log.append(f"engine.update_weights({update})")
+        self.log.append(f"engine.update_weights({update.path})")
 
 
 def _loop(mode, log):
@@ -45,18 +43,13 @@ def _loop(mode, log):
     cfg.rollout.batch_groups = 1
     cfg.rollout.group_size = 2
     engine = LoggingEngine(log)
-    loop = AsyncLoop(
-        cfg,
-        engine=engine,
-        trainer=types.SimpleNamespace(version=1),  # the push reads the trainer's version only
-        task=GatedTask(),
-        codec=Codec(),
-        pad_token_id=0,
-        stop_token_ids=(2,),
-        max_new_tokens=1,
-        push_weights=lambda version: f"v{version}",
-    )
+    loop = RolloutSide(cfg, engine=engine, task=GatedTask(), codec=Codec(), stop_token_ids=(2,), max_new_tokens=1)
     return loop, engine
+
+
+def push(loop):
+    """The push of the trainer's step 1 (weights of version 1)."""
+    return loop._push(WeightUpdate(version=1, path="v1"), last_step=False)
 
 
 def _recompute_logged(log, error=None):
@@ -77,7 +70,7 @@ def test_the_push_pauses_recomputes_in_a_post_pause_hook_then_loads_and_resumes(
     # hooks a user registers run around the same push
     loop.pause_hooks.register_pre_pause_hook(lambda: log.append("pre_pause"))
     loop.pause_hooks.register_post_resume_hook(lambda: log.append("post_resume"))
-    metrics = loop._push()
+    metrics = push(loop)
     assert log == [
         "pre_pause",
         "engine.pause",
@@ -94,7 +87,7 @@ def test_a_mode_without_pi_prox_t_registers_no_recompute_hook():
     log = []
     loop, _ = _loop("decoupled", log)
     assert loop.pause_hooks.hooks("post_pause") == []
-    metrics = loop._push()
+    metrics = push(loop)
     assert log == ["engine.pause", "engine.update_weights(v1)", "engine.resume"]
     assert "recompute/tokens" not in metrics
 
@@ -105,7 +98,7 @@ def test_a_failing_recompute_reaches_the_push_as_its_own_type(error):
     loop, engine = _loop("segment_wise", log)
     loop.recomputer.recompute_all = _recompute_logged(log, error)
     with pytest.raises(type(error)) as raised:
-        loop._push()
+        push(loop)
     assert raised.value is error and not isinstance(raised.value, HookError)
     # the engine is resumed and the new weights are never loaded
     assert log == ["engine.pause", "recompute", "engine.resume"] and not engine.paused

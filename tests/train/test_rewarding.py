@@ -13,7 +13,7 @@ from sdp_cli.config.schema import SdpConfig
 from sdp_cli.engine.base import InferenceEngine
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.tasks.plugins import RewardError, call_reward, load_reward
-from sdp_cli.train.asyncloop.loop import AsyncLoop
+from sdp_cli.train.asyncloop.rollout import RolloutSide
 from sdp_cli.train.asyncloop.rewarding import RewardPool, extra_means
 
 
@@ -93,18 +93,8 @@ class Codec:
 
 
 def _producing_loop(cfg, engine, task):
-    """An ``AsyncLoop`` whose producer runs against ``engine`` (no trainer, nothing pushed)."""
-    return AsyncLoop(
-        cfg,
-        engine=engine,
-        trainer=None,
-        task=task,
-        codec=Codec(),
-        pad_token_id=0,
-        stop_token_ids=(2,),
-        max_new_tokens=1,
-        push_weights=lambda version: None,
-    )
+    """A ``RolloutSide`` whose producer runs against ``engine`` (no trainer, nothing pushed)."""
+    return RolloutSide(cfg, engine=engine, task=task, codec=Codec(), stop_token_ids=(2,), max_new_tokens=1)
 
 
 def _loop(task, **task_keys):

@@ -156,7 +156,7 @@ def test_a_producer_failure_without_a_message_is_named_by_its_type():
     try:
         _wait(lambda: loop.producer.error is not None, 10, "the producer to fail")
         with pytest.raises(LoopStopped) as stopped:
-            loop._raise_if_stopped()
+            loop._raise_if_stopped(stop_requested=False)
     finally:
         loop.stop()
     # before: "rollout producer failed: " and nothing after the colon

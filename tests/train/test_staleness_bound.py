@@ -64,7 +64,7 @@ def _watched_run(tmp_path, monkeypatch, overrides):
         c = record.batch.trainer_version
         with watch.lock:
             watch.lags.extend(c - min(s.versions) for s in record.batch.samples)
-        watch.check_manager(self.manager, f"after step {record.step}")
+        watch.check_manager(self.rollout.manager, f"after step {record.step}")
         return record
 
     monkeypatch.setattr(StalenessManager, "try_submit", checked_submit)

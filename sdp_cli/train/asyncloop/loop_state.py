@@ -1,6 +1,6 @@
 """The async loop's plain types: what it hands out (``StepRecord``), what it checkpoints
-(``LoopState``, ``LoopCounters``, the producer RNG as JSON) and its small helpers
-(``sdp_cli/train/asyncloop/loop.py``)."""
+(``RolloutState`` and ``LoopCounters`` of the rollout side, ``StepTimes`` of the trainer's, the
+producer RNG as JSON) and its small helpers (``sdp_cli/train/asyncloop/loop.py``, ``rollout.py``)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ class StepRecord:
 
 @dataclass
 class LoopCounters:
-    """Monotone counters that describe the run; checkpointed with the loop."""
+    """Monotone counters of the rollout side that describe the run; checkpointed with the loop
+    (in one ``counters`` entry with the trainer's ``StepTimes``)."""
 
     groups_generated: int = 0
     groups_failed: int = 0
@@ -60,12 +61,14 @@ class LoopCounters:
     recompute_seconds: float = 0.0
     #: the part of it the trainer waited for (the pass at the weight push)
     recompute_blocking_seconds: float = 0.0
-    push_seconds: float = 0.0
-    train_seconds: float = 0.0
-    wait_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoopCounters:
+        """Its fields of a checkpoint's ``counters`` entry (which holds ``StepTimes``' too)."""
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
 
     def count_recompute(self, stats: RecomputeStats, seconds: float) -> None:
         """A recompute pass, wherever it ran: its tokens and its time."""
@@ -74,10 +77,26 @@ class LoopCounters:
 
 
 @dataclass
-class LoopState:
-    """Everything beyond the trainer needed to resume the loop exactly."""
+class StepTimes:
+    """Where the trainer's thread spent its steps (seconds, over the run); checkpointed in the
+    loop's ``counters`` entry."""
 
-    step: int = 0
+    push_seconds: float = 0.0
+    train_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepTimes:
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass
+class RolloutState:
+    """Everything of the rollout side beyond its buffers needed to resume it exactly."""
+
     next_group_id: int = 0
     producer_rng: Any = None
     counters: LoopCounters = field(default_factory=LoopCounters)

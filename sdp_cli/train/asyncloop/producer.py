@@ -1,4 +1,4 @@
-"""The producer half of the async loop (``sdp_cli/train/asyncloop/loop.py``), run in its own thread.
+"""The producer of the rollout side (``sdp_cli/train/asyncloop/rollout.py``), run in its own thread.
 
 While the staleness manager grants capacity: sample prompts, generate G responses per prompt on
 the engine (tokens tagged with the engine version) and pass the finished groups to the reward
@@ -7,8 +7,8 @@ group to the queue (segment-wise: filtered before enqueue). Until then a group s
 producer's hands (``in_hand``). Between generate calls the producer runs the recompute pass of
 the loaded version ahead of the weight push (``_recompute_ahead``).
 
-``AsyncLoop`` holds one ``RolloutProducer`` (``loop.producer``) and hands it, at construction,
-what the two threads share under the loop's locks.
+``RolloutSide`` holds one ``RolloutProducer`` (``rollout.producer``) and hands it, at
+construction, what the producer shares with the trainer's calls under the rollout side's locks.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from sdp_cli.rollout.staleness import StalenessManager
 from sdp_cli.rollout.strategies import StalenessControlStrategy
 from sdp_cli.tasks.base import Task, TaskItem
 from sdp_cli.train.asyncloop.ledger import LedgerLog, record_fate
-from sdp_cli.train.asyncloop.loop_state import LoopState, PassTotals, TextCodec
+from sdp_cli.train.asyncloop.loop_state import PassTotals, RolloutState, TextCodec
 from sdp_cli.train.asyncloop.rewarding import EXTRAS, RewardPool
 
 logger = logging.getLogger(__name__)
@@ -53,10 +53,10 @@ class RolloutProducer:
     """Rollout production: generate, reward, hand over to the queue; and the recompute ahead.
 
     It owns its thread, the groups in its hands, the reward pool that scores them, its failure and
-    what its recompute passes did since the last weight push. What it shares with the trainer side
-    (staleness manager and strategy, queue, cache, recomputer, loop state, ledger, the locks and the
-    loaded version) is the loop's, handed in: ``handoff_lock`` guards the hand-over of groups, the
-    buffers and ``in_hand``; ``pass_lock`` keeps the weights loaded for a whole recompute pass
+    what its recompute passes did since the last weight push. What it shares with the trainer's
+    calls (staleness manager and strategy, queue, cache, recomputer, rollout state, ledger, the
+    locks and the loaded version) is the rollout side's, handed in: ``handoff_lock`` guards the
+    hand-over of groups, the buffers and ``in_hand``; ``pass_lock`` keeps the weights loaded for a whole recompute pass
     (lock order: ``pass_lock`` before ``handoff_lock``).
     """
 
@@ -76,7 +76,7 @@ class RolloutProducer:
         cache: RolloutCache[RolloutGroup],
         recomputer: ProximalRecomputer,
         recompute_ahead: bool,
-        state: LoopState,
+        state: RolloutState,
         ledger: LedgerLog | None,
         version: Callable[[], int],
         handoff_lock: threading.RLock,
@@ -99,7 +99,7 @@ class RolloutProducer:
         self.recompute_enabled = recompute_ahead
         self.state = state
         self.ledger = ledger
-        #: the engine version loaded now (the loop's, changed by its weight push)
+        #: the engine version loaded now (the rollout side's, changed by its weight push)
         self.version = version
         self.handoff_lock = handoff_lock
         self.pass_lock = pass_lock
@@ -222,8 +222,8 @@ class RolloutProducer:
         Once weights c are loaded, every token of version c − 1 already exists, so π_c can score
         them at any time before weights c are replaced. Doing it here overlaps the pass with
         training instead of blocking the weight push; the push then only scores what is left
-        (``AsyncLoop._push``; a pass skips tokens already scored under c). Between two generate
-        calls the producer holds no partial sample (groups still being scored are left to the
+        (``RolloutSide._load_weights``; a pass skips tokens already scored under c). Between two
+        generate calls the producer holds no partial sample (groups still being scored are left to the
         push's pass). ``pass_lock`` keeps the weights loaded for the whole pass; ``handoff_lock`` is held only
         to plan and to write, so the trainer takes batches while the engine scores, and the
         results of samples it took meanwhile are dropped (the take-time pass scores those).

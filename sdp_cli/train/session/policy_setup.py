@@ -24,6 +24,7 @@ import functools
 import os
 import shutil
 import tempfile
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -199,6 +200,18 @@ class PromptCodec:
         self._encoded = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
             lambda text: tuple(policy.encode_prompt(text))
         )
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any, eos_token_id: int) -> PromptCodec:
+        """The codec of a policy of which only the tokenizer is here (the rollout process)."""
+        from sdp_cli.models.policy import decode, encode_prompt
+
+        text = types.SimpleNamespace(
+            encode_prompt=functools.partial(encode_prompt, tokenizer),
+            decode=functools.partial(decode, tokenizer),
+            eos_token_id=eos_token_id,
+        )
+        return cls(text)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._encoded(text))

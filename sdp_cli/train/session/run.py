@@ -22,7 +22,7 @@ import torch
 
 from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.engine.base import EngineError, InferenceEngine, WeightUpdate
+from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.factory import build_engine
 from sdp_cli.engines import engine_kind
 from sdp_cli.errors import Interrupted, UserError
@@ -38,6 +38,8 @@ from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.asyncloop.ledger import LedgerLog
+from sdp_cli.train.asyncloop.rollout import RolloutSide
+from sdp_cli.train.asyncloop.rollout_link import RolloutLink
 from sdp_cli.train.asyncloop.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.step.batch import assemble_batch
 from sdp_cli.train.asyncloop.distributed import Coordinator
@@ -52,6 +54,7 @@ from sdp_cli.train.session.policy_setup import (
     save_version,
 )
 from sdp_cli.train.session.recovery import recover_after_crash
+from sdp_cli.train.session.rollout_process import start_rollout_process
 from sdp_cli.train.session.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.session.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.session.reporting import EventLog, MetricsLog
@@ -112,7 +115,8 @@ class TrainingRun:
         self.coordinator = coordinator
         # set by a signal (sdp_cli/stopsignals.py); the loop polls it before every batch
         self.stop_request = stop_request or StopRequest()
-        self.engine: InferenceEngine | None = None
+        #: the rollout side: producer, buffers, engine and ledger (rank 0), or the link to it
+        self.rollout: RolloutSide | RolloutLink | None = None
         self.loop: AsyncLoop | None = None
         #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
         self.eval_rewards: RewardPool | None = None
@@ -207,33 +211,21 @@ class TrainingRun:
         attached = engine_kind(cfg.engine.kind).attaches(cfg)
         how = f"attaching to {len(cfg.engine.urls)} server(s)" if attached else "starting"
         with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
-            self.engine = build_engine(
-                cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device, threads=thread_counts(cfg)[1]
+            # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
+            # session (sdp_cli/train/asyncloop/ledger.py).
+            self.rollout = self._start_rollout(
+                stop_ids, max_new, ledger_offset=checkpoint.state["loop"].get("ledger_offset") if checkpoint else 0
             )
-            logs = ", ".join(str(path) for path in self.engine.log_paths)
+            logs = ", ".join(str(path) for path in self.rollout.log_paths)
             phase.result = f"ready (log: {logs})" if logs else "ready"
-        # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
-        # session (sdp_cli/train/asyncloop/ledger.py).
-        self.ledger = LedgerLog(
-            self.run_dir.ledger,
-            truncate_to=checkpoint.state["loop"].get("ledger_offset") if checkpoint else 0,
-        )
         self.loop = AsyncLoop(
             cfg,
-            engine=self.engine,
+            rollout=self.rollout,
             trainer=self.trainer,
-            task=self.task,
-            codec=self.codec,
             pad_token_id=int(self.policy.pad_token_id),
-            stop_token_ids=stop_ids,
-            max_new_tokens=max_new,
             push_weights=self._weight_update,
             on_batch=self.coordinator.send_batch,
             on_step=self._on_step,
-            max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
-            ledger=self.ledger,
-            recompute_threads=cfg.train.threads or os.cpu_count(),
-            rollout_threads=thread_counts(cfg)[1],
             should_stop=lambda: self.stop_request.requested,
         )
         if checkpoint is not None:
@@ -274,27 +266,63 @@ class TrainingRun:
                 resume_step=start_step if cut else None,
             )
 
+    def _start_rollout(
+        self, stop_ids: tuple[int, ...], max_new: int, *, ledger_offset: int | None
+    ) -> RolloutSide | RolloutLink:
+        """The rollout side of the run, with its engine and the group ledger (opened after the
+        engine starts, so that a failed start leaves a resumed run's ledger as it was): in the
+        rollout process when the engine builds in two halves (docs/training.md "Three
+        processes"), else in this process."""
+        cfg = self.cfg
+        if engine_kind(cfg.engine.kind).own_process(cfg):
+            return start_rollout_process(
+                cfg,
+                policy=self.whole.get(),
+                run_dir=self.run_dir,
+                stop_token_ids=stop_ids,
+                max_new_tokens=max_new,
+                ledger_offset=ledger_offset,
+                device=self.coordinator.accelerator.device,
+                engine_threads=thread_counts(cfg)[1],
+            )
+        engine = build_engine(
+            cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device, threads=thread_counts(cfg)[1]
+        )
+        try:
+            ledger = LedgerLog(self.run_dir.ledger, truncate_to=ledger_offset)
+        except BaseException:
+            engine.close()
+            raise
+        return RolloutSide(
+            cfg,
+            engine=engine,
+            task=self.task,
+            codec=self.codec,
+            stop_token_ids=stop_ids,
+            max_new_tokens=max_new,
+            max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
+            ledger=ledger,
+            recompute_threads=cfg.train.threads or os.cpu_count(),
+            rollout_threads=thread_counts(cfg)[1],
+        )
+
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
         launched server were built from them, so only the version is declared; servers sdp
         attached to (engine.urls) run whatever they ran before (another run's weights, or a
         crashed session's newer ones), so they load these weights."""
         if not engine_kind(self.cfg.engine.kind).attaches(self.cfg):
-            self.engine.set_version(version)
+            self.rollout.sync_engine(None, version)
             return
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
-        self.engine.pause()
-        try:
-            self.engine.update_weights(WeightUpdate(version=version, path=target))
-        finally:
-            self.engine.resume()
+        self.rollout.sync_engine(WeightUpdate(version=version, path=target), version)
 
     # -- weights ------------------------------------------------------------
     def _weight_update(self, version: int) -> WeightUpdate:
         if self.cfg.train.keep_version_checkpoints:
             self._save_version(version)
-        if self.engine.accepts_state_dict:
+        if self.rollout.accepts_state_dict:
             return WeightUpdate(version=version, state_dict=self.whole.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
@@ -356,18 +384,12 @@ class TrainingRun:
             step,
             save_policy=lambda directory: save_checkpoint_policy(policy, directory),
             optimizer_state=optimizer_state,
-            state={"trainer": trainer_entry, "loop": self._snapshot(), STAMP: self.stamp},
+            state={"trainer": trainer_entry, "loop": self.loop.snapshot(), STAMP: self.stamp},
             keep=self.cfg.train.keep_checkpoints,
         )
         self._last_checkpoint = (step, path)
         self.events.write("checkpoint", step=step, path=str(path))
         return path
-
-    def _snapshot(self) -> dict[str, Any]:
-        """The loop snapshot, with the ledger durable up to the length it records."""
-        snapshot = self.loop.snapshot()
-        self.ledger.sync()
-        return snapshot
 
     def _evaluate(self, step: int, progress: Callable[[int, int], None] | None = None) -> float | None:
         """Greedy accuracy on held-out problems; None (nothing written) when the task has none."""
@@ -402,7 +424,7 @@ class TrainingRun:
         acc_start = self._shown_evaluation(title, self.start_step) if cfg.train.eval_samples else None
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
-        session_start = dict(self.loop.state.counters.to_dict())
+        session_start = self.loop.counters()
         stopped: BaseException | None = None
         # What setup built (modules, model, tokenizer) lives as long as the loop: frozen, it is
         # out of the cyclic collector's full passes, each of which walked it with the GIL held
@@ -436,8 +458,9 @@ class TrainingRun:
         self._end_evaluation()
         self._end_session(0)
         summary = self.end.summary(
-            self.loop.state,
-            sum(self.loop.strategy.filtered_by_version.values()),
+            self.loop.step,
+            self.loop.counters(),
+            self.loop.filtered_groups(),
             start_step=self.start_step,
             wall=wall,
             acc_start=acc_start,
@@ -475,9 +498,8 @@ class TrainingRun:
         are closed too."""
         if getattr(self, "progress", None) is not None:
             self.progress.close()
-        if self.engine is not None:
-            engine, self.engine = self.engine, None
-            engine.close()
+        if self.rollout is not None:
+            self.rollout.close()
         if abort:
             self._end_evaluation()
             self._close_logs(ok=False)
@@ -491,7 +513,7 @@ class TrainingRun:
         """``reward/errors`` (task.reward_errors=zero): the reward calls that failed and scored 0
         since the last step; and a ``reward_error`` event with the first traceback of each error
         not seen before (greedy evaluation's included)."""
-        failed, first = self.loop.producer.rewards.take_errors()
+        failed, first = self.loop.reward_errors()
         if self.eval_rewards is not None:
             first += self.eval_rewards.take_errors()[1]
         for error in first:
@@ -499,8 +521,11 @@ class TrainingRun:
         return {"reward/errors": float(failed)} if self.cfg.task.reward_errors == "zero" else {}
 
     def _close_logs(self, *, ok: bool = True) -> None:
-        """Close the run's logs; ``ok``: the session finished (trackers mark a run that did not)."""
-        for log in ("metrics", "ledger", "events"):
+        """Close the run's logs and end the rollout side (its ledger); ``ok``: the session finished
+        (trackers mark a run that did not)."""
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        for log in ("metrics", "events"):
             if getattr(self, log, None) is not None:
                 getattr(self, log).close()
         if getattr(self, "trackers", None) is not None:
@@ -520,7 +545,7 @@ class TrainingRun:
         """The end of a session stopped at a step boundary: by a signal (``LoopInterrupted``: that
         step is checkpointed), or by an engine fault, a failed producer or reward, a full disk
         (checkpointed if it trained a step)."""
-        step = self.loop.state.step
+        step = self.loop.step
         self._end_evaluation()
         signal = isinstance(exc, LoopInterrupted)
         saved = self._checkpoint_at_stop(step) if signal or step > self.start_step else None
@@ -532,7 +557,7 @@ class TrainingRun:
     def aborted(self, signum: int) -> Interrupted:
         """The end of a session aborted by a second Ctrl-C: no checkpoint, the last complete one
         is the resume point."""
-        step = self.loop.state.step if self.loop is not None else self.start_step
+        step = self.loop.step if self.loop is not None else self.start_step
         end = self.end.aborted(step, signum)
         self.close(abort=True)
         return end
@@ -541,7 +566,7 @@ class TrainingRun:
         """The end of a session ended by a bug (an exception no stop expects): close what it
         opened, and add to the traceback how to go on from the last complete checkpoint."""
         self.close(abort=True)
-        exc.add_note(self.end.crash_note(self.loop.state.step if self.loop is not None else self.start_step))
+        exc.add_note(self.end.crash_note(self.loop.step if self.loop is not None else self.start_step))
 
 
 def run_training(

@@ -25,7 +25,6 @@ from sdp_cli.rundir import RunDir
 from sdp_cli.stopsignals import StopRequest, signal_name
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.session import checkpoint as ckpt
-from sdp_cli.train.asyncloop.loop_state import LoopState
 from sdp_cli.train.session.reporting import EventLog
 from sdp_cli.train.session.start import PROGRAM_KEYS
 
@@ -147,7 +146,8 @@ class SessionEnd:
 
     def summary(
         self,
-        state: LoopState,
+        steps: int,
+        counters: dict[str, Any],
         filtered_groups: int,
         *,
         start_step: int,
@@ -157,17 +157,17 @@ class SessionEnd:
         session_start: dict[str, Any],
     ) -> dict[str, Any]:
         """Run totals plus this session's rates (``wall_seconds`` covers this session only, which
-        started at ``start_step`` with the counters ``session_start``)."""
+        started at ``start_step`` with the counters ``session_start``; ``steps`` and ``counters``
+        are the loop's at its end)."""
         rows = [json.loads(line) for line in self.run_dir.metrics.read_text().splitlines() if line]
         rewards = [r["reward/mean"] for r in rows if r.get("reward/mean") is not None]
         window = min(50, max(1, len(rewards) // 2))
-        counters = state.counters
-        session_tokens = counters.tokens_generated - session_start["tokens_generated"]
-        session_recompute = counters.recompute_seconds - session_start["recompute_seconds"]
-        session_blocking = counters.recompute_blocking_seconds - session_start["recompute_blocking_seconds"]
+        session_tokens = counters["tokens_generated"] - session_start["tokens_generated"]
+        session_recompute = counters["recompute_seconds"] - session_start["recompute_seconds"]
+        session_blocking = counters["recompute_blocking_seconds"] - session_start["recompute_blocking_seconds"]
         return {
             "run_dir": str(self.run_dir.path),
-            "steps": state.step,
+            "steps": steps,
             "mode": resolve_mode(self.cfg.loss.mode).name,
             "staleness": self.cfg.staleness.strategy,
             "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness,
@@ -177,16 +177,16 @@ class SessionEnd:
             "reward_window": window,
             "greedy_accuracy_start": acc_start,
             "greedy_accuracy_end": acc_end,
-            "tokens_generated": counters.tokens_generated,
+            "tokens_generated": counters["tokens_generated"],
             "session_start_step": start_step,
             "tokens_per_second": session_tokens / wall if wall > 0 else None,
-            "steps_per_second": (state.step - start_step) / wall if wall > 0 else None,
+            "steps_per_second": (steps - start_step) / wall if wall > 0 else None,
             # time the pass took (mostly in the producer thread, overlapping training) and the
             # part the trainer waited for at weight pushes
             "recompute_share": session_recompute / wall if wall > 0 else None,
             "recompute_blocking_share": session_blocking / wall if wall > 0 else None,
             "filtered_groups": filtered_groups,
-            "counters": counters.to_dict(),
+            "counters": dict(counters),
         }
 
 

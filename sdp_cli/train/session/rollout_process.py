@@ -1,0 +1,198 @@
+"""The rollout process: a run's rollout side in a process of its own (docs/training.md "Three processes").
+
+``start_rollout_process`` (in sdp's process, where the policy is) writes what the engine starts
+from (its registry entry's ``prepare`` half), starts ``python -m
+sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair and sends it the
+run's recipe as the link's first frame (``rollout_link.py``): the typed config, the run
+directory, the engine's recipe, the ids and budgets of generation, the ledger offset of a
+resume. ``main`` (in the rollout process) builds from it what the rollout side needs (the task
+with its reward code, the tokenizer the engine's files hold, the engine from the ``start``
+half, the group ledger), answers with the engine's log files, or with the error that kept it
+from starting, and then serves the link until the session ends or sdp is gone.
+
+The process has its own session, so a Ctrl-C at the terminal reaches sdp only, which stops it in
+order; it ignores SIGINT, ends on SIGTERM (stopping its engine first), and leaves on its own
+when sdp has gone. Its output goes to ``<run>/logs/rollout.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import sdp_cli
+from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engines import engine_kind
+from sdp_cli.fileio import open_in_place
+from sdp_cli.rundir import RunDir
+from sdp_cli.train.asyncloop.rollout_link import RolloutLink, error_to_json, receive_frame, send_frame, serve
+
+#: the rollout process's log in the run's logs directory
+LOG_NAME = "rollout.log"
+
+
+def start_rollout_process(
+    cfg: SdpConfig,
+    *,
+    policy: Any,
+    run_dir: RunDir,
+    stop_token_ids: tuple[int, ...],
+    max_new_tokens: int,
+    ledger_offset: int | None,
+    device: Any,
+    engine_threads: int | None,
+) -> RolloutLink:
+    """Start the rollout process of a run whose engine builds in two halves
+    (``EngineKind.own_process``) and return the link to it, once its engine is up. The engine's
+    failure to start is raised here as in sdp's process (``EngineUnavailable`` …)."""
+    kind = engine_kind(cfg.engine.kind)
+    recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads)
+    scratch = Path(recipe["scratch"])
+    log_path = run_dir.logs / LOG_NAME
+    ours, theirs = socket.socketpair()
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # the sdp_cli this process runs, whatever the environment's path says
+        package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+            # the rollout side computes nothing with torch: no OpenMP pool beside the trainer's
+            "OMP_NUM_THREADS": "1",
+        }
+        command = [sys.executable, "-m", __name__, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+        # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
+        with open_in_place(log_path, "ab") as log:
+            # Its own session: a Ctrl-C at the terminal reaches sdp only, which stops it in order.
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
+            )
+    except BaseException:
+        ours.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    finally:
+        theirs.close()
+    link = RolloutLink(process, ours, log_path=log_path, scratch=scratch, weight_dtype=kind.weight_dtype(cfg))
+    try:
+        link.begin(
+            {
+                "config": dataclasses.asdict(cfg),
+                "run_dir": str(run_dir.path),
+                "engine": recipe,
+                "stop_token_ids": list(stop_token_ids),
+                "max_new_tokens": max_new_tokens,
+                "ledger_offset": ledger_offset,
+            }
+        )
+    except BaseException:
+        link.shutdown(grace_s=10.0)
+        raise
+    return link
+
+
+# ------------------------------------------------------------------ the rollout process
+def _build(recipe: dict[str, Any]) -> Any:
+    """The rollout side of ``recipe`` (``start_rollout_process``) with its engine started."""
+    from sdp_cli.config.compose import config_from_dict
+    from sdp_cli.engine.process import LAUNCH_DIR
+    from sdp_cli.models.loader import load_tokenizer
+    from sdp_cli.train.asyncloop.ledger import LedgerLog
+    from sdp_cli.train.asyncloop.rollout import RolloutSide
+    from sdp_cli.train.session.policy_setup import PromptCodec
+    from sdp_cli.train.session.task_setup import prepare_task
+
+    cfg = config_from_dict(recipe["config"])
+    run_dir = RunDir(recipe["run_dir"])
+    engine_recipe = recipe["engine"]
+    # the tokenizer the engine's start-up weights were saved with: the trainer's
+    tokenizer = load_tokenizer(Path(engine_recipe["scratch"]) / LAUNCH_DIR)
+    task = prepare_task(cfg, tokenizer=tokenizer)
+    codec = PromptCodec.of_tokenizer(tokenizer, int(engine_recipe["eos_token_ids"][0]))
+    engine = engine_kind(cfg.engine.kind).starter()(cfg, engine_recipe, run_dir)
+    try:
+        ledger = LedgerLog(run_dir.ledger, truncate_to=recipe["ledger_offset"])
+    except BaseException:
+        engine.close()
+        raise
+    return RolloutSide(
+        cfg,
+        engine=engine,
+        task=task,
+        codec=codec,
+        stop_token_ids=tuple(recipe["stop_token_ids"]),
+        max_new_tokens=int(recipe["max_new_tokens"]),
+        max_consecutive_engine_faults=cfg.engine.max_consecutive_faults,
+        ledger=ledger,
+    )
+
+
+def _leave_with_parent(parent_pid: int) -> None:
+    """Exit once sdp has gone (re-parented: ``getppid`` changed) while a call keeps the link's
+    end from being read; the engine's process leaves with this one (it watches its parent)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _end_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="sdp's rollout process (started by sdp train)")
+    parser.add_argument("--fd", type=int, required=True, help="this process's end of the link")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # sdp stops this process in order
+    signal.signal(signal.SIGTERM, _end_on_sigterm)
+    threading.Thread(target=_leave_with_parent, args=(args.parent_pid,), daemon=True).start()
+    sock = socket.socket(fileno=args.fd)
+    recipe = receive_frame(sock)
+    if recipe is None:
+        return
+    started = time.perf_counter()
+    try:
+        side = _build(recipe)
+    except Exception as exc:  # noqa: BLE001 - sdp reports it as its own
+        send_frame(sock, {"error": error_to_json(exc)})
+        return
+    # the imports and what setup built live as long as the process: out of the collector's full
+    # passes, which walked them with the interpreter lock held while a call waited
+    gc.collect()
+    gc.freeze()
+    print(
+        f"sdp rollout process: pid {os.getpid()}, started in {time.perf_counter() - started:.2f} s",
+        flush=True,
+    )
+    try:
+        send_frame(sock, {"ok": {"engine_log_paths": [str(p) for p in side.log_paths]}})
+        serve(side, sock)
+    finally:
+        side.shutdown()
+    # The engine is stopped and the ledger closed: leave now, without waiting for a reward call
+    # that may still run (user code, cut off with the process rather than left to sdp's end).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The rollout process end to end (docs/training.md "Three processes"): ``sdp train`` with its local
+engine in its own process runs the rollout side in a third process, and a run there is the run
+the in-process path makes — every step trained once, nothing lost or duplicated (ledger audit),
+every token's behaviour logprob the one of the version it is tagged with, a resume that goes on
+— while its failures end the run as in-process ones do, and sdp's end leaves no process and no
+scratch directory behind. (Kills of the engine's and of the rollout process, and signals:
+tests/reliability/test_engine_process.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..reliability.harness import check_finished_run, events, metrics, sdp_env
+from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version
+
+
+#: a fast run with the engine in its own process: three processes (README's default)
+PROCESS = ["+debug=fast", "engine.in_process=false"]
+
+
+def _train(run_dir: Path, cache: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return _sdp(["train", *PROCESS, f"run.dir={run_dir}", *extra], cache, timeout)
+
+
+def _sdp(args: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sdp_cli", *args],
+        env=sdp_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def pids(run_dir: Path, log: str, pattern: str) -> list[int]:
+    path = run_dir / "logs" / log
+    return [int(p) for p in re.findall(pattern, path.read_text())] if path.is_file() else []
+
+
+def rollout_pids(run_dir: Path) -> list[int]:
+    """The rollout processes the run started, in order (each writes its pid once it serves)."""
+    return pids(run_dir, "rollout.log", r"sdp rollout process: pid (\d+)")
+
+
+def engine_scratches(run_dir: Path) -> list[Path]:
+    text = (run_dir / "logs" / "local_engine.log").read_text()
+    return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", text)]
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def test_a_run_and_its_resume_in_three_processes(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    segment_wise = [
+        "+preset=segment_wise", "rollout.max_head_offpolicyness=3", "train.save_batches=true",
+        "train.keep_version_checkpoints=true", "train.checkpoint_every=3",
+    ]  # fmt: skip
+    done = _train(run_dir, cache, *segment_wise, "train.steps=6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _sdp(["train", f"resume={run_dir}", "train.steps=10"], cache)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 10)
+    assert assert_tokens_carry_their_version(run_dir) > 0
+    rows = metrics(run_dir)
+    # stale tokens got π_{v+1} from the rollout process's passes, as in sdp's own process
+    assert sum(r.get("recompute/tokens", 0) for r in rows) > 0
+    started = rollout_pids(run_dir)
+    assert len(started) == 2 and all(gone(pid) for pid in started), "one rollout process per session, ended with it"
+    assert not any(p.exists() for p in engine_scratches(run_dir)), "the engine's scratch directories are removed"
+
+
+def test_a_reward_that_fails_in_the_rollout_process_stops_the_run_with_its_line(tmp_path):
+    reward = tmp_path / "judge.py"
+    reward.write_text("def judge(prompt, completion, record):\n    raise ValueError('no such number')\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    run_dir = tmp_path / "run"
+    done = _train(
+        run_dir, tmp_path / "cache", "task=dataset", f"task.path={data}", f"task.reward={reward}:judge",
+        "task.eval_fraction=0.2", "model.warm_start_steps=0", "train.steps=3",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: training stopped at step 0: rollout producer failed: reward function judge\.py:judge failed on "
+        rf"record (\d+) \({re.escape(str(data))}:\d+\): ValueError: no such number",
+        last,
+    ), last
+    stopped = events(run_dir)[-1]
+    assert stopped["event"] == "stopped" and "raise ValueError('no such number')" in stopped["traceback"]
+    assert all(gone(pid) for pid in rollout_pids(run_dir))
