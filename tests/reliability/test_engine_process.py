@@ -1,12 +1,15 @@
-"""Faults of the local engine's own process (docs/reliability.md "Engine faults"): `sdp train`
-with `engine.in_process=false` in a subprocess, its engine process killed -9 mid-run, sdp
-stopped by SIGINT/SIGTERM and killed -9 with its engine process running.
+"""Faults of the local engine's own process and of the rollout process (docs/reliability.md
+"Engine faults", docs/training.md "Three processes"): `sdp train` with `engine.in_process=false`
+in a subprocess, its engine process killed -9 mid-run, its rollout process killed -9 mid-run,
+sdp stopped by SIGINT/SIGTERM and killed -9 with both running.
 
 A killed engine process is survived like a server fault: sdp starts it again on the same port,
 gives it the current weights and resubmits the samples it held, so every run reaches its target
 with nothing lost or duplicated (ledger audit), and every token's behaviour logprob is its
 logprob under the weights of the version it is tagged with. A stop of sdp, by signal or kill,
-leaves no engine process and no scratch directory behind.
+leaves no engine process, no rollout process and no scratch directory behind. A killed
+rollout process ends the run at a step boundary in one line, and the resume goes on with
+nothing lost or duplicated.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from . import report
 from .harness import (
     FAST,
     check_finished_run,
+    events,
     first_step_time_after,
     metrics,
     run_sdp,
@@ -54,6 +58,13 @@ def engine_pids(run_dir: Path) -> list[int]:
     log = run_dir / LOG
     text = log.read_text() if log.is_file() else ""
     return [int(p) for p in re.findall(r"sdp local engine: pid (\d+)", text)]
+
+
+def rollout_pids(run_dir: Path) -> list[int]:
+    """The rollout processes the run started, in order (each writes its pid once it serves)."""
+    log = run_dir / "logs" / "rollout.log"
+    text = log.read_text() if log.is_file() else ""
+    return [int(p) for p in re.findall(r"sdp rollout process: pid (\d+)", text)]
 
 
 def scratches(run_dir: Path) -> list[Path]:
@@ -128,6 +139,7 @@ def test_a_stop_signal_stops_the_engine_process_too(signum, tmp_path, sdp_cache)
     stopped_at = time.time()
     step = check_interrupted(run_dir, signum, proc.returncode, stderr, updates_per_step=1)
     assert gone(pid) and not scratch.exists(), "sdp's end stops its engine process and removes its files"
+    assert all(gone(p) for p in rollout_pids(run_dir)), "and its rollout process"
     done = run_sdp(["train", f"resume={run_dir}"], env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_id = f"{signal.Signals(signum).name}, local engine process"
@@ -147,10 +159,50 @@ def test_kill_9_of_sdp_leaves_no_engine_process(tmp_path, sdp_cache):
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     (pid,) = engine_pids(run_dir)
     (scratch,) = scratches(run_dir)
-    wait_for(lambda: gone(pid) and not scratch.exists(), 10, "the orphaned engine process to clean up and exit")
+    (rollout,) = rollout_pids(run_dir)
+    wait_for(lambda: gone(rollout) and gone(pid) and not scratch.exists(), 10,
+             "the orphaned rollout and engine processes to clean up and exit")  # fmt: skip
     done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     run_id = "kill -9 of sdp with its engine process"
     _finished(run_dir, steps, run_id, done.stdout, done.stderr)
     back = first_step_time_after(run_dir, 0, killed_at)
     report.fault("kill -9", "sdp with its local engine process", run_id, back - killed_at)
+
+
+def test_a_killed_rollout_process_stops_the_run_at_a_step_and_the_resume_goes_on(tmp_path, sdp_cache):
+    """kill -9 of the rollout process mid-run: sdp stops at its step boundary with one line that
+    names the rollout process and its log (exit code 2, a ``stopped`` event), the engine's process
+    and its scratch directory go with it, and the resume reaches the target from the last
+    checkpoint with nothing lost or duplicated."""
+    steps = 30
+    run_dir = tmp_path / "run"
+    env = sdp_env(sdp_cache)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdp_cli", "train", *_args(run_dir, steps, "train.checkpoint_every=4")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    wait_for(lambda: len(metrics(run_dir)) >= 6, 600, "step 6", proc)
+    (rollout,) = rollout_pids(run_dir)
+    (engine,) = engine_pids(run_dir)
+    (scratch,) = scratches(run_dir)
+    os.kill(rollout, signal.SIGKILL)
+    killed_at = time.time()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: training stopped at step (\d+): the rollout process stopped answering: it was killed by SIGKILL; "
+        rf"see {re.escape(str(run_dir))}/logs/rollout\.log \(last line: .*\); .*resume with: sdp train "
+        rf"resume={re.escape(str(run_dir))}.*",
+        line,
+    ), line
+    assert events(run_dir)[-1]["event"] == "stopped"
+    wait_for(lambda: gone(engine) and not scratch.exists(), 10, "the engine process to leave with the rollout process")
+    done = run_sdp(["train", f"resume={run_dir}"], env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = "rollout process killed -9"
+    _finished(run_dir, steps, run_id, done.stdout, done.stderr)
+    assert all(gone(p) for p in rollout_pids(run_dir))
+    back = first_step_time_after(run_dir, 0, killed_at)
+    report.fault("kill -9", "the rollout process, mid-run", run_id, back - killed_at)

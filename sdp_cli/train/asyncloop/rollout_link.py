@@ -31,6 +31,7 @@ import json
 import logging
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -362,18 +363,18 @@ class RolloutLink:
             try:
                 send_frame(self._sock, request)
                 answer = receive_frame(self._sock, self._check_alive)
-            except RolloutProcessLost as exc:
-                self._lost = str(exc)
+            except RolloutProcessLost:
+                self._lost = "the rollout process has stopped"
                 raise
             except OSError as exc:
-                self._lost = self._gone(f"the link to it failed ({exc})")
-                raise RolloutProcessLost(self._lost) from None
+                self._lost = "the rollout process has stopped"
+                raise RolloutProcessLost(self._gone(f"the link to it failed ({exc.strerror or exc})")) from None
             except BaseException:
                 self._lost = "a call to the rollout process was cut off"
                 raise
             if answer is None:
-                self._lost = self._gone("it closed the link")
-                raise RolloutProcessLost(self._lost)
+                self._lost = "the rollout process has stopped"
+                raise RolloutProcessLost(self._gone("it closed the link"))
         for logger_name, level, message in answer.get("log", []):
             logging.getLogger(logger_name).log(level, "%s", message)
         if "error" in answer:
@@ -383,18 +384,29 @@ class RolloutLink:
     def _check_alive(self) -> None:
         code = self._process.poll()
         if code is not None:
-            raise RolloutProcessLost(self._gone(f"it exited with code {code}"))
+            raise RolloutProcessLost(self._gone(None))
 
-    def _gone(self, how: str) -> str:
-        return f"the rollout process stopped answering: {how}; see {self.log_path}: {self._log_tail()}"
-
-    def _log_tail(self, lines: int = 3) -> str:
+    def _gone(self, failure: str | None) -> str:
+        """Why the rollout process stopped answering: its exit (waited for a moment: a killed
+        process closes the link before it is reaped), else ``failure``; and its log's last line."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            code = self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None and code < 0:
+            how = f"it was killed by {signal.Signals(-code).name}"
+        elif code is not None:
+            how = f"it exited with code {code}"
+        else:
+            how = failure or "it does not answer"
+        return f"the rollout process stopped answering: {how}; see {self.log_path} (last line: {self._last_log_line()})"
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
         except OSError:
-            return "(no log)"
-        tail = [line.strip() for line in text.strip().splitlines()[-lines:]]
-        return " | ".join(tail) if tail else "(empty log)"
+            return "no log"
+        return lines[-1].strip() if lines else "empty"
 
     # -------------------------------------------------------------- RolloutSide's methods
     def start(self) -> None:
