@@ -120,7 +120,7 @@ def main() -> None:
     # warm the warm-start cache once so that no configuration pays for it
     run_once([*CONFIGS[0][2], *engine], 1, root, cache)
 
-    # the trainer's step on the threads it gets when η > 0 (train/session/run.py thread_counts)
+    # the trainer's step on the threads it gets when η > 0 (train/session/placement.py thread_counts)
     half = max(1, (os.cpu_count() or 1) // 2)
     plan = [(mode, eta, overrides, False) for mode, eta, overrides in CONFIGS]
     plan += [(mode, eta, overrides, True) for mode, eta, overrides in CONFIGS if eta == 0]

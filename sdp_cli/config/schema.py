@@ -166,8 +166,10 @@ class TrainConfig:
     steps: int = 300
     """training steps (= weight versions produced)."""
     threads: int | None = None
-    """torch threads; null = one per worker when rollouts overlap training, all cores when η = 0
-    (the recompute pass, which runs while generation is paused, uses all cores unless this is set)."""
+    """torch threads; null = half the cores each for trainer and engine when rollouts overlap
+    training (each process pinned to its half when the rollout side runs in its own process),
+    all cores when η = 0; a set value pins nothing (the recompute pass in sdp's process, which
+    runs while generation is paused, uses all cores unless this is set)."""
     checkpoint_every: int = 50
     """write a resumable checkpoint every N steps (0 = only at the end)."""
     keep_version_checkpoints: bool = False

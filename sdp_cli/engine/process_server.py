@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     print(
-        f"sdp local engine: pid {os.getpid()}, {torch.get_num_threads()} thread(s), model loaded in "
+        f"sdp local engine: pid {os.getpid()}, {torch.get_num_threads()} thread(s), cores "
+        f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}, model loaded in "
         f"{time.perf_counter() - started:.2f} s, serving on {args.host}:{args.port}, scratch {args.scratch}",
         flush=True,
     )

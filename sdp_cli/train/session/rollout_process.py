@@ -37,6 +37,7 @@ from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place
 from sdp_cli.rundir import RunDir
 from sdp_cli.train.asyncloop.rollout_link import RolloutLink, error_to_json, receive_frame, send_frame, serve
+from sdp_cli.train.session.placement import pin_process
 
 #: the rollout process's log in the run's logs directory
 LOG_NAME = "rollout.log"
@@ -52,10 +53,12 @@ def start_rollout_process(
     ledger_offset: int | None,
     device: Any,
     engine_threads: int | None,
+    cores: list[int] | None,
 ) -> RolloutLink:
     """Start the rollout process of a run whose engine builds in two halves
     (``EngineKind.own_process``) and return the link to it, once its engine is up. The engine's
-    failure to start is raised here as in sdp's process (``EngineUnavailable`` …)."""
+    failure to start is raised here as in sdp's process (``EngineUnavailable`` …). ``cores``:
+    where it and its engine's process run (``placement.core_split``; None: anywhere)."""
     kind = engine_kind(cfg.engine.kind)
     recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads)
     scratch = Path(recipe["scratch"])
@@ -100,6 +103,7 @@ def start_rollout_process(
                 "stop_token_ids": list(stop_token_ids),
                 "max_new_tokens": max_new_tokens,
                 "ledger_offset": ledger_offset,
+                "cores": cores,
             }
         )
     except BaseException:
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     if recipe is None:
         return
     started = time.perf_counter()
+    if recipe["cores"] is not None:
+        pin_process(recipe["cores"])  # before the engine's process starts: it inherits them
     try:
         side = _build(recipe)
     except Exception as exc:  # noqa: BLE001 - sdp reports it as its own
@@ -179,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     print(
-        f"sdp rollout process: pid {os.getpid()}, started in {time.perf_counter() - started:.2f} s",
+        f"sdp rollout process: pid {os.getpid()}, cores {','.join(map(str, sorted(os.sched_getaffinity(0))))}, "
+        f"started in {time.perf_counter() - started:.2f} s",
         flush=True,
     )
     try:

@@ -43,6 +43,7 @@ from sdp_cli.train.asyncloop.rollout_link import RolloutLink
 from sdp_cli.train.asyncloop.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.step.batch import assemble_batch
 from sdp_cli.train.asyncloop.distributed import Coordinator
+from sdp_cli.train.session.placement import core_split, pin_process, thread_counts
 from sdp_cli.train.session.policy_setup import (
     PromptCodec,
     WholePolicy,
@@ -64,26 +65,6 @@ from sdp_cli.train.session.start import RunStart, config_dict, open_run
 from sdp_cli.train.session.trackers import active_trackers, open_trackers
 from sdp_cli.train.session.task_setup import prepare_task
 from sdp_cli.train.step.trainer import Trainer
-
-
-# ------------------------------------------------------------------- helpers
-def thread_counts(cfg: SdpConfig) -> tuple[int, int]:
-    """torch's intra-op threads of (the trainer, the engine): the local engine's process, or with
-    ``engine.in_process`` the rollout producer thread it generates in.
-
-    η > 0: generation and training overlap, so each gets its own half of the cores (or
-    ``train.threads`` each). η = 0: the two phases alternate; the trainer takes every core (or
-    ``train.threads``) and the engine one thread. A second multi-threaded OpenMP pool taking
-    turns with the trainer's on the same cores slows both phases: measured on 2 cores in one
-    process, the trainer's step took 0.105 s instead of 0.051 s and generation 0.040 s instead of
-    0.028 s (docs/training.md "Staleness and threads")."""
-    cores = os.cpu_count() or 1
-    overlap = cfg.rollout.max_head_offpolicyness > 0
-    if cfg.train.threads is not None:
-        trainer = cfg.train.threads
-    else:
-        trainer = max(1, cores // 2) if overlap else cores
-    return trainer, trainer if overlap else 1
 
 
 # ---------------------------------------------------------------------- run
@@ -275,6 +256,7 @@ class TrainingRun:
         processes"), else in this process."""
         cfg = self.cfg
         if engine_kind(cfg.engine.kind).own_process(cfg):
+            split = self._core_split()
             return start_rollout_process(
                 cfg,
                 policy=self.whole.get(),
@@ -284,6 +266,7 @@ class TrainingRun:
                 ledger_offset=ledger_offset,
                 device=self.coordinator.accelerator.device,
                 engine_threads=thread_counts(cfg)[1],
+                cores=None if split is None else split[1],
             )
         engine = build_engine(
             cfg, self.whole.get(), self.run_dir, device=self.coordinator.accelerator.device, threads=thread_counts(cfg)[1]
@@ -305,6 +288,13 @@ class TrainingRun:
             recompute_threads=cfg.train.threads or os.cpu_count(),
             rollout_threads=thread_counts(cfg)[1],
         )
+
+    def _core_split(self) -> tuple[list[int], list[int]] | None:
+        """The cores of (this process, the rollout process) while the loop runs, or None
+        (``placement.core_split``)."""
+        cfg = self.cfg
+        own = engine_kind(cfg.engine.kind).own_process(cfg)
+        return core_split(cfg, own_process=own, device=self.coordinator.accelerator.device.type)
 
     def _sync_engine(self, version: int) -> None:
         """Make the engine run the trainer's weights as ``version``. The local engine and a
@@ -433,6 +423,10 @@ class TrainingRun:
         gc.freeze()
         # The session's clock (its steps/s) times the loop alone: not that collection, which is
         # setup's, nor closing the engine and the pools below.
+        split = self._core_split()
+        everywhere = os.sched_getaffinity(0)
+        if split is not None:
+            pin_process(split[0])  # the trainer's half (docs/training.md "Staleness and threads")
         t0 = time.perf_counter()
         try:
             self.loop.run()
@@ -443,6 +437,8 @@ class TrainingRun:
             raise
         finally:
             gc.unfreeze()  # a process that trains again (a sweep's worker) can free this run's objects
+            if split is not None:
+                pin_process(everywhere)  # the final evaluation, and a process that trains again
         wall = time.perf_counter() - t0
         # the other ranks still follow: checkpoints and evaluations may gather from them
         self.close()
