@@ -1,4 +1,5 @@
-"""Benchmark of `sdp train` on the tiny model (local engine, in its own process): steps/s and
+"""Benchmark of `sdp train` on the tiny model (local engine and rollout side in processes of their
+own, docs/training.md "Three processes"): steps/s and
 tokens/s for η = 0 (synchronous) vs η = 4 (asynchronous), and the share of wall time spent in
 the segment-wise recompute pass: in total (mostly ahead of the weight push, overlapping
 training) and the part the trainer waited for at weight pushes.
@@ -15,7 +16,7 @@ nothing, = (η = 0 seconds per step) / (the trainer's step on its η > 0 share o
 A second table splits each configuration's step into parts (``step_parts``): the trainer's
 step here and alone, waiting, the trainer's part of the push and the rest, so that at η > 0 the
 distance to the ceiling is shown by cause, with the speedup left without the sharing and the
-waiting (the most that moving the rollout producer out of sdp's process could buy). The last
+waiting (what a trainer that nothing slows and that never waits for a batch would reach). The last
 lines check the targets of issue 26: η = 4
 at least 1.15× η = 0 for both modes (at least 93 % of the ceiling), segment-wise η = 4 within
 5 % of decoupled η = 4. Every repeat runs all six configurations one after another, in an order
@@ -29,7 +30,7 @@ average before and after is printed and stored: numbers measured under load are 
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
     python bench/train.py --steps 20 --repeats 1
-    python bench/train.py --in-process   # the local engine in sdp's process (engine.in_process)
+    python bench/train.py --in-process   # engine and rollout side in sdp's process (engine.in_process)
     python bench/train.py --set rollout.groups_per_request=16   # Hydra overrides for every run
     python bench/train.py --judge bench/results/train.json     # the verdicts of a stored run, again
 """
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train.json")
-    parser.add_argument("--in-process", action="store_true", help="run the local engine in sdp's process")
+    parser.add_argument("--in-process", action="store_true", help="run the local engine and the rollout side in sdp's process")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
     )
@@ -194,7 +195,7 @@ def main() -> None:
         args.out,
         "train",
         config="defaults (tiny model h128-L4, arith1, B=16 groups × 8 samples, local engine "
-        + ("in sdp's process)" if args.in_process else "in its own process)")
+        + ("and rollout side in sdp's process)" if args.in_process else "and rollout side in processes of their own)")
         + "".join(f", {o}" for o in args.set),
         rows=rows,
         targets=targets,
@@ -210,7 +211,7 @@ def step_parts(runs: list[dict], alone_s: float, *, overlapped: bool) -> dict[st
     """Where a configuration's step goes, ms per step (medians over its runs): the whole step;
     the trainer's step (batch assembly included, ``time/train_s``) here and alone on its η > 0
     share of the cores; ``sharing``, the difference: what running beside generation, the
-    recompute pass and sdp's other threads costs the trainer's step; waiting for a batch; the
+    recompute pass and the other processes' and threads' work costs the trainer's step; waiting for a batch; the
     trainer's part of the weight push (``time/push_s``); ``loop``, the loop's own work between
     steps (metrics, logging: ``run_once``'s ``loop_seconds_per_step``); and ``start_end``, the
     rest: the run's start and end (its last checkpoint, stopping the producer) spread over its
@@ -238,10 +239,9 @@ def step_parts(runs: list[dict], alone_s: float, *, overlapped: bool) -> dict[st
 
 
 def speedup_without_sharing(rows: list[dict]) -> None:
-    """For each η > 0 row, the speedup over its mode's η = 0 step if sharing the trainer's
-    interpreter and waiting for batches cost nothing (``speedup_without_sharing``): the most that
-    moving the rollout producer out of sdp's process could buy, an estimate from the parts; the
-    push, the loop's own work and the run's start and end stay."""
+    """For each η > 0 row, the speedup over its mode's η = 0 step if sharing the machine and
+    waiting for batches cost nothing (``speedup_without_sharing``), an estimate from the parts;
+    the push, the loop's own work and the run's start and end stay."""
     sync = {r["mode"]: r["step_parts_ms"]["step"] for r in rows if r["max_head_offpolicyness"] == 0}
     for r in rows:
         p = r["step_parts_ms"]
@@ -264,12 +264,11 @@ def print_step_parts(rows: list[dict]) -> None:
             p = r["step_parts_ms"]
             print(
                 f"{r['mode']} η={r['max_head_offpolicyness']}: {p['step'] - p['trainer_alone']:.1f} ms per step above the "
-                f"trainer's step alone (the ceiling's): sharing the machine and sdp's process {p['sharing']:.1f}, "
+                f"trainer's step alone (the ceiling's): sharing the machine {p['sharing']:.1f}, "
                 f"waiting {p['waiting']:.1f}, the push {p['push']:.1f}, the loop {p['loop']:.1f}, the run's start "
                 f"and end {p['start_end']:.1f}"
                 + (
-                    f"; without the sharing and the waiting {r['speedup_without_sharing']:.2f}× η=0 (the most the "
-                    "producer out of sdp's process could buy)"
+                    f"; without the sharing and the waiting {r['speedup_without_sharing']:.2f}× η=0"
                     if "speedup_without_sharing" in r
                     else ""
                 )

@@ -145,6 +145,6 @@ def test_step_parts_are_printed_with_the_loss_to_the_ceiling(bench, capsys):
     printed = capsys.readouterr().out
     assert "without the sharing and the waiting 1.20× η=0" in printed
     assert "decoupled η=4: 50.0 ms per step above the trainer's step alone" in printed
-    assert "sharing the machine and sdp's process 10.0, waiting 10.0, the push 5.0, the loop 15.0" in printed
+    assert "sharing the machine 10.0, waiting 10.0, the push 5.0, the loop 15.0" in printed
     assert "the run's start and end 10.0" in printed
     assert "decoupled η=0" in printed and "–" in printed  # no sharing at η = 0

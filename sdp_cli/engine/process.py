@@ -1,17 +1,17 @@
 """``engine=local``: sdp's own engine in its own process, spoken to as a remote engine.
 
 The process (``sdp_cli/engine/process_server.py``) runs a ``LocalEngine`` with its own
-interpreter and torch threads, so generation, the recompute pass and training no longer share
-sdp's interpreter (docs/training.md "What asynchrony buys on a CPU"). The trainer reaches it
-through ``RemoteEngine``, the path the vLLM and SGLang clients take: segments, versions checked
+interpreter and torch threads. The rollout side reaches it (from the rollout process: docs/training.md
+"Three processes") through ``RemoteEngine``, the path the vLLM and SGLang clients take: segments, versions checked
 against labels, pause by abort and resubmission with re-prefill, restores after an outage. This
 dialect sends batches (``batched_requests``): one request per round of segments, decoded by the
 engine as one batch, and one scoring request per pass.
 
 Weights (docs/engines.md "The local engine's process"): the start-up policy and every push are
 safetensors files in a scratch directory on tmpfs (``/dev/shm``, else the temporary directory),
-written by sdp and read by the process; nothing is pickled. The current version's file stays
-until the next push, so that a restarted process gets it again. The process is launched like a
+written by sdp (``prepare``; a push by sdp's process into its slot, ``WeightSlots``, or here from a
+state dict) and read by the process; nothing is pickled. The current version's file stays until
+a newer one is loaded, so that a restarted process gets it again. The process is launched like a
 server (``servers.ManagedServer``): loopback only, a random token in its environment, a log in
 ``<run>/logs/local_engine.log``; a process that exited is started again when it stops answering.
 """
