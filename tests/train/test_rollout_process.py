@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from ..reliability.harness import check_finished_run, events, metrics, sdp_env
 from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version

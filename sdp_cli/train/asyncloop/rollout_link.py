@@ -11,9 +11,9 @@ percent of it another thread held cost the one-thread step 1–2 ms).
 The trainer's process holds a ``RolloutLink``: ``RolloutSide``'s methods that the loop and the
 session call, each one forwarded as one request over a Unix socket pair and answered by
 ``serve`` in the rollout process, one at a time, in order. A message is a frame: four bytes of
-length (big-endian) and a JSON object. Groups travel as the JSON their checkpoints hold
-(``RolloutGroup.to_dict``); the trainer's weights as a safetensors file the link writes into the
-engine's scratch directory on tmpfs (``PackedWeights``), which the engine process reads; errors as
+length (big-endian) and a JSON object. Groups travel in columns (``encode_groups``); the trainer's
+weights as a safetensors file the link packs straight into a push slot in the engine's scratch
+directory on tmpfs (``WeightSlots``), which the engine process reads; errors as
 their kind, message and details, raised again in the trainer's process as the same class
 (``error_from_json``); warnings the rollout process logs come back with the next answer and are
 logged again under the same logger. Nothing is pickled.
@@ -36,7 +36,6 @@ import socket
 import struct
 import subprocess
 import threading
-import time
 import traceback
 from array import array
 from collections.abc import Callable
@@ -53,7 +52,6 @@ from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.asyncloop.loop_state import LoopCounters, LoopInterrupted, LoopStopped
 from sdp_cli.train.asyncloop.rollout import RolloutSide, StepReport
 
-logger = logging.getLogger(__name__)
 
 #: a frame's length prefix
 _LENGTH = struct.Struct(">I")
