@@ -1,17 +1,21 @@
 """What a weight push to the local engine's process costs the trainer's thread, and the file write.
 
-Every step of a run on the local engine's process packs the trainer's weights into one buffer
-(``sdp_cli/engine/weight_file.py``, in the trainer's thread) and writes it as a safetensors file
-on tmpfs (in the push's thread at η > 0). This bench times the parts on a model's state dict,
-one torch thread as the trainer has at η > 0:
+Every step of a run on the local engine's process writes the trainer's weights as a safetensors
+file on tmpfs, which the engine's process loads (``sdp_cli/engine/weight_file.py``). From sdp's
+process, with the rollout side in its own (docs/training.md "Three processes"), the trainer's
+thread packs them straight into a mapped slot file (``WeightSlots``); a ``ProcessEngine`` given
+a state dict packs them into a buffer and writes that. This bench times the parts on a model's
+state dict, one torch thread as the trainer has at η > 0:
 
   pack, fresh    ``PackedWeights`` into a newly allocated buffer (every page faulted in again);
   pack, reused   into the buffer of the previous push (``spare=``, what ``ProcessEngine`` does);
-  write          the file to tmpfs (``/dev/shm`` when writable), removed after each write.
+  write          that buffer's file to tmpfs (``/dev/shm`` when writable), removed after each write;
+  slot           ``WeightSlots.write`` into a slot written before (its mapping kept): the whole
+                 push of the trainer's thread in a run with a rollout process.
 
 Shapes: the tiny model of ``sdp train``'s default, and SmolLM2-135M's (its config, random weights:
 the real small model this project runs on a CPU). Each is packed as float32 (a float32 engine)
-and as bfloat16 (``engine.dtype=bfloat16``). The three parts alternate within each repeat; medians.
+and as bfloat16 (``engine.dtype=bfloat16``). The parts alternate within each repeat; medians.
 Prints a table, writes bench/results/weight_push.json with the load average before and after.
 
     python bench/weight_push.py                       # both shapes, 7 repeats
@@ -31,7 +35,7 @@ import torch
 from _results import write_results
 
 from sdp_cli.engine.process import scratch_root
-from sdp_cli.engine.weight_file import PackedWeights
+from sdp_cli.engine.weight_file import PackedWeights, WeightSlots
 
 #: SmolLM2-135M-Instruct's shape (its config.json): a Llama of 30 layers, 576 wide, tied embeddings
 SMOLLM2 = dict(
@@ -64,20 +68,27 @@ def measure(
 ) -> tuple[dict[str, list[float]], int]:
     """Seconds of each part, ``repeats`` times, the parts alternating (after one warm-up round);
     and the pack's size in bytes."""
-    times: dict[str, list[float]] = {"pack_fresh": [], "pack_reused": [], "write": []}
+    times: dict[str, list[float]] = {"pack_fresh": [], "pack_reused": [], "write": [], "slot": []}
     spare = PackedWeights(weights, dtype).release()
     path = scratch / "model.safetensors"
-    for i in range(repeats + 1):
-        fresh = timed(lambda: PackedWeights(weights, dtype))
-        packed: list[PackedWeights] = []
-        reused = timed(lambda: packed.append(PackedWeights(weights, dtype, spare=spare)))
-        write = timed(lambda: packed[0].write(path))
-        path.unlink()
-        spare = packed[0].release()
-        if i:  # the first round warms the allocator and the page cache
-            times["pack_fresh"].append(fresh)
-            times["pack_reused"].append(reused)
-            times["write"].append(write)
+    slots = WeightSlots(scratch / "slots", "model.safetensors")
+    try:
+        for i in range(repeats + 1):
+            fresh = timed(lambda: PackedWeights(weights, dtype))
+            packed: list[PackedWeights] = []
+            reused = timed(lambda: packed.append(PackedWeights(weights, dtype, spare=spare)))
+            write = timed(lambda: packed[0].write(path))
+            path.unlink()
+            spare = packed[0].release()
+            slots.write(0, weights, dtype)  # the slot as a run finds it: written three pushes before
+            slot = timed(lambda: slots.write(WeightSlots.SLOTS, weights, dtype))
+            if i:  # the first round warms the allocator and the page cache
+                times["pack_fresh"].append(fresh)
+                times["pack_reused"].append(reused)
+                times["write"].append(write)
+                times["slot"].append(slot)
+    finally:
+        slots.close()
     return times, spare.numel()  # the first pack's buffer, made to measure and reused since
 
 
@@ -94,7 +105,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     torch.set_num_threads(1)  # the trainer's share at η > 0 on 2 cores
     rows = []
-    print(f"{'shape':<14} {'dtype':<9} {'MB':>7} {'pack fresh ms':>14} {'pack reused ms':>15} {'write ms':>9}")
+    print(f"{'shape':<14} {'dtype':<9} {'MB':>7} {'pack fresh ms':>14} {'pack reused ms':>15} {'write ms':>9} {'slot ms':>8}")
     with tempfile.TemporaryDirectory(prefix="sdp-bench-push-", dir=scratch_root()) as scratch:
         for shape in shapes:
             weights = state_dict(shape)
@@ -108,7 +119,7 @@ def main() -> None:
                 })  # fmt: skip
                 print(
                     f"{shape:<14} {rows[-1]['dtype']:<9} {size / 1e6:7.1f} {medians['pack_fresh']:14.2f} "
-                    f"{medians['pack_reused']:15.2f} {medians['write']:9.2f}"
+                    f"{medians['pack_reused']:15.2f} {medians['write']:9.2f} {medians['slot']:8.2f}"
                 )
     load_after = os.getloadavg()[0]
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after; tmpfs: {scratch_root()}")

@@ -24,7 +24,7 @@ def test_the_bench_writes_one_row_per_shape_and_dtype(tmp_path):
     # a bfloat16 pack holds the floats at half the bytes (the tiny model's weights are all floats)
     assert rows["bfloat16"]["bytes"] * 2 == rows["float32"]["bytes"]
     for row in rows.values():
-        for part in ("pack_fresh", "pack_reused", "write"):
+        for part in ("pack_fresh", "pack_reused", "write", "slot"):
             assert len(row[f"{part}_ms_all"]) == 2 and row[f"{part}_ms_median"] > 0
         assert f"{row['bytes'] / 1e6:7.1f}" in done.stdout
 
