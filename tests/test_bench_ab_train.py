@@ -1,0 +1,87 @@
+"""bench/ab_train.py: the paired after/before ratios and their verdicts (hand-computed), and a run
+end to end on the fast config with one checkout as both sides."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench" / "ab_train.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH.parent))  # its _results import
+    try:
+        spec = importlib.util.spec_from_file_location("ab_train", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+
+def test_the_ratios_are_paired_and_their_interval_is_of_the_log_ratios(bench):
+    # pairs 10→11, 10→12, 20→22: ratios 1.1, 1.2, 1.1; median 1.1; logs 0.09531, 0.18232,
+    # 0.09531: mean 0.12431, geometric mean exp(0.12431) = 1.1324; sd 0.05024, se 0.02900,
+    # t(0.975, 2) = 4.3027: interval exp(0.12431 ∓ 0.12479) = 0.9995–1.2829
+    result = bench.compare([10.0, 10.0, 20.0], [11.0, 12.0, 22.0])
+    assert result["ratios"] == pytest.approx([1.1, 1.2, 1.1])
+    assert result["ratio_median"] == pytest.approx(1.1)
+    assert result["geometric_mean"] == pytest.approx(1.1324, abs=1e-4)
+    assert (result["low"], result["high"]) == pytest.approx((0.9995, 1.2829), abs=1e-4)
+    assert result["p"] > 0.05  # the interval holds 1
+
+
+def test_one_pair_has_no_test(bench):
+    result = bench.compare([10.0], [12.0])
+    assert result["ratio_median"] == pytest.approx(1.2) and result["p"] is None and result["low"] is None
+
+
+def test_verdicts_are_holm_adjusted_over_the_configurations(bench):
+    # p 0.01, 0.02, 0.2 over three configurations: Holm gives 0.01·3 = 0.03, max(0.03, 0.02·2)
+    # = 0.04 (both under 0.05: shown) and max(0.04, 0.2·1) = 0.2 (not shown); a configuration
+    # with one pair has no test and no verdict
+    rows = [
+        {"p": 0.01, "geometric_mean": 1.2},
+        {"p": 0.02, "geometric_mean": 0.9},
+        {"p": 0.2, "geometric_mean": 1.5},
+        {"p": None, "geometric_mean": 2.0},
+    ]
+    bench.verdicts(rows)
+    assert [r.get("verdict") for r in rows] == ["faster", "slower", "no difference shown", None]
+    assert rows[0]["p_holm"] == pytest.approx(0.03) and rows[2]["p_holm"] == pytest.approx(0.2)
+
+
+def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
+    out = tmp_path / "ab.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--before", str(ROOT), "--after", str(ROOT), "--pairs", "2", "--steps", "3",
+         "--modes", "decoupled", "--etas", "1", "--set", "+debug=fast", "--set", "engine.in_process=true", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (row["mode"], row["max_head_offpolicyness"], row["pairs"]) == ("decoupled", 1, 2)
+    assert len(row["before_steps_per_second"]) == len(row["after_steps_per_second"]) == 2
+    assert row["ratios"] == pytest.approx([a / b for a, b in zip(row["after_steps_per_second"], row["before_steps_per_second"])])
+    assert math.isfinite(row["p_holm"]) and row["verdict"] in ("faster", "slower", "no difference shown")
+    assert result["before"]["path"] == str(ROOT) and result["overrides"] == ["+debug=fast", "engine.in_process=true"]
+    assert f"{row['ratio_median']:.3f}×" in done.stdout
+
+
+def test_a_directory_that_is_no_checkout_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--before", str(tmp_path), "--after", str(ROOT), "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "not an sdp checkout" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "x.json").exists()
