@@ -465,9 +465,9 @@ class RewardPool:
 
     def submit_groups(self, groups: Sequence[tuple[Sequence[Callable[[], RewardValue]], Sequence[str], Done]]) -> None:
         """``submit`` for several groups (calls, wheres, done) at once, as at most one job per
-        worker: each hand-off between threads costs the trainer's step the interpreter for a
-        while (docs/training.md "What asynchrony buys on a CPU"), so a round of generation makes a
-        few instead of one per group. Each ``done`` gets its own group's results; an error that
+        worker: each hand-off between threads takes the interpreter for a while from the process's
+        other threads (docs/training.md "What asynchrony buys on a CPU"), so a round of generation
+        makes a few instead of one per group. Each ``done`` gets its own group's results; an error that
         stops the run reaches every group of its job."""
         jobs = min(len(self._slots), len(groups))
         for j in range(jobs):

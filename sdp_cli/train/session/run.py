@@ -189,9 +189,10 @@ class TrainingRun:
             print("note: train.parallel=fsdp in one process: nothing to shard, the model trains whole", file=sys.stderr)
 
         self.eval_rewards = RewardPool(kind=cfg.task.reward_pool, name=f"of task {self.task.name}", rules=RewardRules.of(cfg.task))
-        attached = engine_kind(cfg.engine.kind).attaches(cfg)
-        how = f"attaching to {len(cfg.engine.urls)} server(s)" if attached else "starting"
-        with self.display.phase(f"{cfg.engine.kind} engine: {how}") as phase:
+        kind = engine_kind(cfg.engine.kind)
+        how = f"attaching to {len(cfg.engine.urls)} server(s)" if kind.attaches(cfg) else "starting"
+        what = f"rollout process and {cfg.engine.kind} engine" if kind.own_process(cfg) else f"{cfg.engine.kind} engine"
+        with self.display.phase(f"{what}: {how}") as phase:
             # A resume cuts the ledger back to the checkpoint: later fates belong to the crashed
             # session (sdp_cli/train/asyncloop/ledger.py).
             self.rollout = self._start_rollout(
