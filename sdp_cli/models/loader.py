@@ -28,7 +28,7 @@ from sdp_cli.models.model_dir import is_hub_id, resolve_model_dir
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
-from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, charset_of
+from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, load_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
 from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
@@ -218,31 +218,6 @@ def load_hf_policy(path: str | Path) -> Policy:
             f"cannot load model directory {directory}: {type(err).__name__}: {first_line}; {_model_dir_fix(path)}"
         ) from None
     return _policy(model, tokenizer, directory, str(path) if hub else str(directory.resolve()))
-
-
-def load_tokenizer(directory: Path) -> Any:
-    """The tokenizer saved in the local model directory ``directory``: sdp's character tokenizer
-    rebuilt (``build_tokenizer``) when tokenizer.json holds one, in any sdp version's spelling,
-    since ``AutoTokenizer`` swaps Qwen's byte-level pipeline in for it (sdp_cli/models/tokenizer.py);
-    any other tokenizer as ``AutoTokenizer`` loads it."""
-    from transformers import AutoTokenizer
-
-    charset = _saved_charset(directory / "tokenizer.json")
-    if charset is not None:
-        return build_tokenizer(charset)
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-
-
-def _saved_charset(path: Path) -> str | None:
-    """The charset of the character tokenizer saved in ``path``; None for any other (or no,
-    or unreadable: ``AutoTokenizer`` then names the problem) tokenizer.json."""
-    try:
-        model = json.loads(path.read_text(encoding="utf-8")).get("model")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(model, dict) or model.get("type") != "WordLevel" or not isinstance(model.get("vocab"), dict):
-        return None
-    return charset_of(model["vocab"])
 
 
 def _policy(model: Any, tokenizer: Any, source: Path, name: str) -> Policy:

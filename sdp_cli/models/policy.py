@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -47,3 +49,41 @@ def encode_prompt(tokenizer: "PreTrainedTokenizerBase", text: str) -> list[int]:
 def decode(tokenizer: "PreTrainedTokenizerBase", token_ids: Sequence[int]) -> str:
     """Completion text; special tokens are kept so that a stray one cannot look like a right answer."""
     return tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+
+#: prompts whose ids ``PromptCodec`` keeps (a built-in task has fewer; a data set's epochs repeat)
+PROMPT_CACHE_SIZE = 4096
+
+
+class PromptCodec:
+    """Prompt encoding and completion decoding of a policy (the stop token is not text).
+
+    Prompt ids are cached: the producer encodes every group's prompt, in sdp's process with
+    ``engine.in_process=true`` holding the GIL the trainer's step needs (docs/benchmarks.md),
+    and a tokenizer maps the same text to the same ids."""
+
+    def __init__(self, policy: Any):
+        self.policy = policy
+        self.stop_token_ids = {int(policy.eos_token_id)}
+        self._encoded = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
+            lambda text: tuple(policy.encode_prompt(text))
+        )
+
+    @classmethod
+    def of_tokenizer(cls, tokenizer: Any, eos_token_id: int) -> PromptCodec:
+        """The codec of a policy of which only the tokenizer is here (the rollout process)."""
+        return cls(
+            types.SimpleNamespace(
+                encode_prompt=functools.partial(encode_prompt, tokenizer),
+                decode=functools.partial(decode, tokenizer),
+                eos_token_id=eos_token_id,
+            )
+        )
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._encoded(text))
+
+    def decode_completion(self, token_ids: list[int]) -> str:
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
+        return self.policy.decode(token_ids)

@@ -18,7 +18,10 @@ vocabulary, in this spelling or the raw one sdp saved before, and rebuilds the t
 
 from __future__ import annotations
 
+import json
 import string
+from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
@@ -93,3 +96,28 @@ def build_tokenizer(charset: str = "arith") -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def load_tokenizer(directory: Path) -> Any:
+    """The tokenizer saved in the local model directory ``directory``: sdp's character tokenizer
+    rebuilt (``build_tokenizer``) when tokenizer.json holds one, in any sdp version's spelling,
+    since ``AutoTokenizer`` swaps Qwen's byte-level pipeline in for it (the module's docstring);
+    any other tokenizer as ``AutoTokenizer`` loads it."""
+    from transformers import AutoTokenizer
+
+    charset = _saved_charset(directory / "tokenizer.json")
+    if charset is not None:
+        return build_tokenizer(charset)
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def _saved_charset(path: Path) -> str | None:
+    """The charset of the character tokenizer saved in ``path``; None for any other (or no,
+    or unreadable: ``AutoTokenizer`` then names the problem) tokenizer.json."""
+    try:
+        model = json.loads(path.read_text(encoding="utf-8")).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(model, dict) or model.get("type") != "WordLevel" or not isinstance(model.get("vocab"), dict):
+        return None
+    return charset_of(model["vocab"])

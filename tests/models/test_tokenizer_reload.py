@@ -21,9 +21,8 @@ import sdp_cli.models.warm_start as ws
 from sdp_cli.config.compose import compose_config
 from sdp_cli.models import load_policy, save_policy
 from sdp_cli.models.export import export_policy
-from sdp_cli.models.loader import load_tokenizer
 from sdp_cli.models.tiny import tiny_arch
-from sdp_cli.models.tokenizer import CHARSETS, CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from sdp_cli.models.tokenizer import CHARSETS, CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer, load_tokenizer
 from sdp_cli.tasks import build_task
 from sdp_cli.train.session.policy_setup import save_checkpoint_policy, save_version
 

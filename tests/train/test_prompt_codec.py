@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sdp_cli.train.session.policy_setup import PROMPT_CACHE_SIZE, PromptCodec
+from sdp_cli.models.policy import PROMPT_CACHE_SIZE, PromptCodec
 
 
 @dataclass

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+import sys
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sdp_cli.rollout.recompute import RecomputeStats
-from sdp_cli.train.step.batch import TrainBatch
-from sdp_cli.train.step.trainer import StepOutput
+
+if TYPE_CHECKING:  # the rollout process imports this module, and neither torch nor the trainer
+    from sdp_cli.train.step.batch import TrainBatch
+    from sdp_cli.train.step.trainer import StepOutput
 
 
 class TextCodec(Protocol):
@@ -120,7 +121,12 @@ class PassTotals:
 
 @contextmanager
 def intra_op_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op threads for the calling thread set to ``count`` inside the block."""
+    """torch's intra-op threads for the calling thread set to ``count`` inside the block; nothing
+    in a process without torch (the rollout process: its engine computes in a process of its own)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     before = torch.get_num_threads()
     if count is None or count == before:
         yield

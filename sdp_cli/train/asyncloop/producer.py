@@ -20,8 +20,6 @@ import threading
 import time
 from typing import Callable
 
-import torch
-
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams
 from sdp_cli.errors import UserError, describe_exception, describe_os_error
 from sdp_cli.faults import fault_point
@@ -160,6 +158,8 @@ class RolloutProducer:
     # ============================================================ the producer thread
     def _produce(self) -> None:
         if self.rollout_threads is not None:  # per thread: the trainer's own count stays
+            import torch  # the engine computes in this process (in sdp's, beside the trainer)
+
             torch.set_num_threads(self.rollout_threads)
         rng = random.Random()
         rng.setstate(self.state.producer_rng)

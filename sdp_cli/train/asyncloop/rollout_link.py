@@ -44,7 +44,6 @@ from typing import Any
 
 from sdp_cli.engine.base import EngineError, EngineUnavailable, WeightUpdate
 from sdp_cli.engine.process import WEIGHTS_FILE
-from sdp_cli.engine.weight_file import WeightSlots
 from sdp_cli.errors import UserError
 from sdp_cli.faults import InjectedFault
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
@@ -341,6 +340,8 @@ class RolloutLink:
         self._lock = threading.Lock()
         self._lost: str | None = None
         self._closed = False
+        from sdp_cli.engine.weight_file import WeightSlots  # torch: the trainer's end only
+
         self._slots = WeightSlots(scratch, WEIGHTS_FILE)
 
     def begin(self, recipe: dict[str, Any]) -> None:

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import os
 import shutil
 import tempfile
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -181,45 +179,6 @@ def build_reference(
     model = load_initial().model if load_initial is not None else copy.deepcopy(policy.model)
     # frozen: no master copy needed, so it is stored in the compute dtype
     return cast_weights(model, DTYPES[cfg.train.dtype]).requires_grad_(False).eval()
-
-
-#: prompts whose ids ``PromptCodec`` keeps (a built-in task has fewer; a data set's epochs repeat)
-PROMPT_CACHE_SIZE = 4096
-
-
-class PromptCodec:
-    """Prompt encoding and completion decoding of a policy (the stop token is not text).
-
-    Prompt ids are cached: the producer encodes every group's prompt in the trainer's
-    interpreter, where each call holds the GIL the trainer's step needs (docs/benchmarks.md), and
-    a tokenizer maps the same text to the same ids."""
-
-    def __init__(self, policy: Any):
-        self.policy = policy
-        self.stop_token_ids = {int(policy.eos_token_id)}
-        self._encoded = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(
-            lambda text: tuple(policy.encode_prompt(text))
-        )
-
-    @classmethod
-    def of_tokenizer(cls, tokenizer: Any, eos_token_id: int) -> PromptCodec:
-        """The codec of a policy of which only the tokenizer is here (the rollout process)."""
-        from sdp_cli.models.policy import decode, encode_prompt
-
-        text = types.SimpleNamespace(
-            encode_prompt=functools.partial(encode_prompt, tokenizer),
-            decode=functools.partial(decode, tokenizer),
-            eos_token_id=eos_token_id,
-        )
-        return cls(text)
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self._encoded(text))
-
-    def decode_completion(self, token_ids: list[int]) -> str:
-        if token_ids and token_ids[-1] in self.stop_token_ids:
-            token_ids = token_ids[:-1]
-        return self.policy.decode(token_ids)
 
 
 def load_policy_from(

@@ -117,10 +117,10 @@ def _build(recipe: dict[str, Any]) -> Any:
     """The rollout side of ``recipe`` (``start_rollout_process``) with its engine started."""
     from sdp_cli.config.compose import config_from_dict
     from sdp_cli.engine.process import LAUNCH_DIR
-    from sdp_cli.models.loader import load_tokenizer
+    from sdp_cli.models.policy import PromptCodec
+    from sdp_cli.models.tokenizer import load_tokenizer
     from sdp_cli.train.asyncloop.ledger import LedgerLog
     from sdp_cli.train.asyncloop.rollout import RolloutSide
-    from sdp_cli.train.session.policy_setup import PromptCodec
     from sdp_cli.train.session.task_setup import prepare_task
 
     cfg = config_from_dict(recipe["config"])

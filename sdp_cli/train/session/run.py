@@ -37,6 +37,7 @@ from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.session import checkpoint as ckpt
+from sdp_cli.models.policy import PromptCodec
 from sdp_cli.train.asyncloop.ledger import LedgerLog
 from sdp_cli.train.asyncloop.rollout import RolloutSide
 from sdp_cli.train.asyncloop.rollout_link import RolloutLink
@@ -45,7 +46,6 @@ from sdp_cli.train.step.batch import assemble_batch
 from sdp_cli.train.asyncloop.distributed import Coordinator
 from sdp_cli.train.session.placement import core_split, pin_process, thread_counts
 from sdp_cli.train.session.policy_setup import (
-    PromptCodec,
     WholePolicy,
     bf16_note,
     describe_policy,

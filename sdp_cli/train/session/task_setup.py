@@ -43,7 +43,7 @@ def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
     if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
         return load_gguf_tokenizer(cfg.model.path)
     if cfg.model.kind == "hf":
-        from sdp_cli.models.loader import load_tokenizer as load_saved_tokenizer
+        from sdp_cli.models.tokenizer import load_tokenizer as load_saved_tokenizer
         from sdp_cli.models.model_dir import resolve_model_dir
 
         directory = resolve_model_dir(cfg.model.path or "")
