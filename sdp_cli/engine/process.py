@@ -189,10 +189,12 @@ class ProcessEngine(RemoteEngine):
         """A state dict packed into a private buffer (``PackedWeights``), its floating tensors in
         the process's weight dtype: the caller's tensors may change as soon as this returns, and
         ``update_weights`` writes the file."""
+        if update.state_dict is None:  # a file already (the rollout process, which has no torch)
+            return update
         from sdp_cli.engine.weight_file import PackedWeights  # torch, imported where it is used
         from sdp_cli.models.precision import DTYPES
 
-        if update.state_dict is None or isinstance(update.state_dict, PackedWeights):
+        if isinstance(update.state_dict, PackedWeights):
             return update
         dtype = DTYPES[self.weight_dtype] if self.weight_dtype is not None else None
         with self._spare_lock:
@@ -206,10 +208,8 @@ class ProcessEngine(RemoteEngine):
         files go once the new one is loaded (a restarted server is given the loaded one's)."""
         if not self.is_paused():
             raise EngineError("engine=local: update_weights needs a paused engine; call pause() first")
-        from sdp_cli.engine.weight_file import PackedWeights
-
         staged = self.stage_weights(update)
-        packed = staged.state_dict if isinstance(staged.state_dict, PackedWeights) else None
+        packed = staged.state_dict  # a PackedWeights, or None: ``update`` names a file
         if packed is not None:
             target = self.scratch / f"v{update.version:06d}"
             packed.write(target / WEIGHTS_FILE)

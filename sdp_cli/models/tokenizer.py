@@ -103,11 +103,11 @@ def load_tokenizer(directory: Path) -> Any:
     rebuilt (``build_tokenizer``) when tokenizer.json holds one, in any sdp version's spelling,
     since ``AutoTokenizer`` swaps Qwen's byte-level pipeline in for it (the module's docstring);
     any other tokenizer as ``AutoTokenizer`` loads it."""
-    from transformers import AutoTokenizer
-
     charset = _saved_charset(directory / "tokenizer.json")
     if charset is not None:
         return build_tokenizer(charset)
+    from transformers import AutoTokenizer  # torch comes with it: only for a tokenizer of another project
+
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
 
 

@@ -100,3 +100,26 @@ def test_a_reward_that_fails_in_the_rollout_process_stops_the_run_with_its_line(
     stopped = events(run_dir)[-1]
     assert stopped["event"] == "stopped" and "raise ValueError('no such number')" in stopped["traceback"]
     assert all(gone(pid) for pid in rollout_pids(run_dir))
+
+
+def test_the_rollout_process_starts_without_torch(tmp_path):
+    """Its imports, the default run's tokenizer loaded as the rollout process loads it, and the
+    staging of a push leave torch and transformers' model code out (the engine computes in a
+    process of its own): they are seconds of start-up, or of the first push, in every run."""
+    from sdp_cli.models.tokenizer import build_tokenizer
+
+    build_tokenizer("arith").save_pretrained(tmp_path)
+    probe = (
+        "import sys\n"
+        "import sdp_cli.train.session.rollout_process as rp\n"
+        f"codec = rp.PromptCodec.of_tokenizer(rp.load_tokenizer(rp.Path({str(tmp_path)!r})), 2)\n"
+        "assert codec.decode_completion(codec.encode_prompt('12+7=')[1:]) == '12+7='\n"
+        "from sdp_cli.engine.base import WeightUpdate\n"
+        "from sdp_cli.engine.process import ProcessEngine\n"
+        "pushed = WeightUpdate(version=1, path=rp.Path('v000001'))\n"  # a push, as the link hands it over
+        "assert ProcessEngine.stage_weights(None, pushed) is pushed\n"
+        "print(sorted(m for m in ('torch', 'transformers.configuration_utils', 'scipy') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

@@ -31,13 +31,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+# What this module imports is all the rollout process imports for the local engine: no torch, no
+# transformers model code (its engine computes in a process of its own), so that it starts in a
+# fraction of a second (tests/train/test_rollout_process.py checks).
 import sdp_cli
+from sdp_cli.config.compose import config_from_dict
 from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.process import LAUNCH_DIR
 from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place
+from sdp_cli.models.policy import PromptCodec
+from sdp_cli.models.tokenizer import load_tokenizer
 from sdp_cli.rundir import RunDir
+from sdp_cli.train.asyncloop.ledger import LedgerLog
+from sdp_cli.train.asyncloop.rollout import RolloutSide
 from sdp_cli.train.asyncloop.rollout_link import RolloutLink, error_to_json, receive_frame, send_frame, serve
 from sdp_cli.train.session.placement import pin_process
+from sdp_cli.train.session.task_setup import prepare_task
 
 #: the rollout process's log in the run's logs directory
 LOG_NAME = "rollout.log"
@@ -113,16 +123,8 @@ def start_rollout_process(
 
 
 # ------------------------------------------------------------------ the rollout process
-def _build(recipe: dict[str, Any]) -> Any:
+def _build(recipe: dict[str, Any]) -> RolloutSide:
     """The rollout side of ``recipe`` (``start_rollout_process``) with its engine started."""
-    from sdp_cli.config.compose import config_from_dict
-    from sdp_cli.engine.process import LAUNCH_DIR
-    from sdp_cli.models.policy import PromptCodec
-    from sdp_cli.models.tokenizer import load_tokenizer
-    from sdp_cli.train.asyncloop.ledger import LedgerLog
-    from sdp_cli.train.asyncloop.rollout import RolloutSide
-    from sdp_cli.train.session.task_setup import prepare_task
-
     cfg = config_from_dict(recipe["config"])
     run_dir = RunDir(recipe["run_dir"])
     engine_recipe = recipe["engine"]
