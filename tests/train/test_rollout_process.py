@@ -123,3 +123,46 @@ def test_the_rollout_process_starts_without_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def _children_of(parent: int) -> list[int]:
+    """The rollout processes started by sdp process ``parent`` (their command line names it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, NotADirectoryError, PermissionError, ProcessLookupError):
+            continue
+        if b"sdp_cli.train.session.rollout_process" in argv and str(parent).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_rollout_process_starts_with_the_session_and_an_abort_before_its_recipe_ends_it(tmp_path):
+    """It starts as setup begins (its imports run while the policy loads); two Ctrl-Cs while the
+    warm start still trains (the first waits for the step boundary, the second aborts) end sdp,
+    and the process, which never got its recipe, with it."""
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "sdp_cli", "train", *PROCESS, f"run.dir={tmp_path / 'run'}",
+               "model.warm_start_steps=100000", "train.steps=2"]  # fmt: skip
+    sdp = subprocess.Popen(command, env=sdp_env(tmp_path / "cache"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (started := _children_of(sdp.pid)) and time.monotonic() < deadline and sdp.poll() is None:
+            time.sleep(0.1)
+        assert len(started) == 1, "the rollout process starts while the warm start trains"
+        time.sleep(1.0)  # the warm start is under way
+        sdp.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        sdp.send_signal(signal.SIGINT)
+        _, err = sdp.communicate(timeout=60)
+    finally:
+        if sdp.poll() is None:
+            sdp.kill()
+    assert sdp.returncode == 130 and "Traceback" not in err.decode(), err.decode()[-3000:]
+    deadline = time.monotonic() + 10
+    while not gone(started[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(started[0]), "the rollout process ended with the session"

@@ -1,11 +1,12 @@
 """The rollout process: a run's rollout side in a process of its own (docs/training.md "Three processes").
 
-``start_rollout_process`` (in sdp's process, where the policy is) writes what the engine starts
-from (its registry entry's ``prepare`` half), starts ``python -m
-sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair and sends it the
-run's recipe as the link's first frame (``rollout_link.py``): the typed config, the run
-directory, the engine's recipe, the ids and budgets of generation, the ledger offset of a
-resume. ``main`` (in the rollout process) builds from it what the rollout side needs (the task
+``RolloutProcessStart`` (in sdp's process) starts ``python -m
+sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair as the session
+begins, so that the process imports what it runs while sdp loads the policy. Its ``begin``
+then writes what the engine starts from (the registry entry's ``prepare`` half, where the
+policy is) and sends the run's recipe as the link's first frame (``rollout_link.py``): the
+typed config, the run directory, the engine's recipe, the ids and budgets of generation, the
+ledger offset of a resume. ``main`` (in the rollout process) builds from it what the rollout side needs (the task
 with its reward code, the tokenizer the engine's files hold, the engine from the ``start``
 half, the group ledger), answers with the engine's log files, or with the error that kept it
 from starting, and then serves the link until the session ends or sdp is gone.
@@ -21,7 +22,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -53,73 +53,103 @@ from sdp_cli.train.session.task_setup import prepare_task
 LOG_NAME = "rollout.log"
 
 
-def start_rollout_process(
-    cfg: SdpConfig,
-    *,
-    policy: Any,
-    run_dir: RunDir,
-    stop_token_ids: tuple[int, ...],
-    max_new_tokens: int,
-    ledger_offset: int | None,
-    device: Any,
-    engine_threads: int | None,
-    cores: list[int] | None,
-) -> RolloutLink:
-    """Start the rollout process of a run whose engine builds in two halves
-    (``EngineKind.own_process``) and return the link to it, once its engine is up. The engine's
-    failure to start is raised here as in sdp's process (``EngineUnavailable`` …). ``cores``:
-    where it and its engine's process run (``placement.core_split``; None: anywhere)."""
-    kind = engine_kind(cfg.engine.kind)
-    recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads)
-    scratch = Path(recipe["scratch"])
-    log_path = run_dir.logs / LOG_NAME
-    ours, theirs = socket.socketpair()
-    try:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        # the sdp_cli this process runs, whatever the environment's path says
-        package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
-            # the rollout side computes nothing with torch: no OpenMP pool beside the trainer's
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-m", __name__, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
-        # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
-        with open_in_place(log_path, "ab") as log:
-            # Its own session: a Ctrl-C at the terminal reaches sdp only, which stops it in order.
-            process = subprocess.Popen(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-            )
-    except BaseException:
-        ours.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    finally:
-        theirs.close()
-    link = RolloutLink(process, ours, log_path=log_path, scratch=scratch, weight_dtype=kind.weight_dtype(cfg))
-    try:
-        link.begin(
-            {
-                "config": dataclasses.asdict(cfg),
-                "run_dir": str(run_dir.path),
-                "engine": recipe,
-                "stop_token_ids": list(stop_token_ids),
-                "max_new_tokens": max_new_tokens,
-                "ledger_offset": ledger_offset,
-                "cores": cores,
+class RolloutProcessStart:
+    """A rollout process started ahead of its recipe, for a run whose engine builds in two
+    halves (``EngineKind.own_process``): its interpreter imports what it runs while sdp loads
+    the policy, and it waits for ``begin``. ``cancel`` ends it if the run never gets that far
+    (so does sdp's end: the process leaves when its end of the link closes)."""
+
+    def __init__(self, run_dir: RunDir):
+        self.log_path = run_dir.logs / LOG_NAME
+        ours, theirs = socket.socketpair()
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            # the sdp_cli this process runs, whatever the environment's path says
+            package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
+            env = {
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+                # the rollout side computes nothing with torch: no OpenMP pool beside the trainer's
+                "OMP_NUM_THREADS": "1",
             }
+            command = [sys.executable, "-m", __name__, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
+            # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
+            with open_in_place(self.log_path, "ab") as log:
+                # Its own session: a Ctrl-C at the terminal reaches sdp only, which stops it in order.
+                self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+
+    def begin(
+        self,
+        cfg: SdpConfig,
+        *,
+        policy: Any,
+        run_dir: RunDir,
+        stop_token_ids: tuple[int, ...],
+        max_new_tokens: int,
+        ledger_offset: int | None,
+        device: Any,
+        engine_threads: int | None,
+        cores: list[int] | None,
+    ) -> RolloutLink:
+        """Write what the engine starts from (the ``prepare`` half, here where the policy is),
+        send the process the run's recipe and return the link to it, once its engine is up. The
+        engine's failure to start is raised here as in sdp's process (``EngineUnavailable`` …),
+        and the process is ended. ``cores``: where it and its engine's process run
+        (``placement.core_split``; None: anywhere)."""
+        assert self._process is not None, "begin() is called once"
+        kind = engine_kind(cfg.engine.kind)
+        try:
+            recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads)
+        except BaseException:
+            self.cancel()
+            raise
+        process, self._process = self._process, None
+        link = RolloutLink(
+            process, self._sock, log_path=self.log_path, scratch=Path(recipe["scratch"]), weight_dtype=kind.weight_dtype(cfg)
         )
-    except BaseException:
-        link.shutdown(grace_s=10.0)
-        raise
-    return link
+        try:
+            link.begin(
+                {
+                    "config": dataclasses.asdict(cfg),
+                    "run_dir": str(run_dir.path),
+                    "engine": recipe,
+                    "stop_token_ids": list(stop_token_ids),
+                    "max_new_tokens": max_new_tokens,
+                    "ledger_offset": ledger_offset,
+                    "cores": cores,
+                }
+            )
+        except BaseException:
+            link.shutdown(grace_s=10.0)
+            raise
+        return link
+
+    def cancel(self) -> None:
+        """End the process if it is still waiting for its recipe (idempotent): it leaves when
+        its end of the link closes, by signal if it does not."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        self._sock.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 # ------------------------------------------------------------------ the rollout process

@@ -55,7 +55,7 @@ from sdp_cli.train.session.policy_setup import (
     save_version,
 )
 from sdp_cli.train.session.recovery import recover_after_crash
-from sdp_cli.train.session.rollout_process import start_rollout_process
+from sdp_cli.train.session.rollout_process import RolloutProcessStart
 from sdp_cli.train.session.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.session.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.session.reporting import EventLog, MetricsLog
@@ -98,6 +98,8 @@ class TrainingRun:
         self.stop_request = stop_request or StopRequest()
         #: the rollout side: producer, buffers, engine and ledger (rank 0), or the link to it
         self.rollout: RolloutSide | RolloutLink | None = None
+        #: the rollout process, started as setup begins, until it gets its recipe (rank 0)
+        self._rollout_process: RolloutProcessStart | None = None
         self.loop: AsyncLoop | None = None
         #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
         self.eval_rewards: RewardPool | None = None
@@ -119,6 +121,9 @@ class TrainingRun:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
 
+        if self.coordinator.is_main and engine_kind(cfg.engine.kind).own_process(cfg):
+            # its imports run while the policy loads; it gets its recipe in _start_rollout
+            self._rollout_process = RolloutProcessStart(self.run_dir)
         checkpoint = self.resume_from
         # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
         over = self.resuming and checkpoint is None
@@ -256,9 +261,10 @@ class TrainingRun:
         rollout process when the engine builds in two halves (docs/training.md "Three
         processes"), else in this process."""
         cfg = self.cfg
-        if engine_kind(cfg.engine.kind).own_process(cfg):
+        if self._rollout_process is not None:
             split = self._core_split()
-            return start_rollout_process(
+            process, self._rollout_process = self._rollout_process, None
+            return process.begin(
                 cfg,
                 policy=self.whole.get(),
                 run_dir=self.run_dir,
@@ -495,6 +501,8 @@ class TrainingRun:
         are closed too."""
         if getattr(self, "progress", None) is not None:
             self.progress.close()
+        if self._rollout_process is not None:  # setup stopped before the rollout side started
+            self._rollout_process.cancel()
         if self.rollout is not None:
             self.rollout.close()
         if abort:
