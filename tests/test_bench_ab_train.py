@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -61,21 +60,22 @@ def test_verdicts_are_holm_adjusted_over_the_configurations(bench):
 
 
 def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
+    # one pair (two runs): the statistics of several are tested on hand-computed values above
     out = tmp_path / "ab.json"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--before", str(ROOT), "--after", str(ROOT), "--pairs", "2", "--steps", "3",
+        [sys.executable, str(BENCH), "--before", str(ROOT), "--after", str(ROOT), "--pairs", "1", "--steps", "3",
          "--modes", "decoupled", "--etas", "1", "--set", "+debug=fast", "--set", "engine.in_process=true", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     (row,) = result["rows"]
-    assert (row["mode"], row["max_head_offpolicyness"], row["pairs"]) == ("decoupled", 1, 2)
-    assert len(row["before_steps_per_second"]) == len(row["after_steps_per_second"]) == 2
-    assert row["ratios"] == pytest.approx([a / b for a, b in zip(row["after_steps_per_second"], row["before_steps_per_second"])])
-    assert math.isfinite(row["p_holm"]) and row["verdict"] in ("faster", "slower", "no difference shown")
+    assert (row["mode"], row["max_head_offpolicyness"], row["pairs"]) == ("decoupled", 1, 1)
+    (before,), (after,) = row["before_steps_per_second"], row["after_steps_per_second"]
+    assert before > 0 and after > 0 and row["ratios"] == pytest.approx([after / before])
+    assert row["p"] is None and row.get("verdict") is None  # one pair: no test
     assert result["before"]["path"] == str(ROOT) and result["overrides"] == ["+debug=fast", "engine.in_process=true"]
-    assert f"{row['ratio_median']:.3f}×" in done.stdout
+    assert f"{row['ratio_median']:.3f}×" in done.stdout and "one pair: no test" in done.stdout
 
 
 def test_a_directory_that_is_no_checkout_is_one_line_and_exit_2(tmp_path):
