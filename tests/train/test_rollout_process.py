@@ -1,20 +1,21 @@
 """The rollout process end to end (docs/training.md "Three processes"): ``sdp train`` with its local
 engine in its own process runs the rollout side in a third process, and a run there is the run
 the in-process path makes — every step trained once, nothing lost or duplicated (ledger audit),
-every token's behaviour logprob the one of the version it is tagged with — while its failures end the run as in-process ones do, and sdp's end leaves no process and no
-scratch directory behind. (Kills of the engine's and of the rollout process, and signals:
+every token's behaviour logprob the one of the version it is tagged with — and sdp's end leaves
+no process and no scratch directory behind; the process starts with the session and imports no
+torch. (A failing reward in it, resumes: tests/cli/test_own_task.py, whose runs have three
+processes too; kills of the engine's and of the rollout process, and signals:
 tests/reliability/test_engine_process.py.)"""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 
-from ..reliability.harness import check_finished_run, events, metrics, sdp_env
+from ..reliability.harness import check_finished_run, metrics, sdp_env
 from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version
 
 
@@ -77,28 +78,6 @@ def test_a_run_in_three_processes(tmp_path):
     started = rollout_pids(run_dir)
     assert len(started) == 1 and gone(started[0]), "one rollout process per session, ended with it"
     assert not any(p.exists() for p in engine_scratches(run_dir)), "the engine's scratch directories are removed"
-
-
-def test_a_reward_that_fails_in_the_rollout_process_stops_the_run_with_its_line(tmp_path):
-    reward = tmp_path / "judge.py"
-    reward.write_text("def judge(prompt, completion, record):\n    raise ValueError('no such number')\n")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
-    run_dir = tmp_path / "run"
-    done = _train(
-        run_dir, tmp_path / "cache", "task=dataset", f"task.path={data}", f"task.reward={reward}:judge",
-        "task.eval_fraction=0.2", "model.warm_start_steps=0", "train.steps=3",
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(
-        r"error: training stopped at step 0: rollout producer failed: reward function judge\.py:judge failed on "
-        rf"record (\d+) \({re.escape(str(data))}:\d+\): ValueError: no such number",
-        last,
-    ), last
-    stopped = events(run_dir)[-1]
-    assert stopped["event"] == "stopped" and "raise ValueError('no such number')" in stopped["traceback"]
-    assert all(gone(pid) for pid in rollout_pids(run_dir))
 
 
 def test_the_rollout_process_starts_without_torch(tmp_path):
