@@ -4,10 +4,10 @@ producer RNG as JSON) and its small helpers (``sdp_cli/train/asyncloop/loop.py``
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import sys
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sdp_cli.rollout.recompute import RecomputeStats
