@@ -17,9 +17,12 @@ from sdp_cli.rollout.strategies import (
     StandardStrategy,
     create_staleness_strategy,
     _all_stale_with_next_version,
+    _stale_awaiting_at_most_fill,
     _token_reason,
     segment_wise_stale_reason,
+    settled_head,
 )
+from sdp_cli.rollout.recompute import pass_targets
 
 
 def make(versions, prox_versions=None, prox_shift=None):
@@ -211,6 +214,7 @@ def test_factory():
 @example(3, [(2, 1, False), (0, 1, False)])  # a current-version token claiming π_{c+1}: dropped
 @example(3, [(2, 1, False), (1, 0, False)])  # a c−1 token still to fill: kept
 @example(3, [(3, 1, False), (2, 0, False)])  # a c−2 token that missed π_{c−1}: dropped
+@example(4, [(3, 1, False), (1, 0, False), (3, 2, False)])  # versions out of order, the last token's wrong: dropped
 def test_the_whole_sample_check_keeps_only_what_token_by_token_keeps(c, tokens):
     # any bookkeeping at all, not only what a timeline can produce: where the whole-sample check
     # keeps a sample, the token-by-token rule finds no token to drop it for
@@ -222,6 +226,82 @@ def test_the_whole_sample_check_keeps_only_what_token_by_token_keeps(c, tokens):
             sample.proximal_logprobs_t[t] = sample.old_logprobs[t] - 0.25
     if _all_stale_with_next_version(sample, max(versions), c):
         assert _token_reason(sample, c) is None
-    # the common case does take the whole-sample check
+    if _stale_awaiting_at_most_fill(sample, max(versions), c):
+        assert _token_reason(sample, c) is None
+    # the common cases do take the whole-sample checks: every token with π_{v+1}, and the cache's
+    # newest samples, whose version c − 1 tokens (at the end) wait for π_c
     if all(0 < lag < 9 and offset == 1 for lag, offset, _ in tokens):
         assert _all_stale_with_next_version(sample, max(versions), c)
+    ordered = versions == sorted(versions)
+    if ordered and all(0 < lag < 9 and (offset == 1 or (lag == 1 and offset == 0)) for lag, offset, _ in tokens):
+        assert _stale_awaiting_at_most_fill(sample, max(versions), c)
+
+
+@st.composite
+def held_caches(draw):
+    """Groups held across several takes: each token of version v got π_{v+1} (its window used) or
+    not, the trainer's version c, η, and for each later take how far c moves and which of the
+    tokens a recompute pass may score then (``pass_targets``: version L − 1 without π_L) it does."""
+    c = draw(st.integers(1, 6))
+    groups = []
+    for g in range(draw(st.integers(1, 5))):
+        samples = []
+        for _ in range(draw(st.integers(1, 3))):
+            v0 = draw(st.integers(0, c))
+            versions = sorted(draw(st.lists(st.integers(v0, c), max_size=4)))
+            window_used = draw(st.lists(st.booleans(), min_size=c + 1, max_size=c + 1))
+            samples.append(build(versions, c, window_used))
+        groups.append(RolloutGroup(g, samples))
+    eta = draw(st.integers(0, 4))
+    takes = draw(st.lists(st.tuples(st.integers(0, 2), st.randoms(use_true_random=False)), min_size=1, max_size=5))
+    return groups, c, eta, takes
+
+
+@given(held_caches())
+def test_the_cache_filter_remembering_settled_groups_judges_as_the_rule(h):
+    """The segment-wise cache filter keeps a settled group (``settled_head``) without judging it
+    again: take after take, with passes writing what they may in between, it keeps and drops
+    exactly what a strategy judging every group afresh does, and a group it calls settled owes no
+    pass (``RolloutSide._pass_owed`` skips those)."""
+    groups, c, eta, takes = h
+    remembering = SegmentWiseStrategy(max_head_offpolicyness=eta)
+    ours, fresh = RolloutCache(), RolloutCache()
+    for g in groups:
+        ours.add(g)
+        fresh.add(g)
+    for step, (advance, rng) in enumerate(takes):
+        if step:
+            c += advance
+            for loaded in (c - 1, c):  # the passes of the take and of the push
+                for s in (s for g in groups for s in g.samples):
+                    for t in pass_targets(s.versions, s.proximal_t_versions, loaded):
+                        if rng.random() < 0.5:
+                            s.set_proximal_t(t, s.old_logprobs[t] - 0.1, loaded)
+        removed = remembering.filter_stale_from_cache(ours, c)
+        assert removed == SegmentWiseStrategy(max_head_offpolicyness=eta).filter_stale_from_cache(fresh, c)
+        assert [id(g) for g in ours.get_all()] == [id(g) for g in fresh.get_all()]
+        for g in ours.get_all():
+            if remembering.settled(g):
+                assert settled_head(g, c) is not None
+                assert not any(pass_targets(s.versions, s.proximal_t_versions, c + 1) for s in g.samples)
+
+
+def test_a_settled_group_is_not_judged_again_until_its_head_lags_past_eta():
+    judged = []
+
+    class Counting(SegmentWiseStrategy):
+        def is_sample_too_stale(self, item, current_version):
+            judged.append(item.group_id)
+            return super().is_sample_too_stale(item, current_version)
+
+    settled = RolloutGroup(0, [make([3, 4], [4, 5])])  # every token holds π_{v+1}
+    owing = RolloutGroup(1, [make([4, 5], [5, 5])])  # its version-5 token lacks π_6
+    strategy, cache = Counting(max_head_offpolicyness=3), RolloutCache()
+    cache.add(settled)
+    cache.add(owing)
+    assert strategy.filter_stale_from_cache(cache, 6) == 0 and judged == [0, 1]
+    assert strategy.settled(settled) and not strategy.settled(owing)
+    assert strategy.filter_stale_from_cache(cache, 6) == 0 and judged == [0, 1, 1]
+    # at c = 7 the head of the settled group lags 7 − 3 = 4 > η: judged, and dropped
+    assert strategy.filter_stale_from_cache(cache, 7) == 2 and judged == [0, 1, 1, 0, 1]
+    assert cache.size() == 0 and not strategy.settled(settled)

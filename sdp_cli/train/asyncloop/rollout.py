@@ -380,7 +380,10 @@ class RolloutSide:
         replaces (the producer's pass after the previous push usually did already)."""
         loaded = trainer_version - 1  # until the push in flight replaces them
         return self.recompute_enabled and any(
-            pass_targets(s.versions, s.proximal_t_versions, loaded) for g in groups for s in g.samples
+            pass_targets(s.versions, s.proximal_t_versions, loaded)
+            for g in groups
+            if not self.strategy.settled(g)  # every token holds π_{v+1} already
+            for s in g.samples
         )
 
     def _needs_new_weights(self, groups: list[RolloutGroup], trainer_version: int) -> bool:
