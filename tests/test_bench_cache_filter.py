@@ -1,0 +1,28 @@
+"""bench/cache_filter.py runs end to end, its two ways of judging keep the same groups take after
+take (the bench checks it), and it writes what its table prints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "cache_filter.py"
+
+
+def test_the_bench_writes_one_row_per_length(tmp_path):
+    out = tmp_path / "cache_filter.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--lengths", "3,40", "--takes", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "cache_filter"
+    assert [row["tokens"] for row in result["rows"]] == [3, 40]
+    for row in result["rows"]:
+        assert row["groups_held"] == 64 and row["takes"] == 4
+        for way in ("token_by_token", "now"):
+            assert row[f"{way}_filter_ms"] > 0 and row[f"{way}_pass_owed_ms"] > 0
+        assert f"{row['now_filter_ms']:8.3f}" in done.stdout
