@@ -70,7 +70,8 @@ class TokenByToken(StandardStrategy):
 def new_group(group_id: int, version: int, tokens: int) -> RolloutGroup:
     samples = []
     for i in range(GROUP_SIZE):
-        sample = RolloutSample(prompt_ids=[1, 2, 3], group_id=group_id, sample_id=group_id * GROUP_SIZE + i)
+        sample_id = group_id * GROUP_SIZE + i
+        sample = RolloutSample(prompt_ids=[1, 2, 3], group_id=group_id, sample_id=sample_id)
         sample.append_tokens([5] * tokens, [-1.0] * tokens, version)
         samples.append(sample)
     return RolloutGroup(group_id, samples)
@@ -86,12 +87,18 @@ def score_pass(groups: list[RolloutGroup], loaded: int) -> None:
 
 def pass_owed(groups: list[RolloutGroup], loaded: int, settled) -> bool:
     return any(
-        pass_targets(s.versions, s.proximal_t_versions, loaded) for g in groups if not settled(g) for s in g.samples
+        pass_targets(s.versions, s.proximal_t_versions, loaded)
+        for g in groups
+        if not settled(g)
+        for s in g.samples
     )
 
 
 def measure(tokens: int, takes: int, warmup: int) -> dict:
-    strategies = {"token_by_token": TokenByToken(max_head_offpolicyness=ETA), "now": SegmentWiseStrategy(max_head_offpolicyness=ETA)}
+    strategies = {
+        "token_by_token": TokenByToken(max_head_offpolicyness=ETA),
+        "now": SegmentWiseStrategy(max_head_offpolicyness=ETA),
+    }
     caches = {name: RolloutCache() for name in strategies}
     times: dict[str, dict[str, list[float]]] = {name: {"filter": [], "pass_owed": []} for name in strategies}
     c, next_id, held = 0, 0, []
@@ -129,13 +136,18 @@ def measure(tokens: int, takes: int, warmup: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", default="3,16,100,300", help="tokens per answer, comma-separated")
     parser.add_argument("--takes", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cache_filter.json")
     args = parser.parse_args()
     rows = [measure(int(n), args.takes, warmup=HELD_BATCHES + 1) for n in args.lengths.split(",")]
-    header = f"{'tokens':>7}{'filter: token by token':>24}{'now':>8}{'pass check: all':>18}{'now':>8}   (ms per take, medians)"
+    header = (
+        f"{'tokens':>7}{'filter: token by token':>24}{'now':>8}{'pass check: all':>18}{'now':>8}"
+        "   (ms per take, medians)"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -81,7 +81,7 @@ def _stale_awaiting_at_most_fill(sample: RolloutSample, newest: int, c: int) -> 
     the sample. The cache's samples at η > 0, checked at C speed for versions in generation order
     (a token's version never falls), so that ``_token_reason`` runs only for the others: the
     cache is filtered at every take, and its newest groups' version c − 1 tokens wait for π_c
-    until the take or the push scores them (about 0.5 ms per take token by token, 16 groups of 8)."""
+    until the take or the push scores them (bench/cache_filter.py)."""
     if newest >= c:
         return False
     versions, proximal = sample.versions, sample.proximal_t_versions
@@ -90,9 +90,8 @@ def _stale_awaiting_at_most_fill(sample: RolloutSample, newest: int, c: int) -> 
     if newest != c - 1 or not all(map(operator.le, versions, itertools.islice(versions, 1, None))):
         return False
     fill_from = bisect.bisect_left(versions, c - 1)  # the version c − 1 tokens: the sorted tail
-    older_ok = all(
-        map(operator.eq, itertools.islice(proximal, fill_from), map(operator.add, versions[:fill_from], itertools.repeat(1)))
-    )
+    next_versions = map(operator.add, versions[:fill_from], itertools.repeat(1))
+    older_ok = all(map(operator.eq, itertools.islice(proximal, fill_from), next_versions))
     return older_ok and set(proximal[fill_from:]) <= {c - 1, c}
 
 
@@ -228,7 +227,6 @@ class StalenessControlStrategy(abc.ABC):
         self._record(removed, current_version)
         return removed
 
-
     def settled(self, item: Item) -> bool:
         """Whether ``item`` was settled (``settled_head``) when the cache was last filtered; a
         strategy that does not keep track says False."""
@@ -255,10 +253,10 @@ class SegmentWiseStrategy(StalenessControlStrategy):
 
     def __init__(self, *, max_head_offpolicyness: int, on_filtered: OnFiltered | None = None):
         super().__init__(max_head_offpolicyness=max_head_offpolicyness, on_filtered=on_filtered)
-        # The cache's settled items, by id, with the item (held: its id stays its own) and its
-        # oldest version. The cache is filtered at every take, mostly the same groups again (48
-        # groups of 8 at η = 4 on the defaults: 0.6 ms of the rollout process's answer, 2026-11-29);
-        # a settled group's verdict is one comparison. Used by the thread that takes batches.
+        # The cache's settled items, by id, with the item (held here, so no other object takes
+        # its id) and its oldest version. The cache is filtered at every take, mostly the same groups again (48
+        # of its 64 at η = 4 on the defaults' shape); a settled group's verdict is one comparison
+        # (bench/cache_filter.py). Used by the thread that takes batches.
         self._settled: dict[int, tuple[Item, int]] = {}
 
     def filter_stale_from_cache(self, cache: RolloutCache[Item], current_version: int) -> int:
@@ -269,12 +267,12 @@ class SegmentWiseStrategy(StalenessControlStrategy):
 
         def keep(item: Item) -> bool:
             entry = known.get(id(item))
-            if entry is not None and entry[0] is item and current_version - entry[1] <= self.max_head_offpolicyness:
+            if entry is not None and current_version - entry[1] <= self.max_head_offpolicyness:
                 settled[id(item)] = entry
                 return True
             if self.is_sample_too_stale(item, current_version):
                 return False
-            oldest = entry[1] if entry is not None and entry[0] is item else settled_head(item, current_version)
+            oldest = entry[1] if entry is not None else settled_head(item, current_version)
             if oldest is not None:
                 settled[id(item)] = (item, oldest)
             return True
@@ -285,8 +283,7 @@ class SegmentWiseStrategy(StalenessControlStrategy):
         return removed
 
     def settled(self, item: Item) -> bool:
-        entry = self._settled.get(id(item))
-        return entry is not None and entry[0] is item
+        return id(item) in self._settled
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
