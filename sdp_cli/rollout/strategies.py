@@ -254,9 +254,9 @@ class SegmentWiseStrategy(StalenessControlStrategy):
     def __init__(self, *, max_head_offpolicyness: int, on_filtered: OnFiltered | None = None):
         super().__init__(max_head_offpolicyness=max_head_offpolicyness, on_filtered=on_filtered)
         # The cache's settled items, by id, with the item (held here, so no other object takes
-        # its id) and its oldest version. The cache is filtered at every take, mostly the same groups again (48
-        # of its 64 at η = 4 on the defaults' shape); a settled group's verdict is one comparison
-        # (bench/cache_filter.py). Used by the thread that takes batches.
+        # its id) and its oldest version. The cache is filtered at every take, mostly the same
+        # groups again (48 of its 64 at η = 4 on the defaults' shape); a settled group's verdict
+        # is one comparison (bench/cache_filter.py). Used by the thread that takes batches.
         self._settled: dict[int, tuple[Item, int]] = {}
 
     def filter_stale_from_cache(self, cache: RolloutCache[Item], current_version: int) -> int:
