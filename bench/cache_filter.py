@@ -135,15 +135,30 @@ def measure(tokens: int, takes: int, warmup: int) -> dict:
     return row
 
 
+def lengths(text: str) -> list[int]:
+    """``--lengths``: positive integers, comma-separated."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive token counts, comma-separated (e.g. 3,300)")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--lengths", default="3,16,100,300", help="tokens per answer, comma-separated")
+    parser.add_argument(
+        "--lengths", type=lengths, default="3,16,100,300", help="tokens per answer, comma-separated"
+    )
     parser.add_argument("--takes", type=int, default=30)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cache_filter.json")
     args = parser.parse_args()
-    rows = [measure(int(n), args.takes, warmup=HELD_BATCHES + 1) for n in args.lengths.split(",")]
+    if args.takes < 1:
+        parser.error(f"--takes {args.takes}: give 1 or more")
+    rows = [measure(n, args.takes, warmup=HELD_BATCHES + 1) for n in args.lengths]
     header = (
         f"{'tokens':>7}{'filter: token by token':>24}{'now':>8}{'pass check: all':>18}{'now':>8}"
         "   (ms per take, medians)"

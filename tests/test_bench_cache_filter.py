@@ -26,3 +26,12 @@ def test_the_bench_writes_one_row_per_length(tmp_path):
         for way in ("token_by_token", "now"):
             assert row[f"{way}_filter_ms"] > 0 and row[f"{way}_pass_owed_ms"] > 0
         assert f"{row['now_filter_ms']:8.3f}" in done.stdout
+
+
+def test_a_bad_length_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--lengths", "3,x", "--out", str(tmp_path / "x.json")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "give positive token counts" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "x.json").exists()
