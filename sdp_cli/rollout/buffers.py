@@ -139,6 +139,11 @@ class RolloutCache(Generic[T]):
             del self._items[:n]
             return taken
 
+    def put_back(self, items: list[T]) -> None:
+        """Return ``items``, taken with ``take_first_n``, to the head of the cache, in their order."""
+        with self._lock:
+            self._items[:0] = items
+
     def size(self) -> int:
         with self._lock:
             return len(self._items)

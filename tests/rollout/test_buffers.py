@@ -106,7 +106,7 @@ def test_cache_operations():
 
 
 @given(
-    st.lists(st.tuples(st.sampled_from(["add", "take", "filter"]), st.integers(0, 5)), max_size=40)
+    st.lists(st.tuples(st.sampled_from(["add", "take", "take_and_put_back", "filter"]), st.integers(0, 5)), max_size=40)
 )
 def test_cache_matches_a_list_model(ops):
     """Random operation sequences give the same result as the obvious list implementation."""
@@ -121,6 +121,12 @@ def test_cache_matches_a_list_model(ops):
         elif op == "take":
             assert c.take_first_n(n) == model[:n]
             model = model[n:]
+        elif op == "take_and_put_back":
+            taken = c.take_first_n(n)
+            c.add(counter)  # an arrival while they are out goes behind them once they are back
+            model.append(counter)
+            counter += 1
+            c.put_back(taken)
         else:
             removed = c.filter_inplace(lambda x, n=n: x % (n + 2) != 0)
             kept = [x for x in model if x % (n + 2) != 0]

@@ -5,7 +5,8 @@ The rollout side (``RolloutSide``, ``sdp_cli/train/asyncloop/rollout.py``, held 
 rewards them, and it keeps the buffers, admission, the recompute passes and the weight-update
 protocol of docs/design.md §2. Each step (``run_step``) takes B groups from it (``take_batch``),
 trains on them and hands it the new weights (``finish_step``), which it pushes to the engine in
-the trainer's time or, with η > 0, while the next step trains.
+the trainer's time or, with η > 0, while the next step trains; with η > 0 it also asks for the
+next step's batch to be made ready meanwhile (``take_ahead``).
 
 The rollout side runs in sdp's process (``engine.in_process=true``) or in a process of its own
 (``sdp_cli/train/asyncloop/rollout_link.py``): the loop calls the same methods either way
@@ -52,6 +53,8 @@ class Rollout(Protocol):
     def take_batch(
         self, trainer_version: int, step: int, *, stop_requested: bool, wait_s: float
     ) -> list[RolloutGroup] | None: ...
+
+    def take_ahead(self, trainer_version: int, step: int) -> None: ...
 
     def finish_step(self, update: WeightUpdate, *, last_step: bool) -> StepReport: ...
 
@@ -137,6 +140,10 @@ class AsyncLoop:
         groups = self._take_batch()
         if self.on_batch is not None:
             self.on_batch(groups)  # other training processes train on the same batch
+        if self.cfg.rollout.max_head_offpolicyness > 0 and self.step + 1 < self.cfg.train.steps:
+            # the next step's batch, made ready while this one trains (at η = 0 it is generated
+            # with this step's weights: nothing to make ready)
+            self.rollout.take_ahead(self.trainer.version + 1, self.step + 2)
         t1 = time.perf_counter()
         batch = assemble_batch(
             groups,

@@ -47,7 +47,7 @@ from sdp_cli.rollout.hooks import PauseController, PauseHooks
 from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats, pass_targets
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.rollout.staleness import FilteredSamplesCapacityModifier, StalenessManager
-from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy
+from sdp_cli.rollout.strategies import StalenessControlStrategy, create_staleness_strategy, settled_head
 from sdp_cli.tasks.base import Task
 from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.asyncloop.ledger import LedgerLog, record_fate
@@ -66,6 +66,9 @@ from sdp_cli.train.asyncloop.producer import RolloutProducer, failure_text
 from sdp_cli.train.asyncloop.rewarding import RewardPool, RewardRules
 
 logger = logging.getLogger(__name__)
+
+#: how often ``reserve_batch`` looks again at a cache whose first groups are not all fixed yet
+RESERVE_POLL_S = 0.005
 
 
 @dataclass
@@ -155,6 +158,10 @@ class RolloutSide:
         self.async_push = cfg.train.async_push and ro.max_head_offpolicyness > 0
         self._push_in_flight: _PushInFlight | None = None
         self._joined_push_metrics: dict[str, float] = {}
+        #: the next step's batch, set aside while the trainer trains (``reserve_batch``), and the
+        #: version of the take of one that left filtering the rest of the cache for later
+        self._reserved: _Reserved | None = None
+        self._filter_owed: int | None = None
         self.producer = RolloutProducer(
             engine=engine,
             task=task,
@@ -223,24 +230,27 @@ class RolloutSide:
 
         ``stop_requested``: the trainer was asked to stop; nothing is taken then (a step either
         completes or never starts) and ``LoopInterrupted`` is raised, after a failure of the
-        producer, which is raised as ``LoopStopped`` first."""
+        producer, which is raised as ``LoopStopped`` first. The batch ``reserve_batch`` set aside
+        for this step and version is the batch (the rest of the cache is filtered at c later, by
+        ``_catch_up``); one set aside for another goes back first."""
         deadline = time.monotonic() + wait_s
+        reserved = self._release_reserved(keep=(trainer_version, step))
+        if reserved is not None:
+            try:
+                self._raise_if_stopped(stop_requested)
+            except BaseException:
+                self.cache.put_back(reserved)
+                raise
+            with self._handoff_lock:
+                self._consume(reserved, step)
+            # a filter still owed at an older version drops nothing this one does not
+            self._filter_owed = trainer_version
+            fault_point("loop.batch_taken")
+            return reserved
+        self._filter_owed = None  # this take filters at c, which drops all an older filter would
         while True:
             self._raise_if_stopped(stop_requested)
-            while True:
-                try:
-                    self.cache.add(self.queue.get_nowait())
-                except Empty:
-                    break
-            if self._push_in_flight is not None and self._pass_owed(self.cache.get_all(), trainer_version):
-                # the push's pass still owes them π_{c−1}: the filter would drop them as past
-                # their window, a take would train on them without it
-                self.join_push()  # outside the hand-off lock, which the push's pass takes
-            before = [g.group_id for g in self.cache.get_all()]
-            if self.strategy.filter_stale_from_cache(self.cache, trainer_version):
-                kept = {g.group_id for g in self.cache.get_all()}
-                dropped = [g for g in before if g not in kept]
-                record_fate(self.ledger, "dropped", dropped, version=trainer_version, where="cache")
+            self._filter_cache(trainer_version)
             if self.cache.size() >= self.batch_groups:
                 if self._push_in_flight is not None and self._needs_new_weights(
                     self.cache.get_all()[: self.batch_groups], trainer_version
@@ -252,13 +262,7 @@ class RolloutSide:
                     if self.score_at_take and self._push_in_flight is None:
                         self._score_at_take(self.cache.get_all()[: self.batch_groups])
                     groups = self.cache.take_first_n(self.batch_groups)
-                    record_fate(
-                        self.ledger,
-                        "consumed",
-                        [g.group_id for g in groups],
-                        step=step,
-                        samples=[len(g.samples) for g in groups],
-                    )
+                    self._consume(groups, step)
                 fault_point("loop.batch_taken")
                 return groups
             remaining = deadline - time.monotonic()
@@ -268,6 +272,97 @@ class RolloutSide:
                 self.cache.add(self.queue.get(timeout=min(0.2, remaining)))
             except Empty:
                 pass
+
+    def _filter_cache(self, trainer_version: int) -> None:
+        """Move the queue's groups to the cache and drop the cache's stale ones at version c =
+        ``trainer_version`` (each written to the ledger), once the push in flight gave them
+        what its pass owes them."""
+        self._drain_queue()
+        if self._push_in_flight is not None and self._pass_owed(self.cache.get_all(), trainer_version):
+            # the push's pass still owes them π_{c−1}: the filter would drop them as past
+            # their window, a take would train on them without it
+            self.join_push()  # outside the hand-off lock, which the push's pass takes
+        before = [g.group_id for g in self.cache.get_all()]
+        if self.strategy.filter_stale_from_cache(self.cache, trainer_version):
+            kept = {g.group_id for g in self.cache.get_all()}
+            dropped = [g for g in before if g not in kept]
+            record_fate(self.ledger, "dropped", dropped, version=trainer_version, where="cache")
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                self.cache.add(self.queue.get_nowait())
+            except Empty:
+                return
+
+    def _consume(self, groups: list[RolloutGroup], step: int) -> None:
+        record_fate(self.ledger, "consumed", [g.group_id for g in groups], step=step, samples=[len(g.samples) for g in groups])
+
+    # ============================================================= the next batch, ahead
+    def take_ahead(self, trainer_version: int, step: int) -> None:
+        """Nothing: in sdp's process, taking the next batch ahead would take the trainer's thread
+        as long as taking it when due (the rollout process does it: ``reserve_batch``)."""
+
+    def reserve_batch(self, trainer_version: int, step: int, *, give_up: Callable[[], bool]) -> list[RolloutGroup] | None:
+        """Set aside the batch of step ``step`` at trainer version c = ``trainer_version`` while the
+        trainer still trains the step before (the rollout process, asked by ``RolloutLink.take_ahead``),
+        and return it; ``take_batch`` for that step and version then takes it. None when it cannot
+        be known yet: the producer failed or stops, or ``give_up()`` (the trainer's next request
+        came) before the cache's first B groups are each *fixed*: kept by the strategy at c and,
+        with the recompute pass, settled at c − 1 (``settled_head``: every token older than
+        c − 1 and holding π_{v+1}). Nothing can change a fixed group before that take (no pass
+        writes into it, the take-time pass has nothing to score in it, its verdict stays), nor
+        put a group ahead of it, so they are the groups the take would choose: their take costs
+        the trainer no filter, no scan and no encoding (docs/training.md "Three processes")."""
+        self._catch_up(may_wait=False)
+        assert self._reserved is None, "one batch set aside at a time"
+        while True:
+            if self.producer.error is not None or self.producer.stopping:
+                return None
+            self._drain_queue()
+            with self._handoff_lock:  # no pass writes into the groups while they are judged
+                front = self.cache.get_all()[: self.batch_groups]
+                if len(front) == self.batch_groups and all(self._fixed(g, trainer_version) for g in front):
+                    groups = self.cache.take_first_n(self.batch_groups)
+                    self._reserved = _Reserved(groups, trainer_version, step)
+                    return groups
+            if give_up():
+                return None
+            try:  # a new group, or a pass settling the ones held, can make the batch fixed
+                self.cache.add(self.queue.get(timeout=RESERVE_POLL_S))
+            except Empty:
+                pass
+
+    def reserved_batch(self) -> list[RolloutGroup] | None:
+        """The batch set aside, if one is."""
+        return None if self._reserved is None else self._reserved.groups
+
+    def _fixed(self, group: RolloutGroup, trainer_version: int) -> bool:
+        if self.strategy.is_sample_too_stale(group, trainer_version):
+            return False
+        return not self.recompute_enabled or settled_head(group, trainer_version - 1) is not None
+
+    def _release_reserved(self, keep: tuple[int, int] | None = None) -> list[RolloutGroup] | None:
+        """The batch set aside if it is for (trainer version, step) ``keep``; else it goes back
+        to the head of the cache (the next take chooses anew) and None is returned."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is None or (reserved.trainer_version, reserved.step) == keep:
+            return None if reserved is None else reserved.groups
+        self.cache.put_back(reserved.groups)
+        return None
+
+    def _catch_up(self, *, may_wait: bool = True) -> None:
+        """The filter a take of a batch set aside left for later (the trainer was not kept
+        waiting for it), at that take's version c, as the take would have run it. Not
+        ``may_wait``: left for later again if it would wait for the push in flight (a push's
+        error is the take's and the snapshot's to raise, not ``reserve_batch``'s)."""
+        owed = self._filter_owed
+        if owed is None:
+            return
+        if not may_wait and self._push_in_flight is not None and self._pass_owed(self.cache.get_all(), owed):
+            return
+        self._filter_owed = None
+        self._filter_cache(owed)
 
     def finish_step(self, update: WeightUpdate, *, last_step: bool) -> StepReport:
         """Push the step's new weights (``update``, version c + 1) and report the step.
@@ -477,8 +572,10 @@ class RolloutSide:
         """A JSON-safe picture of this side (buffer contents, counters, RNG) taken atomically, with
         no weight push in flight (its pass and purge change what it holds), and the ledger
         durable up to the length it records."""
+        self._catch_up()
         self.join_push()
         with self._handoff_lock:
+            self._release_reserved()  # the cache holds it again: the next take chooses anew
             snap = {
                 "version": self._version,
                 "next_group_id": self.state.next_group_id,
@@ -514,6 +611,16 @@ class RolloutSide:
             self.cache.add(RolloutGroup.from_dict(data))
         abandoned = list(snap.get("in_flight_group_ids", []))
         record_fate(self.ledger, "abandoned", abandoned, checkpoint_step=step)
+
+
+@dataclass
+class _Reserved:
+    """A batch ``reserve_batch`` set aside for training step ``step`` at trainer version
+    ``trainer_version``."""
+
+    groups: list[RolloutGroup]
+    trainer_version: int
+    step: int
 
 
 class _PushInFlight:

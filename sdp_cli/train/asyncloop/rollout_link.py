@@ -27,8 +27,10 @@ failure (``RolloutProcessLost``).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
+import operator
 import select
 import shutil
 import signal
@@ -38,7 +40,7 @@ import subprocess
 import threading
 import traceback
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,8 @@ from sdp_cli.train.asyncloop.rollout import RolloutSide, StepReport
 
 #: a frame's length prefix
 _LENGTH = struct.Struct(">I")
+#: ``take_batch``'s answer when its batch is the one the trainer holds from ``take_ahead``
+AHEAD = "ahead"
 #: how often a call waiting for its answer looks whether the rollout process is still there
 _POLL_S = 1.0
 
@@ -246,8 +250,24 @@ def _stop(side: RolloutSide, wait: bool) -> dict[str, Any] | None:
     return None if failure is None else error_to_json(failure)
 
 
-def _take_batch(side: RolloutSide, trainer_version: int, step: int, stop_requested: bool, wait_s: float) -> Any:
+def _take_batch(
+    side: RolloutSide, trainer_version: int, step: int, stop_requested: bool, wait_s: float, ahead: bool = False
+) -> Any:
+    """The batch, encoded; or, when it is the batch the trainer already holds (``ahead``: the
+    answer of its ``reserve_batch``), ``AHEAD``."""
+    reserved = side.reserved_batch() if ahead else None
     groups = side.take_batch(trainer_version, step, stop_requested=stop_requested, wait_s=wait_s)
+    if groups is None:
+        return None
+    if reserved is not None and len(groups) == len(reserved) and all(map(operator.is_, groups, reserved)):
+        return AHEAD
+    return encode_groups(groups)
+
+
+def _reserve_batch(side: RolloutSide, sock: socket.socket, trainer_version: int, step: int) -> Any:
+    """``RolloutSide.reserve_batch``, encoded; it waits for its batch until the trainer's next
+    request arrives."""
+    groups = side.reserve_batch(trainer_version, step, give_up=lambda: bool(select.select([sock], [], [], 0)[0]))
     return None if groups is None else encode_groups(groups)
 
 
@@ -290,6 +310,7 @@ def serve(side: RolloutSide, sock: socket.socket) -> None:
     this returns) or until the trainer's end of the link closes (the side is shut down first)."""
     forwarded = _ForwardedLog()
     logging.getLogger().addHandler(forwarded)
+    calls = {**_CALLS, "reserve_batch": lambda side, **args: _reserve_batch(side, sock, **args)}
     try:
         while True:
             request = receive_frame(sock)
@@ -298,7 +319,7 @@ def serve(side: RolloutSide, sock: socket.socket) -> None:
                 return
             name = request.get("call")
             try:
-                answer: dict[str, Any] = {"ok": _CALLS[name](side, **request.get("args", {}))}
+                answer: dict[str, Any] = {"ok": calls[name](side, **request.get("args", {}))}
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
                 answer = {"error": error_to_json(exc)}
             answer["log"] = forwarded.take()
@@ -340,6 +361,13 @@ class RolloutLink:
         self._lock = threading.Lock()
         self._lost: str | None = None
         self._closed = False
+        # calls sent without waiting (``take_ahead``), answered in order before the next call's
+        # answer: (name, arguments) each
+        self._posted: list[tuple[str, dict[str, Any]]] = []
+        #: the batch ``take_ahead`` got: (trainer version, step, the encoded groups); or the error
+        #: its call raised, for the next ``take_batch`` to raise (where a take's error belongs)
+        self._ahead: tuple[int, int, Any] | None = None
+        self._ahead_error: BaseException | None = None
         from sdp_cli.engine.weight_file import WeightSlots  # torch: the trainer's end only
 
         self._slots = WeightSlots(scratch, WEIGHTS_FILE)
@@ -355,13 +383,32 @@ class RolloutLink:
         return self._exchange({"call": name, "args": args})
 
     def _exchange(self, request: dict[str, Any]) -> Any:
-        """Send ``request``, wait for its answer; its error is raised, its warnings logged."""
+        """Send ``request``, wait for its answer (after those of the calls posted before it); its
+        error is raised, its warnings logged."""
+        with self._talking():
+            send_frame(self._sock, request)
+            self._read_posted_locked()
+            answer = self._answer()
+        return self._result(answer)
+
+    def _read_posted(self) -> None:
+        """Read the answers of the posted calls (each waits until its call is done)."""
+        if self._posted:
+            with self._talking():
+                self._read_posted_locked()
+
+    def _read_posted_locked(self) -> None:
+        while self._posted:
+            self._posted_answer(*self._posted.pop(0), self._answer())
+
+    @contextlib.contextmanager
+    def _talking(self) -> Iterator[None]:
+        """Hold the link for one exchange; a lost process or a cut-off exchange marks it lost."""
         with self._lock:
             if self._lost is not None:
                 raise RolloutProcessLost(self._lost)
             try:
-                send_frame(self._sock, request)
-                answer = receive_frame(self._sock, self._check_alive)
+                yield
             except RolloutProcessLost:
                 self._lost = "the rollout process has stopped"
                 raise
@@ -371,14 +418,43 @@ class RolloutLink:
             except BaseException:
                 self._lost = "a call to the rollout process was cut off"
                 raise
-            if answer is None:
-                self._lost = "the rollout process has stopped"
-                raise RolloutProcessLost(self._gone("it closed the link"))
+
+    def _answer(self) -> dict[str, Any]:
+        """The next answer (the lock held; a lost process raises as ``_exchange`` says)."""
+        answer = receive_frame(self._sock, self._check_alive)
+        if answer is None:
+            self._lost = "the rollout process has stopped"
+            raise RolloutProcessLost(self._gone("it closed the link"))
+        return answer
+
+    @staticmethod
+    def _result(answer: dict[str, Any]) -> Any:
+        """An answer's result, its warnings logged; its error raised."""
         for logger_name, level, message in answer.get("log", []):
             logging.getLogger(logger_name).log(level, "%s", message)
         if "error" in answer:
             raise error_from_json(answer["error"])
         return answer["ok"]
+
+    def _post(self, name: str, **args: Any) -> None:
+        """Send a call without waiting for its answer (read by the next ``_exchange``)."""
+        with self._lock:
+            if self._lost is not None:
+                return  # the next call says why
+            try:
+                send_frame(self._sock, {"call": name, "args": args})
+            except OSError:
+                return  # likewise
+            self._posted.append((name, args))
+
+    def _posted_answer(self, name: str, args: dict[str, Any], answer: dict[str, Any]) -> None:
+        assert name == "reserve_batch", f"no answer handling for a posted {name!r}"
+        try:
+            groups = self._result(answer)
+        except Exception as exc:  # noqa: BLE001 - the next take raises it
+            self._ahead, self._ahead_error = None, exc
+            return
+        self._ahead = None if groups is None else (args["trainer_version"], args["step"], groups)
 
     def _check_alive(self) -> None:
         code = self._process.poll()
@@ -423,10 +499,34 @@ class RolloutLink:
     def take_batch(
         self, trainer_version: int, step: int, *, stop_requested: bool, wait_s: float
     ) -> list[RolloutGroup] | None:
+        """The batch, as ``RolloutSide.take_batch`` takes it; the one ``take_ahead`` brought when
+        it is for this step (the rollout process says so, and sends nothing else)."""
+        self._read_posted()
+        error, self._ahead_error = self._ahead_error, None
+        if error is not None:
+            self._ahead = None
+            raise error
+        ahead = self._ahead if self._ahead is not None and self._ahead[:2] == (trainer_version, step) else None
         groups = self._call(
-            "take_batch", trainer_version=trainer_version, step=step, stop_requested=stop_requested, wait_s=wait_s
+            "take_batch",
+            trainer_version=trainer_version,
+            step=step,
+            stop_requested=stop_requested,
+            wait_s=wait_s,
+            ahead=ahead is not None,
         )
+        self._ahead = None  # taken, or back in the rollout process's cache
+        if groups == AHEAD:
+            assert ahead is not None, "the rollout process answered with a batch this end does not hold"
+            groups = ahead[2]
         return None if groups is None else decode_groups(groups)
+
+    def take_ahead(self, trainer_version: int, step: int) -> None:
+        """Ask the rollout process to set aside the batch of step ``step`` at trainer version
+        ``trainer_version`` (``RolloutSide.reserve_batch``) while the trainer trains the step
+        before, without waiting: its answer comes before the next call's, and that step's take
+        then costs the trainer one short exchange."""
+        self._post("reserve_batch", trainer_version=trainer_version, step=step)
 
     def finish_step(self, update: WeightUpdate, *, last_step: bool) -> StepReport:
         path = self._write_weights(update) if update.state_dict is not None else update.path
@@ -462,6 +562,8 @@ class RolloutLink:
                 pass
 
     def snapshot(self) -> dict[str, Any]:
+        self._read_posted()
+        self._ahead = None  # the snapshot puts it back in the cache
         return self._call("snapshot")
 
     def restore(self, snap: dict[str, Any], step: int) -> None:
