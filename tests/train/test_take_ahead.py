@@ -225,6 +225,22 @@ def test_over_the_link_a_snapshot_between_puts_the_batch_back_and_the_take_gets_
     server.join(5)
 
 
+def test_over_the_link_a_stop_at_the_take_leaves_the_batch_for_the_take_after_it(tmp_path):
+    side = _side(mode="decoupled", batch_groups=2)
+    for gid in range(3):
+        side.queue.put(_group(gid, SETTLED))
+    link, server = _served(side, tmp_path)
+    link.take_ahead(C, 5)
+    link.filtered_groups()
+    with pytest.raises(LoopInterrupted):
+        link.take_batch(C, 5, stop_requested=True, wait_s=0)
+    assert _ids(side.cache.get_all()) == [0, 1, 2]  # back at the head, nothing taken
+    taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)  # a resumed loop's take, anew
+    assert _ids(taken) == [0, 1] and _ids(side.cache.get_all()) == [2]
+    link.shutdown(grace_s=0.1)
+    server.join(5)
+
+
 def test_an_error_of_the_take_ahead_is_raised_by_the_next_take_not_by_the_calls_between(tmp_path):
     side = _side(mode="decoupled", batch_groups=1)
 

@@ -506,7 +506,9 @@ class RolloutLink:
         if error is not None:
             self._ahead = None
             raise error
-        ahead = self._ahead if self._ahead is not None and self._ahead[:2] == (trainer_version, step) else None
+        ahead, self._ahead = self._ahead, None  # this take claims it, or it goes back to the cache
+        if ahead is not None and ahead[:2] != (trainer_version, step):
+            ahead = None
         groups = self._call(
             "take_batch",
             trainer_version=trainer_version,
@@ -515,7 +517,6 @@ class RolloutLink:
             wait_s=wait_s,
             ahead=ahead is not None,
         )
-        self._ahead = None  # taken, or back in the rollout process's cache
         if groups == AHEAD:
             assert ahead is not None, "the rollout process answered with a batch this end does not hold"
             groups = ahead[2]
