@@ -23,8 +23,10 @@ def two_step_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    argv = ["train", "+debug=fast", "train.steps=2", "train.checkpoint_every=2", "train.eval_samples=4",
-            f"run.dir={run}"]  # fmt: skip
+    # in sdp's process: what is announced does not depend on where the engine runs, and the
+    # three sessions would each start a rollout and an engine process (about 2 s apiece)
+    argv = ["train", "+debug=fast", "engine.in_process=true", "train.steps=2", "train.checkpoint_every=2",
+            "train.eval_samples=4", f"run.dir={run}"]  # fmt: skip
     code, _, err = run_main(argv, capsys)
     assert code == 0, err
     assert "resuming" not in err
