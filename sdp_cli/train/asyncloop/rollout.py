@@ -11,10 +11,13 @@ new weights following docs/design.md §2: pause (``PauseController``, whose post
 weights → purge stale queue items → resume. With η > 0 (``train.async_push``, an engine that
 stages weights) that push runs on a thread of its own while the next step trains: a take waits
 for it only when the batch holds tokens whose π_prox_t the push still owes, and the next push,
-a snapshot and a stop wait for it too (``join_push``).
+a snapshot and a stop wait for it too (``join_push``). In the rollout process the next step's
+batch can be set aside while the trainer trains (``reserve_batch``, asked by ``take_ahead``), for
+that step's take to claim.
 
 Every group is in exactly one place at a time: in the producer's hands (submitted, possibly
-partial), in the queue, in the cache, or consumed/dropped. The producer moves groups from its
+partial), in the queue, in the cache (or set aside from its head for the next take), or
+consumed/dropped. The producer moves groups from its
 hands to the queue under ``_handoff_lock``, which the weight push also holds, so the recompute
 pass sees every sample the system holds exactly once.
 
