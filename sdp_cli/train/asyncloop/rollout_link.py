@@ -30,7 +30,6 @@ import base64
 import contextlib
 import json
 import logging
-import operator
 import select
 import shutil
 import signal
@@ -259,7 +258,7 @@ def _take_batch(
     groups = side.take_batch(trainer_version, step, stop_requested=stop_requested, wait_s=wait_s)
     if groups is None:
         return None
-    if reserved is not None and len(groups) == len(reserved) and all(map(operator.is_, groups, reserved)):
+    if groups is reserved:  # the side's take handed out the very list it had set aside
         return AHEAD
     return encode_groups(groups)
 
