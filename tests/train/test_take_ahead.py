@@ -6,11 +6,13 @@ where it was, so that nothing is lost, duplicated or reordered."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import socket
 import threading
 import time
 import types
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -180,65 +182,62 @@ def test_it_waits_for_groups_until_the_trainer_asks_for_something_else():
 
 
 # ------------------------------------------------------------------ over the link
-def _served(side, tmp_path) -> tuple[RolloutLink, threading.Thread]:
+SETTLED = [[(C - 2, True)], [(C - 3, True), (C - 2, True)]]
+
+
+@contextlib.contextmanager
+def _served(side: RolloutSide, tmp_path, *, settled_groups: int = 0) -> Iterator[RolloutLink]:
+    """A link to ``side`` served on a thread over a socket pair, with ``settled_groups`` groups
+    (ids 0, 1, …) queued first; the link is shut down and the server joined after."""
+    for gid in range(settled_groups):
+        side.queue.put(_group(gid, SETTLED))
     ours, theirs = socket.socketpair()
     server = threading.Thread(target=serve, args=(side, theirs), daemon=True)
     server.start()
     process = types.SimpleNamespace(poll=lambda: None, wait=lambda timeout=None: 0)
     link = RolloutLink(process, ours, log_path=tmp_path / "rollout.log", scratch=tmp_path / "scratch", weight_dtype=None)
-    return link, server
-
-
-SETTLED = [[(C - 2, True)], [(C - 3, True), (C - 2, True)]]
+    try:
+        yield link
+    finally:
+        link.shutdown(grace_s=0.1)
+        server.join(5)
 
 
 def test_over_the_link_the_batch_taken_ahead_is_sent_once_and_claimed_with_a_short_answer(tmp_path, monkeypatch):
     side = _side(mode="segment_wise", batch_groups=2)
-    for gid in range(4):
-        side.queue.put(_group(gid, SETTLED))
     encoded: list[list[int]] = []
     real_encode = rollout_link.encode_groups
     monkeypatch.setattr(rollout_link, "encode_groups", lambda groups: encoded.append(_ids(groups)) or real_encode(groups))
-    link, server = _served(side, tmp_path)
-    link.take_ahead(C, 5)
-    assert link.filtered_groups() == 0  # another call: the answer of the one posted is read first
-    taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)
-    assert encoded == [[0, 1]]  # sent once, as the answer of take_ahead
-    assert [_content(g) for g in taken] == [_content(_group(gid, SETTLED)) for gid in (0, 1)]
-    assert _ids(side.cache.get_all()) == [2, 3] and side.reserved_batch() is None
-    # the next take is an ordinary one: encoded and sent
-    assert _ids(link.take_batch(C + 1, 6, stop_requested=False, wait_s=0)) == [2, 3] and encoded[-1] == [2, 3]
-    link.shutdown(grace_s=0.1)
-    server.join(5)
+    with _served(side, tmp_path, settled_groups=4) as link:
+        link.take_ahead(C, 5)
+        assert link.filtered_groups() == 0  # another call: the answer of the one posted is read first
+        taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)
+        assert encoded == [[0, 1]]  # sent once, as the answer of take_ahead
+        assert [_content(g) for g in taken] == [_content(_group(gid, SETTLED)) for gid in (0, 1)]
+        assert _ids(side.cache.get_all()) == [2, 3] and side.reserved_batch() is None
+        # the next take is an ordinary one: encoded and sent
+        assert _ids(link.take_batch(C + 1, 6, stop_requested=False, wait_s=0)) == [2, 3] and encoded[-1] == [2, 3]
 
 
 def test_over_the_link_a_snapshot_between_puts_the_batch_back_and_the_take_gets_it_anew(tmp_path):
     side = _side(mode="decoupled", batch_groups=2)
-    for gid in range(3):
-        side.queue.put(_group(gid, SETTLED))
-    link, server = _served(side, tmp_path)
-    link.take_ahead(C, 5)
-    assert [g["group_id"] for g in link.snapshot()["cache"]] == [0, 1, 2]
-    taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)
-    assert _ids(taken) == [0, 1] and _ids(side.cache.get_all()) == [2]
-    link.shutdown(grace_s=0.1)
-    server.join(5)
+    with _served(side, tmp_path, settled_groups=3) as link:
+        link.take_ahead(C, 5)
+        assert [g["group_id"] for g in link.snapshot()["cache"]] == [0, 1, 2]
+        taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)
+        assert _ids(taken) == [0, 1] and _ids(side.cache.get_all()) == [2]
 
 
 def test_over_the_link_a_stop_at_the_take_leaves_the_batch_for_the_take_after_it(tmp_path):
     side = _side(mode="decoupled", batch_groups=2)
-    for gid in range(3):
-        side.queue.put(_group(gid, SETTLED))
-    link, server = _served(side, tmp_path)
-    link.take_ahead(C, 5)
-    link.filtered_groups()
-    with pytest.raises(LoopInterrupted):
-        link.take_batch(C, 5, stop_requested=True, wait_s=0)
-    assert _ids(side.cache.get_all()) == [0, 1, 2]  # back at the head, nothing taken
-    taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)  # a resumed loop's take, anew
-    assert _ids(taken) == [0, 1] and _ids(side.cache.get_all()) == [2]
-    link.shutdown(grace_s=0.1)
-    server.join(5)
+    with _served(side, tmp_path, settled_groups=3) as link:
+        link.take_ahead(C, 5)
+        link.filtered_groups()
+        with pytest.raises(LoopInterrupted):
+            link.take_batch(C, 5, stop_requested=True, wait_s=0)
+        assert _ids(side.cache.get_all()) == [0, 1, 2]  # back at the head, nothing taken
+        taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)  # a resumed loop's take, anew
+        assert _ids(taken) == [0, 1] and _ids(side.cache.get_all()) == [2]
 
 
 def test_an_error_of_the_take_ahead_is_raised_by_the_next_take_not_by_the_calls_between(tmp_path):
@@ -248,13 +247,11 @@ def test_an_error_of_the_take_ahead_is_raised_by_the_next_take_not_by_the_calls_
         raise OSError(28, "No space left on device", "/runs/x/groups.jsonl")
 
     side.reserve_batch = broken
-    link, server = _served(side, tmp_path)
-    link.take_ahead(C, 5)
-    assert link.filtered_groups() == 0  # the posted call's error waits for the take
-    with pytest.raises(OSError, match="No space left"):
-        link.take_batch(C, 5, stop_requested=False, wait_s=0)
-    link.shutdown(grace_s=0.1)
-    server.join(5)
+    with _served(side, tmp_path) as link:
+        link.take_ahead(C, 5)
+        assert link.filtered_groups() == 0  # the posted call's error waits for the take
+        with pytest.raises(OSError, match="No space left"):
+            link.take_batch(C, 5, stop_requested=False, wait_s=0)
 
 
 # ------------------------------------------------------------------ the loop asks
