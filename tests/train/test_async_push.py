@@ -28,6 +28,7 @@ class StagingEngine(LoggingEngine):
         self.loading = threading.Event()
         self.fail: BaseException | None = None
         self.loader_threads: list[str] = []
+        self.loader_idents: list[int] = []
 
     def pause(self):
         self.paused = True
@@ -41,6 +42,7 @@ class StagingEngine(LoggingEngine):
 
     def update_weights(self, update):
         self.loader_threads.append(threading.current_thread().name)
+        self.loader_idents.append(threading.get_ident())
         self.loading.set()
         assert self.release.wait(10), "the test never released the load"
         if self.fail is not None:
@@ -96,6 +98,25 @@ def test_the_push_stages_here_and_loads_on_its_own_thread_while_the_step_goes_on
     assert engine.loader_threads[0] == "sdp-weight-push"
     loop.join_push()
     assert log[-1] == "load /staged/v2" and loop._version == 2
+
+
+def test_the_pushes_load_on_one_thread_that_lives_until_the_side_is_closed():
+    loop, engine, trainer, _ = _loop()
+    engine.release.set()
+    for version in (1, 2, 3):
+        trainer.version = version
+        push(loop)
+        loop.join_push()
+    assert len(set(engine.loader_idents)) == 1 and engine.loader_idents[0] != threading.get_ident()
+    (pusher,) = [t for t in threading.enumerate() if t.ident == engine.loader_idents[0]]
+    assert pusher.daemon  # an abort does not wait for it
+    loop.close()
+    pusher.join(10)
+    assert not pusher.is_alive()
+    trainer.version = 4
+    push(loop)  # a push after the close starts a thread again
+    loop.join_push()
+    assert loop._version == 4 and engine.loader_idents[-1] != threading.get_ident()
 
 
 @pytest.mark.parametrize(
