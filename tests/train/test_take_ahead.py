@@ -203,16 +203,20 @@ def _served(side: RolloutSide, tmp_path, *, settled_groups: int = 0) -> Iterator
         server.join(5)
 
 
-def test_over_the_link_the_batch_taken_ahead_is_sent_once_and_claimed_with_a_short_answer(tmp_path, monkeypatch):
+def test_over_the_link_the_batch_taken_ahead_is_sent_and_decoded_once_and_claimed_with_a_short_answer(tmp_path, monkeypatch):
     side = _side(mode="segment_wise", batch_groups=2)
     encoded: list[list[int]] = []
     real_encode = rollout_link.encode_groups
     monkeypatch.setattr(rollout_link, "encode_groups", lambda groups: encoded.append(_ids(groups)) or real_encode(groups))
+    decoded: list[list[int]] = []
+    real_decode = rollout_link.decode_groups
+    monkeypatch.setattr(rollout_link, "decode_groups", lambda data: decoded.append(_ids(g := real_decode(data))) or g)
     with _served(side, tmp_path, settled_groups=4) as link:
         link.take_ahead(C, 5)
         assert link.filtered_groups() == 0  # another call: the answer of the one posted is read first
+        assert decoded == [[0, 1]]  # decoded then, while that call waited for its answer
         taken = link.take_batch(C, 5, stop_requested=False, wait_s=0)
-        assert encoded == [[0, 1]]  # sent once, as the answer of take_ahead
+        assert encoded == [[0, 1]] and decoded == [[0, 1]]  # sent and decoded once, as take_ahead's answer
         assert [_content(g) for g in taken] == [_content(_group(gid, SETTLED)) for gid in (0, 1)]
         assert _ids(side.cache.get_all()) == [2, 3] and side.reserved_batch() is None
         # the next take is an ordinary one: encoded and sent

@@ -363,7 +363,7 @@ class RolloutLink:
         # calls sent without waiting (``take_ahead``), answered in order before the next call's
         # answer: (name, arguments) each
         self._posted: list[tuple[str, dict[str, Any]]] = []
-        #: the batch ``take_ahead`` got: (trainer version, step, the encoded groups); or the error
+        #: the batch ``take_ahead`` got: (trainer version, step, the groups); or the error
         #: its call raised, for the next ``take_batch`` to raise (where a take's error belongs)
         self._ahead: tuple[int, int, Any] | None = None
         self._ahead_error: BaseException | None = None
@@ -449,7 +449,10 @@ class RolloutLink:
     def _posted_answer(self, name: str, args: dict[str, Any], answer: dict[str, Any]) -> None:
         assert name == "reserve_batch", f"no answer handling for a posted {name!r}"
         try:
-            groups = self._result(answer)
+            encoded = self._result(answer)
+            # decoded now: this answer is read while the trainer waits for the push's answer
+            # (idle time otherwise), and the take then has nothing left to do but claim it
+            groups = None if encoded is None else decode_groups(encoded)
         except Exception as exc:  # noqa: BLE001 - the next take raises it
             self._ahead, self._ahead_error = None, exc
             return
@@ -518,7 +521,7 @@ class RolloutLink:
         )
         if groups == AHEAD:
             assert ahead is not None, "the rollout process answered with a batch this end does not hold"
-            groups = ahead[2]
+            return ahead[2]
         return None if groups is None else decode_groups(groups)
 
     def take_ahead(self, trainer_version: int, step: int) -> None:
