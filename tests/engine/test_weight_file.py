@@ -214,3 +214,77 @@ def test_a_slot_of_another_size_is_made_again(tmp_path):
         assert path.stat().st_size == 8 + int.from_bytes(path.read_bytes()[:8], "little") + 3 * 4
     finally:
         slots.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    start=state_dicts(),
+    changes=st.lists(
+        st.tuples(st.sampled_from(["in_place", "new_tensor", "new_view", "tie", "dtype"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_each_push_writes_its_own_weights_whatever_changed_since_the_last(tmp_path_factory, start, changes):
+    # the slots keep the last push's layout while the tensors are the same memory: values
+    # changed in place, a tensor made anew, a view taken differently, a name tied to another
+    # tensor, another engine dtype must each give the file a fresh pack gives
+    d = tmp_path_factory.mktemp("w")
+    slots = WeightSlots(d / "scratch", "model.safetensors")
+    state, engine_dtype = dict(start), None
+    try:
+        for version, (change, seed) in enumerate(changes):
+            rng = torch.Generator().manual_seed(seed)
+            name = list(state)[seed % len(state)]
+            tensor = state[name]
+            if change == "in_place" and tensor.numel():
+                with torch.no_grad():
+                    tensor.copy_(make_tensor(tensor.dtype, tuple(tensor.shape), seed))
+            elif change == "new_tensor":
+                state[name] = make_tensor(tensor.dtype, tuple(tensor.shape), seed)
+            elif change == "new_view" and tensor.dim() == 2:
+                state[name] = tensor.t()
+            elif change == "tie":
+                state[name] = state[list(state)[int(torch.randint(0, len(state), (1,), generator=rng))]]
+            elif change == "dtype":
+                engine_dtype = None if engine_dtype is not None else torch.bfloat16
+            target = slots.write(version, state, engine_dtype)
+            PackedWeights(state, engine_dtype).write(d / "packed.safetensors")
+            assert (target / "model.safetensors").read_bytes() == (d / "packed.safetensors").read_bytes(), change
+    finally:
+        slots.close()
+
+
+def test_pushes_of_the_same_parameters_keep_the_layout(tmp_path, monkeypatch):
+    from sdp_cli.engine import weight_file
+
+    made = []
+    real_layout = weight_file._layout
+    monkeypatch.setattr(weight_file, "_layout", lambda *args: made.append(1) or real_layout(*args))
+    params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
+    slots = WeightSlots(tmp_path, "model.safetensors")
+    try:
+        for version in range(4):
+            with torch.no_grad():
+                params["w"].fill_(version)  # an optimizer step: in place
+            detached = {name: p.detach() for name, p in params.items()}  # a fresh state dict each push
+            path = slots.write(version, detached, None) / "model.safetensors"
+            assert torch.equal(load_file(path)["w"], torch.full((4, 4), float(version)))
+        assert len(made) == 1
+    finally:
+        slots.close()
+
+
+@pytest.mark.parametrize("view", ["transposed", "shifted"])
+def test_a_view_of_the_same_storage_taken_differently_is_laid_out_anew(tmp_path, view):
+    # same storage and shape as the push before: only the strides (a square transposed) or the
+    # offset (a window moved along) tell the two apart
+    base = torch.arange(16.0).reshape(4, 4)
+    before, after = (base, base.t()) if view == "transposed" else (base.view(-1)[0:8], base.view(-1)[8:16])
+    slots = WeightSlots(tmp_path, "model.safetensors")
+    try:
+        slots.write(0, {"w": before}, None)
+        path = slots.write(1, {"w": after}, None) / "model.safetensors"
+        assert torch.equal(load_file(path)["w"], after)
+    finally:
+        slots.close()
