@@ -45,13 +45,16 @@ class PlacedModel:
             for module in (m for m in (model, reference) if m is not None):
                 sharding.shard(module, accelerator.device, accelerator.num_processes)
             self.model, self.optimizer = model, accelerator.prepare(make_optimizer(model))
-            return
-        if reference is not None:
-            reference.to(accelerator.device)
-        self.model, self.optimizer = accelerator.prepare(model, make_optimizer(model))
+        else:
+            if reference is not None:
+                reference.to(accelerator.device)
+            self.model, self.optimizer = accelerator.prepare(model, make_optimizer(model))
+        # unwrapped once: accelerate's unwrap_model looks through its wrappers on every call,
+        # 0.06–0.15 ms of the trainer's time on each push's weights
+        self._unwrapped = accelerator.unwrap_model(self.model)
 
     def unwrapped(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return self._unwrapped
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The weights an engine runs (detached; merged under LoRA, ``models.lora``); the local
