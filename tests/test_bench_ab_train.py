@@ -3,28 +3,18 @@ end to end on the fast config with one checkout as both sides."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "ab_train.py"
+from .bench_scripts import BENCH, load_bench, run_bench
+
+ROOT = BENCH.parent
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH.parent))  # its _results import
-    try:
-        spec = importlib.util.spec_from_file_location("ab_train", BENCH)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(BENCH.parent))
+    return load_bench("ab_train.py")
 
 
 def test_the_ratios_are_paired_and_their_interval_is_of_the_log_ratios(bench):
@@ -62,10 +52,9 @@ def test_verdicts_are_holm_adjusted_over_the_configurations(bench):
 def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
     # one pair (two runs): the statistics of several are tested on hand-computed values above
     out = tmp_path / "ab.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--before", str(ROOT), "--after", str(ROOT), "--pairs", "1", "--steps", "3",
-         "--modes", "decoupled", "--etas", "1", "--set", "+debug=fast", "--set", "engine.in_process=true", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+    done = run_bench(
+        "ab_train.py", "--before", str(ROOT), "--after", str(ROOT), "--pairs", "1", "--steps", "3", "--modes", "decoupled",
+        "--etas", "1", "--set", "+debug=fast", "--set", "engine.in_process=true", "--out", str(out), timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -79,9 +68,8 @@ def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
 
 
 def test_a_directory_that_is_no_checkout_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--before", str(tmp_path), "--after", str(ROOT), "--out", str(tmp_path / "x.json")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_bench(
+        "ab_train.py", "--before", str(tmp_path), "--after", str(ROOT), "--out", str(tmp_path / "x.json"), timeout=120
+    )
     assert done.returncode == 2 and "not an sdp checkout" in done.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "x.json").exists()

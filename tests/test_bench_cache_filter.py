@@ -4,19 +4,13 @@ take (the bench checks it), and it writes what its table prints."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "cache_filter.py"
+from .bench_scripts import run_bench
 
 
 def test_the_bench_writes_one_row_per_length(tmp_path):
     out = tmp_path / "cache_filter.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--lengths", "3,40", "--takes", "4", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_bench("cache_filter.py", "--lengths", "3,40", "--takes", "4", "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "cache_filter"
@@ -29,9 +23,6 @@ def test_the_bench_writes_one_row_per_length(tmp_path):
 
 
 def test_a_bad_length_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--lengths", "3,x", "--out", str(tmp_path / "x.json")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_bench("cache_filter.py", "--lengths", "3,x", "--out", str(tmp_path / "x.json"), timeout=120)
     assert done.returncode == 2 and "give positive token counts" in done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "x.json").exists()

@@ -4,29 +4,19 @@ against Holm's step-down adjustment done by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from scipy import stats
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from .bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))  # bench/train.py imports its sibling _results
-    try:
-        spec = importlib.util.spec_from_file_location("bench_train_under_test", BENCH / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("train.py")
 
 
 ratio_lists = st.lists(st.floats(0.5, 2.0), min_size=2, max_size=8).filter(lambda r: max(r) - min(r) > 1e-6)

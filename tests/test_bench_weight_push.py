@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "weight_push.py"
+from .bench_scripts import run_bench
 
 
 def test_the_bench_writes_one_row_per_shape_and_dtype(tmp_path):
     out = tmp_path / "weight_push.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--shapes", "tiny", "--repeats", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_bench("weight_push.py", "--shapes", "tiny", "--repeats", "2", "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["benchmark"] == "weight_push" and result["repeats"] == 2
@@ -30,9 +24,6 @@ def test_the_bench_writes_one_row_per_shape_and_dtype(tmp_path):
 
 
 def test_an_unknown_shape_is_one_line_and_exit_2(tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--shapes", "tiny,huge", "--out", str(tmp_path / "x.json")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_bench("weight_push.py", "--shapes", "tiny,huge", "--out", str(tmp_path / "x.json"), timeout=120)
     assert done.returncode == 2 and "unknown shape(s) huge" in done.stderr
     assert not (tmp_path / "x.json").exists()
