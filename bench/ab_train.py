@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _results import write_results
+from _results import commit_of, write_results
 
 from sdp_cli.ablate.stats import holm, paired_t
 
@@ -47,12 +47,6 @@ def run_once(checkout: Path, overrides: list[str], root: Path, cache: Path) -> f
     if done.returncode != 0:
         raise SystemExit(f"{checkout}: {' '.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
     return float(json.loads((run_dir / "summary.json").read_text())["steps_per_second"])
-
-
-def commit_of(checkout: Path) -> str | None:
-    """The git commit a checkout is at (None: not a git checkout), stored with the numbers."""
-    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def compare(before: list[float], after: list[float]) -> dict[str, float | list[float] | None]:

@@ -1,0 +1,41 @@
+"""bench/_results.py: every benchmark's JSON names the code it measured (commit, and whether
+tracked files differed from it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from .bench_scripts import load_bench
+
+
+def _git(repo, *args) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def test_the_code_is_the_checkouts_commit_and_whether_tracked_files_changed(tmp_path):
+    results = load_bench("_results.py")
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "commit", "-q", "-m", "one")
+    head = _git(repo, "rev-parse", "HEAD")
+    (repo / "untracked.txt").write_text("not code that ran\n")
+    assert results.code_of(repo) == {"commit": head, "uncommitted_changes": False}
+    (repo / "a.py").write_text("x = 2\n")
+    assert results.code_of(repo) == {"commit": head, "uncommitted_changes": True}
+    assert results.code_of(tmp_path / "elsewhere") == {"commit": None, "uncommitted_changes": None}
+
+
+def test_every_result_file_names_the_code(tmp_path, monkeypatch):
+    results = load_bench("_results.py")
+    monkeypatch.setattr(results, "code_of", lambda checkout: {"commit": str(checkout), "uncommitted_changes": False})
+    results.write_results(tmp_path / "r.json", "demo", rows=[1])
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["code"] == {"commit": str(results.REPO), "uncommitted_changes": False} and written["rows"] == [1]
