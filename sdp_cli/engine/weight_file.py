@@ -85,10 +85,7 @@ def _layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
             continue  # a tied tensor: written once, under its first name
         seen.add(key)
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.to(target)  # cast on the device: fewer bytes to bring over
-        sources.append((name, tensor, target))
+        sources.append((name, _source(tensor, target), target))
     order = [name for name, _, _ in sources]  # the mapping's order: the state dict's
     # widest first, and each dtype's tensors together (one copy call each, in ``_pack``)
     dtypes = list(dict.fromkeys(target for _, _, target in sources))
@@ -104,10 +101,23 @@ def _layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -
     return _Layout(sources, order, raw + b" " * (-len(raw) % 8), offset)
 
 
-def _placement(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Where ``tensor``'s values are: two tensors with equal placements read the same memory."""
-    storage = tensor.untyped_storage()
-    return (tensor.device, storage.data_ptr(), tensor.storage_offset(), tensor.dtype, tensor.shape, tensor.stride())
+def _source(tensor: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """What ``_pack`` copies from: ``tensor`` detached, or on a device cast there to ``target``
+    (fewer bytes to bring over)."""
+    tensor = tensor.detach()
+    return tensor.to(target) if tensor.device.type != "cpu" else tensor
+
+
+def _shape_key(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[Any, ...]:
+    """What a layout's header depends on: the engine's dtype, the names in order, each tensor's
+    dtype and shape, and which names share memory (each name with the position of the first
+    name at the same storage and offset: no addresses, which a later push's tensors may reuse)."""
+    first: dict[tuple[int, int], int] = {}
+    entries = []
+    for position, (name, tensor) in enumerate(state_dict.items()):
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        entries.append((name, tensor.dtype, tensor.shape, first.setdefault(where, position)))
+    return (dtype, entries)
 
 
 def _pack(layout: _Layout, data: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -209,7 +219,9 @@ class WeightSlots:
         self.directory = directory
         self.file_name = file_name
         self._maps: dict[int, mmap.mmap] = {}
-        self._kept_layout: tuple[Any, _Layout] | None = None
+        # the last push's layout without its tensors: (``_shape_key``, header, order, bytes of
+        # data, (name, dtype in the file) in the file's order)
+        self._kept_layout: tuple[Any, bytes, list[str], int, list[tuple[str, torch.dtype]]] | None = None
 
     def write(self, version: int, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> Path:
         """The weights of ``version`` written into its slot; the slot's directory."""
@@ -226,17 +238,19 @@ class WeightSlots:
         return target
 
     def _layout_of(self, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> _Layout:
-        """``_layout(state_dict, dtype)``, the last push's when every tensor is the same memory
-        as then (storage, offset, shape, strides, dtype; on the CPU, where the layout holds the
-        tensors themselves, not device casts): a run pushes the same parameters every step,
-        updated in place, and the layout's header cost the trainer 0.1–0.3 ms a push. The kept
-        layout holds those tensors, so their memory cannot be reused by others meanwhile."""
-        key = (dtype, [(name, *_placement(tensor)) for name, tensor in state_dict.items()])
-        if self._kept_layout is not None and self._kept_layout[0] == key:
-            return self._kept_layout[1]
+        """``_layout(state_dict, dtype)``, with the last push's header, order and sizes when
+        nothing they depend on changed (``_shape_key``): a run pushes the same parameters every
+        step (merged LoRA weights as new tensors of the same shapes), and making the header cost
+        the trainer 0.1–0.3 ms a push. The tensors are always this push's: none is kept."""
+        key = _shape_key(state_dict, dtype)
+        kept = self._kept_layout
+        if kept is not None and kept[0] == key:
+            _, header, order, nbytes, plan = kept
+            sources = [(name, _source(state_dict[name], target), target) for name, target in plan]
+            return _Layout(sources, order, header, nbytes)
         layout = _layout(state_dict, dtype)
-        on_cpu = all(tensor.device.type == "cpu" for _, tensor, _ in layout.sources)
-        self._kept_layout = (key, layout) if on_cpu else None
+        plan = [(name, target) for name, _, target in layout.sources]
+        self._kept_layout = (key, layout.header, layout.order, layout.nbytes, plan)
         return layout
 
     def _mapping(self, slot: int, path: Path, size: int) -> mmap.mmap:
@@ -260,4 +274,4 @@ class WeightSlots:
         for mapping in self._maps.values():
             mapping.close()
         self._maps = {}
-        self._kept_layout = None  # nor the tensors it holds
+        self._kept_layout = None

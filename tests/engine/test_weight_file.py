@@ -5,7 +5,9 @@ that safetensors' own reader and sdp's layout check accept, with exactly the ten
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -220,15 +222,17 @@ def test_a_slot_of_another_size_is_made_again(tmp_path):
 @given(
     start=state_dicts(),
     changes=st.lists(
-        st.tuples(st.sampled_from(["in_place", "new_tensor", "new_view", "tie", "dtype"]), st.integers(0, 10**6)),
+        st.tuples(
+            st.sampled_from(["in_place", "new_tensor", "retyped", "new_view", "tie", "dtype"]), st.integers(0, 10**6)
+        ),
         min_size=1,
         max_size=6,
     ),
 )
 def test_each_push_writes_its_own_weights_whatever_changed_since_the_last(tmp_path_factory, start, changes):
-    # the slots keep the last push's layout while the tensors are the same memory: values
-    # changed in place, a tensor made anew, a view taken differently, a name tied to another
-    # tensor, another engine dtype must each give the file a fresh pack gives
+    # the slots keep the last push's layout while nothing it depends on changed: values changed
+    # in place, a tensor made anew, one in another dtype, a view taken differently, a name tied
+    # to another tensor, another engine dtype must each give the file a fresh pack gives
     d = tmp_path_factory.mktemp("w")
     slots = WeightSlots(d / "scratch", "model.safetensors")
     state, engine_dtype = dict(start), None
@@ -242,6 +246,9 @@ def test_each_push_writes_its_own_weights_whatever_changed_since_the_last(tmp_pa
                     tensor.copy_(make_tensor(tensor.dtype, tuple(tensor.shape), seed))
             elif change == "new_tensor":
                 state[name] = make_tensor(tensor.dtype, tuple(tensor.shape), seed)
+            elif change == "retyped":  # the same name and shape in another dtype
+                other = [d for d in DTYPES if d != tensor.dtype][seed % (len(DTYPES) - 1)]
+                state[name] = make_tensor(other, tuple(tensor.shape), seed)
             elif change == "new_view" and tensor.dim() == 2:
                 state[name] = tensor.t()
             elif change == "tie":
@@ -270,6 +277,29 @@ def test_pushes_of_the_same_parameters_keep_the_layout(tmp_path, monkeypatch):
             detached = {name: p.detach() for name, p in params.items()}  # a fresh state dict each push
             path = slots.write(version, detached, None) / "model.safetensors"
             assert torch.equal(load_file(path)["w"], torch.full((4, 4), float(version)))
+        assert len(made) == 1
+    finally:
+        slots.close()
+
+
+def test_new_tensors_of_the_same_shapes_keep_the_layout_and_none_is_held(tmp_path, monkeypatch):
+    # merged LoRA weights are new tensors every push: the layout is made once, and the slots
+    # hold on to none of them (a kept copy would double the merged layers' memory)
+    from sdp_cli.engine import weight_file
+
+    made = []
+    real_layout = weight_file._layout
+    monkeypatch.setattr(weight_file, "_layout", lambda *args: made.append(1) or real_layout(*args))
+    slots = WeightSlots(tmp_path, "model.safetensors")
+    try:
+        for version in range(3):
+            merged = torch.full((8, 8), float(version))
+            gone = weakref.ref(merged)
+            path = slots.write(version, {"w": merged, "tied": merged}, None) / "model.safetensors"
+            assert torch.equal(load_file(path)["w"], torch.full((8, 8), float(version)))
+            del merged
+            gc.collect()
+            assert gone() is None
         assert len(made) == 1
     finally:
         slots.close()
