@@ -247,7 +247,7 @@ def test_each_push_writes_its_own_weights_whatever_changed_since_the_last(tmp_pa
             elif change == "new_tensor":
                 state[name] = make_tensor(tensor.dtype, tuple(tensor.shape), seed)
             elif change == "retyped":  # the same name and shape in another dtype
-                other = [d for d in DTYPES if d != tensor.dtype][seed % (len(DTYPES) - 1)]
+                other = [x for x in DTYPES if x != tensor.dtype][seed % (len(DTYPES) - 1)]
                 state[name] = make_tensor(other, tuple(tensor.shape), seed)
             elif change == "new_view" and tensor.dim() == 2:
                 state[name] = tensor.t()
@@ -306,7 +306,7 @@ def test_new_tensors_of_the_same_shapes_keep_the_layout_and_none_is_held(tmp_pat
 
 
 @pytest.mark.parametrize("view", ["transposed", "shifted"])
-def test_a_view_of_the_same_storage_taken_differently_is_laid_out_anew(tmp_path, view):
+def test_a_view_of_the_same_storage_taken_differently_is_written_as_it_reads_now(tmp_path, view):
     # same storage and shape as the push before: only the strides (a square transposed) or the
     # offset (a window moved along) tell the two apart
     base = torch.arange(16.0).reshape(4, 4)
