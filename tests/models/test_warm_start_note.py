@@ -9,6 +9,8 @@ import pytest
 from sdp_cli.cli.main import main
 from sdp_cli.models.warm_start import SOLVED_ACCURACY, warm_start_note
 
+from ..fast_run import FAST
+
 
 def _train(tmp_path, monkeypatch, capsys, *extra):
     """stderr of a two-step ``sdp train`` on a data set whose every answer is "1": a task the
@@ -17,7 +19,7 @@ def _train(tmp_path, monkeypatch, capsys, *extra):
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"w{i}=", "answer": "1"}) + "\n" for i in range(40)))
-    argv = ["train", "+debug=fast", "task=dataset", f"task.path={data}", "task.reward=final_number",
+    argv = ["train", *FAST, "task=dataset", f"task.path={data}", "task.reward=final_number",
             "task.eval_fraction=0.2", "rollout.max_new_tokens=3", "train.steps=2", "model.warm_start_lr=3e-3",
             *extra]  # fmt: skip
     with pytest.raises(SystemExit) as done:
