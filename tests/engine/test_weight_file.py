@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from sdp_cli.engine import weight_file
 from sdp_cli.engine.weight_file import DTYPE_NAMES, PackedWeights, WeightSlots
 from sdp_cli.safetensors_layout import check_file
 
@@ -262,12 +263,16 @@ def test_each_push_writes_its_own_weights_whatever_changed_since_the_last(tmp_pa
         slots.close()
 
 
-def test_pushes_of_the_same_parameters_keep_the_layout(tmp_path, monkeypatch):
-    from sdp_cli.engine import weight_file
-
-    made = []
+@pytest.fixture
+def layouts_made(monkeypatch) -> list[int]:
+    """One entry for each layout ``WeightSlots`` makes anew (a call of ``weight_file._layout``)."""
+    made: list[int] = []
     real_layout = weight_file._layout
     monkeypatch.setattr(weight_file, "_layout", lambda *args: made.append(1) or real_layout(*args))
+    return made
+
+
+def test_pushes_of_the_same_parameters_keep_the_layout(tmp_path, layouts_made):
     params = {"w": torch.zeros(4, 4), "b": torch.zeros(4)}
     slots = WeightSlots(tmp_path, "model.safetensors")
     try:
@@ -277,19 +282,14 @@ def test_pushes_of_the_same_parameters_keep_the_layout(tmp_path, monkeypatch):
             detached = {name: p.detach() for name, p in params.items()}  # a fresh state dict each push
             path = slots.write(version, detached, None) / "model.safetensors"
             assert torch.equal(load_file(path)["w"], torch.full((4, 4), float(version)))
-        assert len(made) == 1
+        assert len(layouts_made) == 1
     finally:
         slots.close()
 
 
-def test_new_tensors_of_the_same_shapes_keep_the_layout_and_none_is_held(tmp_path, monkeypatch):
+def test_new_tensors_of_the_same_shapes_keep_the_layout_and_none_is_held(tmp_path, layouts_made):
     # merged LoRA weights are new tensors every push: the layout is made once, and the slots
     # hold on to none of them (a kept copy would double the merged layers' memory)
-    from sdp_cli.engine import weight_file
-
-    made = []
-    real_layout = weight_file._layout
-    monkeypatch.setattr(weight_file, "_layout", lambda *args: made.append(1) or real_layout(*args))
     slots = WeightSlots(tmp_path, "model.safetensors")
     try:
         for version in range(3):
@@ -300,7 +300,7 @@ def test_new_tensors_of_the_same_shapes_keep_the_layout_and_none_is_held(tmp_pat
             del merged
             gc.collect()
             assert gone() is None
-        assert len(made) == 1
+        assert len(layouts_made) == 1
     finally:
         slots.close()
 
