@@ -45,6 +45,7 @@ from sdp_cli.engine.wire import (
     expand_spans,
     malformed,
 )
+from sdp_cli.faults import fault_point
 
 #: scratch directories live here when it is a writable tmpfs (files in memory, no disk writes)
 SHM = Path("/dev/shm")
@@ -226,6 +227,7 @@ class ProcessEngine(RemoteEngine):
 
     def close(self) -> None:
         super().close()
+        fault_point("local.process_stopped")
         with self._spare_lock:
             self._spare = None
         shutil.rmtree(self.scratch, ignore_errors=True)

@@ -148,12 +148,22 @@ def test_a_stop_signal_stops_the_engine_process_too(signum, tmp_path, sdp_cache)
     report.fault("signal", f"{signal.Signals(signum).name} with the local engine's process", run_id, back - stopped_at)
 
 
-def test_kill_9_of_sdp_leaves_no_engine_process(tmp_path, sdp_cache):
-    """The engine process notices that sdp has gone (it is re-parented), removes the scratch
-    directory sdp cannot remove any more and exits; the resumed run starts a new one."""
+@pytest.mark.parametrize(
+    "closing_stall",
+    [None, "local.process_stopped"],
+    ids=["rollout process idle", "rollout process closing its engine"],
+)
+def test_kill_9_of_sdp_leaves_no_engine_process(closing_stall, tmp_path, sdp_cache):
+    """The rollout process and the engine process notice that sdp has gone (they are
+    re-parented), remove the scratch directory sdp cannot remove any more and exit; the resumed
+    run starts new ones. ``closing_stall``: the rollout process, which begins to close its engine
+    as soon as sdp's end of the link closes, is held where its engine's process is stopped and
+    the scratch directory not yet removed, so that it notices sdp's death right there (its close
+    was cut off there on a loaded CI machine and left the directory behind)."""
     steps = 8
     run_dir = tmp_path / "run"
-    env = sdp_env(sdp_cache, SDP_TEST_FAULTS="kill:run.metrics_written@4")
+    faults = "kill:run.metrics_written@4" + (f",stall:{closing_stall}" if closing_stall else "")
+    env = sdp_env(sdp_cache, SDP_TEST_FAULTS=faults)
     done = run_sdp(["train", *_args(run_dir, steps)], env, timeout=600)
     killed_at = time.time()
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]

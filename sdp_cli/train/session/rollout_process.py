@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import gc
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -180,11 +181,24 @@ def _build(recipe: dict[str, Any]) -> RolloutSide:
     )
 
 
-def _leave_with_parent(parent_pid: int) -> None:
-    """Exit once sdp has gone (re-parented: ``getppid`` changed) while a call keeps the link's
-    end from being read; the engine's process leaves with this one (it watches its parent)."""
+class _Leaving:
+    """What the process removes when it leaves on its own: the engine's scratch directory,
+    known once the recipe has come (until then it is sdp's)."""
+
+    def __init__(self) -> None:
+        self.scratch: Path | None = None
+
+
+def _leave_with_parent(parent_pid: int, leaving: _Leaving) -> None:
+    """Exit once sdp has gone (re-parented: ``getppid`` changed), whatever the main thread is
+    doing: in a call that keeps the link's end from being read, or closing the engine (the link
+    closed with sdp). The scratch directory goes first: the engine's process removes it when it
+    notices this process has gone, but a close cut off here may have stopped that process
+    already and not yet removed the directory."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
+    if leaving.scratch is not None:
+        shutil.rmtree(leaving.scratch, ignore_errors=True)
     os._exit(0)
 
 
@@ -199,11 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # sdp stops this process in order
     signal.signal(signal.SIGTERM, _end_on_sigterm)
-    threading.Thread(target=_leave_with_parent, args=(args.parent_pid,), daemon=True).start()
+    leaving = _Leaving()
+    threading.Thread(target=_leave_with_parent, args=(args.parent_pid, leaving), daemon=True).start()
     sock = socket.socket(fileno=args.fd)
     recipe = receive_frame(sock)
     if recipe is None:
         return
+    leaving.scratch = Path(recipe["engine"]["scratch"])
     started = time.perf_counter()
     if recipe["cores"] is not None:
         pin_process(recipe["cores"])  # before the engine's process starts: it inherits them
