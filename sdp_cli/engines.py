@@ -14,8 +14,9 @@ An engine's entry here is everything the rest of sdp knows about it:
   means (None: ``train.dtype``, the local engine's copy follows the trainer);
 - ``prepare`` and ``start`` (optional, both ``"module:function"``): the build in two halves, so
   that ``sdp train`` runs the rollout side in a process of its own (docs/training.md "Three
-  processes"): ``prepare(cfg, policy, run_dir, *, device, threads) -> dict`` in sdp's process,
-  where the policy is (it writes what the engine starts from and returns the rest as plain
+  processes"): ``prepare(cfg, policy, run_dir, *, device, threads, scratch) -> dict`` in sdp's
+  process, where the policy is (it writes what the engine starts from into ``scratch``, a
+  directory the rollout process made and removes when it ends, and returns the rest as plain
   data), and ``start(cfg, recipe, run_dir) -> InferenceEngine`` in the rollout process.
   ``engine.in_process=true`` builds the engine in sdp's process instead (``build``).
 

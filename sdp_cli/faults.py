@@ -49,6 +49,7 @@ POINTS = (
     "producer.handover",  # mid hand-over: one group is in the queue, the others are not
     "local.generate",  # the local engine finished one decode step
     "local.score",  # the local engine is about to score (the recompute pass)
+    "local.start_weights_written",  # the local engine's start-up weights are written; its process is not started
     "local.process_stopped",  # closing: the local engine's process is stopped, its scratch directory not removed
     "loop.batch_taken",  # a batch left the cache; the trainer has not stepped on it
     "trainer.optimizer_step",  # one optimizer step of a training step is done

@@ -54,13 +54,16 @@ def build_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads:
     )
 
 
-def prepare_local(cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads: int | None) -> dict[str, Any]:
+def prepare_local(
+    cfg: Any, policy: Any, run_dir: RunDir, *, device: Any, threads: int | None, scratch: Path | None = None
+) -> dict[str, Any]:
     """The first half of ``engine=local`` in its own process, where the policy is: its weights
-    written where the process starts from (``ProcessEngine.prepare``), and what ``start_local``
-    needs of the policy, as plain data."""
+    written where the process starts from (``ProcessEngine.prepare``; into ``scratch``, the
+    rollout process's directory, when given), and what ``start_local`` needs of the policy, as
+    plain data."""
     from sdp_cli.engine.process import ProcessEngine
 
-    scratch, attn = ProcessEngine.prepare(policy)
+    scratch, attn = ProcessEngine.prepare(policy, scratch)
     return {
         "scratch": str(scratch),
         "attn_implementation": attn,

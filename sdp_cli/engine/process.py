@@ -155,17 +155,21 @@ class ProcessEngine(RemoteEngine):
         super().__init__(base_urls, options, version=version, managed=managed)
 
     @staticmethod
-    def prepare(policy: Any) -> tuple[Path, str | None]:
-        """A new scratch directory holding ``policy`` as ``launch/``, the weights the process
-        starts on, and the policy's attention implementation (the process builds the same
-        model). ``launch_prepared`` starts the process on it, here or in another process."""
+    def prepare(policy: Any, scratch: Path | None = None) -> tuple[Path, str | None]:
+        """The scratch directory holding ``policy`` as ``launch/``, the weights the process starts
+        on, and the policy's attention implementation (the process builds the same model).
+        ``launch_prepared`` starts the process on it, here or in another process. ``scratch``:
+        an empty directory another process owns (the rollout process: it removes it when it
+        ends); None: a new one, removed here if this fails."""
         from sdp_cli.models.loader import save_policy
 
-        scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
+        owned = scratch is None
+        scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root())) if scratch is None else scratch
         try:
             save_policy(policy, scratch / LAUNCH_DIR)
+            fault_point("local.start_weights_written")
         except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(scratch if owned else scratch / LAUNCH_DIR, ignore_errors=True)
             raise
         return scratch, getattr(getattr(policy.model, "config", None), "_attn_implementation", None)
 

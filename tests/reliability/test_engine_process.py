@@ -67,6 +67,12 @@ def rollout_pids(run_dir: Path) -> list[int]:
     return [int(p) for p in re.findall(r"sdp rollout process: pid (\d+)", text)]
 
 
+def rollout_scratches(run_dir: Path) -> list[tuple[int, Path]]:
+    """(pid, scratch directory) of each rollout process the run started (each says at its start)."""
+    text = (run_dir / "logs" / "rollout.log").read_text()
+    return [(int(pid), Path(p)) for pid, p in re.findall(r"sdp rollout process (\d+): the engine's scratch directory is (\S+)", text)]
+
+
 def scratches(run_dir: Path) -> list[Path]:
     """The scratch directories the run's engine processes were started with, in order."""
     return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", (run_dir / LOG).read_text())]
@@ -174,10 +180,26 @@ def test_kill_9_of_sdp_leaves_no_engine_process(closing_stall, tmp_path, sdp_cac
              "the orphaned rollout and engine processes to clean up and exit")  # fmt: skip
     done = run_sdp(["train", f"resume={run_dir}"], sdp_env(sdp_cache), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    run_id = "kill -9 of sdp with its engine process"
+    where = "while its rollout process closes the engine" if closing_stall else "with its engine process"
+    run_id = f"kill -9 of sdp {where}"
     _finished(run_dir, steps, run_id, done.stdout, done.stderr)
     back = first_step_time_after(run_dir, 0, killed_at)
-    report.fault("kill -9", "sdp with its local engine process", run_id, back - killed_at)
+    report.fault("kill -9", f"sdp {where}", run_id, back - killed_at)
+
+
+def test_kill_9_of_sdp_while_it_writes_the_start_weights_leaves_nothing(tmp_path, sdp_cache):
+    """sdp killed once it has written the engine's start weights, before the rollout process
+    has its recipe and before any engine's process: the scratch directory holding them is the
+    rollout process's, which removes it and exits. (The run has no checkpoint yet: sdp says to
+    start it again.)"""
+    run_dir = tmp_path / "run"
+    env = sdp_env(sdp_cache, SDP_TEST_FAULTS="kill:local.start_weights_written")
+    done = run_sdp(["train", *_args(run_dir, 4)], env, timeout=600)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    ((rollout, scratch),) = rollout_scratches(run_dir)
+    wait_for(lambda: gone(rollout) and not scratch.exists(), 10,
+             "the rollout process to remove the start weights and exit")  # fmt: skip
+    assert not engine_pids(run_dir), "no engine's process had started"
 
 
 def test_a_killed_rollout_process_stops_the_run_at_a_step_and_the_resume_goes_on(tmp_path, sdp_cache):

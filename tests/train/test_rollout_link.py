@@ -265,7 +265,7 @@ def _linked(tmp_path: Path, side: FakeSide | None = None) -> tuple[RolloutLink, 
     process = FakeProcess()
     log = tmp_path / "rollout.log"
     log.write_text("sdp rollout process: pid 1\nTraceback: the last line\n")
-    link = RolloutLink(process, ours, log_path=log, scratch=tmp_path / "scratch", weight_dtype=None)
+    link = RolloutLink(process, ours, log_path=log, weight_dtype=None)
     return link, side, process, server
 
 
@@ -299,7 +299,7 @@ def test_a_rollout_process_that_exited_is_lost_with_its_log(tmp_path, monkeypatc
     process = FakeProcess()
     log = tmp_path / "rollout.log"
     log.write_text("a\nb\nMemoryError\n")
-    link = RolloutLink(process, ours, log_path=log, scratch=tmp_path / "scratch", weight_dtype=None)
+    link = RolloutLink(process, ours, log_path=log, weight_dtype=None)
     threading.Timer(0.1, lambda: setattr(process, "code", -9)).start()
     with pytest.raises(RolloutProcessLost) as lost:
         link.filtered_groups()
@@ -319,7 +319,7 @@ def test_a_rollout_process_that_exited_is_lost_with_its_log(tmp_path, monkeypatc
 def test_the_other_end_closing_is_a_lost_process(tmp_path):
     ours, theirs = socket.socketpair()
     theirs.close()
-    link = RolloutLink(FakeProcess(), ours, log_path=tmp_path / "rollout.log", scratch=tmp_path / "s", weight_dtype=None)
+    link = RolloutLink(FakeProcess(), ours, log_path=tmp_path / "rollout.log", weight_dtype=None)
     with pytest.raises(RolloutProcessLost, match="closed the link|link to it failed"):
         link.filtered_groups()
 
@@ -330,7 +330,7 @@ def test_a_call_cut_off_leaves_the_link_unusable_and_the_shutdown_signals(tmp_pa
     monkeypatch.setattr(link_module, "_POLL_S", 0.01)
     ours, theirs = socket.socketpair()
     process = FakeProcess(stubborn=True)
-    link = RolloutLink(process, ours, log_path=tmp_path / "rollout.log", scratch=tmp_path / "s", weight_dtype=None)
+    link = RolloutLink(process, ours, log_path=tmp_path / "rollout.log", weight_dtype=None)
 
     def second_ctrl_c():
         raise KeyboardInterrupt

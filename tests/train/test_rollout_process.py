@@ -78,6 +78,8 @@ def test_a_run_in_three_processes(tmp_path):
     started = rollout_pids(run_dir)
     assert len(started) == 1 and gone(started[0]), "one rollout process per session, ended with it"
     assert not any(p.exists() for p in engine_scratches(run_dir)), "the engine's scratch directories are removed"
+    made = re.findall(r"sdp rollout process \d+: the engine's scratch directory is (\S+)", (run_dir / "logs" / "rollout.log").read_text())
+    assert [Path(p) for p in made] == engine_scratches(run_dir), "the engine ran on the rollout process's directory"
 
 
 def test_the_rollout_process_starts_without_torch(tmp_path):
@@ -144,3 +146,5 @@ def test_the_rollout_process_starts_with_the_session_and_an_abort_before_its_rec
     while not gone(started[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(started[0]), "the rollout process ended with the session"
+    (scratch,) = re.findall(r"sdp rollout process \d+: the engine's scratch directory is (\S+)", (tmp_path / "run" / "logs" / "rollout.log").read_text())
+    assert not Path(scratch).exists(), "and removed the scratch directory it made"

@@ -195,7 +195,7 @@ def _served(side: RolloutSide, tmp_path, *, settled_groups: int = 0) -> Iterator
     server = threading.Thread(target=serve, args=(side, theirs), daemon=True)
     server.start()
     process = types.SimpleNamespace(poll=lambda: None, wait=lambda timeout=None: 0)
-    link = RolloutLink(process, ours, log_path=tmp_path / "rollout.log", scratch=tmp_path / "scratch", weight_dtype=None)
+    link = RolloutLink(process, ours, log_path=tmp_path / "rollout.log", weight_dtype=None)
     try:
         yield link
     finally:

@@ -346,7 +346,6 @@ class RolloutLink:
         sock: socket.socket,
         *,
         log_path: Path,
-        scratch: Path,
         weight_dtype: str | None,
     ):
         self._process = process
@@ -354,8 +353,10 @@ class RolloutLink:
         self.log_path = log_path
         #: the log files of the rollout process and of its engine (``begin``)
         self.log_paths: tuple[Path, ...] = (log_path,)
-        # the engine's scratch directory (tmpfs), where pushes are written, in the engine's dtype
-        self._scratch = scratch
+        # the engine's scratch directory (tmpfs; ``receive_scratch``), where pushes are written,
+        # in the engine's dtype
+        self._scratch: Path | None = None
+        self._slots: Any = None
         self._weight_dtype = weight_dtype
         self._lock = threading.Lock()
         self._lost: str | None = None
@@ -367,9 +368,19 @@ class RolloutLink:
         #: its call raised, for the next ``take_batch`` to raise (where a take's error belongs)
         self._ahead: tuple[int, int, Any] | None = None
         self._ahead_error: BaseException | None = None
+
+    def receive_scratch(self) -> Path:
+        """The engine's scratch directory: the rollout process makes it as it starts and says
+        where (its first frame), so that it is that process's from the start and goes with it
+        however sdp ends (docs/training.md "Three processes"). What the engine starts from is
+        written there, then every push."""
         from sdp_cli.engine.weight_file import WeightSlots  # torch: the trainer's end only
 
-        self._slots = WeightSlots(scratch, WEIGHTS_FILE)
+        with self._talking():
+            hello = self._answer()
+        self._scratch = Path(self._result(hello)["scratch"])
+        self._slots = WeightSlots(self._scratch, WEIGHTS_FILE)
+        return self._scratch
 
     def begin(self, recipe: dict[str, Any]) -> None:
         """Send the rollout process its recipe and wait until it has built the rollout side and
@@ -613,5 +624,7 @@ class RolloutLink:
             except subprocess.TimeoutExpired:
                 self._process.kill()  # its engine's process leaves on its own (it watches its parent)
                 self._process.wait()
-        self._slots.close()
-        shutil.rmtree(self._scratch, ignore_errors=True)  # the engine's, normally removed by it
+        if self._slots is not None:
+            self._slots.close()
+        if self._scratch is not None:  # the rollout process's, normally removed by it
+            shutil.rmtree(self._scratch, ignore_errors=True)

@@ -2,9 +2,12 @@
 
 ``RolloutProcessStart`` (in sdp's process) starts ``python -m
 sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair as the session
-begins, so that the process imports what it runs while sdp loads the policy. Its ``begin``
-then writes what the engine starts from (the registry entry's ``prepare`` half, where the
-policy is) and sends the run's recipe as the link's first frame (``rollout_link.py``): the
+begins, so that the process imports what it runs while sdp loads the policy. The process
+first makes the engine's scratch directory and says where (its first frame): the directory is
+the process's, removed when it ends however that comes (by sdp or the engine's process if it
+was killed). ``begin`` then writes what the engine
+starts from into it (the registry entry's ``prepare`` half, where the policy is) and sends the
+run's recipe as the first frame of its own (``rollout_link.py``): the
 typed config, the run directory, the engine's recipe, the ids and budgets of generation, the
 ledger offset of a resume. ``main`` (in the rollout process) builds from it what the rollout side needs (the task
 with its reward code, the tokenizer the engine's files hold, the engine from the ``start``
@@ -27,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,7 +42,7 @@ from typing import Any
 import sdp_cli
 from sdp_cli.config.compose import config_from_dict
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.engine.process import LAUNCH_DIR
+from sdp_cli.engine.process import LAUNCH_DIR, scratch_root
 from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place
 from sdp_cli.models.policy import PromptCodec
@@ -113,15 +117,17 @@ class RolloutProcessStart:
         (``placement.core_split``; None: anywhere)."""
         assert self._process is not None, "begin() is called once"
         kind = engine_kind(cfg.engine.kind)
+        link = RolloutLink(self._process, self._sock, log_path=self.log_path, weight_dtype=kind.weight_dtype(cfg))
+        scratch: Path | None = None
         try:
-            recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads)
+            scratch = link.receive_scratch()
+            recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads, scratch=scratch)
         except BaseException:
-            self.cancel()
+            self.cancel()  # the process, which has no recipe, leaves and removes the directory
+            if scratch is not None:  # unless it was killed
+                shutil.rmtree(scratch, ignore_errors=True)
             raise
-        process, self._process = self._process, None
-        link = RolloutLink(
-            process, self._sock, log_path=self.log_path, scratch=Path(recipe["scratch"]), weight_dtype=kind.weight_dtype(cfg)
-        )
+        self._process = None
         try:
             link.begin(
                 {
@@ -141,7 +147,8 @@ class RolloutProcessStart:
 
     def cancel(self) -> None:
         """End the process if it is still waiting for its recipe (idempotent): it leaves when
-        its end of the link closes, by signal if it does not."""
+        its end of the link closes, removing the scratch directory it made, by signal if it
+        does not."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -181,24 +188,15 @@ def _build(recipe: dict[str, Any]) -> RolloutSide:
     )
 
 
-class _Leaving:
-    """What the process removes when it leaves on its own: the engine's scratch directory,
-    known once the recipe has come (until then it is sdp's)."""
-
-    def __init__(self) -> None:
-        self.scratch: Path | None = None
-
-
-def _leave_with_parent(parent_pid: int, leaving: _Leaving) -> None:
+def _leave_with_parent(parent_pid: int, scratch: Path) -> None:
     """Exit once sdp has gone (re-parented: ``getppid`` changed), whatever the main thread is
-    doing: in a call that keeps the link's end from being read, or closing the engine (the link
-    closed with sdp). The scratch directory goes first: the engine's process removes it when it
-    notices this process has gone, but a close cut off here may have stopped that process
-    already and not yet removed the directory."""
+    doing: waiting for the recipe, in a call that keeps the link's end from being read, or
+    closing the engine (the link closed with sdp). The scratch directory goes first: the
+    engine's process removes it when it notices this process has gone, but there may be no
+    engine's process yet, or a close cut off here may have stopped it already."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
-    if leaving.scratch is not None:
-        shutil.rmtree(leaving.scratch, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     os._exit(0)
 
 
@@ -213,13 +211,35 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # sdp stops this process in order
     signal.signal(signal.SIGTERM, _end_on_sigterm)
-    leaving = _Leaving()
-    threading.Thread(target=_leave_with_parent, args=(args.parent_pid, leaving), daemon=True).start()
+    # The engine's scratch directory is this process's from its making to this process's end,
+    # however that comes (sdp writes what the engine starts from into it, after this line):
+    # a kill of sdp at any moment leaves nothing on tmpfs.
+    scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
+    threading.Thread(target=_leave_with_parent, args=(args.parent_pid, scratch), daemon=True).start()
+    print(f"sdp rollout process {os.getpid()}: the engine's scratch directory is {scratch}", flush=True)
     sock = socket.socket(fileno=args.fd)
-    recipe = receive_frame(sock)
-    if recipe is None:
+    try:
+        _serve_session(sock, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    # The engine is stopped and the ledger closed: leave now, without waiting for a reward call
+    # that may still run (user code, cut off with the process rather than left to sdp's end).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _serve_session(sock: socket.socket, scratch: Path) -> None:
+    """Say where the scratch directory is, take the recipe, build the rollout side and serve
+    the link until the session ends or sdp has gone."""
+    try:
+        send_frame(sock, {"ok": {"scratch": str(scratch)}})
+    except OSError:  # sdp has gone already
         return
-    leaving.scratch = Path(recipe["engine"]["scratch"])
+    recipe = receive_frame(sock)
+    if recipe is None:  # sdp cancelled the start, or has gone
+        return
+    assert Path(recipe["engine"]["scratch"]) == scratch, "the engine starts from this process's directory"
     started = time.perf_counter()
     if recipe["cores"] is not None:
         pin_process(recipe["cores"])  # before the engine's process starts: it inherits them
@@ -242,11 +262,6 @@ def main(argv: list[str] | None = None) -> None:
         serve(side, sock)
     finally:
         side.shutdown()
-    # The engine is stopped and the ledger closed: leave now, without waiting for a reward call
-    # that may still run (user code, cut off with the process rather than left to sdp's end).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
