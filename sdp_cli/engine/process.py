@@ -90,6 +90,11 @@ def scratch_root() -> Path:
     return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def make_scratch() -> Path:
+    """A new, empty scratch directory for an engine's process (under ``scratch_root``)."""
+    return Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
+
+
 def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scratch: Path) -> LaunchSpec:
     """The command and environment of the local engine's process."""
     port = config.port or free_port(config.host)
@@ -164,7 +169,7 @@ class ProcessEngine(RemoteEngine):
         from sdp_cli.models.loader import save_policy
 
         owned = scratch is None
-        scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root())) if scratch is None else scratch
+        scratch = make_scratch() if scratch is None else scratch
         try:
             save_policy(policy, scratch / LAUNCH_DIR)
             fault_point("local.start_weights_written")

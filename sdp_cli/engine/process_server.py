@@ -277,9 +277,12 @@ class _Server(ThreadingHTTPServer):
         super().handle_error(request, client_address)
 
 
-def _leave_with_parent(parent_pid: int, scratch: Path | None) -> None:
-    """Exit once sdp, the parent, has gone (re-parented: ``getppid`` changed), removing the
-    scratch directory it would have removed."""
+def leave_with_parent(parent_pid: int, scratch: Path | None) -> None:
+    """Exit once the parent has gone (re-parented: ``getppid`` changed), whatever the process's
+    other threads are doing, removing the engine's scratch directory first: the parent that
+    would have removed it cannot any more (this process for sdp; the rollout process, which
+    may have stopped the engine's process already, for sdp's rollout side). Run on a daemon
+    thread."""
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     if scratch is not None:
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     token = os.environ.get(TOKEN_ENV, "")
     if not token:
         parser.error(f"${TOKEN_ENV} is empty: the server would take requests from anyone")
-    threading.Thread(target=_leave_with_parent, args=(args.parent_pid, args.scratch), daemon=True).start()
+    threading.Thread(target=leave_with_parent, args=(args.parent_pid, args.scratch), daemon=True).start()
     # Bind first: the port sdp picked is then ours before the seconds of imports below (until
     # it serves, connections wait in the backlog and sdp's readiness probe waits for /health).
     server = _Server((args.host, args.port), token)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..reliability.harness import check_finished_run, metrics, sdp_env
 from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version
+from ..reliability.test_engine_process import rollout_scratches
 
 
 #: a fast run with the engine in its own process: three processes (README's default)
@@ -78,8 +79,8 @@ def test_a_run_in_three_processes(tmp_path):
     started = rollout_pids(run_dir)
     assert len(started) == 1 and gone(started[0]), "one rollout process per session, ended with it"
     assert not any(p.exists() for p in engine_scratches(run_dir)), "the engine's scratch directories are removed"
-    made = re.findall(r"sdp rollout process \d+: the engine's scratch directory is (\S+)", (run_dir / "logs" / "rollout.log").read_text())
-    assert [Path(p) for p in made] == engine_scratches(run_dir), "the engine ran on the rollout process's directory"
+    made = [scratch for _, scratch in rollout_scratches(run_dir)]
+    assert made == engine_scratches(run_dir), "the engine ran on the rollout process's directory"
 
 
 def test_the_rollout_process_starts_without_torch(tmp_path):
@@ -146,5 +147,5 @@ def test_the_rollout_process_starts_with_the_session_and_an_abort_before_its_rec
     while not gone(started[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(started[0]), "the rollout process ended with the session"
-    (scratch,) = re.findall(r"sdp rollout process \d+: the engine's scratch directory is (\S+)", (tmp_path / "run" / "logs" / "rollout.log").read_text())
-    assert not Path(scratch).exists(), "and removed the scratch directory it made"
+    ((_, scratch),) = rollout_scratches(tmp_path / "run")
+    assert not scratch.exists(), "and removed the scratch directory it made"

@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,7 +41,8 @@ from typing import Any
 import sdp_cli
 from sdp_cli.config.compose import config_from_dict
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.engine.process import LAUNCH_DIR, scratch_root
+from sdp_cli.engine.process import LAUNCH_DIR, make_scratch
+from sdp_cli.engine.process_server import leave_with_parent
 from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place
 from sdp_cli.models.policy import PromptCodec
@@ -188,18 +188,6 @@ def _build(recipe: dict[str, Any]) -> RolloutSide:
     )
 
 
-def _leave_with_parent(parent_pid: int, scratch: Path) -> None:
-    """Exit once sdp has gone (re-parented: ``getppid`` changed), whatever the main thread is
-    doing: waiting for the recipe, in a call that keeps the link's end from being read, or
-    closing the engine (the link closed with sdp). The scratch directory goes first: the
-    engine's process removes it when it notices this process has gone, but there may be no
-    engine's process yet, or a close cut off here may have stopped it already."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    shutil.rmtree(scratch, ignore_errors=True)
-    os._exit(0)
-
-
 def _end_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -214,8 +202,11 @@ def main(argv: list[str] | None = None) -> None:
     # The engine's scratch directory is this process's from its making to this process's end,
     # however that comes (sdp writes what the engine starts from into it, after this line):
     # a kill of sdp at any moment leaves nothing on tmpfs.
-    scratch = Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
-    threading.Thread(target=_leave_with_parent, args=(args.parent_pid, scratch), daemon=True).start()
+    scratch = make_scratch()
+    # sdp gone, whatever this process is doing then (waiting for the recipe, in a call, closing
+    # the engine: a close cut off may have stopped the engine's process, which would otherwise
+    # remove the directory): the directory goes, then the process
+    threading.Thread(target=leave_with_parent, args=(args.parent_pid, scratch), daemon=True).start()
     print(f"sdp rollout process {os.getpid()}: the engine's scratch directory is {scratch}", flush=True)
     sock = socket.socket(fileno=args.fd)
     try:
