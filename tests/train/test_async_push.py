@@ -119,6 +119,23 @@ def test_the_pushes_load_on_one_thread_that_lives_until_the_side_is_closed():
     assert loop._version == 4 and engine.loader_idents[-1] != threading.get_ident()
 
 
+@pytest.mark.parametrize("release", ["release_push", "join_push", "close"])
+def test_a_held_push_waits_for_its_release_and_a_join_or_close_releases_it(release):
+    loop, engine, trainer, log = _loop()
+    engine.release.set()
+    report = loop.finish_step(WeightUpdate(version=1, state_dict={}), last_step=False, hold_push=True)
+    assert report.version == 1 and log == ["stage v1"]  # staged here, the step reported
+    assert not engine.loading.wait(0.3), "a held push started before its release"
+    getattr(loop, release)()
+    assert engine.loading.wait(10) and engine.loader_threads == ["sdp-weight-push"]
+    loop.join_push()
+    assert log == ["stage v1", "load /staged/v1"] and loop._version == 1
+    trainer.version = 2
+    push(loop)  # a push not held starts at once, after a close too
+    loop.join_push()
+    assert loop._version == 2
+
+
 @pytest.mark.parametrize(
     ("eta", "async_push", "steps"),
     [(0, True, 10), (4, False, 10), (4, True, 1)],

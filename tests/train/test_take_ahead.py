@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sdp_cli.config.schema import SdpConfig
+from sdp_cli.engine.base import WeightUpdate
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.train.asyncloop import rollout_link
 from sdp_cli.train.asyncloop.loop import AsyncLoop
@@ -256,6 +257,32 @@ def test_an_error_of_the_take_ahead_is_raised_by_the_next_take_not_by_the_calls_
         assert link.filtered_groups() == 0  # the posted call's error waits for the take
         with pytest.raises(OSError, match="No space left"):
             link.take_batch(C, 5, stop_requested=False, wait_s=0)
+
+
+def test_over_the_link_the_push_starts_once_the_trainer_has_the_steps_answer(tmp_path, monkeypatch):
+    # the push's first work would take the rollout process's interpreter and core from the
+    # answer the trainer waits for: it starts only once that answer is sent
+    side = _side(mode="segment_wise", batch_groups=1)
+    side.engine.release.set()
+    events: list[str] = []
+    real_pause = side.engine.pause
+    side.engine.pause = lambda: events.append("push started") or real_pause()
+    real_send = rollout_link.send_frame
+
+    def slow_send(sock, frame):
+        if isinstance(frame.get("ok"), dict) and "push_error" in frame["ok"]:  # finish_step's answer
+            time.sleep(0.3)
+            events.append("answer sent")
+        real_send(sock, frame)
+
+    monkeypatch.setattr(rollout_link, "send_frame", slow_send)
+    with _served(side, tmp_path) as link:
+        report = link.finish_step(WeightUpdate(version=C + 1, path=tmp_path), last_step=False)
+        assert report.version == C + 1
+        assert side.engine.loading.wait(10), "the push waited for a join: nothing released it"
+        link.join_push()
+    assert events == ["answer sent", "push started"]
+    assert side.engine.log == ["stage v9", "load /staged/v9"]
 
 
 # ------------------------------------------------------------------ the loop asks

@@ -369,17 +369,22 @@ class RolloutSide:
         self._filter_owed = None
         self._filter_cache(owed)
 
-    def finish_step(self, update: WeightUpdate, *, last_step: bool) -> StepReport:
+    def finish_step(self, update: WeightUpdate, *, last_step: bool, hold_push: bool = False) -> StepReport:
         """Push the step's new weights (``update``, version c + 1) and report the step.
 
         The push runs in this thread or, with ``async_push`` where the engine stages weights, on
         the push thread (its metrics then join the report of the step that waits for it). The
         last step pushes in this thread, so the run ends with the engine at the trainer's
         version. A failed push is reported, not raised: the step is trained, so it is counted
-        (trainer version = step) and a resume hands these weights to the engine."""
+        (trainer version = step) and a resume hands these weights to the engine.
+
+        ``hold_push``: the push thread starts only at ``release_push`` (or the next join), which
+        the rollout process calls once its answer to the trainer is sent: the push's first work
+        (the pause, the pass) took the interpreter and the core from that answer and from the
+        take that follows it (docs/training.md "Three processes")."""
         push_error: EngineError | None = None
         try:
-            push_metrics = self._push(update, last_step=last_step)
+            push_metrics = self._push(update, last_step=last_step, hold=hold_push)
         except EngineError as exc:
             push_error = exc
             push_metrics = {"engine/push_failed": 1.0}
@@ -421,14 +426,17 @@ class RolloutSide:
             raise LoopStopped("stopped")
 
     # ============================================================= weights
-    def _push(self, update: WeightUpdate, *, last_step: bool) -> dict[str, float]:
+    def _push(self, update: WeightUpdate, *, last_step: bool, hold: bool = False) -> dict[str, float]:
         """Push ``update``: in this thread (the push's metrics are returned) or, with
-        ``async_push`` where the engine stages it, on the push thread ({} is returned)."""
+        ``async_push`` where the engine stages it, on the push thread ({} is returned), which
+        waits for ``release_push`` first if ``hold``."""
         self.join_push()  # one push at a time, in order
         if self.async_push and not last_step:
             staged = self.engine.stage_weights(update)  # the next step may change the tensors now
             if staged is not None:
-                self._push_in_flight = self._push_thread.submit(lambda: self._load_weights(staged, update.version))
+                self._push_in_flight = self._push_thread.submit(
+                    lambda: self._load_weights(staged, update.version), held=hold
+                )
                 return {}
         return self._load_weights(update, update.version)
 
@@ -493,9 +501,14 @@ class RolloutSide:
         c = trainer_version
         return self.recompute_enabled and any(max(s.versions, default=-1) >= c - 1 for g in groups for s in g.samples)
 
+    def release_push(self) -> None:
+        """Let the push thread start the push that ``finish_step`` held, if one is held."""
+        self._push_thread.release()
+
     def join_push(self) -> None:
-        """Wait for the push in flight, if any: its metrics go to the current step's report, its
-        error (``EngineError`` …) is raised here."""
+        """Wait for the push in flight, if any (one still held starts now): its metrics go to the
+        current step's report, its error (``EngineError`` …) is raised here."""
+        self._push_thread.release()
         push, self._push_in_flight = self._push_in_flight, None
         if push is not None:
             self._joined_push_metrics.update(push.result())
@@ -664,15 +677,30 @@ class _PushThread:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: SimpleQueue[_PushInFlight | None] | None = None
+        #: a push handed over but not to be started before ``release``, and its thread's jobs
+        self._held: tuple[_PushInFlight, SimpleQueue[_PushInFlight | None]] | None = None
 
-    def submit(self, push: Callable[[], dict[str, float]]) -> _PushInFlight:
+    def submit(self, push: Callable[[], dict[str, float]], *, held: bool = False) -> _PushInFlight:
+        """Hand ``push`` to the thread; ``held``: it starts at ``release``."""
         job = _PushInFlight(push)
         with self._lock:
+            assert self._held is None, "a push is held: release it before the next"
             if self._jobs is None:
                 self._jobs = SimpleQueue()
                 threading.Thread(target=self._run, args=(self._jobs,), name="sdp-weight-push", daemon=True).start()
-            self._jobs.put(job)
+            if held:
+                self._held = (job, self._jobs)
+            else:
+                self._jobs.put(job)
         return job
+
+    def release(self) -> None:
+        """Start the push held back by ``submit``, if any."""
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            job, jobs = held
+            jobs.put(job)
 
     @staticmethod
     def _run(jobs: SimpleQueue[_PushInFlight | None]) -> None:
@@ -680,7 +708,9 @@ class _PushThread:
             job.run()
 
     def close(self) -> None:
-        """The thread ends once the pushes handed to it are done; a later push starts another."""
+        """The thread ends once the pushes handed to it (one held, too) are done; a later push
+        starts another."""
+        self.release()
         with self._lock:
             jobs, self._jobs = self._jobs, None
         if jobs is not None:

@@ -271,7 +271,8 @@ def _reserve_batch(side: RolloutSide, sock: socket.socket, trainer_version: int,
 
 
 def _finish_step(side: RolloutSide, version: int, path: str, last_step: bool) -> dict[str, Any]:
-    report = side.finish_step(WeightUpdate(version=version, path=Path(path)), last_step=last_step)
+    """The step's report, encoded; the push it starts waits until the answer is sent (``serve``)."""
+    report = side.finish_step(WeightUpdate(version=version, path=Path(path)), last_step=last_step, hold_push=True)
     return {
         "version": report.version,
         "metrics": report.metrics,
@@ -322,7 +323,11 @@ def serve(side: RolloutSide, sock: socket.socket) -> None:
             except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
                 answer = {"error": error_to_json(exc)}
             answer["log"] = forwarded.take()
-            send_frame(sock, answer)
+            try:
+                send_frame(sock, answer)
+            finally:
+                if name == "finish_step":
+                    side.release_push()  # held until the trainer has its answer (_finish_step)
             if name == "shutdown":
                 return
     finally:
