@@ -270,10 +270,12 @@ def test_over_the_link_the_push_starts_once_the_trainer_has_the_steps_answer(tmp
     real_send = rollout_link.send_frame
 
     def slow_send(sock, frame):
-        if isinstance(frame.get("ok"), dict) and "push_error" in frame["ok"]:  # finish_step's answer
-            time.sleep(0.3)
-            events.append("answer sent")
+        finish_answer = isinstance(frame.get("ok"), dict) and "push_error" in frame["ok"]
+        if finish_answer:
+            time.sleep(0.3)  # time enough for a push started at once to begin
         real_send(sock, frame)
+        if finish_answer:
+            events.append("answer sent")
 
     monkeypatch.setattr(rollout_link, "send_frame", slow_send)
     with _served(side, tmp_path) as link:
@@ -282,7 +284,7 @@ def test_over_the_link_the_push_starts_once_the_trainer_has_the_steps_answer(tmp
         assert side.engine.loading.wait(10), "the push waited for a join: nothing released it"
         link.join_push()
     assert events == ["answer sent", "push started"]
-    assert side.engine.log == ["stage v9", "load /staged/v9"]
+    assert side.engine.log == [f"stage v{C + 1}", f"load /staged/v{C + 1}"]
 
 
 # ------------------------------------------------------------------ the loop asks
