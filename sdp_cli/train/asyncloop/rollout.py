@@ -380,8 +380,8 @@ class RolloutSide:
 
         ``hold_push``: the push thread starts only at ``release_push`` (or the next join), which
         the rollout process calls once its answer to the trainer is sent: the push's first work
-        (the pause, the pass) took the interpreter and the core from that answer (docs/training.md
-        "The weight push")."""
+        (the pause, the pass) took the interpreter and the core from that answer
+        (docs/training.md "The weight push")."""
         push_error: EngineError | None = None
         try:
             push_metrics = self._push(update, last_step=last_step, hold=hold_push)
