@@ -677,8 +677,9 @@ class _PushThread:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: SimpleQueue[_PushInFlight | None] | None = None
-        #: a push handed over but not to be started before ``release``, and its thread's jobs
-        self._held: tuple[_PushInFlight, SimpleQueue[_PushInFlight | None]] | None = None
+        #: a push handed over but not to be started before ``release`` (``close`` releases it
+        #: before the thread's jobs go, so while it is held they are ``_jobs``)
+        self._held: _PushInFlight | None = None
 
     def submit(self, push: Callable[[], dict[str, float]], *, held: bool = False) -> _PushInFlight:
         """Hand ``push`` to the thread; ``held``: it starts at ``release``."""
@@ -689,7 +690,7 @@ class _PushThread:
                 self._jobs = SimpleQueue()
                 threading.Thread(target=self._run, args=(self._jobs,), name="sdp-weight-push", daemon=True).start()
             if held:
-                self._held = (job, self._jobs)
+                self._held = job
             else:
                 self._jobs.put(job)
         return job
@@ -697,10 +698,10 @@ class _PushThread:
     def release(self) -> None:
         """Start the push held back by ``submit``, if any."""
         with self._lock:
-            held, self._held = self._held, None
-        if held is not None:
-            job, jobs = held
-            jobs.put(job)
+            if self._held is not None:
+                assert self._jobs is not None
+                self._jobs.put(self._held)
+                self._held = None
 
     @staticmethod
     def _run(jobs: SimpleQueue[_PushInFlight | None]) -> None:
