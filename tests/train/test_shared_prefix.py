@@ -45,10 +45,11 @@ def _groups(prompts: list[list[int]], responses: list[list[list[int]]]) -> list[
 
 def test_the_plan_maps_rows_onto_distinct_prefixes_by_hand():
     # rows 0, 2 and 3 share the prompt [1, 5, 6]; row 1 has [1, 7]. Rows (right-padded with 0):
-    #   [1 5 6 8 9]   prefix 0, window = positions 3..5 → [8 9 0] (3 wide: row 1's is)
-    #   [1 7 8 9 4]   prefix 1, window = positions 2..4 → [8 9 4]
-    #   [1 5 6 3 0]   prefix 0, window = positions 3..5 → [3 0 0]
-    #   [1 5 6 2 0]   prefix 0                          → [2 0 0]
+    #   [1 5 6 8 9]   prefix 0, predicts positions 3..4 (8 9): runs 8      → window [8 0]
+    #   [1 7 8 9 4]   prefix 1, predicts positions 2..4 (8 9 4): runs 8 9  → window [8 9] (2 wide)
+    #   [1 5 6 3 0]   prefix 0, predicts position 3 (3) from the prefix    → window [0 0]
+    #   [1 5 6 2 0]   prefix 0                                            → window [0 0]
+    # A row's last trained token is predicted, never run: its state predicts nothing.
     groups = _groups([[1, 5, 6], [1, 7], [1, 5, 6]], [[[8, 9]], [[8, 9, 4]], [[3], [2]]])
     batch = assemble_batch(groups, pad_token_id=0, trainer_version=0)
     assert batch.input_ids.tolist() == [[1, 5, 6, 8, 9], [1, 7, 8, 9, 4], [1, 5, 6, 3, 0], [1, 5, 6, 2, 0]]
@@ -59,13 +60,29 @@ def test_the_plan_maps_rows_onto_distinct_prefixes_by_hand():
     assert plan.prefix_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
     assert plan.prefix_positions.tolist() == [[0, 1, 2], [0, 0, 1]]
     assert plan.row_prefix.tolist() == [0, 1, 0, 0]
-    assert plan.window_ids.tolist() == [[8, 9, 0], [8, 9, 4], [3, 0, 0], [2, 0, 0]]
-    assert plan.window_mask.tolist() == [[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 0, 0]]
-    assert plan.positions.tolist() == [[3, 4, 5], [2, 3, 4], [3, 4, 5], [3, 4, 5]]
+    assert plan.window_ids.tolist() == [[8, 0], [8, 9], [0, 0], [0, 0]]
+    assert plan.window_mask.tolist() == [[1, 0], [1, 1], [0, 0], [0, 0]]
+    assert plan.positions.tolist() == [[3, 4], [2, 3], [3, 4], [3, 4]]
     assert plan.targets.tolist() == [[True, True, False], [True, True, True], [True, False, False], [True, False, False]]
-    # 2·3 prefix + 4·3 window positions instead of 4·5
-    assert plan.positions_saved == pytest.approx(1 - 18 / 20)
+    # 2·3 prefix + 4·2 window positions instead of the plain forward's 4·4 (every row but its last token)
+    assert plan.positions_saved == pytest.approx(1 - 14 / 16)
     assert plan_shared_prefix(batch.input_ids, batch.attention_mask, batch.mask > 0) is None  # < 20 % saved
+
+
+def test_the_window_stops_before_the_last_trained_token_and_keeps_one_column():
+    # row 0 trains 8 and 9 but not the trailing 4 (a loss mask may leave it out): the window runs
+    # 8 only; row 1 trains its one token. With single-token answers only, one column stays.
+    groups = _groups([[1, 5, 6]], [[[8, 9, 4], [3]]])
+    batch = assemble_batch(groups, pad_token_id=0, trainer_version=0)
+    response = batch.mask > 0
+    response[0, 4] = False  # the 4 at position 5
+    plan = plan_shared_prefix(batch.input_ids, batch.attention_mask, response, min_saving=0.0)
+    assert plan.window_ids.tolist() == [[8], [0]]
+    assert plan.targets.tolist() == [[True, True], [True, False]]
+    singles = assemble_batch(_groups([[1, 5, 6]], [[[8], [3]]]), pad_token_id=0, trainer_version=0)
+    plan = plan_shared_prefix(singles.input_ids, singles.attention_mask, singles.mask > 0, min_saving=0.0)
+    assert plan.window_ids.tolist() == [[0], [0]] and plan.window_mask.tolist() == [[0], [0]]
+    assert plan.targets.tolist() == [[True], [True]]
 
 
 def test_the_plan_is_refused_where_sharing_cannot_hold_or_gains_too_little():
@@ -86,7 +103,8 @@ def test_the_plan_is_refused_where_sharing_cannot_hold_or_gains_too_little():
 @st.composite
 def grpo_batches(draw):
     """Groups of samples with one prompt each, prompts and responses of several lengths, and
-    leading response tokens the loss may leave out (a row's prefix then runs past its prompt)."""
+    leading and trailing response tokens the loss may leave out (a row's prefix then runs past
+    its prompt; its window then ends before its sequence does)."""
     vocab = cases.VOCAB
     n_groups = draw(st.integers(1, 4))
     prompts = [[1, *draw(st.lists(st.integers(3, vocab - 1), min_size=0, max_size=6))] for _ in range(n_groups)]
@@ -99,7 +117,9 @@ def grpo_batches(draw):
     for row in range(mask.shape[0]):
         trained = mask[row].nonzero().flatten().tolist()
         skip = draw(st.integers(0, len(trained) - 1))
+        drop_last = draw(st.integers(0, len(trained) - 1 - skip))
         mask[row, trained[:skip]] = 0
+        mask[row, trained[len(trained) - drop_last :]] = 0
     batch.mask = mask
     return batch
 
@@ -128,6 +148,13 @@ def test_the_shared_forward_gives_the_plain_log_probs_entropies_and_gradients(ki
     (plain_lp, plain_ent, plain_grads, _), (lp, ent, grads, engine) = results
     assert plan is None or engine.positions_saved == pytest.approx(plan.positions_saved)
     assert ((lp != 0) == (batch.mask > 0)).all()
+    # both against the model's own logits over every row's whole sequence (neither forward runs
+    # the last trained token, whose state predicts nothing)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    full = torch.log_softmax(logits / 0.7, -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    trained = batch.mask > 0
+    torch.testing.assert_close(plain_lp[trained], full[trained], rtol=0, atol=2e-6)
     torch.testing.assert_close(lp, plain_lp, rtol=0, atol=2e-6)
     torch.testing.assert_close(ent, plain_ent, rtol=0, atol=2e-6)
     # summation order differs: float32 noise, relative to the largest gradient entry (a gradient

@@ -92,7 +92,7 @@ class ResponseLogprobs:
                     hidden = shared_prefix_hidden(model, plan, self.device)
                     self.positions_saved = plan.positions_saved
                 else:
-                    hidden = self._plain_hidden(model, ids, attention_mask)[:, :-1][response]
+                    hidden = self._plain_hidden(model, ids, attention_mask)[response]
                 head = self.unwrap(model).get_output_embeddings()
                 result = logprobs_from_hidden(
                     hidden.to(self.autocast_dtype or hidden.dtype),
@@ -119,9 +119,15 @@ class ResponseLogprobs:
 
     @staticmethod
     def _plain_hidden(model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [N, L, hidden] of one forward over every row's whole sequence."""
+        """The final hidden states [N, L-1, hidden] that predict tokens 1…L-1, from one forward over
+        every row's sequence but its last column (whose state predicts nothing: causal attention
+        keeps the others the same without it)."""
         out = model(
-            input_ids=ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True, logits_to_keep=1
+            input_ids=ids[:, :-1],
+            attention_mask=attention_mask[:, :-1],
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
         )
         return out.hidden_states[-1]
 
@@ -164,7 +170,7 @@ class ResponseLogprobs:
     ) -> bool:
         """Whether the shared-prefix forward gives the plain forward's hidden states on this
         batch (up to summation order); if not, warn once."""
-        plain = self._plain_hidden(model, ids, attention_mask)[:, :-1][response].float()
+        plain = self._plain_hidden(model, ids, attention_mask)[response].float()
         shared = shared_prefix_hidden(model, plan, self.device).float()
         low_precision = self.autocast_dtype is not None or any(
             p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()

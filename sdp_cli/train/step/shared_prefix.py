@@ -9,7 +9,9 @@ positions attend to the same keys, and only floating-point summation order may d
 
 A row's prefix is everything before its first trained token (the prompt, plus any leading
 response tokens the loss mask leaves out), so rows share a prefix exactly when those token ids
-are equal; no group id is trusted. Prefixes are left-padded to one width, so every row's prefix
+are equal; no group id is trusted. Its window runs from that token up to the one before its last
+trained token: the last trained token (and anything after it) predicts nothing the loss reads,
+so it is not run (with 2–3-token answers that is a quarter of the window). Prefixes are left-padded to one width, so every row's prefix
 ends at the same cache index and its window follows it without a gap: a row's cache index minus
 its position is the same for all its tokens. That keeps sliding-window attention exact, whose
 mask transformers builds from cache indices (``sdp_cli/models/attention.py``); with a gap between
@@ -35,10 +37,13 @@ class PrefixPlan:
     """How a batch's rows map onto distinct prefixes and a response window.
 
     ``prefix_ids``/``prefix_mask``/``prefix_positions`` [U, P]: the distinct prefixes,
-    left-padded, and their positions; ``row_prefix`` [N]: each row's prefix;
-    ``window_ids``/``window_mask``/``positions`` [N, W]: the tokens after each row's prefix
-    (W = the longest), their attention mask and positions; ``targets`` [N, W]: which window
-    columns predict a trained token.
+    left-padded, and their positions; ``row_prefix`` [N]: each row's prefix; ``targets`` [N, W]:
+    of the W tokens after each row's prefix (W: the most any row trains, counted from its first
+    trained token to its last), which are trained tokens; ``window_ids``/``window_mask``/``positions``
+    [N, max(W − 1, 1)]: the tokens the forward runs after each row's prefix, their attention mask
+    and positions (the hidden state of window column j predicts token j + 1; the last of the W
+    tokens is predicted and not run; one column is kept even when W = 1, so every process runs
+    the same two forwards).
     """
 
     prefix_ids: torch.Tensor
@@ -49,7 +54,7 @@ class PrefixPlan:
     window_mask: torch.Tensor
     positions: torch.Tensor
     targets: torch.Tensor
-    #: the fraction of the plain forward's token positions (N · L) this plan does not run
+    #: the fraction of the plain forward's token positions (N · (L − 1)) this plan does not run
     positions_saved: float
 
 
@@ -67,14 +72,18 @@ def plan_shared_prefix(
         return None
     # first trained target t = the first position whose next token is trained: prefix = ids[:t+1]
     prefix_len = response.to(torch.int8).argmax(1) + 1
+    # the last trained token's position + 1: where each row's predicted tokens end
+    predicted_end = response.shape[1] + 1 - response.flip(1).to(torch.int8).argmax(1)
     prefix_width = int(prefix_len.max())
     # each row's prefix, -1 past its end (token ids are ≥ 0): equal keys = the same prefix
     inside_prefix = torch.arange(prefix_width) < prefix_len[:, None]
     keys = torch.where(inside_prefix, input_ids[:, :prefix_width], -1)
     distinct_keys, row_prefix = torch.unique(keys, dim=0, return_inverse=True)
     distinct = distinct_keys.shape[0]
-    window_width = int((lengths - prefix_len).max())
-    saved = 1 - (distinct * prefix_width + n * window_width) / (n * width)
+    predicted_width = int((predicted_end - prefix_len).max())
+    window_width = max(predicted_width - 1, 1)
+    # the plain forward runs every row's tokens but the last (whose state predicts nothing)
+    saved = 1 - (distinct * prefix_width + n * window_width) / (n * (width - 1))
     if saved < min_saving:
         return None
     # left-pad: column c of a prefix of length l holds its token c − (P − l)
@@ -84,13 +93,15 @@ def plan_shared_prefix(
     prefix_positions = prefix_positions.clamp_min(0)
     prefix_mask = inside_distinct.to(attention_mask.dtype)
     prefix_ids = torch.where(inside_distinct, distinct_keys.gather(1, prefix_positions), 0).to(input_ids.dtype)
-    columns = prefix_len[:, None] + torch.arange(window_width)[None]  # full positions of the window
-    inside = columns < lengths[:, None]
-    window_ids = torch.where(inside, input_ids.gather(1, columns.clamp_max(width - 1)), torch.zeros_like(input_ids[:1, :1]))
-    # window column j holds full position p+j; the hidden state predicting it is the one before
-    targets = response.gather(1, (columns - 1).clamp_max(width - 2)) & inside
+    # full positions of the predicted tokens; the one at p+j is predicted by the state before it
+    predicted = prefix_len[:, None] + torch.arange(predicted_width)[None]
+    targets = response.gather(1, (predicted - 1).clamp_max(width - 2)) & (predicted < predicted_end[:, None])
     if int(targets.sum()) != int(response.sum()):  # a trained token outside the window: impossible
         return None
+    # the window runs the tokens whose states predict the next trained ones: up to the last's predecessor
+    columns = prefix_len[:, None] + torch.arange(window_width)[None]
+    inside = columns < predicted_end[:, None] - 1
+    window_ids = torch.where(inside, input_ids.gather(1, columns.clamp_max(width - 1)), torch.zeros_like(input_ids[:1, :1]))
     return PrefixPlan(
         prefix_ids=prefix_ids,
         prefix_mask=prefix_mask,
@@ -127,6 +138,7 @@ def shared_prefix_hidden(model: torch.nn.Module, plan: PrefixPlan, device: torch
         **with_cache(cache),
         **kwargs,
     )
-    # window column j is predicted by the state before it: the prefix's last, then window j-1
-    before = torch.cat([last_of_prefix[:, None], out.hidden_states[-1][:, :-1]], 1)
-    return before[plan.targets.to(device)]
+    # predicted token j comes from the state before it: the prefix's last, then window column j-1
+    targets = plan.targets.to(device)
+    before = torch.cat([last_of_prefix[:, None], out.hidden_states[-1]], 1)[:, : targets.shape[1]]
+    return before[targets]
