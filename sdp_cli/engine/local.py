@@ -42,6 +42,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
 from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
+from sdp_cli.models.packed import packed_continuation_logits, packing_allowed, packing_saves
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -133,6 +134,10 @@ class LocalEngine(InferenceEngine):
         self._prefill_proximal_tokens = 0  # written inside a model turn, read under the lock
         # which rows may share a prompt's forward (``_forward_shared``)
         self._attention_layout = attention_layout(getattr(self.model, "config", None))
+        # whether ``score`` lays continuations end to end (``models/packed.py``): None allowed but
+        # not yet compared with the padded forward (the first packed chunk is), False off
+        self._packing: bool | None = None if packing_allowed(self.model) else False
+        self._packed_last = False  # whether the last ``_forward_shared`` packed
         if self._attention_layout is AttentionLayout.PLAIN:
             warnings.warn(
                 "this model's config declares attention that shared prompts are not known to keep exact "
@@ -223,15 +228,37 @@ class LocalEngine(InferenceEngine):
         with self._gate.exclusive_turn(), torch.inference_mode():
             for lo in range(0, len(order), self.max_batch_size):
                 chunk = order[lo : lo + self.max_batch_size]
-                logits, _, _ = self._forward_shared(
-                    [seqs[i][: starts[i]] for i in chunk],
-                    [seqs[i][starts[i] : -1] for i in chunk],
-                    use_cache=False,
-                )
+                prefixes = [seqs[i][: starts[i]] for i in chunk]
+                suffixes = [seqs[i][starts[i] : -1] for i in chunk]
                 targets = [seqs[i][starts[i] :] for i in chunk]
-                for i, values in zip(chunk, self._target_logprobs(logits, targets), strict=True):
-                    results[i] = values
+                logits, _, _ = self._forward_shared(prefixes, suffixes, use_cache=False)
+                values = self._target_logprobs(logits, targets)
+                if self._packed_last and self._packing is None:
+                    values = self._check_packing(prefixes, suffixes, targets, values)
+                for i, row in zip(chunk, values, strict=True):
+                    results[i] = row
         return results
+
+    def _check_packing(
+        self, prefixes: list[list[int]], suffixes: list[list[int]], targets: list[list[int]], packed: list[list[float]]
+    ) -> list[list[float]]:
+        """Compare the first packed scores with the padded forward's; keep packing only if they
+        agree (a model whose attention ignores a 4-D mask would not), else warn once. Returns
+        the padded forward's scores."""
+        self._packing = False
+        padded = self._target_logprobs(self._forward_shared(prefixes, suffixes, use_cache=False)[0], targets)
+        low_precision = self.model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16)
+        tolerance = 5e-2 if low_precision else 1e-4
+        self._packing = all(
+            abs(a - b) <= tolerance for got, want in zip(packed, padded, strict=True) for a, b in zip(got, want, strict=True)
+        )
+        if not self._packing:
+            warnings.warn(
+                "this model's forward does not reproduce its scores when a batch's continuations are "
+                "laid end to end under a block mask; the engine scores row by row instead",
+                stacklevel=3,
+            )
+        return padded
 
     # ------------------------------------------------------------- generation
     def generate(
@@ -485,6 +512,12 @@ class LocalEngine(InferenceEngine):
         )
         rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         cache = returned_cache(out)
+        self._packed_last = False
+        if not use_cache and self._packing is not False and packing_saves([len(s) for s in suffixes]):
+            packed = packed_continuation_logits(self.model, cache, mask, rows, suffixes, self._dtype())
+            if packed is not None:
+                self._packed_last = True
+                return self._unpacked(out.logits[rows], packed, suffixes), mask[rows], None
         if len(unique) < len(prefixes):
             cache.batch_select_indices(rows)
         logits, mask = out.logits[rows], mask[rows]
@@ -509,6 +542,20 @@ class LocalEngine(InferenceEngine):
             cache = returned_cache(out)
             logits = torch.cat([logits, out.logits], dim=1)
         return logits, mask, cache if use_cache else None
+
+    def _dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    def _unpacked(self, first: torch.Tensor, packed: torch.Tensor, suffixes: list[list[int]]) -> torch.Tensor:
+        """``_forward_shared``'s logits [B, 1 + S, V] from the prefixes' last logits ``first``
+        [B, 1, V] and the packed continuation's [T, V] (row after row); 0 past a row's end."""
+        lengths = [len(s) for s in suffixes]
+        logits = first.new_zeros(len(suffixes), 1 + max(lengths), first.shape[-1])
+        logits[:, :1] = first
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        columns = torch.cat([torch.arange(1, n + 1) for n in lengths])
+        logits[rows.to(self.device), columns.to(self.device)] = packed
+        return logits
 
     def _forward_rows(
         self, prefixes: list[list[int]], suffixes: list[list[int]], *, use_cache: bool

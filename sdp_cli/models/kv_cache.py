@@ -22,3 +22,19 @@ def with_cache(cache: Any) -> dict[str, Any]:
 def returned_cache(output: Any) -> Any:
     """The KV cache a forward returned (``use_cache=True``)."""
     return getattr(output, CACHE_NAME)
+
+
+def lay_rows_end_to_end(cache: Any) -> bool:
+    """Turn the rows of ``cache`` [B, heads, L, dim] into one row [1, heads, B·L, dim], row after
+    row, in place (``models/packed.py``). False, and ``cache`` untouched, where it holds any layer
+    but transformers' plain dynamic one (sliding, quantised, static layers keep other state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer or layer.keys is None for layer in layers):
+        return False
+    for layer in layers:
+        for name in ("keys", "values"):
+            rows = getattr(layer, name)
+            setattr(layer, name, rows.transpose(0, 1).reshape(1, rows.shape[1], -1, rows.shape[3]))
+    return True
