@@ -42,7 +42,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
 from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
-from sdp_cli.models.packed import packed_continuation_logits, packing_allowed, packing_saves
+from sdp_cli.models.packed import continuation_positions, packed_forward, packing_allowed, packing_saves
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -231,8 +231,14 @@ class LocalEngine(InferenceEngine):
                 prefixes = [seqs[i][: starts[i]] for i in chunk]
                 suffixes = [seqs[i][starts[i] : -1] for i in chunk]
                 targets = [seqs[i][starts[i] :] for i in chunk]
-                logits, _, _ = self._forward_shared(prefixes, suffixes, use_cache=False)
-                values = self._target_logprobs(logits, targets)
+                try:
+                    logits, _, _ = self._forward_shared(prefixes, suffixes, use_cache=False)
+                    values = self._target_logprobs(logits, targets)
+                except RuntimeError:
+                    if self._packing is not None:  # not packing's first try: not packing's fault
+                        raise
+                    values = None  # a forward that mishandles the packed 4-D mask may raise
+                    self._packed_last = True
                 if self._packed_last and self._packing is None:
                     values = self._check_packing(prefixes, suffixes, targets, values)
                 for i, row in zip(chunk, values, strict=True):
@@ -240,16 +246,20 @@ class LocalEngine(InferenceEngine):
         return results
 
     def _check_packing(
-        self, prefixes: list[list[int]], suffixes: list[list[int]], targets: list[list[int]], packed: list[list[float]]
+        self,
+        prefixes: list[list[int]],
+        suffixes: list[list[int]],
+        targets: list[list[int]],
+        packed: list[list[float]] | None,
     ) -> list[list[float]]:
-        """Compare the first packed scores with the padded forward's; keep packing only if they
-        agree (a model whose attention ignores a 4-D mask would not), else warn once. Returns
-        the padded forward's scores."""
+        """Compare the first packed scores (None: the packed forward raised) with the padded
+        forward's; keep packing only if they agree (a model whose attention ignores a 4-D mask
+        would not), else warn once. Returns the padded forward's scores."""
         self._packing = False
         padded = self._target_logprobs(self._forward_shared(prefixes, suffixes, use_cache=False)[0], targets)
         low_precision = self.model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16)
         tolerance = 5e-2 if low_precision else 1e-4
-        self._packing = all(
+        self._packing = packed is not None and all(
             abs(a - b) <= tolerance for got, want in zip(packed, padded, strict=True) for a, b in zip(got, want, strict=True)
         )
         if not self._packing:
@@ -514,10 +524,13 @@ class LocalEngine(InferenceEngine):
         cache = returned_cache(out)
         self._packed_last = False
         if not use_cache and self._packing is not False and packing_saves([len(s) for s in suffixes]):
-            packed = packed_continuation_logits(self.model, cache, mask, rows, suffixes, self._dtype())
+            lengths = torch.tensor([len(s) for s in suffixes], dtype=torch.long, device=self.device)
+            ids = torch.tensor([t for s in suffixes for t in s], dtype=torch.long, device=self.device)
+            positions = continuation_positions(mask, rows, lengths)
+            packed = packed_forward(self.model, cache, mask, rows, ids, lengths, positions)
             if packed is not None:
                 self._packed_last = True
-                return self._unpacked(out.logits[rows], packed, suffixes), mask[rows], None
+                return self._unpacked(out.logits[rows], packed.logits[0], suffixes), mask[rows], None
         if len(unique) < len(prefixes):
             cache.batch_select_indices(rows)
         logits, mask = out.logits[rows], mask[rows]
@@ -542,9 +555,6 @@ class LocalEngine(InferenceEngine):
             cache = returned_cache(out)
             logits = torch.cat([logits, out.logits], dim=1)
         return logits, mask, cache if use_cache else None
-
-    def _dtype(self) -> torch.dtype:
-        return self.model.get_output_embeddings().weight.dtype
 
     def _unpacked(self, first: torch.Tensor, packed: torch.Tensor, suffixes: list[list[int]]) -> torch.Tensor:
         """``_forward_shared``'s logits [B, 1 + S, V] from the prefixes' last logits ``first``

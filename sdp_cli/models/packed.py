@@ -8,8 +8,11 @@ answers do). Here the prefixes' KV caches are laid end to end as one row of U·P
 continuations follow as one packed row of T = Σ lengths tokens. A 4-D mask lets each token attend
 to the real tokens of its own prefix and to its own continuation up to itself, at the position
 it has in its own sequence: for full causal attention the same function, up to summation order.
-The mask is additive (0 or the dtype's lowest value), which transformers passes unchanged to
-SDPA and eager attention; other attention kernels and other attention kinds do not take it.
+transformers passes a 4-D mask unchanged to SDPA (boolean, True where a key is seen, as it
+builds them itself) and to eager attention (additive: 0 or the dtype's lowest value); other
+attention kernels and other attention kinds do not take it. The local engine scores this way
+(``LocalEngine.score``), and the trainer runs its response windows this way
+(``train/step/shared_prefix.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from sdp_cli.models.kv_cache import lay_rows_end_to_end, with_cache
 
 #: the most mask entries (packed tokens × keys) one packed forward builds
 MAX_MASK_ENTRIES = 1 << 22
-#: attention kernels that apply a 4-D additive mask as given
+#: attention kernels that take a 4-D mask as given
 _MASKED_KERNELS = frozenset({"sdpa", "eager"})
 
 
@@ -43,11 +46,9 @@ def packing_saves(lengths: Sequence[int], min_saving: float = 0.2) -> bool:
     return padded > 0 and sum(lengths) <= (1 - min_saving) * padded
 
 
-def block_mask(
-    row_prefix: torch.Tensor, prefix_mask: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """The additive mask [1, 1, T, U·P + T] of a packed continuation: packed token k of row i
-    sees the real tokens of prefix ``row_prefix[i]`` and the tokens of row i up to k."""
+def block_mask(row_prefix: torch.Tensor, prefix_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Which keys each packed token sees, [T, U·P + T]: token k of row i sees the real tokens of
+    prefix ``row_prefix[i]`` (keys u·P + c) and the tokens of row i up to k (keys U·P + k')."""
     device = prefix_mask.device
     distinct, width = prefix_mask.shape
     row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)  # [T]
@@ -55,42 +56,56 @@ def block_mask(
     sees_prefix = (row_prefix[row_of][:, None] == prefix_of_key[None]) & (prefix_mask.reshape(-1) > 0)[None]
     index = torch.arange(row_of.numel(), device=device)
     sees_own = (row_of[:, None] == row_of[None]) & (index[None] <= index[:, None])
-    visible = torch.cat([sees_prefix, sees_own], 1)
-    blocked = torch.zeros(visible.shape, dtype=dtype, device=device)
-    blocked.masked_fill_(~visible, torch.finfo(dtype).min)
-    return blocked[None, None]
+    return torch.cat([sees_prefix, sees_own], 1)
 
 
-def packed_continuation_logits(
+def _as_attention_mask(visible: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """``visible`` as the 4-D mask ``model``'s kernel takes: boolean for SDPA, additive for eager."""
+    if getattr(model.config, "_attn_implementation", None) == "sdpa":
+        return visible[None, None]
+    dtype = model.get_output_embeddings().weight.dtype
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return additive.masked_fill_(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def packed_forward(
     model: torch.nn.Module,
     cache: Any,
     prefix_mask: torch.Tensor,
     row_prefix: torch.Tensor,
-    continuations: Sequence[Sequence[int]],
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """Logits [T, V] of every continuation token, row after row, run on the prefixes' ``cache``
-    ([U, …, P, …] as the prefix forward left it; laid end to end here, so it is consumed).
-    ``prefix_mask`` [U, P]: the prefixes' left padding; ``row_prefix`` [B]: each row's prefix.
-    None (``cache`` untouched) when the mask would exceed ``MAX_MASK_ENTRIES`` or the cache is
-    not one transformers' dynamic layers keep (the caller then runs rows the padded way)."""
-    device = prefix_mask.device
-    lengths = torch.tensor([len(c) for c in continuations], dtype=torch.long, device=device)
-    total = int(lengths.sum())
-    keys = prefix_mask.numel() + total
-    if total == 0 or total * keys > MAX_MASK_ENTRIES or not lay_rows_end_to_end(cache):
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    unwrapped: torch.nn.Module | None = None,
+    **kwargs: Any,
+) -> Any | None:
+    """``model``'s output for the continuation tokens ``ids`` [T] (row after row, ``lengths``
+    [B] of them per row, at ``positions`` [T]) on the prefixes' ``cache`` ([U, …, P, …] as the
+    prefix forward left it; laid end to end here, so it is consumed). ``prefix_mask`` [U, P]:
+    the prefixes' left padding; ``row_prefix`` [B]: each row's prefix; ``unwrapped``: the bare
+    model, if ``model`` wraps it; ``kwargs`` go to the forward. None, and ``cache`` untouched,
+    when there is no token, the mask would exceed ``MAX_MASK_ENTRIES`` or the cache is not made
+    of transformers' plain dynamic layers: the caller then runs its rows padded."""
+    total = int(ids.numel())
+    if total == 0 or total * (prefix_mask.numel() + total) > MAX_MASK_ENTRIES or not lay_rows_end_to_end(cache):
         return None
-    ids = torch.tensor([t for c in continuations for t in c], dtype=torch.long, device=device)
-    # token j of row i sits at position (its prefix's real length) + j, as in its own sequence
-    starts = prefix_mask.sum(1)[row_prefix]
-    first = torch.cumsum(lengths, 0) - lengths
-    row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    positions = starts[row_of] + torch.arange(total, device=device) - first[row_of]
-    out = model(
+    visible = block_mask(row_prefix, prefix_mask, lengths)
+    return model(
         input_ids=ids[None],
-        attention_mask=block_mask(row_prefix, prefix_mask, lengths, dtype),
+        attention_mask=_as_attention_mask(visible, unwrapped if unwrapped is not None else model),
         position_ids=positions[None],
         use_cache=True,
         **with_cache(cache),
+        **kwargs,
     )
-    return out.logits[0]
+
+
+def continuation_positions(prefix_mask: torch.Tensor, row_prefix: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The positions [T] of packed continuation tokens: token j of row i at its prefix's real
+    length + j, as in its own sequence."""
+    device = prefix_mask.device
+    total = int(lengths.sum())
+    row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return prefix_mask.sum(1)[row_prefix][row_of] + torch.arange(total, device=device) - first[row_of]

@@ -89,8 +89,9 @@ class ResponseLogprobs:
             if self.hidden_path:
                 self.positions_saved = 0.0
                 if plan is not None and self.share_prefixes:
-                    hidden = shared_prefix_hidden(model, plan, self.device)
-                    self.positions_saved = plan.positions_saved
+                    hidden, self.positions_saved = shared_prefix_hidden(
+                        model, plan, self.device, unwrapped=self.unwrap(model)
+                    )
                 else:
                     hidden = self._plain_hidden(model, ids, attention_mask)[response]
                 head = self.unwrap(model).get_output_embeddings()
@@ -169,14 +170,20 @@ class ResponseLogprobs:
         response: torch.Tensor,
     ) -> bool:
         """Whether the shared-prefix forward gives the plain forward's hidden states on this
-        batch (up to summation order); if not, warn once."""
+        batch (up to summation order); if not (or if it fails: a forward that mishandles the
+        cache or the packed windows' 4-D mask may raise), warn once."""
         plain = self._plain_hidden(model, ids, attention_mask)[response].float()
-        shared = shared_prefix_hidden(model, plan, self.device).float()
+        try:
+            shared = shared_prefix_hidden(model, plan, self.device, unwrapped=self.unwrap(model))[0].float()
+        except RuntimeError:
+            shared = None
         low_precision = self.autocast_dtype is not None or any(
             p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()
         )
         tolerance = (5e-2 if low_precision else 1e-4) * float(plain.abs().max()) + 1e-5
-        same = shared.shape == plain.shape and bool((shared - plain).abs().max() <= tolerance)
+        same = (
+            shared is not None and shared.shape == plain.shape and bool((shared - plain).abs().max() <= tolerance)
+        )
         if not same:
             warnings.warn(
                 "this model's forward does not reproduce its hidden states when a prompt's KV cache "

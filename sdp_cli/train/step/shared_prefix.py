@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from sdp_cli.models.kv_cache import returned_cache, with_cache
+from sdp_cli.models.packed import packed_forward, packing_allowed, packing_saves
 
 #: share prefixes only when that removes at least this fraction of the forward's token positions
 MIN_SAVING = 0.2
@@ -55,7 +56,10 @@ class PrefixPlan:
     positions: torch.Tensor
     targets: torch.Tensor
     #: the fraction of the plain forward's token positions (N · (L − 1)) this plan does not run
+    #: with its windows padded (packed, it runs fewer: ``shared_prefix_hidden``)
     positions_saved: float
+    #: the plain forward's token positions, N · (L − 1)
+    plain_positions: int
 
 
 def plan_shared_prefix(
@@ -112,12 +116,17 @@ def plan_shared_prefix(
         positions=columns,
         targets=targets,
         positions_saved=saved,
+        plain_positions=n * (width - 1),
     )
 
 
-def shared_prefix_hidden(model: torch.nn.Module, plan: PrefixPlan, device: torch.device) -> torch.Tensor:
+def shared_prefix_hidden(
+    model: torch.nn.Module, plan: PrefixPlan, device: torch.device, *, unwrapped: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, float]:
     """The final hidden states that predict the trained tokens, [trained tokens, hidden], in the
-    order of ``hidden_states[:, :-1][response]`` of the plain forward."""
+    order of ``hidden_states[:, :-1][response]`` of the plain forward, and the fraction of the
+    plain forward's positions this forward did not run. ``unwrapped``: the bare model when
+    ``model`` wraps it (its config says whether the windows may be packed)."""
     row_prefix = plan.row_prefix.to(device)
     kwargs: dict[str, Any] = {"use_cache": True, "output_hidden_states": True, "logits_to_keep": 1}
     prefix_mask = plan.prefix_mask.to(device)
@@ -130,15 +139,49 @@ def shared_prefix_hidden(model: torch.nn.Module, plan: PrefixPlan, device: torch
     # the state after each row's last prefix token (the last column) predicts its first window token
     last_of_prefix = out.hidden_states[-1][row_prefix, -1]
     cache = returned_cache(out)
-    cache.reorder_cache(row_prefix)  # each row's copy of its prefix's keys and values (index_select)
-    out = model(
-        input_ids=plan.window_ids.to(device),
-        attention_mask=torch.cat([prefix_mask[row_prefix], plan.window_mask.to(device)], 1),
-        position_ids=plan.positions.to(device),
-        **with_cache(cache),
-        **kwargs,
-    )
+    window_mask = plan.window_mask.to(device)
+    windows = _packed_windows(model, unwrapped or model, plan, cache, prefix_mask, row_prefix, window_mask)
+    saved = 1 - (plan.prefix_ids.numel() + int((window_mask > 0).sum())) / plan.plain_positions
+    if windows is None:
+        saved = plan.positions_saved
+        cache.reorder_cache(row_prefix)  # each row's copy of its prefix's keys and values (index_select)
+        out = model(
+            input_ids=plan.window_ids.to(device),
+            attention_mask=torch.cat([prefix_mask[row_prefix], window_mask], 1),
+            position_ids=plan.positions.to(device),
+            **with_cache(cache),
+            **kwargs,
+        )
+        windows = out.hidden_states[-1]
     # predicted token j comes from the state before it: the prefix's last, then window column j-1
     targets = plan.targets.to(device)
-    before = torch.cat([last_of_prefix[:, None], out.hidden_states[-1]], 1)[:, : targets.shape[1]]
-    return before[targets]
+    before = torch.cat([last_of_prefix[:, None], windows], 1)[:, : targets.shape[1]]
+    return before[targets], saved
+
+
+def _packed_windows(
+    model: torch.nn.Module,
+    unwrapped: torch.nn.Module,
+    plan: PrefixPlan,
+    cache: Any,
+    prefix_mask: torch.Tensor,
+    row_prefix: torch.Tensor,
+    window_mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """The windows' final hidden states [N, W, hidden] (0 on padding) from one packed forward of
+    their real tokens (``models/packed.py``), or None where packing does not hold or save: the
+    caller then runs them padded."""
+    inside = window_mask > 0
+    lengths = inside.sum(1)
+    if not packing_allowed(unwrapped) or not packing_saves(lengths.tolist()):
+        return None
+    positions = plan.positions.to(window_mask.device)[inside]
+    ids = plan.window_ids.to(window_mask.device)[inside]
+    out = packed_forward(
+        model, cache, prefix_mask, row_prefix, ids, lengths, positions,
+        unwrapped=unwrapped, output_hidden_states=True, logits_to_keep=1,
+    )
+    if out is None:
+        return None
+    packed = out.hidden_states[-1][0]
+    return packed.new_zeros(*inside.shape, packed.shape[-1]).masked_scatter(inside[..., None], packed)
