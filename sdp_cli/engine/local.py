@@ -42,7 +42,7 @@ from sdp_cli.faults import fault_point
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
 from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
-from sdp_cli.models.packed import continuation_positions, packed_forward, packing_allowed, packing_saves
+from sdp_cli.models.packed import packed_logits, packing_allowed, packing_saves
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -485,7 +485,8 @@ class LocalEngine(InferenceEngine):
         Returns logits [B, 1 + S, V] — column 0 predicts suffix token 0 (from the prefix's last
         token), column j predicts suffix token j from token j − 1, S the longest suffix —, the
         attention mask [B, Lp + S] (0 on both kinds of padding) and the KV cache (or None).
-        Every prefix must be non-empty.
+        Every prefix must be non-empty. A scoring forward (no cache) may run as one packed row
+        instead (``models/packed.py``, ``score``), and then returns no mask.
 
         Sharing is exact where the model's attention allows its layout (``models/attention.py``):
         full attention always; a sliding window (masked by cache index) unless the cache is kept
@@ -500,6 +501,13 @@ class LocalEngine(InferenceEngine):
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prefixes]
         unique = [list(p) for p in distinct]
+        self._packed_last = False
+        if not use_cache and self._packing is not False and packing_saves([len(s) for s in suffixes]):
+            packed = packed_logits(self.model, unique, owner, suffixes, self.device)
+            if packed is not None:
+                self._packed_last = True
+                first, rest = packed
+                return self._unpacked(first[owner][:, None], rest, suffixes), None, None
         width = max(len(p) for p in unique)
         ids = torch.tensor(
             [[self.pad_token_id] * (width - len(p)) + p for p in unique],
@@ -522,15 +530,6 @@ class LocalEngine(InferenceEngine):
         )
         rows = torch.tensor(owner, dtype=torch.long, device=self.device)
         cache = returned_cache(out)
-        self._packed_last = False
-        if not use_cache and self._packing is not False and packing_saves([len(s) for s in suffixes]):
-            lengths = torch.tensor([len(s) for s in suffixes], dtype=torch.long, device=self.device)
-            ids = torch.tensor([t for s in suffixes for t in s], dtype=torch.long, device=self.device)
-            positions = continuation_positions(mask, rows, lengths)
-            packed = packed_forward(self.model, cache, mask, rows, ids, lengths, positions)
-            if packed is not None:
-                self._packed_last = True
-                return self._unpacked(out.logits[rows], packed.logits[0], suffixes), mask[rows], None
         if len(unique) < len(prefixes):
             cache.batch_select_indices(rows)
         logits, mask = out.logits[rows], mask[rows]
