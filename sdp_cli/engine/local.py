@@ -42,7 +42,6 @@ from sdp_cli.faults import fault_point
 from sdp_cli.models.attention import AttentionLayout, attention_layout, unvouched_kinds
 from sdp_cli.models.precision import cast_weights
 from sdp_cli.models.kv_cache import returned_cache, with_cache
-from sdp_cli.models.packed import packed_logits, packing_allowed, packing_saves
 from sdp_cli.rollout.records import RolloutSample
 
 
@@ -134,10 +133,6 @@ class LocalEngine(InferenceEngine):
         self._prefill_proximal_tokens = 0  # written inside a model turn, read under the lock
         # which rows may share a prompt's forward (``_forward_shared``)
         self._attention_layout = attention_layout(getattr(self.model, "config", None))
-        # whether ``score`` lays continuations end to end (``models/packed.py``): None allowed but
-        # not yet compared with the padded forward (the first packed chunk is), False off
-        self._packing: bool | None = None if packing_allowed(self.model) else False
-        self._packed_last = False  # whether the last ``_forward_shared`` packed
         if self._attention_layout is AttentionLayout.PLAIN:
             warnings.warn(
                 "this model's config declares attention that shared prompts are not known to keep exact "
@@ -228,47 +223,15 @@ class LocalEngine(InferenceEngine):
         with self._gate.exclusive_turn(), torch.inference_mode():
             for lo in range(0, len(order), self.max_batch_size):
                 chunk = order[lo : lo + self.max_batch_size]
-                prefixes = [seqs[i][: starts[i]] for i in chunk]
-                suffixes = [seqs[i][starts[i] : -1] for i in chunk]
+                logits, _, _ = self._forward_shared(
+                    [seqs[i][: starts[i]] for i in chunk],
+                    [seqs[i][starts[i] : -1] for i in chunk],
+                    use_cache=False,
+                )
                 targets = [seqs[i][starts[i] :] for i in chunk]
-                try:
-                    logits, _, _ = self._forward_shared(prefixes, suffixes, use_cache=False)
-                    values = self._target_logprobs(logits, targets)
-                except RuntimeError:
-                    if self._packing is not None:  # not packing's first try: not packing's fault
-                        raise
-                    values = None  # a forward that mishandles the packed 4-D mask may raise
-                    self._packed_last = True
-                if self._packed_last and self._packing is None:
-                    values = self._check_packing(prefixes, suffixes, targets, values)
-                for i, row in zip(chunk, values, strict=True):
-                    results[i] = row
+                for i, values in zip(chunk, self._target_logprobs(logits, targets), strict=True):
+                    results[i] = values
         return results
-
-    def _check_packing(
-        self,
-        prefixes: list[list[int]],
-        suffixes: list[list[int]],
-        targets: list[list[int]],
-        packed: list[list[float]] | None,
-    ) -> list[list[float]]:
-        """Compare the first packed scores (None: the packed forward raised) with the padded
-        forward's; keep packing only if they agree (a model whose attention ignores a 4-D mask
-        would not), else warn once. Returns the padded forward's scores."""
-        self._packing = False
-        padded = self._target_logprobs(self._forward_shared(prefixes, suffixes, use_cache=False)[0], targets)
-        low_precision = self.model.get_output_embeddings().weight.dtype in (torch.bfloat16, torch.float16)
-        tolerance = 5e-2 if low_precision else 1e-4
-        self._packing = packed is not None and all(
-            abs(a - b) <= tolerance for got, want in zip(packed, padded, strict=True) for a, b in zip(got, want, strict=True)
-        )
-        if not self._packing:
-            warnings.warn(
-                "this model's forward does not reproduce its scores when a batch's continuations are "
-                "laid end to end under a block mask; the engine scores row by row instead",
-                stacklevel=3,
-            )
-        return padded
 
     # ------------------------------------------------------------- generation
     def generate(
@@ -485,8 +448,7 @@ class LocalEngine(InferenceEngine):
         Returns logits [B, 1 + S, V] — column 0 predicts suffix token 0 (from the prefix's last
         token), column j predicts suffix token j from token j − 1, S the longest suffix —, the
         attention mask [B, Lp + S] (0 on both kinds of padding) and the KV cache (or None).
-        Every prefix must be non-empty. A scoring forward (no cache) may run as one packed row
-        instead (``models/packed.py``, ``score``), and then returns no mask.
+        Every prefix must be non-empty.
 
         Sharing is exact where the model's attention allows its layout (``models/attention.py``):
         full attention always; a sliding window (masked by cache index) unless the cache is kept
@@ -501,13 +463,6 @@ class LocalEngine(InferenceEngine):
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prefixes]
         unique = [list(p) for p in distinct]
-        self._packed_last = False
-        if not use_cache and self._packing is not False and packing_saves([len(s) for s in suffixes]):
-            packed = packed_logits(self.model, unique, owner, suffixes, self.device)
-            if packed is not None:
-                self._packed_last = True
-                first, rest = packed
-                return self._unpacked(first[owner][:, None], rest, suffixes), None, None
         width = max(len(p) for p in unique)
         ids = torch.tensor(
             [[self.pad_token_id] * (width - len(p)) + p for p in unique],
@@ -554,17 +509,6 @@ class LocalEngine(InferenceEngine):
             cache = returned_cache(out)
             logits = torch.cat([logits, out.logits], dim=1)
         return logits, mask, cache if use_cache else None
-
-    def _unpacked(self, first: torch.Tensor, packed: torch.Tensor, suffixes: list[list[int]]) -> torch.Tensor:
-        """``_forward_shared``'s logits [B, 1 + S, V] from the prefixes' last logits ``first``
-        [B, 1, V] and the packed continuation's [T, V] (row after row); 0 past a row's end."""
-        lengths = [len(s) for s in suffixes]
-        logits = first.new_zeros(len(suffixes), 1 + max(lengths), first.shape[-1])
-        logits[:, :1] = first
-        rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        columns = torch.cat([torch.arange(1, n + 1) for n in lengths])
-        logits[rows.to(self.device), columns.to(self.device)] = packed
-        return logits
 
     def _forward_rows(
         self, prefixes: list[list[int]], suffixes: list[list[int]], *, use_cache: bool

@@ -5,14 +5,19 @@ A GRPO batch continues a few distinct prefixes (prompts) with many continuations
 length. Run padded, every continuation costs as many positions as the longest; laid end to end
 in one row, each costs its own length, and a 4-D mask lets each token attend to the real tokens
 of its own prefix and to its own continuation up to itself, at the position it has in its own
-sequence: for full causal attention the same function, up to summation order. Two forms:
+sequence: for full causal attention the same function, up to summation order. The trainer's
+windows run this way (``train/step/shared_prefix.py``): the prefixes ran as a left-padded batch
+[U, P] with a cache; ``packed_forward`` lays their caches end to end as one row of U·P keys and
+runs the continuations on it as one packed row, two forwards as the padded form runs, so every
+training process runs the same forwards.
 
-- ``packed_forward`` (the trainer's windows, ``train/step/shared_prefix.py``): the prefixes ran
-  as a left-padded batch [U, P] with a cache; their caches are laid end to end as one row of
-  U·P keys, and the continuations run on it as one packed row. Two forwards, as the padded
-  form runs, so every training process runs the same forwards.
-- ``packed_logits`` (the engine's scoring, ``LocalEngine.score``): the prefixes and then the
-  continuations as one row of one forward, without a cache.
+Summation order is not the same packed and padded, and it moves with what else a packed row
+holds (float32: up to several 1e-6 in a log-prob; bfloat16: about 1e-3). With one optimizer
+step per batch the trainer's π_θ and π_prox come from one forward, so that noise does not enter
+their ratio (with minibatches it does, far below any clip). The engine does not
+pack its scoring: π_prox_t is compared with the engine's own sampling (segment-wise's premise
+in bfloat16) and across batches (``sdp recompute``), which padded scoring keeps independent of
+what else a batch holds.
 
 transformers passes a 4-D mask unchanged to SDPA (boolean, True where a key is seen, as it
 builds them itself) and to eager attention (additive: 0 or the dtype's lowest value); other
@@ -105,67 +110,3 @@ def packed_forward(
         **with_cache(cache),
         **kwargs,
     )
-
-
-def _continuation_positions(
-    prefix_lengths: torch.Tensor, row_prefix: torch.Tensor, lengths: torch.Tensor
-) -> torch.Tensor:
-    """The positions [T] of packed continuation tokens: token j of row i at the length of its
-    prefix + j, as in its own sequence."""
-    device = lengths.device
-    total = int(lengths.sum())
-    row_of = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    return prefix_lengths[row_prefix][row_of] + torch.arange(total, device=device) - first[row_of]
-
-
-def one_row_visibility(prefix_lengths: torch.Tensor, row_prefix: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Which tokens each token sees, [N, N], when the distinct prefixes (``prefix_lengths`` [U]
-    tokens each) and then every row's continuation (``lengths`` [B]) run as one row with no
-    cache: a prefix token sees its prefix up to itself; a continuation token of row i sees all
-    of prefix ``row_prefix[i]`` and row i up to itself."""
-    device = lengths.device
-    owner = torch.cat([
-        torch.repeat_interleave(torch.arange(len(prefix_lengths), device=device), prefix_lengths),
-        torch.repeat_interleave(row_prefix, lengths),
-    ])
-    row = torch.cat([
-        torch.full((int(prefix_lengths.sum()),), -1, device=device),
-        torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths),
-    ])
-    index = torch.arange(owner.numel(), device=device)
-    own_segment = (row[None] == -1) | (row[None] == row[:, None])
-    return (owner[:, None] == owner[None]) & (index[None] <= index[:, None]) & own_segment
-
-
-def packed_logits(
-    model: torch.nn.Module,
-    prefixes: Sequence[Sequence[int]],
-    row_prefix: Sequence[int],
-    continuations: Sequence[Sequence[int]],
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One forward, without a cache, of the distinct ``prefixes`` and then every row's
-    continuation laid end to end (row i continues prefix ``row_prefix[i]``): the logits after
-    each prefix's last token [U, V] and at every continuation token [T, V], row after row. None
-    when the mask would exceed ``MAX_MASK_ENTRIES``."""
-    prefix_lengths = torch.tensor([len(p) for p in prefixes], dtype=torch.long, device=device)
-    lengths = torch.tensor([len(c) for c in continuations], dtype=torch.long, device=device)
-    owners = torch.tensor(list(row_prefix), dtype=torch.long, device=device)
-    in_prefixes = int(prefix_lengths.sum())
-    total = in_prefixes + int(lengths.sum())
-    if total * total > MAX_MASK_ENTRIES:
-        return None
-    ids = torch.tensor([t for p in prefixes for t in p] + [t for c in continuations for t in c], device=device)
-    # a prefix's token j at position j; row i's token j at its prefix's length + j
-    prefix_positions = torch.cat([torch.arange(n, device=device) for n in prefix_lengths.tolist()])
-    positions = torch.cat([prefix_positions, _continuation_positions(prefix_lengths, owners, lengths)])
-    visible = one_row_visibility(prefix_lengths, owners, lengths)
-    out = model(
-        input_ids=ids[None],
-        attention_mask=_as_attention_mask(visible, model),
-        position_ids=positions[None],
-        use_cache=False,
-    )
-    logits = out.logits[0]
-    return logits[torch.cumsum(prefix_lengths, 0) - 1], logits[in_prefixes:]
