@@ -117,7 +117,7 @@ class RolloutConfig:
     """groups in flight at once; null = 2·batch_groups."""
     groups_per_request: int | None = None
     """prompt groups the producer sends to the engine in one generate call; null = the whole batch
-    at η = 0 (nothing trains before all of it is generated), 8 at η > 0."""
+    at η = 0 or when the engine runs recompute passes (segment-wise), 8 otherwise."""
     temperature: float = 1.0
     """sampling temperature in [0.01, 100]; the trainer and the recompute pass use the same one."""
     max_new_tokens: int | None = None
@@ -389,20 +389,26 @@ def tracks_proximal_t(cfg: "SdpConfig") -> bool:
     )
 
 
-#: prompt groups per generate call at η > 0 when ``rollout.groups_per_request`` is null
+#: prompt groups per generate call at η > 0 when ``rollout.groups_per_request`` is null and the
+#: engine runs no recompute pass
 ASYNC_GROUPS_PER_REQUEST = 8
 
 
 def groups_per_request(cfg: "SdpConfig") -> int:
-    """``rollout.groups_per_request``, resolved: as set, or when null the whole batch at η = 0 and
-    ``ASYNC_GROUPS_PER_REQUEST`` at η > 0. At η = 0 nothing trains before the whole batch is
-    generated, and one call of B·G sequences takes sdp's engine about three quarters of the time
-    of two calls of half as many (docs/benchmarks.md: the η = 0 step 4–12 % shorter in 5 paired
-    runs of 5); at η > 0 smaller calls hand finished groups to the trainer sooner."""
+    """``rollout.groups_per_request``, resolved: as set, or when null the whole batch at η = 0 or
+    when the engine also runs the recompute passes (``tracks_proximal_t``: segment-wise), else
+    ``ASYNC_GROUPS_PER_REQUEST``. One call of B·G sequences takes sdp's engine about three
+    quarters of the time of two calls of half as many (docs/benchmarks.md). At η = 0 nothing
+    trains before the whole batch is generated. At η > 0 smaller calls hand finished groups to
+    the trainer sooner, which pays while the engine has time to spare (decoupled on the tiny
+    model: 8 groups 1–8 % faster than 16); with a recompute pass per version on the same engine
+    the engine is the bottleneck, and one call per batch made segment-wise η = 4 runs 15–26 %
+    faster (docs/training.md "What asynchrony buys on a CPU")."""
     ro = cfg.rollout
     if ro.groups_per_request is not None:
         return ro.groups_per_request
-    return ro.batch_groups if ro.max_head_offpolicyness == 0 else ASYNC_GROUPS_PER_REQUEST
+    whole_batch = ro.max_head_offpolicyness == 0 or tracks_proximal_t(cfg)
+    return ro.batch_groups if whole_batch else ASYNC_GROUPS_PER_REQUEST
 
 
 def engine_weight_dtype(cfg: "SdpConfig") -> str:

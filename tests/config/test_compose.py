@@ -238,16 +238,20 @@ def test_debug_fast_is_the_documented_small_run_and_key_overrides_win():
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        # null: the whole batch at η = 0 (it is all generated before a step trains), 8 at η > 0
+        # null: the whole batch at η = 0 (it is all generated before a step trains) and when the
+        # engine runs recompute passes (segment-wise), else 8
         (["rollout.max_head_offpolicyness=0"], 16),
         (["rollout.max_head_offpolicyness=0", "rollout.batch_groups=5"], 5),
         (["rollout.max_head_offpolicyness=1"], 8),
         (["rollout.max_head_offpolicyness=4", "rollout.batch_groups=5"], 8),
+        (["+preset=segment_wise", "rollout.max_head_offpolicyness=4", "rollout.batch_groups=40"], 40),
+        (["+preset=decoupled", "rollout.max_head_offpolicyness=4", "rollout.recompute=always"], 16),
+        (["+preset=decoupled", "rollout.max_head_offpolicyness=4"], 8),
         # a value that is set is kept at any η
         (["rollout.max_head_offpolicyness=0", "rollout.groups_per_request=3"], 3),
         (["rollout.max_head_offpolicyness=4", "rollout.groups_per_request=32"], 32),
     ],
 )
-def test_groups_per_request_resolves_null_by_staleness(overrides, expected):
+def test_groups_per_request_resolves_null_by_staleness_and_recompute(overrides, expected):
     cfg, _ = compose_config(overrides)
     assert groups_per_request(cfg) == expected

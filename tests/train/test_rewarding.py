@@ -297,11 +297,15 @@ class SizeLoggingEngine(CountingEngine):
         super().generate(samples, params)
 
 
-@pytest.mark.parametrize("eta,first_call", [(0, 10), (1, 8)])
-def test_by_default_the_producer_asks_for_the_whole_batch_at_eta_0_and_8_groups_above(eta, first_call):
+@pytest.mark.parametrize(
+    "mode,eta,first_call", [("decoupled", 0, 10), ("decoupled", 1, 8), ("segment_wise", 1, 10)]
+)
+def test_by_default_the_producer_asks_for_the_whole_batch_at_eta_0_or_with_recompute_passes(mode, eta, first_call):
     # rollout.groups_per_request=null: at η = 0 the batch is generated whole before a step can
-    # train, so it goes in one call; at η > 0 in calls of 8 groups (B = 10 tells the two apart)
+    # train, so it goes in one call; at η > 0 in calls of 8 groups (B = 10 tells the two apart),
+    # unless the engine also runs the recompute passes (segment-wise): then one call per batch
     cfg = SdpConfig()
+    cfg.loss.mode = mode
     cfg.rollout.batch_groups, cfg.rollout.group_size = 10, 1
     cfg.rollout.max_head_offpolicyness = eta
     assert cfg.rollout.groups_per_request is None
