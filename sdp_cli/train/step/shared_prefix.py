@@ -11,7 +11,10 @@ A row's prefix is everything before its first trained token (the prompt, plus an
 response tokens the loss mask leaves out), so rows share a prefix exactly when those token ids
 are equal; no group id is trusted. Its window runs from that token up to the one before its last
 trained token: the last trained token (and anything after it) predicts nothing the loss reads,
-so it is not run (with 2–3-token answers that is a quarter of the window). Prefixes are left-padded to one width, so every row's prefix
+so it is not run (with 2–3-token answers that is a quarter of the window). Where the model
+allows it (full attention on SDPA or eager), the windows' real tokens then run as one packed row
+on the prefixes' caches laid end to end (``sdp_cli/models/packed.py``), else padded to the
+longest window. Prefixes are left-padded to one width, so every row's prefix
 ends at the same cache index and its window follows it without a gap: a row's cache index minus
 its position is the same for all its tokens. That keeps sliding-window attention exact, whose
 mask transformers builds from cache indices (``sdp_cli/models/attention.py``); with a gap between
