@@ -401,7 +401,7 @@ def groups_per_request(cfg: "SdpConfig") -> int:
     quarters of the time of two calls of half as many (docs/benchmarks.md). At η = 0 nothing
     trains before the whole batch is generated. At η > 0 smaller calls hand finished groups to
     the trainer sooner, which pays while the engine has time to spare (decoupled on the tiny
-    model: 8 groups 1–8 % faster than 16); with a recompute pass per version on the same engine
+    model: 8 groups 1–9 % faster than 16); with a recompute pass per version on the same engine
     the engine is the bottleneck, and one call per batch made segment-wise η = 4 runs 15–26 %
     faster (docs/training.md "What asynchrony buys on a CPU")."""
     ro = cfg.rollout
