@@ -144,8 +144,9 @@ def shared_prefix_hidden(
     cache = returned_cache(out)
     window_mask = plan.window_mask.to(device)
     windows = _packed_windows(model, unwrapped or model, plan, cache, prefix_mask, row_prefix, window_mask)
-    saved = 1 - (plan.prefix_ids.numel() + int((window_mask > 0).sum())) / plan.plain_positions
-    if windows is None:
+    if windows is not None:
+        saved = 1 - (plan.prefix_ids.numel() + int((window_mask > 0).sum())) / plan.plain_positions
+    else:
         saved = plan.positions_saved
         cache.reorder_cache(row_prefix)  # each row's copy of its prefix's keys and values (index_select)
         out = model(
