@@ -26,6 +26,7 @@ older versions were patched at earlier resumes (or by the recompute pass) and ar
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from collections.abc import Callable, Collection, Sequence
@@ -223,14 +224,17 @@ class LocalEngine(InferenceEngine):
         with self._gate.exclusive_turn(), torch.inference_mode():
             for lo in range(0, len(order), self.max_batch_size):
                 chunk = order[lo : lo + self.max_batch_size]
-                logits, _, _ = self._forward_shared(
-                    [seqs[i][: starts[i]] for i in chunk],
-                    [seqs[i][starts[i] : -1] for i in chunk],
-                    use_cache=False,
-                )
-                targets = [seqs[i][starts[i] :] for i in chunk]
-                for i, values in zip(chunk, self._target_logprobs(logits, targets), strict=True):
-                    results[i] = values
+                prefixes = [seqs[i][: starts[i]] for i in chunk]
+                suffixes = [seqs[i][starts[i] : -1] for i in chunk]
+                if self._attention_layout is AttentionLayout.PLAIN:
+                    logits, _, _ = self._forward_rows(prefixes, suffixes, use_cache=False)
+                    parts = [(list(range(len(chunk))), logits)]
+                else:
+                    parts = self._forward_by_length(prefixes, suffixes)
+                for rows, logits in parts:
+                    targets = [seqs[chunk[r]][starts[chunk[r]] :] for r in rows]
+                    for r, values in zip(rows, self._target_logprobs(logits, targets), strict=True):
+                        results[chunk[r]] = values
         return results
 
     # ------------------------------------------------------------- generation
@@ -460,6 +464,47 @@ class LocalEngine(InferenceEngine):
             layout is AttentionLayout.CONTIGUOUS and use_cache and len({len(s) for s in suffixes}) > 1
         ):
             return self._forward_rows(prefixes, suffixes, use_cache=use_cache)
+        logits, mask, cache, owner = self._forward_prefixes(prefixes)
+        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
+        if max(owner) + 1 < len(prefixes):  # some rows share a prefix: each gets a copy of its cache
+            cache.batch_select_indices(rows)
+        logits, mask = logits[rows], mask[rows]
+        if max(len(s) for s in suffixes):
+            logits, mask, cache = self._forward_suffixes(logits, mask, cache, suffixes)
+        return logits, mask, cache if use_cache else None
+
+    def _forward_by_length(
+        self, prefixes: list[list[int]], suffixes: list[list[int]]
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """``_forward_shared``'s logits without a cache, its suffixes run in one forward per
+        length: [(rows, logits [len(rows), 1 + n, V])] for the rows whose suffix has n tokens.
+
+        The scoring pass's answers differ in length, and one forward padded to the longest runs
+        every row that far (on arith1 4 suffix columns in 10 were padding) and moves a row's
+        rounding with the other rows' lengths. Each distinct prefix still runs once; a row's
+        suffix forward then holds the rows of its length only, so its scores do not depend on
+        how long the other answers are (``sdp recompute`` re-scores them beside other answers).
+        """
+        prefix_logits, prefix_mask, cache, owner = self._forward_prefixes(prefixes)
+        by_length: dict[int, list[int]] = {}
+        for r, suffix in enumerate(suffixes):
+            by_length.setdefault(len(suffix), []).append(r)
+        parts = []
+        for k, (n, rows) in enumerate(sorted(by_length.items())):
+            select = torch.tensor([owner[r] for r in rows], dtype=torch.long, device=self.device)
+            logits, mask = prefix_logits[select], prefix_mask[select]
+            if n:
+                # the last length takes the prefixes' cache itself, the others a copy
+                rows_cache = cache if k == len(by_length) - 1 else copy.deepcopy(cache)
+                rows_cache.batch_select_indices(select)
+                logits, _, _ = self._forward_suffixes(logits, mask, rows_cache, [suffixes[r] for r in rows])
+            parts.append((rows, logits))
+        return parts
+
+    def _forward_prefixes(self, prefixes: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, Any, list[int]]:
+        """One left-padded forward of the distinct ``prefixes``: the logits after each one's last
+        token [U, 1, V], the attention mask [U, Lp], the KV cache of U rows and, for each of
+        ``prefixes``, the index of its distinct prefix."""
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(p), len(distinct)) for p in prefixes]
         unique = [list(p) for p in distinct]
@@ -483,32 +528,32 @@ class LocalEngine(InferenceEngine):
             use_cache=True,
             logits_to_keep=1,
         )
-        rows = torch.tensor(owner, dtype=torch.long, device=self.device)
-        cache = returned_cache(out)
-        if len(unique) < len(prefixes):
-            cache.batch_select_indices(rows)
-        logits, mask = out.logits[rows], mask[rows]
+        return out.logits, mask, returned_cache(out), owner
+
+    def _forward_suffixes(
+        self, logits: torch.Tensor, mask: torch.Tensor, cache: Any, suffixes: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Run ``suffixes`` (right-padded to the longest) on the prefixes' ``cache`` of the same
+        rows, whose last logits and mask are ``logits`` [B, 1, V] and ``mask``; the logits of
+        every column [B, 1 + S, V], the mask grown by the suffixes' and the grown cache."""
         span = max(len(s) for s in suffixes)
-        if span:
-            lengths = torch.tensor([len(s) for s in suffixes], device=self.device)
-            suffix_ids = torch.tensor(
-                [s + [self.pad_token_id] * (span - len(s)) for s in suffixes],
-                dtype=torch.long,
-                device=self.device,
-            )
-            suffix_mask = (torch.arange(span, device=self.device) < lengths[:, None]).long()
-            start = mask.sum(dim=1, keepdim=True)
-            mask = torch.cat([mask, suffix_mask], dim=1)
-            out = self.model(
-                input_ids=suffix_ids,
-                attention_mask=mask,
-                position_ids=start + torch.arange(span, device=self.device),
-                use_cache=True,
-                **with_cache(cache),
-            )
-            cache = returned_cache(out)
-            logits = torch.cat([logits, out.logits], dim=1)
-        return logits, mask, cache if use_cache else None
+        lengths = torch.tensor([len(s) for s in suffixes], device=self.device)
+        suffix_ids = torch.tensor(
+            [s + [self.pad_token_id] * (span - len(s)) for s in suffixes],
+            dtype=torch.long,
+            device=self.device,
+        )
+        suffix_mask = (torch.arange(span, device=self.device) < lengths[:, None]).long()
+        start = mask.sum(dim=1, keepdim=True)
+        mask = torch.cat([mask, suffix_mask], dim=1)
+        out = self.model(
+            input_ids=suffix_ids,
+            attention_mask=mask,
+            position_ids=start + torch.arange(span, device=self.device),
+            use_cache=True,
+            **with_cache(cache),
+        )
+        return torch.cat([logits, out.logits], dim=1), mask, returned_cache(out)
 
     def _forward_rows(
         self, prefixes: list[list[int]], suffixes: list[list[int]], *, use_cache: bool

@@ -190,6 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
     # TCP_NODELAY: an answer leaves at once instead of waiting for the client's delayed ACK
     # (Nagle's algorithm held small answers back 40 ms each)
     disable_nagle_algorithm = True
+    # a buffered writer: an answer's headers and body leave in one send (http.server flushes it
+    # after each request), not two, each of which woke the client on a core the engine shares
+    wbufsize = -1
 
     @property
     def _owner(self) -> "_Server":

@@ -61,6 +61,23 @@ def test_score_equals_sampled_logprobs_and_honours_starts():
     assert max(abs(a - b) for a, b in zip(inner, ref, strict=True)) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_scores_do_not_move_with_the_lengths_of_the_other_answers(dtype):
+    """The recompute pass scores answers of every length at once, and ``sdp recompute`` later scores
+    them beside other answers: a row's log-probs must be the same bits whatever the other answers to
+    its prompt hold (one forward padded to the longest moved them by ~1e-6 in float32 and up to
+    0.016 of a logit in bfloat16)."""
+    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD, dtype=dtype)
+    prompt, answer = [5, 9, 4, 11, 7, 3], [8, 12, 6]
+    alone = engine.score([prompt + answer], [len(prompt)])[0]
+    for n in (1, 4, 6, 10, 18):
+        other = prompt + [3 + (7 * j) % (VOCAB - 3) for j in range(n)]
+        shorter = prompt + answer[:1]
+        scored = engine.score([other, prompt + answer, shorter], [len(prompt)] * 3)
+        assert scored[1] == alone, f"beside an answer of {n} tokens"
+        assert scored[2] == engine.score([shorter], [len(prompt)])[0]
+
+
 def test_score_rejects_bad_starts_and_ids():
     engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD)
     with pytest.raises(ValueError, match="start 0"):
