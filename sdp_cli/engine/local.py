@@ -46,6 +46,22 @@ from sdp_cli.models.kv_cache import returned_cache, with_cache
 from sdp_cli.rollout.records import RolloutSample
 
 
+#: suffixes up to this long are scored at their own length (``scoring_width``)
+EXACT_SCORING_WIDTH = 16
+
+
+def scoring_width(n: int) -> int:
+    """The columns ``LocalEngine.score`` runs a suffix of ``n`` tokens in, a function of ``n``
+    alone (so a row's scores never depend on the other rows): ``n`` itself up to 16, above that
+    ``n`` rounded up to a multiple of a quarter of its power of two — at most 25 % padding and
+    four widths per doubling, so that answers of many lengths (long responses) take a bounded
+    number of forwards instead of one each."""
+    if n <= EXACT_SCORING_WIDTH:
+        return n
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 @dataclass
 class _Batch:
     """Decode state of the samples of one ``generate`` call (or one chunk of it).
@@ -477,27 +493,30 @@ class LocalEngine(InferenceEngine):
         self, prefixes: list[list[int]], suffixes: list[list[int]]
     ) -> list[tuple[list[int], torch.Tensor]]:
         """``_forward_shared``'s logits without a cache, its suffixes run in one forward per
-        length: [(rows, logits [len(rows), 1 + n, V])] for the rows whose suffix has n tokens.
+        width (``scoring_width`` of their length): [(rows, logits [len(rows), 1 + width, V])].
 
         The scoring pass's answers differ in length, and one forward padded to the longest runs
         every row that far (on arith1 4 suffix columns in 10 were padding) and moves a row's
         rounding with the other rows' lengths. Each distinct prefix still runs once; a row's
-        suffix forward then holds the rows of its length only, so its scores do not depend on
-        how long the other answers are (``sdp recompute`` re-scores them beside other answers).
+        suffix forward then holds the rows of its width only, padded to that width, so its
+        scores do not depend on how long the other answers are (``sdp recompute`` re-scores them
+        beside other answers).
         """
         prefix_logits, prefix_mask, cache, owner = self._forward_prefixes(prefixes)
-        by_length: dict[int, list[int]] = {}
+        by_width: dict[int, list[int]] = {}
         for r, suffix in enumerate(suffixes):
-            by_length.setdefault(len(suffix), []).append(r)
+            by_width.setdefault(scoring_width(len(suffix)), []).append(r)
         parts = []
-        for k, (n, rows) in enumerate(sorted(by_length.items())):
+        for k, (width, rows) in enumerate(sorted(by_width.items())):
             select = torch.tensor([owner[r] for r in rows], dtype=torch.long, device=self.device)
             logits, mask = prefix_logits[select], prefix_mask[select]
-            if n:
-                # the last length takes the prefixes' cache itself, the others a copy
-                rows_cache = cache if k == len(by_length) - 1 else copy.deepcopy(cache)
+            if width:
+                # the last width takes the prefixes' cache itself, the others a copy
+                rows_cache = cache if k == len(by_width) - 1 else copy.deepcopy(cache)
                 rows_cache.batch_select_indices(select)
-                logits, _, _ = self._forward_suffixes(logits, mask, rows_cache, [suffixes[r] for r in rows])
+                logits, _, _ = self._forward_suffixes(
+                    logits, mask, rows_cache, [suffixes[r] for r in rows], span=width
+                )
             parts.append((rows, logits))
         return parts
 
@@ -531,12 +550,19 @@ class LocalEngine(InferenceEngine):
         return out.logits, mask, returned_cache(out), owner
 
     def _forward_suffixes(
-        self, logits: torch.Tensor, mask: torch.Tensor, cache: Any, suffixes: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        suffixes: list[list[int]],
+        *,
+        span: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Run ``suffixes`` (right-padded to the longest) on the prefixes' ``cache`` of the same
-        rows, whose last logits and mask are ``logits`` [B, 1, V] and ``mask``; the logits of
-        every column [B, 1 + S, V], the mask grown by the suffixes' and the grown cache."""
-        span = max(len(s) for s in suffixes)
+        """Run ``suffixes`` (right-padded to ``span``, default the longest) on the prefixes'
+        ``cache`` of the same rows, whose last logits and mask are ``logits`` [B, 1, V] and
+        ``mask``; the logits of every column [B, 1 + S, V], the mask grown by the suffixes' and
+        the grown cache."""
+        span = max(len(s) for s in suffixes) if span is None else span
         lengths = torch.tensor([len(s) for s in suffixes], device=self.device)
         suffix_ids = torch.tensor(
             [s + [self.pad_token_id] * (span - len(s)) for s in suffixes],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
-from sdp_cli.engine.local import LocalEngine
+from sdp_cli.engine.local import LocalEngine, scoring_width
 from sdp_cli.rollout.records import RolloutSample
 
 from .tiny_qwen import EOS, PAD, VOCAB, model_with, prompts, reference_logprobs, tiny_model
@@ -76,6 +76,34 @@ def test_a_rows_scores_do_not_move_with_the_lengths_of_the_other_answers(dtype):
         scored = engine.score([other, prompt + answer, shorter], [len(prompt)] * 3)
         assert scored[1] == alone, f"beside an answer of {n} tokens"
         assert scored[2] == engine.score([shorter], [len(prompt)])[0]
+
+
+def test_a_long_answers_scores_do_not_move_with_the_lengths_beside_it():
+    """Past 16 tokens a suffix is padded to its own ``scoring_width``: the answers beside it of the
+    same width and count may have any lengths."""
+    engine = LocalEngine(tiny_model(), eos_token_id=EOS, pad_token_id=PAD)
+    prompt = [5, 9, 4, 11, 7, 3]
+
+    def answer(n: int, salt: int) -> list[int]:
+        return [3 + (salt + 5 * j) % (VOCAB - 3) for j in range(n)]
+
+    mine = prompt + answer(19, 0)  # 18 tokens scored after its first: width 20
+    first = engine.score([mine, prompt + answer(18, 1), prompt + answer(21, 2), prompt + answer(41, 3)], [6] * 4)
+    for lengths in ((21, 20), (20, 18), (18, 18)):
+        others = [prompt + answer(n, 7 + i) for i, n in enumerate(lengths)]
+        scored = engine.score([mine, *others, prompt + answer(35, 9)], [6] * 4)
+        assert scored[0] == first[0], f"beside answers of {lengths} tokens"
+    reference = reference_logprobs(engine.model, mine, 6, 1.0)
+    assert max(abs(a - b) for a, b in zip(first[0], reference, strict=True)) <= 1e-5
+
+
+def test_scoring_widths_pad_little_and_stay_few():
+    assert [scoring_width(n) for n in (0, 1, 16, 17, 20, 21, 32, 33, 100)] == [0, 1, 16, 20, 20, 24, 32, 40, 112]
+    widths = [scoring_width(n) for n in range(5000)]
+    assert all(n <= w <= 1.25 * n for n, w in enumerate(widths))
+    assert widths == sorted(widths)
+    # exact up to 16, then four per doubling: 16 + 4 · log2(4096 / 16) + the last partial octave
+    assert len(set(widths)) <= 17 + 4 * 9
 
 
 def test_score_rejects_bad_starts_and_ids():
