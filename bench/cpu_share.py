@@ -176,7 +176,6 @@ def main() -> None:
         overrides=args.set,
         load_average={"before": load_before, "after": load_after},
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
