@@ -52,7 +52,7 @@ EXACT_SCORING_WIDTH = 16
 
 def scoring_width(n: int) -> int:
     """The columns ``LocalEngine.score`` runs a suffix of ``n`` tokens in, a function of ``n``
-    alone (so a row's scores never depend on the other rows): ``n`` itself up to 16, above that
+    alone (so a row's scores do not depend on how long the other answers are): ``n`` itself up to 16, above that
     ``n`` rounded up to a multiple of a quarter of its power of two — at most 25 % padding and
     four widths per doubling, so that answers of many lengths (long responses) take a bounded
     number of forwards instead of one each."""
