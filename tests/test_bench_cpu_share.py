@@ -39,7 +39,8 @@ def test_the_rollout_and_engine_processes_are_found_below_the_run_only(bench):
         "import subprocess, sys, time; "
         f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)  # {bench.ROLES['rollout']}"
     )
-    run = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"], start_new_session=True)  # noqa: E501
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    run = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
     outsider = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {bench.ROLES['engine']}"])
     try:
         deadline = time.monotonic() + 30
