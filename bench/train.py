@@ -156,6 +156,7 @@ def main() -> None:
                 "steps_per_second_all": sps,
                 "seconds_per_step_median": statistics.median(r["wall_seconds"] / r["steps"] for r in config_runs),
                 "tokens_per_second_median": statistics.median(tps),
+                "tokens_per_second_all": tps,
                 "recompute_share_median": statistics.median(r["recompute_share"] for r in config_runs),
                 "recompute_blocking_share_median": statistics.median(r["recompute_blocking_share"] for r in config_runs),
                 "train_share_median": statistics.median(r["time/train_s"] for r in config_runs),
@@ -380,7 +381,41 @@ def check_targets(rows: list[dict]) -> dict[str, float | bool | list[float] | di
         name: {**judged[name], "target": targets[name][1], "verdict": verdict[name][0], "p_holm": verdict[name][1]}
         for name in targets
     }
+    per_token = per_token_ratio(rows)
+    if per_token is not None:
+        out.update(per_token)
     return out
+
+
+def per_token_ratio(rows: list[dict]) -> dict[str, float | list[float]] | None:
+    """Segment-wise η = 4 against decoupled η = 4 per generated token, paired by repeat, and how
+    many more tokens a step of segment-wise generated: each mode's answers are as long as its own
+    policy makes them, so a step of one mode is not the same work as a step of the other. A
+    diagnostic printed under the targets, not one of them. None for results without per-repeat
+    token rates (written before they were stored)."""
+    by = {(r["mode"], r["max_head_offpolicyness"]): r for r in rows}
+    seg, dec = by.get(("segment_wise", 4), {}), by.get(("decoupled", 4), {})
+    if "tokens_per_second_all" not in seg or "tokens_per_second_all" not in dec:
+        return None
+    ratios = [a / b for a, b in zip(seg["tokens_per_second_all"], dec["tokens_per_second_all"], strict=True)]
+    per_step = [
+        (ts / ss) / (td / sd)
+        for ts, ss, td, sd in zip(
+            seg["tokens_per_second_all"], seg["steps_per_second_all"],
+            dec["tokens_per_second_all"], dec["steps_per_second_all"], strict=True,
+        )
+    ]  # fmt: skip
+    ratio, longer = statistics.median(ratios), statistics.median(per_step)
+    print(
+        f"per generated token, segment-wise η=4 is {100 * ratio:.1f} % of decoupled η=4 (median of paired repeats, "
+        f"range {100 * min(ratios):.1f}–{100 * max(ratios):.1f} %), its steps generating {100 * (longer - 1):+.1f} % "
+        "tokens (each mode's answers are as long as its policy makes them; a diagnostic, not a target)"
+    )
+    return {
+        "segment_vs_decoupled_eta4_per_token": ratio,
+        "segment_vs_decoupled_eta4_per_token_by_repeat": ratios,
+        "segment_vs_decoupled_eta4_tokens_per_step": longer,
+    }
 
 
 if __name__ == "__main__":

@@ -87,6 +87,31 @@ def test_check_targets_judges_the_three_ratios_of_paired_repeats(bench, capsys):
     assert printed.count("Holm p = ") == 3
 
 
+def test_the_modes_are_also_compared_per_generated_token(bench, capsys):
+    # segment-wise η=4 at 10 and 11 steps/s generating 330 and 352 tokens a step (3300, 3872
+    # tokens/s), decoupled at 12 and 12 generating 300 and 320 (3600, 3840): per token 3300/3600 =
+    # 91.67 % and 3872/3840 = 100.83 %, median 96.25 %; tokens per step 1.1 and 1.1
+    rows = [
+        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [12.0, 12.0],
+         "tokens_per_second_all": [3600.0, 3840.0]},
+        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [10.0, 11.0],
+         "tokens_per_second_all": [3300.0, 3872.0]},
+    ]  # fmt: skip
+    out = bench.check_targets(rows)
+    printed = capsys.readouterr().out
+    assert out["segment_vs_decoupled_eta4_per_token_by_repeat"] == pytest.approx([3300 / 3600, 3872 / 3840])
+    assert out["segment_vs_decoupled_eta4_per_token"] == pytest.approx(0.9625, abs=1e-4)
+    assert out["segment_vs_decoupled_eta4_tokens_per_step"] == pytest.approx(1.1)
+    assert "per generated token, segment-wise η=4 is 96.2 % of decoupled η=4" in printed and "+10.0 % tokens" in printed
+    # results stored before the per-repeat token rates have no such line
+    for row in rows:
+        row.pop("tokens_per_second_all", None)
+    assert "segment_vs_decoupled_eta4_per_token" not in bench.check_targets(rows)
+    assert "per generated token" not in capsys.readouterr().out
+
+
 def test_step_parts_split_a_step_by_cause_and_sum_to_it(bench):
     # one run of 10 steps in 1.2 s: trainer 0.8 s, waiting 0.1, push 0.05 (shares of the wall as
     # run_once stores them) and 15 ms of the loop's own per step, so per step
