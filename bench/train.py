@@ -25,7 +25,9 @@ the median of its per-repeat ratios (runs paired within a repeat), printed with 
 drift of the machine between configurations would otherwise enter the ratios. Each target is
 also judged by a test (``judge``): the paired repeats' log-ratios against the target's, one-sided
 at α = 0.05 with Holm's correction over the three targets, so a verdict says "met", "below" or
-"unresolved" and, when unresolved, the ratio the design could have told from the target. The load
+"unresolved" and, when unresolved, the ratio the design could have told from the target. A last
+line compares segment-wise η = 4 with decoupled η = 4 per generated token (``per_token_ratio``): each
+mode's answers are as long as its own policy makes them, so a step is not the same work in both. The load
 average before and after is printed and stored: numbers measured under load are not benchmark numbers.
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
