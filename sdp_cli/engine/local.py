@@ -242,12 +242,7 @@ class LocalEngine(InferenceEngine):
                 chunk = order[lo : lo + self.max_batch_size]
                 prefixes = [seqs[i][: starts[i]] for i in chunk]
                 suffixes = [seqs[i][starts[i] : -1] for i in chunk]
-                if self._attention_layout is AttentionLayout.PLAIN:
-                    logits, _, _ = self._forward_rows(prefixes, suffixes, use_cache=False)
-                    parts = [(list(range(len(chunk))), logits)]
-                else:
-                    parts = self._forward_by_length(prefixes, suffixes)
-                for rows, logits in parts:
+                for rows, logits in self._forward_by_length(prefixes, suffixes):
                     targets = [seqs[chunk[r]][starts[chunk[r]] :] for r in rows]
                     for r, values in zip(rows, self._target_logprobs(logits, targets), strict=True):
                         results[chunk[r]] = values
@@ -500,8 +495,12 @@ class LocalEngine(InferenceEngine):
         rounding with the other rows' lengths. Each distinct prefix still runs once; a row's
         suffix forward then holds the rows of its width only, padded to that width, so its
         scores do not depend on how long the other answers are (``sdp recompute`` re-scores them
-        beside other answers).
+        beside other answers). Where the model's attention allows no shared prompt
+        (``_forward_shared``), every row's whole sequence in one forward.
         """
+        if self._attention_layout is AttentionLayout.PLAIN:
+            logits, _, _ = self._forward_rows(prefixes, suffixes, use_cache=False)
+            return [(list(range(len(prefixes))), logits)]
         prefix_logits, prefix_mask, cache, owner = self._forward_prefixes(prefixes)
         by_width: dict[int, list[int]] = {}
         for r, suffix in enumerate(suffixes):
