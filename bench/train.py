@@ -27,7 +27,11 @@ also judged by a test (``judge``): the paired repeats' log-ratios against the ta
 at α = 0.05 with Holm's correction over the three targets, so a verdict says "met", "below" or
 "unresolved" and, when unresolved, the ratio the design could have told from the target. A last
 line compares segment-wise η = 4 with decoupled η = 4 per generated token (``per_token_ratio``): each
-mode's answers are as long as its own policy makes them, so a step is not the same work in both. The load
+mode's answers are as long as its own policy makes them, so a step is not the same work in both. Each run's
+CPU time per step is measured too (``watch_cpu``: user + system time of the trainer's, the rollout and the
+engine processes, from /proc, over its steps after the tenth), and the last lines say whether segment-wise
+η = 4's work per step could reach 95 % of decoupled η = 4's steps/s on this machine at all, with every core
+busy all the time (``cpu_budget``). The load
 average before and after is printed and stored: numbers measured under load are not benchmark numbers.
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
@@ -47,9 +51,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _results import write_results
+from cpu_share import TICKS, cpu_ticks, descendants
 
 from sdp_cli.ablate.stats import holm, minimum_detectable_effect, paired_t, student_t_cdf, student_t_sf
 from sdp_cli.rundir import RunDir
@@ -79,9 +85,17 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-", dir=root))
     env = dict(os.environ, SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"train.steps={steps}", f"run.dir={run_dir}"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            cpu = watch_cpu(proc, run_dir / "metrics.jsonl", skip_rows=min(CPU_SKIP_ROWS, steps // 4))
+        finally:
+            if proc.poll() is None:  # interrupted: the run does not outlive the bench
+                proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
     run = RunDir(run_dir)
     summary = json.loads(run.summary.read_text())
     steps = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
@@ -94,7 +108,53 @@ def run_once(overrides: list[str], steps: int, root: Path, cache: Path) -> dict:
         between = (steps[-1]["time"] - steps[0]["time"]) / (len(steps) - 1)
         timed = statistics.fmean(sum(row[k] for k in TIMED) for row in steps[1:])
         summary["loop_seconds_per_step"] = between - timed
+    summary["cpu_ms_per_step"] = cpu
     return summary
+
+
+#: rows of metrics.jsonl (steps) a run makes before its CPU is counted: the pipeline filling up
+CPU_SKIP_ROWS = 10
+#: seconds between two looks at a running run's metrics.jsonl and CPU ticks
+CPU_POLL_S = 0.05
+
+
+def watch_cpu(proc: subprocess.Popen, metrics: Path, *, skip_rows: int) -> dict[str, float] | None:
+    """The CPU time per step of each process of a running `sdp train` (its own, and the rollout
+    and engine processes it starts at η > 0: ``cpu_share.descendants``), in ms, over the steps
+    from its ``skip_rows``-th row of ``metrics`` to its last; returns when the run has ended.
+
+    User + system ticks are read each time new rows have appeared, so the window closes at the
+    last step, before the run's end (its last checkpoint, stopping the producer) adds CPU but no
+    step. None when the run made no step after ``skip_rows`` or a process of the window was
+    replaced (an engine restart: its ticks went with it)."""
+    rows, offset = 0, 0
+    pids: dict[str, int] | None = None
+    first: tuple[int, dict] | None = None
+    last: tuple[int, dict] | None = None
+    while proc.poll() is None:
+        time.sleep(CPU_POLL_S)
+        try:
+            with open(metrics, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            continue
+        offset += len(chunk)
+        if not chunk.count(b"\n"):
+            continue
+        rows += chunk.count(b"\n")
+        if pids is None:  # by the first step the rollout and engine processes run (η > 0)
+            pids = {"trainer": proc.pid, **descendants(proc.pid)}
+        snapshot = (rows, {role: cpu_ticks(pid) for role, pid in pids.items()})
+        if first is None and rows > skip_rows:
+            first = snapshot
+        last = snapshot
+    if pids is None or first is None or last is None or last[0] == first[0]:
+        return None
+    if any(first[1][role] is None or last[1][role] is None for role in pids):
+        return None
+    steps = last[0] - first[0]
+    return {role: 1000.0 * (sum(last[1][role]) - sum(first[1][role])) / TICKS / steps for role in pids}
 
 
 def main() -> None:
@@ -159,6 +219,8 @@ def main() -> None:
                 "seconds_per_step_median": statistics.median(r["wall_seconds"] / r["steps"] for r in config_runs),
                 "tokens_per_second_median": statistics.median(tps),
                 "tokens_per_second_all": tps,
+                "cpu_ms_per_step_all": [r["cpu_ms_per_step"] for r in config_runs],
+                "cores": os.cpu_count() or 1,
                 "recompute_share_median": statistics.median(r["recompute_share"] for r in config_runs),
                 "recompute_blocking_share_median": statistics.median(r["recompute_blocking_share"] for r in config_runs),
                 "train_share_median": statistics.median(r["time/train_s"] for r in config_runs),
@@ -386,6 +448,9 @@ def check_targets(rows: list[dict]) -> dict[str, float | bool | list[float] | di
     per_token = per_token_ratio(rows)
     if per_token is not None:
         out.update(per_token)
+    budget = cpu_budget(rows)
+    if budget is not None:
+        out.update(budget)
     return out
 
 
@@ -417,6 +482,62 @@ def per_token_ratio(rows: list[dict]) -> dict[str, float | list[float]] | None:
         "segment_vs_decoupled_eta4_per_token": ratio,
         "segment_vs_decoupled_eta4_per_token_by_repeat": ratios,
         "segment_vs_decoupled_eta4_tokens_per_step": longer,
+    }
+
+
+def cpu_budget(rows: list[dict]) -> dict | None:
+    """Whether the machine's cores can do segment-wise η = 4's work at 95 % of decoupled η = 4's
+    steps/s. A run's CPU time per step (``watch_cpu``, all its processes) bounds its steps/s by
+    what its cores give: cores × 1000 / (ms per step) with every core busy all the time, and
+    with the processes as sdp places them (the trainer on one half of the cores, the rollout and
+    engine processes on the other: ``sdp_cli/train/session/placement.py``) the fuller half's.
+    Per repeat, segment-wise's all-cores bound over decoupled's measured steps/s is judged
+    against the target like the targets are (``judge``; one test at α, not part of Holm's
+    three): "below" says that no overlap, however perfect, brings this work within the target
+    on this machine. None for results without CPU times (written before they were measured) or
+    with a run that has none."""
+    by = {(r["mode"], r["max_head_offpolicyness"]): r for r in rows}
+    seg, dec = by.get(("segment_wise", 4), {}), by.get(("decoupled", 4), {})
+    cpu = {"segment_wise": seg.get("cpu_ms_per_step_all"), "decoupled": dec.get("cpu_ms_per_step_all")}
+    if any(not runs or any(run is None for run in runs) for runs in cpu.values()):
+        return None
+    cores = seg["cores"]
+    half = max(1, cores // 2)
+    out: dict = {}
+    for mode, runs in cpu.items():
+        roles = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in ("trainer", "rollout", "engine")}
+        total = statistics.median(sum(run.values()) for run in runs)
+        other = roles["rollout"] + roles["engine"]
+        placed = min(1000.0 * half / roles["trainer"], 1000.0 * (cores - half) / other) if other else None
+        out[f"{mode}_cpu_ms_per_step"] = {**roles, "total": total}
+        print(
+            f"{mode} η=4 uses {total:.1f} ms of CPU per step (the trainer {roles['trainer']:.1f}, the rollout process "
+            f"{roles['rollout']:.1f}, the engine {roles['engine']:.1f}; medians): with all {cores} cores busy that "
+            f"work allows at most {1000.0 * cores / total:.2f} steps/s"
+            + (f", as sdp places the processes {placed:.2f}" if placed is not None else "")
+        )
+    bounds = [
+        1000.0 * cores / sum(run.values()) / sps
+        for run, sps in zip(cpu["segment_wise"], dec["steps_per_second_all"], strict=True)
+    ]
+    j = judge(bounds, TARGET_SEGMENT_VS_DECOUPLED)
+    said = "unresolved"
+    if j["p_below"] is not None and j["p_below"] < ALPHA:
+        said = "below: beyond this machine for this work"
+    elif j["p_above"] is not None and j["p_above"] < ALPHA:
+        said = "above: within the cores' reach"
+    bound = statistics.median(bounds)
+    test = "one repeat: no test" if j["low"] is None else f"one-sided 95 % bounds {j['low']:.3f} and {j['high']:.3f}"
+    print(
+        f"segment-wise η=4's work per step, with every core busy all the time, allows at most {100 * bound:.1f} % of "
+        f"decoupled η=4's steps/s (median of paired repeats, range {100 * min(bounds):.1f}–{100 * max(bounds):.1f} %; "
+        f"{test}) against the target's {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {said}"
+    )
+    return {
+        **out,
+        "segment_vs_decoupled_cpu_bound": bound,
+        "segment_vs_decoupled_cpu_bound_by_repeat": bounds,
+        "segment_vs_decoupled_cpu_bound_test": {**j, "verdict": said.split(":")[0]},
     }
 
 

@@ -163,3 +163,83 @@ def test_step_parts_are_printed_with_the_loss_to_the_ceiling(bench, capsys):
     assert "sharing the machine 10.0, waiting 10.0, the push 5.0, the loop 15.0" in printed
     assert "the run's start and end 10.0" in printed
     assert "decoupled η=0" in printed and "–" in printed  # no sharing at η = 0
+
+
+def test_the_cpu_budget_bounds_segment_wise_by_what_the_cores_give(bench, capsys):
+    # 2 cores. Segment-wise η=4 used 100 and 105 ms of CPU a step, decoupled η=4 ran 20 and 21
+    # steps/s: all cores busy, segment-wise could reach 2000/100 = 20 and 2000/105 = 19.05
+    # steps/s, 100 % and 90.70 % of decoupled's, median 95.35 %. As placed (trainer on core 0,
+    # rollout + engine on core 1), segment-wise's medians 50 and 10 + 42.5 ms give min(1000/50,
+    # 1000/52.5) = 19.05 steps/s.
+    seg = [{"trainer": 50.0, "rollout": 10.0, "engine": 40.0}, {"trainer": 50.0, "rollout": 10.0, "engine": 45.0}]
+    dec = [{"trainer": 45.0, "rollout": 8.0, "engine": 30.0}, {"trainer": 45.0, "rollout": 8.0, "engine": 30.0}]
+    rows = [
+        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [20.0, 21.0],
+         "cpu_ms_per_step_all": dec, "cores": 2},
+        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [18.0, 19.0],
+         "cpu_ms_per_step_all": seg, "cores": 2},
+    ]  # fmt: skip
+    out = bench.check_targets(rows)
+    printed = capsys.readouterr().out
+    assert out["segment_vs_decoupled_cpu_bound_by_repeat"] == pytest.approx([1.0, 2000 / 105 / 21])
+    assert out["segment_vs_decoupled_cpu_bound"] == pytest.approx((1.0 + 2000 / 105 / 21) / 2)
+    assert out["segment_wise_cpu_ms_per_step"] == pytest.approx(
+        {"trainer": 50.0, "rollout": 10.0, "engine": 42.5, "total": 102.5}
+    )
+    assert out["segment_vs_decoupled_cpu_bound_test"] == {
+        **bench.judge([1.0, 2000 / 105 / 21], 0.95),
+        "verdict": "unresolved",
+    }
+    assert "segment_wise η=4 uses 102.5 ms of CPU per step" in printed
+    assert "at most 19.51 steps/s, as sdp places the processes 19.05" in printed
+    assert "allows at most 95.4 % of decoupled η=4's steps/s" in printed
+    # twice the work, three repeats: about half of decoupled's steps/s in each, far below the
+    # target: no overlap lets this machine do that work at 95 %
+    seg = [{"trainer": 100.0, "rollout": 20.0, "engine": e} for e in (80.0, 80.0, 85.0)]
+    rows[1]["steps_per_second_all"] = rows[3]["steps_per_second_all"] = [20.0, 21.0, 20.0]
+    rows[0]["steps_per_second_all"] = rows[2]["steps_per_second_all"] = [10.0, 10.0, 10.0]
+    rows[1]["cpu_ms_per_step_all"], rows[3]["cpu_ms_per_step_all"] = [*dec, dec[0]], seg
+    assert bench.check_targets(rows)["segment_vs_decoupled_cpu_bound_test"]["verdict"] == "below"
+    assert "48.8 % of decoupled η=4's steps/s" in capsys.readouterr().out
+    # a run without CPU times (an engine restart inside its window; results stored before they
+    # were measured): no budget
+    rows[1]["cpu_ms_per_step_all"] = [dec[0], None, dec[0]]
+    assert "segment_vs_decoupled_cpu_bound" not in bench.check_targets(rows)
+    assert "ms of CPU per step" not in capsys.readouterr().out
+
+
+#: a stand-in `sdp train`: each step burns 50 ms of its own CPU and appends a row to the metrics
+#: file given as argv[1], for argv[2] steps; after its last row it burns a second more (a run's
+#: end: its last checkpoint, stopping the producer)
+FAKE_RUN = """
+import sys, time
+def burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+with open(sys.argv[1], "a") as metrics:
+    for step in range(int(sys.argv[2])):
+        burn(0.05)
+        metrics.write('{"step": %d}\\n' % step)
+        metrics.flush()
+burn(1.0)
+"""
+
+
+def test_watch_cpu_counts_the_cpu_of_the_steps_between_the_skipped_rows_and_the_last(bench, tmp_path):
+    import subprocess
+    import sys
+
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(metrics), "30"])
+    cpu = bench.watch_cpu(proc, metrics, skip_rows=5)
+    assert proc.returncode == 0
+    # no rollout or engine process below it: the trainer's alone, 50 ms a step — not 50 + the
+    # second after the last row spread over the steps (+40 ms), nor its start-up
+    assert set(cpu) == {"trainer"}
+    assert 40.0 <= cpu["trainer"] <= 65.0
+    # a run that makes no step past the skipped rows has no window
+    again = subprocess.Popen([sys.executable, "-c", FAKE_RUN, str(tmp_path / "other.jsonl"), "3"])
+    assert bench.watch_cpu(again, tmp_path / "other.jsonl", skip_rows=5) is None
