@@ -55,13 +55,13 @@ def cores_of(pid: int) -> str:
 def descendants(root: int) -> dict[str, int]:
     """The run's rollout and engine processes, by role (those that exist yet)."""
     parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
+    commands: dict[int, list[str]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, ValueError, IndexError):
             continue
     found: dict[str, int] = {}
@@ -72,7 +72,9 @@ def descendants(root: int) -> dict[str, int]:
         if ancestor != root:
             continue
         for role, marker in ROLES.items():
-            if marker in commands.get(pid, ""):
+            # an argument of its own (`python -m <module>`), not text inside another one: a
+            # process whose `-c` source names the other's module is not that process
+            if marker in commands.get(pid, []):
                 found[role] = pid
     return found
 

@@ -32,16 +32,21 @@ def test_cpu_ticks_count_this_process_s_work_and_none_once_a_process_is_gone(ben
 
 
 def test_the_rollout_and_engine_processes_are_found_below_the_run_only(bench):
-    # a stand-in run: its child names the rollout process's module and starts a grandchild that
-    # names the engine's; a process outside the run that names one of them is left out
-    grandchild = f"import time; time.sleep(60)  # {bench.ROLES['engine']}"
+    # a stand-in run: its child has the rollout process's module as an argument and starts a
+    # grandchild with the engine's (as `python -m <module>` has them); the child's own source names
+    # the engine's module too, as text, which does not make it the engine; a process outside the
+    # run with one of them is left out
+    sleep = "import time; time.sleep(60)"
     child = (
         "import subprocess, sys, time; "
-        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)  # {bench.ROLES['rollout']}"
+        f"subprocess.Popen([sys.executable, '-c', {sleep!r}, {bench.ROLES['engine']!r}]); time.sleep(60)"
     )
-    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}, {bench.ROLES['rollout']!r}]); time.sleep(60)"
+    )
     run = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
-    outsider = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(60)  # {bench.ROLES['engine']}"])
+    outsider = subprocess.Popen([sys.executable, "-c", sleep, bench.ROLES["engine"]])
     try:
         deadline = time.monotonic() + 30
         found = {}
