@@ -7,7 +7,8 @@ sampled them under checkpoint c and recorded π_behav:
 
 - ``engine``: |log π_c from the scorer − π_behav|. π_prox_t was computed by the run's engine, so
   this is how far the scorer's numbers may sit from the engine's: ~1e-7 for the local engine
-  scoring its own dtype on a CPU, more for a server or another device.
+  scoring its own dtype on a CPU (up to ~2e-3 in bfloat16 where the CPU emulates it: decode steps
+  and the scoring forward round differently), more for a server or another device.
 - ``trainer``: |π_prox in the file − π_behav|. π_prox was computed by the trainer (train.dtype),
   so this is the engine/trainer mismatch of the run (the trainer's ``mismatch/lag0_*``), how far
   a π_prox recomputed on the engine's side may move.

@@ -16,9 +16,14 @@ import sdp_cli.analysis.scorers as scorers
 from sdp_cli.analysis.noise import EXACT_TOLERANCE
 from sdp_cli.analysis.recompute_plan import ProximalChoice, RecomputeOptions
 from sdp_cli.rollout.batch_file import read_batch, write_batch
+from sdp_cli.train.session.policy_setup import native_bf16
 
 from ..cli.run_main import run_main
 from ..fast_run import FAST, train_run
+
+#: |Δ| of one log-probability computed in two shapes with emulated bfloat16: 2⁻⁷, bfloat16's
+#: machine epsilon
+EMULATED_BF16_TOLERANCE = 2.0**-7
 
 # as tests/analysis/test_recompute_run.py: segment-wise, η = 3, every batch and version kept,
 # versions that differ measurably, T = 0.9
@@ -68,9 +73,13 @@ def test_intact_bf16_batches_recompute_within_float32_noise(bf16_run):
         assert outcome.retagged == 0
         assert outcome.proximal_t.tokens == 0 or outcome.proximal_t.max_abs <= EXACT_TOLERANCE, outcome.source.name
         assert outcome.proximal_t_verdict.kind == "unchanged"
-    # the engine floor: the scorer against π_behav on version-c tokens, same weights, same dtype
+    # the engine floor: the scorer against π_behav on version-c tokens, same weights, same dtype.
+    # With bfloat16 instructions the scoring forward and the decode steps agree to float32 noise;
+    # where bfloat16 is emulated (an AVX2-only CPU: 2e-3 at most, 9e-5 on average, also before the
+    # scoring forward ran by length), the two shapes round differently, within bfloat16's precision
     engine = result.floors["engine"]
-    assert engine.tokens > 0 and engine.max_abs <= EXACT_TOLERANCE
+    assert engine.tokens > 0
+    assert engine.max_abs <= (EXACT_TOLERANCE if native_bf16() else EMULATED_BF16_TOLERANCE)
     # π_prox: the trainer's autocast forward against the bf16 engine's: more than float32 noise,
     # no more than the run's own lag-0 mismatch allows
     trainer = result.floors["trainer"]
