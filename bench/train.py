@@ -504,26 +504,24 @@ def cpu_budget(rows: list[dict]) -> dict | None:
         return None
     cores = seg["cores"]
     half = max(1, cores // 2)
+
+    def all_cores(run: dict) -> float:
+        return 1000.0 * cores / sum(run.values())
+
+    def as_placed(run: dict) -> float:  # the fuller half decides; no processes of its own: nothing placed
+        other = run.get("rollout", 0.0) + run.get("engine", 0.0)
+        return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other) if other else all_cores(run)
+
     out: dict = {}
     for mode, runs in cpu.items():
         roles = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in ("trainer", "rollout", "engine")}
         total = statistics.median(sum(run.values()) for run in runs)
-        other = roles["rollout"] + roles["engine"]
-        placed = min(1000.0 * half / roles["trainer"], 1000.0 * (cores - half) / other) if other else None
         out[f"{mode}_cpu_ms_per_step"] = {**roles, "total": total}
         print(
             f"{mode} η=4 uses {total:.1f} ms of CPU per step (the trainer {roles['trainer']:.1f}, the rollout process "
             f"{roles['rollout']:.1f}, the engine {roles['engine']:.1f}; medians): with all {cores} cores busy that "
-            f"work allows at most {1000.0 * cores / total:.2f} steps/s"
-            + (f", as sdp places the processes {placed:.2f}" if placed is not None else "")
+            f"work allows at most {1000.0 * cores / total:.2f} steps/s, as sdp places the processes {as_placed(roles):.2f}"
         )
-    def all_cores(run: dict) -> float:
-        return 1000.0 * cores / sum(run.values())
-
-    def as_placed(run: dict) -> float:  # the fuller half decides
-        other = run.get("rollout", 0.0) + run.get("engine", 0.0)
-        return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other) if other else all_cores(run)
-
     bounds = {
         name: [bound(run) / sps for run, sps in zip(cpu["segment_wise"], dec["steps_per_second_all"], strict=True)]
         for name, bound in (("all_cores", all_cores), ("as_placed", as_placed))
