@@ -140,9 +140,10 @@ def watch_cpu(proc: subprocess.Popen, metrics: Path, *, skip_rows: int) -> dict[
         except FileNotFoundError:
             continue
         offset += len(chunk)
-        if not chunk.count(b"\n"):
+        new_rows = chunk.count(b"\n")
+        if not new_rows:
             continue
-        rows += chunk.count(b"\n")
+        rows += new_rows
         if pids is None:  # by the first step the rollout and engine processes run
             pids = {"trainer": proc.pid, **descendants(proc.pid)}
         snapshot = (rows, {role: cpu_ticks(pid) for role, pid in pids.items()})
@@ -454,14 +455,19 @@ def check_targets(rows: list[dict]) -> dict[str, float | bool | list[float] | di
     return out
 
 
+def eta4_pair(rows: list[dict]) -> tuple[dict, dict]:
+    """The rows of segment-wise η = 4 and decoupled η = 4 ({} for one that is missing)."""
+    by = {(r["mode"], r["max_head_offpolicyness"]): r for r in rows}
+    return by.get(("segment_wise", 4), {}), by.get(("decoupled", 4), {})
+
+
 def per_token_ratio(rows: list[dict]) -> dict[str, float | list[float]] | None:
     """Segment-wise η = 4 against decoupled η = 4 per generated token, paired by repeat, and how
     many more tokens a step of segment-wise generated: each mode's answers are as long as its own
     policy makes them, so a step of one mode is not the same work as a step of the other. A
     diagnostic printed under the targets, not one of them. None for results without per-repeat
     token rates (written before they were stored)."""
-    by = {(r["mode"], r["max_head_offpolicyness"]): r for r in rows}
-    seg, dec = by.get(("segment_wise", 4), {}), by.get(("decoupled", 4), {})
+    seg, dec = eta4_pair(rows)
     if "tokens_per_second_all" not in seg or "tokens_per_second_all" not in dec:
         return None
     ratios = [a / b for a, b in zip(seg["tokens_per_second_all"], dec["tokens_per_second_all"], strict=True)]
@@ -497,8 +503,7 @@ def cpu_budget(rows: list[dict]) -> dict | None:
     within the target on this machine; "below" as placed, that the fuller half of the cores
     cannot. None for results without CPU times (written before they were measured) or with a
     run that has none."""
-    by = {(r["mode"], r["max_head_offpolicyness"]): r for r in rows}
-    seg, dec = by.get(("segment_wise", 4), {}), by.get(("decoupled", 4), {})
+    seg, dec = eta4_pair(rows)
     cpu = {"segment_wise": seg.get("cpu_ms_per_step_all"), "decoupled": dec.get("cpu_ms_per_step_all")}
     if any(not runs or any(run is None for run in runs) for runs in cpu.values()):
         return None
