@@ -20,7 +20,8 @@ The two comparisons, named before any run:
    "equivalent" when both ends hold.
 
 Holm's correction over the two. Each run's CPU time per step, by process, is measured as in
-bench/train.py (``watch_cpu``). The load average before and after is stored: numbers measured
+bench/train.py (``watch_cpu``), and its bounds on segment-wise's steps/s against decoupled's
+are printed last (bench/train.py's ``cpu_budget``, a family of its own). The load average before and after is stored: numbers measured
 under load are not benchmark numbers. Prints a table and writes bench/results/pass_cost.json.
 
     python bench/pass_cost.py --steps 300 --repeats 8
@@ -39,7 +40,7 @@ import tempfile
 from pathlib import Path
 
 from _results import write_results
-from train import ALPHA, TARGET_SEGMENT_VS_DECOUPLED, judge, run_once
+from train import ALPHA, TARGET_SEGMENT_VS_DECOUPLED, cpu_budget, judge, run_once
 
 from sdp_cli.ablate.stats import holm
 
@@ -92,6 +93,23 @@ def decompose(sps: dict[str, list[float]]) -> dict:
     return out
 
 
+def budget(rows: list[dict], cores: int) -> dict | None:
+    """bench/train.py's ``cpu_budget`` (prints its lines) on segment-wise's and decoupled's runs
+    here; None without CPU times."""
+    as_train_rows = [
+        {
+            "mode": row["config"],
+            "max_head_offpolicyness": 4,
+            "cores": cores,
+            "steps_per_second_all": row["steps_per_second_all"],
+            "cpu_ms_per_step_all": row.get("cpu_ms_per_step_all"),
+        }
+        for row in rows
+        if row["config"] in ("segment_wise", "decoupled")
+    ]
+    return cpu_budget(as_train_rows)
+
+
 def describe(result: dict) -> list[str]:
     """The lines that say what ``decompose`` found."""
     def spread(values: list[float]) -> str:
@@ -132,11 +150,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.judge is not None:
         try:
-            rows = json.loads(args.judge.read_text())["rows"]
-            sps = {row["config"]: row["steps_per_second_all"] for row in rows}
+            stored = json.loads(args.judge.read_text())
+            rows = stored["rows"]
+            sps = {row["config"]: [float(x) for x in row["steps_per_second_all"]] for row in rows}
+            missing = [name for name in CONFIGS if name not in sps]
+            if missing:
+                raise KeyError(f"no rows of {', '.join(missing)}")
+            result = decompose(sps)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SystemExit(f"--judge {args.judge}: not a bench/pass_cost.py result ({exc}); give a file it wrote") from None
-        print("\n".join(describe(decompose(sps))))
+        print("\n".join(describe(result)))
+        budget(rows, stored.get("machine", {}).get("cpus") or 1)
         return
     if args.repeats < 1 or args.steps < 20:
         raise SystemExit("--repeats must be at least 1 and --steps at least 20 (the CPU window skips the first 10 steps)")
@@ -185,6 +209,7 @@ def main() -> None:
         )
     result = decompose({row["config"]: row["steps_per_second_all"] for row in rows})
     print("\n".join(describe(result)))
+    result["cpu_budget"] = budget(rows, os.cpu_count() or 1)
     print(f"load average: {load_before:.1f} before, {load_after:.1f} after (2 cores: above ~0.5 the numbers are under load)")
     write_results(
         args.out,
