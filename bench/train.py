@@ -31,7 +31,7 @@ mode's answers are as long as its own policy makes them, so a step is not the sa
 CPU time per step is measured too (``watch_cpu``: user + system time of the trainer's, the rollout and the
 engine processes, from /proc, over its steps after the tenth), and the last lines say whether segment-wise
 η = 4's work per step could reach 95 % of decoupled η = 4's steps/s on this machine at all, with every core
-busy all the time (``cpu_budget``). The load
+busy all the time, and at decoupled's own use of the cores (``cpu_budget``). The load
 average before and after is printed and stored: numbers measured under load are not benchmark numbers.
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
@@ -497,12 +497,15 @@ def cpu_budget(rows: list[dict]) -> dict | None:
     what its cores give: cores × 1000 / (ms per step) with every core busy all the time, and
     with the processes as sdp places them (the trainer on one half of the cores, the rollout and
     engine processes on the other: ``sdp_cli/train/session/placement.py``) the fuller half's.
-    Per repeat, each of segment-wise's two bounds over decoupled's measured steps/s is judged
-    against the target like the targets are (``judge``, Holm over the two bounds, apart from the
-    three targets): "below" all cores says that no overlap, however perfect, brings this work
+    A third ratio needs no bound on either mode's overlap: decoupled's CPU per step over
+    segment-wise's, the fraction of decoupled's steps/s segment-wise reaches if it keeps the cores
+    as busy as decoupled kept them. Per repeat, each of the three over decoupled's measured steps/s
+    is judged against the target like the targets are (``judge``, Holm over the three, apart from
+    the three targets): "below" all cores says that no overlap, however perfect, brings this work
     within the target on this machine; "below" as placed, that the fuller half of the cores
-    cannot. None for results without CPU times (written before they were measured) or with a
-    run that has none."""
+    cannot; "below" at decoupled's core use, that segment-wise would have to keep the cores busier
+    than decoupled does. None for results without CPU times (written before they were measured)
+    or with a run that has none."""
     seg, dec = eta4_pair(rows)
     cpu = {"segment_wise": seg.get("cpu_ms_per_step_all"), "decoupled": dec.get("cpu_ms_per_step_all")}
     if any(not runs or any(run is None for run in runs) for runs in cpu.values()):
@@ -531,27 +534,31 @@ def cpu_budget(rows: list[dict]) -> dict | None:
         name: [bound(run) / sps for run, sps in zip(cpu["segment_wise"], dec["steps_per_second_all"], strict=True)]
         for name, bound in (("all_cores", all_cores), ("as_placed", as_placed))
     }
+    bounds["equal_use"] = [sum(d.values()) / sum(s.values()) for s, d in zip(cpu["segment_wise"], cpu["decoupled"], strict=True)]
     judged = {name: judge(ratios, TARGET_SEGMENT_VS_DECOUPLED) for name, ratios in bounds.items()}
-    verdict = verdicts(judged)  # Holm over the two bounds
+    verdict = verdicts(judged)  # Holm over the three bounds
     meaning = {"below": "beyond this machine for this work", "met": "within the cores' reach", "unresolved": "unresolved"}
     how = {
         "all_cores": "with every core busy all the time",
         "as_placed": f"as sdp places the processes (the trainer on {half} of the {cores} cores, the rollout and engine "
         "processes on the rest)",
+        "equal_use": "with the cores as busy as decoupled kept them",
     }
+    meanings = {name: meaning for name in bounds}
+    meanings["equal_use"] = {**meaning, "below": "only with the cores busier than decoupled keeps them"}
     for name, ratios in bounds.items():
         j, (said, p) = judged[name], verdict[name]
         test = (
             "one repeat: no test"
             if p is None
-            else f"one-sided 95 % bounds {j['low']:.3f} and {j['high']:.3f}, Holm p = {p:.2g} over the two bounds"
+            else f"one-sided 95 % bounds {j['low']:.3f} and {j['high']:.3f}, Holm p = {p:.2g} over the three bounds"
         )
         print(
             f"segment-wise η=4's work per step, {how[name]}, allows at most {100 * statistics.median(ratios):.1f} % of "
             f"decoupled η=4's steps/s (median of paired repeats, range {100 * min(ratios):.1f}–{100 * max(ratios):.1f} %; "
-            f"{test}) against the target's {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {meaning[said]}"
+            f"{test}) against the target's {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {meanings[name][said]}"
         )
-        key = "segment_vs_decoupled_cpu_bound" + ("" if name == "all_cores" else "_as_placed")
+        key = "segment_vs_decoupled_cpu_bound" + {"all_cores": "", "as_placed": "_as_placed", "equal_use": "_equal_use"}[name]
         out[key], out[f"{key}_by_repeat"] = statistics.median(ratios), ratios
         out[f"{key}_test"] = {**j, "verdict": said, "p_holm": p}
     return out

@@ -190,19 +190,25 @@ def test_the_cpu_budget_bounds_segment_wise_by_what_the_cores_give(bench, capsys
     )
     # as placed, per repeat: min(1000/50, 1000/50) = 20 → 100 %; min(1000/50, 1000/55) → 86.58 %
     assert out["segment_vs_decoupled_cpu_bound_as_placed_by_repeat"] == pytest.approx([1.0, 1000 / 55 / 21])
-    # each bound judged like a target, Holm over the two
-    judged = {"all": bench.judge([1.0, 2000 / 105 / 21], 0.95), "placed": bench.judge([1.0, 1000 / 55 / 21], 0.95)}
+    # at decoupled's own use of the cores: its 83 ms a step over segment-wise's 100 and 105
+    assert out["segment_vs_decoupled_cpu_bound_equal_use_by_repeat"] == pytest.approx([0.83, 83 / 105])
+    # each bound judged like a target, Holm over the three
+    judged = {
+        "all": bench.judge([1.0, 2000 / 105 / 21], 0.95),
+        "placed": bench.judge([1.0, 1000 / 55 / 21], 0.95),
+        "equal": bench.judge([0.83, 83 / 105], 0.95),
+    }
     verdict = bench.verdicts(judged)
-    assert out["segment_vs_decoupled_cpu_bound_test"] == {
-        **judged["all"], "verdict": "unresolved", "p_holm": verdict["all"][1]
-    }
-    assert out["segment_vs_decoupled_cpu_bound_as_placed_test"] == {
-        **judged["placed"], "verdict": "unresolved", "p_holm": verdict["placed"][1]
-    }
+    for key, name in (("", "all"), ("_as_placed", "placed"), ("_equal_use", "equal")):
+        assert out[f"segment_vs_decoupled_cpu_bound{key}_test"] == {
+            **judged[name], "verdict": verdict[name][0], "p_holm": verdict[name][1]
+        }
     assert "segment_wise η=4 uses 102.5 ms of CPU per step" in printed
     assert "at most 19.51 steps/s, as sdp places the processes 19.05" in printed
     assert "busy all the time, allows at most 95.4 % of decoupled η=4's steps/s" in printed
     assert "the rest), allows at most 93.3 % of decoupled η=4's steps/s" in printed
+    assert "as busy as decoupled kept them, allows at most 81.0 % of decoupled η=4's steps/s" in printed
+    assert "over the three bounds" in printed
     # twice the work, three repeats: about half of decoupled's steps/s in each, far below the
     # target: no overlap lets this machine do that work at 95 %
     seg = [{"trainer": 100.0, "rollout": 20.0, "engine": e} for e in (80.0, 80.0, 85.0)]
