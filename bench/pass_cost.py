@@ -185,10 +185,12 @@ def main() -> None:
     for name in names:
         config_runs = runs[name]
         cpu = [r["cpu_ms_per_step"] for r in config_runs]
+        timed = [c for c in cpu if c is not None]
         roles = {
-            role: statistics.median(c.get(role, 0.0) for c in cpu if c is not None) if any(cpu) else math.nan
+            role: statistics.median(c.get(role, 0.0) for c in timed) if timed else math.nan
             for role in ("trainer", "rollout", "engine")
         }
+        total = statistics.median(sum(c.values()) for c in timed) if timed else math.nan  # as cpu_budget's
         row = {
             "config": name,
             "overrides": CONFIGS[name],
@@ -204,7 +206,7 @@ def main() -> None:
         )
         rows.append(row)
         print(
-            f"{name:<18}{row['steps_per_second_median']:>9.2f}{tokens_per_step:>13.0f}{sum(roles.values()):>13.1f}"
+            f"{name:<18}{row['steps_per_second_median']:>9.2f}{tokens_per_step:>13.0f}{total:>13.1f}"
             f"{roles['trainer']:>9.1f}{roles['rollout']:>9.1f}{roles['engine']:>8.1f}"
         )
     result = decompose({row["config"]: row["steps_per_second_all"] for row in rows})
