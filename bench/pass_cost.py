@@ -10,7 +10,9 @@ one each repeat, like bench/train.py):
     decoupled + pass    +preset=decoupled rollout.recompute=always
     segment_wise        +preset=segment_wise
 
-and segment-wise / decoupled = (decoupled + pass) / decoupled × segment-wise / (decoupled + pass).
+(decoupled + pass generates a batch in one call, as segment-wise does: sdp's default wherever the
+passes run, part of what keeping π_prox_t costs) and segment-wise / decoupled =
+(decoupled + pass) / decoupled × segment-wise / (decoupled + pass).
 The two comparisons, named before any run:
 
 1. the pass's cost, (decoupled + pass) / decoupled, against issue 26's 95 %: one-sided, "below"
@@ -21,8 +23,8 @@ The two comparisons, named before any run:
 
 Holm's correction over the two. Each run's CPU time per step, by process, is measured as in
 bench/train.py (``watch_cpu``), and its bounds on segment-wise's steps/s against decoupled's
-are printed last (bench/train.py's ``cpu_budget``, a family of its own). The load average before and after is stored: numbers measured
-under load are not benchmark numbers. Prints a table and writes bench/results/pass_cost.json.
+are printed last (bench/train.py's ``cpu_budget``, a family of its own). The load average before
+and after is stored: numbers measured under load are not benchmark numbers. Prints a table and writes bench/results/pass_cost.json.
 
     python bench/pass_cost.py --steps 300 --repeats 8
     python bench/pass_cost.py --judge bench/results/pass_cost.json   # the verdicts of a stored run
