@@ -24,7 +24,8 @@ The two comparisons, named before any run:
 Holm's correction over the two. Each run's CPU time per step, by process, is measured as in
 bench/train.py (``watch_cpu``), and its bounds on segment-wise's steps/s against decoupled's
 are printed last (bench/train.py's ``cpu_budget``, a family of its own). The load average before
-and after is stored: numbers measured under load are not benchmark numbers. Prints a table and writes bench/results/pass_cost.json.
+and after is stored: numbers measured under load are not benchmark numbers. Prints a table and
+writes bench/results/pass_cost.json.
 
     python bench/pass_cost.py --steps 300 --repeats 8
     python bench/pass_cost.py --judge bench/results/pass_cost.json   # the verdicts of a stored run
@@ -42,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 from _results import write_results
-from train import ALPHA, TARGET_SEGMENT_VS_DECOUPLED, cpu_budget, judge, run_once
+from train import ALPHA, PROCESSES, TARGET_SEGMENT_VS_DECOUPLED, cpu_budget, cpu_medians, judge, rotated, run_once
 
 from sdp_cli.ablate.stats import holm
 
@@ -124,7 +125,7 @@ def describe(result: dict) -> list[str]:
     p = result["p_holm"]
     test = result["pass_test"]
     bounds = "one repeat: no test" if p is None else (
-        f"one-sided 95 % bounds {test['low']:.3f} and {test['high']:.3f}, Holm p = {min(p['pass'], 1.0):.2g}"
+        f"one-sided 95 % bounds {test['low']:.3f} and {test['high']:.3f}, Holm p = {p['pass']:.2g}"
     )
     lines.append(
         f"  the recompute pass: decoupled + pass is {100 * result['pass_cost']:.1f} % of decoupled "
@@ -133,7 +134,7 @@ def describe(result: dict) -> list[str]:
     )
     low, high = result["rest_test"]["low_end"], result["rest_test"]["high_end"]
     bounds = "one repeat: no test" if p is None else (
-        f"one-sided 95 % bounds {low['low']:.3f} and {high['high']:.3f}, Holm p = {min(p['rest'], 1.0):.2g}"
+        f"one-sided 95 % bounds {low['low']:.3f} and {high['high']:.3f}, Holm p = {p['rest']:.2g}"
     )
     lines.append(
         f"  the rest: segment-wise is {100 * result['rest']:.1f} % of decoupled + pass "
@@ -174,8 +175,7 @@ def main() -> None:
     names = list(CONFIGS)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(args.repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in rotated(names, repeat):
             runs[name].append(run_once(CONFIGS[name], args.steps, root, cache))
         print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
     load_after = os.getloadavg()[0]
@@ -188,11 +188,7 @@ def main() -> None:
         config_runs = runs[name]
         cpu = [r["cpu_ms_per_step"] for r in config_runs]
         timed = [c for c in cpu if c is not None]
-        roles = {
-            role: statistics.median(c.get(role, 0.0) for c in timed) if timed else math.nan
-            for role in ("trainer", "rollout", "engine")
-        }
-        total = statistics.median(sum(c.values()) for c in timed) if timed else math.nan  # as cpu_budget's
+        roles, total = cpu_medians(timed) if timed else (dict.fromkeys(PROCESSES, math.nan), math.nan)
         row = {
             "config": name,
             "overrides": CONFIGS[name],

@@ -192,8 +192,7 @@ def main() -> None:
     # the machine then hits all configurations alike, and the ratios pair runs of one repeat.
     runs: dict[tuple[str, int, bool], list[dict]] = {}
     for repeat in range(args.repeats):
-        shift = repeat % len(plan)
-        for mode, eta, overrides, alone in plan[shift:] + plan[:shift]:
+        for mode, eta, overrides, alone in rotated(plan, repeat):
             threads = [f"train.threads={half}"] if alone else []
             summary = run_once([*overrides, *engine, *threads], args.steps, root, cache)
             runs.setdefault((mode, eta, alone), []).append(summary)
@@ -491,6 +490,24 @@ def per_token_ratio(rows: list[dict]) -> dict[str, float | list[float]] | None:
     }
 
 
+#: the processes of a run whose CPU time ``watch_cpu`` counts
+PROCESSES = ("trainer", "rollout", "engine")
+
+
+def cpu_medians(runs: list[dict[str, float]]) -> tuple[dict[str, float], float]:
+    """Over runs (``watch_cpu``'s results), each process's median ms of CPU per step, and the median
+    of the runs' totals (not the sum of the processes' medians)."""
+    roles = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in PROCESSES}
+    return roles, statistics.median(sum(run.values()) for run in runs)
+
+
+def rotated(plan: list, repeat: int) -> list:
+    """``plan`` in the order of repeat ``repeat``: rotated by one each repeat, so that a drift of
+    the machine hits every configuration alike."""
+    shift = repeat % len(plan)
+    return plan[shift:] + plan[:shift]
+
+
 def cpu_budget(rows: list[dict]) -> dict | None:
     """Whether the machine's cores can do segment-wise η = 4's work at 95 % of decoupled η = 4's
     steps/s. A run's CPU time per step (``watch_cpu``, all its processes) bounds its steps/s by
@@ -522,8 +539,7 @@ def cpu_budget(rows: list[dict]) -> dict | None:
 
     out: dict = {}
     for mode, runs in cpu.items():
-        roles = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in ("trainer", "rollout", "engine")}
-        total = statistics.median(sum(run.values()) for run in runs)
+        roles, total = cpu_medians(runs)
         out[f"{mode}_cpu_ms_per_step"] = {**roles, "total": total}
         print(
             f"{mode} η=4 uses {total:.1f} ms of CPU per step (the trainer {roles['trainer']:.1f}, the rollout process "
