@@ -43,6 +43,23 @@ def test_a_costly_pass_and_a_tied_rest(bench):
     assert result["p_holm"]["pass"] == pytest.approx(adjusted[p_pass], rel=1e-9)
     assert result["p_holm"]["rest"] == pytest.approx(adjusted[p_rest], rel=1e-9)
     assert (result["pass_verdict"], result["rest_verdict"]) == ("below", "equivalent")
+    # issue 26's target on the same runs, a family of its own: segment-wise / decoupled under 95 %
+    p_target = stats.ttest_1samp(_logs([0.891, 0.88, 0.9], 0.95), 0.0, alternative="less").pvalue
+    assert result["target_p"] == pytest.approx(p_target, rel=1e-9)
+    assert result["target_verdict"] == "below"
+    assert "89.1 % of decoupled η=4" in bench.describe(result)[0] and ": below" in bench.describe(result)[0]
+
+
+def test_where_the_pass_is_free_the_target_is_met(bench):
+    # the trainer's core the fuller one: the pass costs no steps and segment-wise ties decoupled
+    sps = {"decoupled": [5.0, 5.0, 5.0, 5.0], "decoupled + pass": [5.0, 5.05, 4.95, 5.0], "segment_wise": [5.0, 4.95, 5.05, 4.9]}
+    result = bench.decompose(sps)
+    total = [1.0, 0.99, 1.01, 0.98]
+    assert result["segment_vs_decoupled_by_repeat"] == pytest.approx(total)
+    p_target = stats.ttest_1samp(_logs(total, 0.95), 0.0, alternative="greater").pvalue
+    assert result["target_p"] == pytest.approx(p_target, rel=1e-9)
+    assert result["target_verdict"] == "met"
+    assert result["pass_verdict"] == "not shown below" and result["rest_verdict"] == "equivalent"
 
 
 def test_a_cheap_pass_and_a_rest_too_spread_to_tie(bench):
@@ -64,8 +81,9 @@ def test_a_rest_outside_the_margin_is_not_a_tie_however_tight(bench):
 def test_one_repeat_is_not_tested(bench):
     result = bench.decompose({"decoupled": [10.0], "decoupled + pass": [9.0], "segment_wise": [8.0]})
     assert (result["pass_verdict"], result["rest_verdict"], result["p_holm"]) == ("unresolved", "unresolved", None)
+    assert (result["target_verdict"], result["target_p"]) == ("unresolved", None)
     lines = bench.describe(result)
-    assert "80.0 % of decoupled η=4" in lines[0]
+    assert "80.0 % of decoupled η=4" in lines[0] and "one repeat: no test" in lines[0]
     assert "90.0 % of decoupled (" in lines[1] and "one repeat: no test" in lines[1]
     assert "88.9 % of decoupled + pass" in lines[2]
 
@@ -103,3 +121,11 @@ def test_judge_prints_the_verdicts_of_a_stored_result(tmp_path):
         done = run_bench("pass_cost.py", "--judge", str(stored), timeout=120)
         assert done.returncode != 0
         assert "not a bench/pass_cost.py result" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_malformed_set_is_one_line_before_any_run(tmp_path):
+    for wrong in ("optim.ppo_epochs", "=2"):
+        done = run_bench("pass_cost.py", "--set", wrong, "--out", str(tmp_path / "out.json"), timeout=120)
+        assert done.returncode != 0
+        assert "give KEY=VALUE" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "out.json").exists()
