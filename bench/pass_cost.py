@@ -139,33 +139,27 @@ def describe(result: dict) -> list[str]:
     def spread(values: list[float]) -> str:
         return f"range {100 * min(values):.1f}–{100 * max(values):.1f} %"
 
-    target = result["target_test"]
-    bounds = "one repeat: no test" if result["target_p"] is None else (
-        f"one-sided 95 % bounds {target['low']:.3f} and {target['high']:.3f}, p = {result['target_p']:.2g}"
-    )
+    def tested(low: float, high: float, p: float | None, p_name: str) -> str:
+        return "one repeat: no test" if p is None else f"one-sided 95 % bounds {low:.3f} and {high:.3f}, {p_name} = {p:.2g}"
+
+    target, p = result["target_test"], result["p_holm"]
     lines = [
         f"segment-wise η=4 is {100 * result['segment_vs_decoupled']:.1f} % of decoupled η=4 "
         f"(median of {len(result['pass_cost_by_repeat'])} paired repeats, {spread(result['segment_vs_decoupled_by_repeat'])}; "
-        f"{bounds}) against issue 26's {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {result['target_verdict']}"
+        f"{tested(target['low'], target['high'], result['target_p'], 'p')}) against issue 26's "
+        f"{100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {result['target_verdict']}"
     ]
-    p = result["p_holm"]
     test = result["pass_test"]
-    bounds = "one repeat: no test" if p is None else (
-        f"one-sided 95 % bounds {test['low']:.3f} and {test['high']:.3f}, Holm p = {p['pass']:.2g}"
-    )
     lines.append(
         f"  the recompute pass: decoupled + pass is {100 * result['pass_cost']:.1f} % of decoupled "
-        f"({spread(result['pass_cost_by_repeat'])}; {bounds}) against the target's "
-        f"{100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {result['pass_verdict']}"
+        f"({spread(result['pass_cost_by_repeat'])}; {tested(test['low'], test['high'], None if p is None else p['pass'], 'Holm p')}) "
+        f"against the target's {100 * TARGET_SEGMENT_VS_DECOUPLED:.0f} %: {result['pass_verdict']}"
     )
     low, high = result["rest_test"]["low_end"], result["rest_test"]["high_end"]
-    bounds = "one repeat: no test" if p is None else (
-        f"one-sided 95 % bounds {low['low']:.3f} and {high['high']:.3f}, Holm p = {p['rest']:.2g}"
-    )
     lines.append(
         f"  the rest: segment-wise is {100 * result['rest']:.1f} % of decoupled + pass "
-        f"({spread(result['rest_by_repeat'])}; {bounds}) against a tie within ±{100 * (1 - MARGIN):.0f} %: "
-        f"{result['rest_verdict']}"
+        f"({spread(result['rest_by_repeat'])}; {tested(low['low'], high['high'], None if p is None else p['rest'], 'Holm p')}) "
+        f"against a tie within ±{100 * (1 - MARGIN):.0f} %: {result['rest_verdict']}"
     )
     return lines
 
