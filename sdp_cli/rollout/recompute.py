@@ -130,11 +130,21 @@ def _make_job(
 class ProximalRecomputer:
     """Writes π_prox_t = log π_c(token) for the version c − 1 tokens of every held sample."""
 
-    def __init__(self, engine: ScoringEngine, *, max_tokens_per_call: int = 32768):
+    def __init__(
+        self,
+        engine: ScoringEngine,
+        *,
+        max_tokens_per_call: int = 32768,
+        on_write: Callable[[], None] | None = None,
+    ):
         if max_tokens_per_call < 1:
             raise ValueError(f"max_tokens_per_call must be >= 1, got {max_tokens_per_call}")
         self.engine = engine
         self.max_tokens_per_call = max_tokens_per_call
+        #: how many writes wrote at least one token: a reader that saw no change here since it
+        #: last judged a held sample knows no pass changed that sample (writers hold their lock)
+        self.writes = 0
+        self._on_write = on_write  # called after each of those writes
 
     # ------------------------------------------------------------ production API
     def recompute_all(
@@ -244,5 +254,8 @@ class ProximalRecomputer:
             stats.samples_recomputed += 1 if written else 0
         if stats.tokens_recomputed:
             stats.mean_abs_delta = abs_delta / stats.tokens_recomputed
+            self.writes += 1
+            if self._on_write is not None:
+                self._on_write()
         stats.wall_time_s = time.perf_counter() - plan.started
         return stats

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.buffers import Doorbell, RolloutCache, RolloutQueue
 
 
 def test_queue_is_fifo_and_snapshot_does_not_consume():
@@ -162,3 +162,50 @@ def test_concurrent_producers_and_consumers_lose_nothing():
         t.join(timeout=30)
     # every id exactly once: no loss, no duplication
     assert sorted(received) == list(range(n_producers * per_producer))
+
+
+def test_queue_calls_on_put_once_per_item_after_it_is_in_the_queue():
+    seen: list[int] = []
+    q: RolloutQueue[int] = RolloutQueue(on_put=lambda: seen.append(q.qsize()))
+    for i in range(3):
+        q.put(i)
+    assert seen == [1, 2, 3]  # each call sees its item already queued
+    q.get()
+    assert seen == [1, 2, 3]  # a get is no put
+
+
+def _waits(bell: Doorbell, timeout: float, sockets: list[int] | None = None) -> float:
+    start = time.monotonic()
+    bell.wait(sockets or [], timeout)
+    return time.monotonic() - start
+
+
+def test_doorbell_wait_returns_at_a_ring_since_the_last_clear_and_not_before():
+    bell = Doorbell()
+    try:
+        bell.ring()
+        assert _waits(bell, 30.0) < 5.0  # rung before the wait: no wait
+        bell.clear()
+        assert _waits(bell, 0.2) >= 0.15  # cleared: only the timeout ends it
+        threading.Timer(0.05, bell.ring).start()
+        assert _waits(bell, 30.0) < 5.0  # a ring from another thread wakes it
+    finally:
+        bell.close()
+
+
+def test_doorbell_wakes_for_a_readable_socket_and_rings_never_block():
+    import socket
+
+    bell, (ours, theirs) = Doorbell(), socket.socketpair()
+    try:
+        threading.Timer(0.05, lambda: theirs.send(b"x")).start()
+        assert _waits(bell, 30.0, [ours.fileno()]) < 5.0
+        for _ in range(100_000):  # far more than a socket buffer holds: the extra rings are dropped
+            bell.ring()
+        bell.clear()
+        assert _waits(bell, 0.2) >= 0.15  # one clear forgets them all
+    finally:
+        bell.close()
+        ours.close()
+        theirs.close()
+    bell.ring()  # after close: ignored, nobody waits any more

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import select
 import socket
 import threading
 import time
@@ -182,8 +183,82 @@ def test_it_waits_for_groups_until_the_trainer_asks_for_something_else():
     assert _ids(lonely.cache.get_all()) == [0] and lonely.reserved_batch() is None
 
 
-# ------------------------------------------------------------------ over the link
 SETTLED = [[(C - 2, True)], [(C - 3, True), (C - 2, True)]]
+
+
+def _settle_by_a_pass(side: RolloutSide, monkeypatch) -> None:
+    """A recompute pass under weights c − 1 over the cache, as the producer's: it gives the
+    version c − 2 tokens that lack it their π_{c−1} (the engine's score: 0.0)."""
+    monkeypatch.setattr(side.engine, "get_version", lambda: C - 1)
+    with side._handoff_lock:
+        plan = side.recomputer.plan(cache=side.cache, inflight=[])
+        assert plan.jobs, "the pass has a token to score"
+        side.recomputer.write(plan, side.recomputer.score(plan))
+
+
+def test_each_look_judges_only_a_group_that_may_have_changed(monkeypatch):
+    """Group 0 is fixed, group 1 owes π_{c−1}: each look is woken by a new group (or the pass),
+    but a group found fixed is not judged again, and one found not fixed only after a pass wrote.
+    The pass settles group 1 and the next look sets the batch aside."""
+    side = _side(mode="segment_wise", batch_groups=2)
+    judged: list[int] = []
+    real_fixed = side._fixed
+    monkeypatch.setattr(side, "_fixed", lambda group, c: judged.append(group.group_id) or real_fixed(group, c))
+    side.queue.put(_group(0, SETTLED))
+    side.queue.put(_group(1, [[(C - 2, False)], [(C - 2, True)]]))
+    looks = 0
+
+    def look() -> bool:  # give_up, once a look: a new group for the first three, then the pass
+        nonlocal looks
+        looks += 1
+        if looks <= 3:
+            side.queue.put(_group(1 + looks, SETTLED))
+        elif looks == 4:
+            _settle_by_a_pass(side, monkeypatch)
+        return looks > 6
+
+    assert _ids(side.reserve_batch(C, 5, give_up=look)) == [0, 1]
+    assert looks == 4 and judged == [0, 1, 1]
+
+
+@pytest.mark.parametrize("wake", ["group", "pass", "trainer"])
+def test_with_the_link_watched_each_change_wakes_it_without_polling(wake, monkeypatch):
+    """With ``watch`` the wait has no short poll: a queued group, a pass's write and the trainer's
+    next request each end it at once, though the idle wait here is a minute."""
+    import sdp_cli.train.asyncloop.rollout as rollout_module
+
+    monkeypatch.setattr(rollout_module, "RESERVE_IDLE_S", 60.0)
+    side = _side(mode="segment_wise", batch_groups=2)
+    side.queue.put(_group(0, SETTLED))
+    if wake == "pass":
+        side.queue.put(_group(1, [[(C - 2, False)], [(C - 2, True)]]))
+    ours, theirs = socket.socketpair()
+
+    def change() -> None:
+        while side.cache.size() < (2 if wake == "pass" else 1):  # the first look moved them
+            time.sleep(0.01)
+        time.sleep(0.05)  # the reserve waits by now
+        if wake == "group":
+            side.queue.put(_group(1, SETTLED))
+        elif wake == "pass":
+            _settle_by_a_pass(side, monkeypatch)
+        else:
+            ours.send(b"next request")
+
+    threading.Thread(target=change, daemon=True).start()
+    start = time.monotonic()
+    try:
+        got = side.reserve_batch(
+            C, 5, give_up=lambda: bool(select.select([theirs], [], [], 0)[0]), watch=theirs.fileno()
+        )
+    finally:
+        ours.close()
+        theirs.close()
+    assert time.monotonic() - start < 10.0
+    assert (got is None) if wake == "trainer" else (_ids(got) == [0, 1])
+
+
+# ------------------------------------------------------------------ over the link
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ from typing import Any, Callable
 from sdp_cli.config.schema import SdpConfig, groups_per_request, tracks_proximal_t
 from sdp_cli.engine.base import EngineError, InferenceEngine, SamplingParams, WeightUpdate
 from sdp_cli.faults import fault_point
-from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
+from sdp_cli.rollout.buffers import Doorbell, RolloutCache, RolloutQueue
 from sdp_cli.rollout.hooks import PauseController, PauseHooks
 from sdp_cli.rollout.recompute import ProximalRecomputer, RecomputeStats, pass_targets
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
@@ -70,8 +70,11 @@ from sdp_cli.train.asyncloop.rewarding import RewardPool, RewardRules
 
 logger = logging.getLogger(__name__)
 
-#: how often ``reserve_batch`` looks again at a cache whose first groups are not all fixed yet
+#: how often ``reserve_batch`` looks again at a cache whose first groups are not all fixed yet,
+#: when it cannot watch for the trainer's next request; when it can, how long it waits at most for
+#: a change (one it is not rung for: the producer failing or stopping)
 RESERVE_POLL_S = 0.005
+RESERVE_IDLE_S = 0.1
 
 
 @dataclass
@@ -133,11 +136,13 @@ class RolloutSide:
             max_head_offpolicyness=ro.max_head_offpolicyness,
             on_filtered=self.manager.on_samples_filtered,
         )
-        self.queue: RolloutQueue[RolloutGroup] = RolloutQueue()
+        # rung when a group is queued or a recompute pass writes: what ``reserve_batch`` waits for
+        self._held_changed = Doorbell()
+        self.queue: RolloutQueue[RolloutGroup] = RolloutQueue(on_put=self._held_changed.ring)
         self.cache: RolloutCache[RolloutGroup] = RolloutCache()
         self.pause_hooks = PauseHooks()
         self.pause_controller = PauseController(engine, self.pause_hooks)
-        self.recomputer = ProximalRecomputer(engine)
+        self.recomputer = ProximalRecomputer(engine, on_write=self._held_changed.ring)
         self.recompute_enabled = tracks_proximal_t(cfg)
         if self.recompute_enabled:
             # docs/design.md §2 step 2: the push's recompute pass runs once the engine is paused,
@@ -215,6 +220,7 @@ class RolloutSide:
     def shutdown(self) -> None:
         """The session is over: close the engine and the ledger; idempotent."""
         self.close()
+        self._held_changed.close()
         if self.ledger is not None:
             self.ledger.close()
 
@@ -308,7 +314,9 @@ class RolloutSide:
         """Nothing: in sdp's process, taking the next batch ahead would take the trainer's thread
         as long as taking it when due (the rollout process does it: ``reserve_batch``)."""
 
-    def reserve_batch(self, trainer_version: int, step: int, *, give_up: Callable[[], bool]) -> list[RolloutGroup] | None:
+    def reserve_batch(
+        self, trainer_version: int, step: int, *, give_up: Callable[[], bool], watch: int | None = None
+    ) -> list[RolloutGroup] | None:
         """Set aside the batch of step ``step`` at trainer version c = ``trainer_version`` while the
         trainer still trains the step before (the rollout process, asked by ``RolloutLink.take_ahead``),
         and return it; ``take_batch`` for that step and version then takes it. None when it cannot
@@ -318,25 +326,47 @@ class RolloutSide:
         c − 1 and holding π_{v+1}). Nothing can change a fixed group before that take (no pass
         writes into it, the take-time pass has nothing to score in it, its verdict stays), nor
         put a group ahead of it, so they are the groups the take would choose: their take costs
-        the trainer no filter, no scan and no encoding (docs/training.md "Three processes")."""
+        the trainer no filter, no scan and no encoding (docs/training.md "Three processes").
+
+        It looks again when a group is queued or a recompute pass writes, and when ``watch`` (a
+        file descriptor that turns readable as ``give_up()`` turns true: the trainer's link) is
+        readable; without ``watch`` it also looks every ``RESERVE_POLL_S``."""
         self._catch_up(may_wait=False)
         assert self._reserved is None, "one batch set aside at a time"
+        # Each look judges only what may have changed since the last: a group found fixed stays
+        # fixed (above), and a group found not fixed changes only by a recompute pass's write. So
+        # a look between a pass and the next, or before the next group comes, costs no scan.
+        fixed: dict[int, RolloutGroup] = {}  # by id, holding each group so that its id stays its own
+        not_fixed: tuple[RolloutGroup, int] | None = None  # the group, and the pass writes then
         while True:
+            self._held_changed.clear()  # before looking: a change after the look rings again
             if self.producer.error is not None or self.producer.stopping:
                 return None
             self._drain_queue()
             with self._handoff_lock:  # no pass writes into the groups while they are judged
                 front = self.cache.get_all()[: self.batch_groups]
-                if len(front) == self.batch_groups and all(self._fixed(g, trainer_version) for g in front):
-                    groups = self.cache.take_first_n(self.batch_groups)
-                    self._reserved = _Reserved(groups, trainer_version, step)
-                    return groups
+                writes = self.recomputer.writes
+                for group in front:
+                    if id(group) in fixed:
+                        continue
+                    if not_fixed is not None and not_fixed[0] is group and not_fixed[1] == writes:
+                        break
+                    if not self._fixed(group, trainer_version):
+                        not_fixed = (group, writes)
+                        break
+                    fixed[id(group)] = group
+                else:
+                    if len(front) == self.batch_groups:
+                        groups = self.cache.take_first_n(self.batch_groups)
+                        self._reserved = _Reserved(groups, trainer_version, step)
+                        return groups
             if give_up():
                 return None
-            try:  # a new group, or a pass settling the ones held, can make the batch fixed
-                self.cache.add(self.queue.get(timeout=RESERVE_POLL_S))
-            except Empty:
-                pass
+            # a new group, or a pass settling the ones held, can make the batch fixed
+            if watch is None:
+                self._held_changed.wait([], RESERVE_POLL_S)
+            else:
+                self._held_changed.wait([watch], RESERVE_IDLE_S)
 
     def reserved_batch(self) -> list[RolloutGroup] | None:
         """The batch set aside, if one is."""

@@ -266,7 +266,9 @@ def _take_batch(
 def _reserve_batch(side: RolloutSide, sock: socket.socket, trainer_version: int, step: int) -> Any:
     """``RolloutSide.reserve_batch``, encoded; it waits for its batch until the trainer's next
     request arrives."""
-    groups = side.reserve_batch(trainer_version, step, give_up=lambda: bool(select.select([sock], [], [], 0)[0]))
+    groups = side.reserve_batch(
+        trainer_version, step, give_up=lambda: bool(select.select([sock], [], [], 0)[0]), watch=sock.fileno()
+    )
     return None if groups is None else encode_groups(groups)
 
 
