@@ -3,7 +3,8 @@
 ``RolloutQueue`` holds finished rollouts in arrival order (producers put, the loop moves them to
 the cache); ``RolloutCache`` holds rollouts waiting to be taken as a training batch. Both may be
 inspected without being consumed (``snapshot`` / ``get_all``) so that the recompute pass of
-docs/design.md §2 can patch every sample the system holds while generation is paused.
+docs/design.md §2 can patch every sample the system holds while generation is paused. A
+``Doorbell`` tells a thread that also waits on sockets that something it watches has changed.
 
 Items are opaque to both containers: a ``RolloutSample`` or a ``RolloutGroup`` (one rollout).
 """
@@ -172,9 +173,9 @@ class Doorbell:
     """A wake-up for a thread that waits on sockets too: ``ring`` from any thread, and ``wait``
     returns at the first ring since the last ``clear``, or when one of its sockets turns readable.
 
-    A timed wait on a condition costs ~150 µs of CPU per wake-up on a slow VM; a thread that
-    must also watch a socket would poll both every few ms. A rung socket pair lets one
-    ``select`` wait for all of them, and idle waiting costs nothing.
+    A timed wait on a condition costs ~150 µs of CPU per wake-up on the 2-core VM of
+    docs/benchmarks.md; a thread that must also watch a socket would poll both every few ms. A
+    rung socket pair lets one ``select`` wait for all of them, and idle waiting costs nothing.
     """
 
     def __init__(self) -> None:
