@@ -1,6 +1,7 @@
 """RolloutQueue / RolloutCache: FIFO semantics, timeouts, inspection, thread safety."""
 
 import queue
+import socket
 import threading
 import time
 
@@ -194,8 +195,6 @@ def test_doorbell_wait_returns_at_a_ring_since_the_last_clear_and_not_before():
 
 
 def test_doorbell_wakes_for_a_readable_socket_and_rings_never_block():
-    import socket
-
     bell, (ours, theirs) = Doorbell(), socket.socketpair()
     try:
         threading.Timer(0.05, lambda: theirs.send(b"x")).start()
