@@ -70,15 +70,19 @@ def start_sdp(args: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
         )
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The whole lines of a JSON-lines file sdp may still be appending to. sdp writes a line in
-    one ``write``, but the kernel copies it into the file a page at a time, so a reader can see
-    a long line's first page alone: what follows the last newline is not read yet."""
+def whole_lines(path: Path) -> str:
+    """The whole lines of a log sdp may still be appending to ("" before it exists). sdp writes a
+    line in one ``write``, but the kernel copies a write into the file a page at a time, so a
+    reader can see a long line's first page alone, and a pid or a path can be seen cut short:
+    what follows the last newline is not read yet."""
     if not path.is_file():
-        return []
+        return ""
     data = path.read_bytes()
-    whole = data[: data.rfind(b"\n") + 1].decode()
-    return [json.loads(line) for line in whole.splitlines() if line.strip()]
+    return data[: data.rfind(b"\n") + 1].decode()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in whole_lines(path).splitlines() if line.strip()]
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -35,6 +35,7 @@ from .harness import (
     sdp_env,
     versioned_segment_wise,
     wait_for,
+    whole_lines,
 )
 from .test_engine_faults_vllm import assert_tokens_carry_their_version
 from .test_signals import check_interrupted
@@ -55,27 +56,24 @@ def _args(run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 def engine_pids(run_dir: Path) -> list[int]:
     """The engine processes the run started, in order (each writes its pid when it serves)."""
-    log = run_dir / LOG
-    text = log.read_text() if log.is_file() else ""
-    return [int(p) for p in re.findall(r"sdp local engine: pid (\d+)", text)]
+    return [int(p) for p in re.findall(r"sdp local engine: pid (\d+)", whole_lines(run_dir / LOG))]
 
 
 def rollout_pids(run_dir: Path) -> list[int]:
     """The rollout processes the run started, in order (each writes its pid once it serves)."""
-    log = run_dir / "logs" / "rollout.log"
-    text = log.read_text() if log.is_file() else ""
+    text = whole_lines(run_dir / "logs" / "rollout.log")
     return [int(p) for p in re.findall(r"sdp rollout process: pid (\d+)", text)]
 
 
 def rollout_scratches(run_dir: Path) -> list[tuple[int, Path]]:
     """(pid, scratch directory) of each rollout process the run started (each says at its start)."""
-    text = (run_dir / "logs" / "rollout.log").read_text()
+    text = whole_lines(run_dir / "logs" / "rollout.log")
     return [(int(pid), Path(p)) for pid, p in re.findall(r"sdp rollout process (\d+): the engine's scratch directory is (\S+)", text)]
 
 
 def scratches(run_dir: Path) -> list[Path]:
     """The scratch directories the run's engine processes were started with, in order."""
-    return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", (run_dir / LOG).read_text())]
+    return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", whole_lines(run_dir / LOG))]
 
 
 def gone(pid: int) -> bool:

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from .harness import read_jsonl
+from .harness import read_jsonl, whole_lines
 
 
 def test_a_line_the_writer_has_not_finished_is_not_read(tmp_path):
@@ -27,6 +27,15 @@ def test_a_torn_multibyte_character_is_not_decoded(tmp_path):
     line = json.dumps({"event": "note", "text": "π"}, ensure_ascii=False).encode()
     path.write_bytes(line + b"\n" + line[: line.index("π".encode()) + 1])  # half of π's two bytes
     assert read_jsonl(path) == [{"event": "note", "text": "π"}]
+
+
+def test_a_pid_cut_short_in_a_text_log_is_not_read(tmp_path):
+    """The reliability tests find the processes to kill by the pid a log line names: a line
+    seen up to "pid 12" of "pid 12345" would name another process."""
+    log = tmp_path / "local_engine.log"
+    assert whole_lines(log) == ""
+    log.write_text("sdp local engine: pid 4242, 1 thread\nsdp local engine: pid 12")
+    assert whole_lines(log) == "sdp local engine: pid 4242, 1 thread\n"
 
 
 _WRITER = """

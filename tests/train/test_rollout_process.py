@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 
-from ..reliability.harness import check_finished_run, metrics, sdp_env
+from ..reliability.harness import check_finished_run, metrics, sdp_env, whole_lines
 from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version
 from ..reliability.test_engine_process import rollout_scratches
 
@@ -39,8 +39,7 @@ def _sdp(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Compl
 
 
 def pids(run_dir: Path, log: str, pattern: str) -> list[int]:
-    path = run_dir / "logs" / log
-    return [int(p) for p in re.findall(pattern, path.read_text())] if path.is_file() else []
+    return [int(p) for p in re.findall(pattern, whole_lines(run_dir / "logs" / log))]
 
 
 def rollout_pids(run_dir: Path) -> list[int]:
@@ -49,7 +48,7 @@ def rollout_pids(run_dir: Path) -> list[int]:
 
 
 def engine_scratches(run_dir: Path) -> list[Path]:
-    text = (run_dir / "logs" / "local_engine.log").read_text()
+    text = whole_lines(run_dir / "logs" / "local_engine.log")
     return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", text)]
 
 
