@@ -9,15 +9,14 @@ tests/reliability/test_engine_process.py.)"""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 
-from ..reliability.harness import check_finished_run, metrics, sdp_env, whole_lines
+from ..reliability.harness import check_finished_run, metrics, sdp_env
 from ..reliability.test_engine_faults_vllm import assert_tokens_carry_their_version
-from ..reliability.test_engine_process import rollout_scratches
+from ..reliability.test_engine_process import gone, rollout_pids, rollout_scratches, scratches
 
 
 #: a fast run with the engine in its own process: three processes (README's default)
@@ -38,28 +37,6 @@ def _sdp(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Compl
     )
 
 
-def pids(run_dir: Path, log: str, pattern: str) -> list[int]:
-    return [int(p) for p in re.findall(pattern, whole_lines(run_dir / "logs" / log))]
-
-
-def rollout_pids(run_dir: Path) -> list[int]:
-    """The rollout processes the run started, in order (each writes its pid once it serves)."""
-    return pids(run_dir, "rollout.log", r"sdp rollout process: pid (\d+)")
-
-
-def engine_scratches(run_dir: Path) -> list[Path]:
-    text = whole_lines(run_dir / "logs" / "local_engine.log")
-    return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", text)]
-
-
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
-
-
 def test_a_run_in_three_processes(tmp_path):
     """(Its resume in three processes: tests/cli/test_own_task.py, pasted resume commands; and
     after kills, tests/reliability/test_engine_process.py.)"""
@@ -77,7 +54,7 @@ def test_a_run_in_three_processes(tmp_path):
     assert sum(r.get("recompute/tokens", 0) for r in rows) > 0
     started = rollout_pids(run_dir)
     assert len(started) == 1 and gone(started[0]), "one rollout process per session, ended with it"
-    used = engine_scratches(run_dir)
+    used = scratches(run_dir)
     assert len(used) == 1 and not used[0].exists(), "the engine's scratch directory is removed"
     made = [scratch for _, scratch in rollout_scratches(run_dir)]
     assert made == used, "the engine ran on the rollout process's directory"
