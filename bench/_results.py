@@ -30,12 +30,46 @@ def code_of(checkout: Path) -> dict[str, Any]:
     return {"commit": commit_of(checkout), "uncommitted_changes": changed}
 
 
+#: the flags of /proc/cpuinfo that say which vector kernels torch's CPU build can use here
+VECTOR_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_of(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any] | None:
+    """The processor a benchmark ran on, from the first entry of ``cpuinfo`` (None: no such
+    file). Machines of one model name differ (this project's 2-core machines were an AVX2-only
+    and an AVX-512 EPYC days apart), so the family, model and vector flags go with the numbers."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    def number(key: str) -> int | None:
+        return int(fields[key]) if fields.get(key, "").isdigit() else None
+
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model_name": fields.get("model name"),
+        "family": number("cpu family"),
+        "model": number("model"),
+        "vector_flags": sorted(flags & set(VECTOR_FLAGS)),
+    }
+
+
 def write_results(path: Path, benchmark: str, **fields: Any) -> None:
     """Write ``fields`` under a header naming the benchmark, the date, the machine and the code."""
     result = {
         "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": cpu_of(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "code": code_of(REPO),
         **fields,
     }

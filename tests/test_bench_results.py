@@ -39,3 +39,44 @@ def test_every_result_file_names_the_code(tmp_path, monkeypatch):
     results.write_results(tmp_path / "r.json", "demo", rows=[1])
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["code"] == {"commit": str(results.REPO), "uncommitted_changes": False} and written["rows"] == [1]
+
+
+#: two processors of a /proc/cpuinfo, as Linux writes it (the flags trimmed)
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni sha_ni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_vnni sha_ni
+"""
+
+
+def test_the_machine_names_its_processor_and_the_vector_flags_the_kernels_use(tmp_path):
+    """Machines of one name differ (an AVX2-only and an AVX-512 EPYC ran the same bench days
+    apart): the header says which ran, from the first processor's entry."""
+    results = load_bench("_results.py")
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO)
+    assert results.cpu_of(info) == {
+        "model_name": "AMD EPYC",
+        "family": 25,
+        "model": 17,
+        "vector_flags": ["avx2", "avx512_bf16", "avx512_vnni", "avx512bw", "avx512f"],
+    }
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2\n")
+    assert results.cpu_of(info) == {"model_name": "Some CPU", "family": None, "model": None, "vector_flags": []}
+    assert results.cpu_of(tmp_path / "absent") is None  # not Linux
+
+
+def test_the_written_machine_carries_the_processor(tmp_path, monkeypatch):
+    results = load_bench("_results.py")
+    monkeypatch.setattr(results, "cpu_of", lambda path=None: {"model_name": "X"})
+    results.write_results(tmp_path / "r.json", "demo", rows=[])
+    assert json.loads((tmp_path / "r.json").read_text())["machine"]["cpu"] == {"model_name": "X"}
