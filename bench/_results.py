@@ -47,6 +47,7 @@ def cpu_of(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any] | None:
         key, sep, value = line.partition(":")
         if sep:
             fields.setdefault(key.strip(), value.strip())
+
     def number(key: str) -> int | None:
         return int(fields[key]) if fields.get(key, "").isdigit() else None
 
