@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sdp_cli.cpuinfo import CPUINFO, first_entry, flags_of, read_cpuinfo
+
 #: the checkout these benchmarks run from
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,29 +36,23 @@ def code_of(checkout: Path) -> dict[str, Any]:
 VECTOR_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def cpu_of(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any] | None:
-    """The processor a benchmark ran on, from the first entry of ``cpuinfo`` (None: no such
-    file). Machines of one model name differ (this project's 2-core machines were an AVX2-only
-    and an AVX-512 EPYC days apart), so the family, model and vector flags go with the numbers."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
+def cpu_of(cpuinfo: Path = CPUINFO) -> dict[str, Any] | None:
+    """The processor a benchmark ran on, from ``cpuinfo`` (None: no such file). Machines of one
+    model name differ (this project's 2-core machines were an AVX2-only and an AVX-512 EPYC days
+    apart), so the family, model and vector flags go with the numbers."""
+    text = read_cpuinfo(cpuinfo)
+    if text is None:
         return None
-    fields: dict[str, str] = {}
-    for line in text.split("\n\n", 1)[0].splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            fields.setdefault(key.strip(), value.strip())
+    fields = first_entry(text)
 
-    def number(key: str) -> int | None:
-        return int(fields[key]) if fields.get(key, "").isdigit() else None
+    def number(name: str) -> int | None:
+        return int(fields[name]) if fields.get(name, "").isdigit() else None
 
-    flags = set(fields.get("flags", "").split())
     return {
         "model_name": fields.get("model name"),
         "family": number("cpu family"),
         "model": number("model"),
-        "vector_flags": sorted(flags & set(VECTOR_FLAGS)),
+        "vector_flags": sorted(flags_of(text) & set(VECTOR_FLAGS)),
     }
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.config.schema import SdpConfig, engine_weight_dtype
+from sdp_cli.cpuinfo import CPUINFO, flags_of, read_cpuinfo
 from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
@@ -47,21 +48,14 @@ def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+def native_bf16(cpuinfo: Path = CPUINFO) -> bool | None:
     """Whether this CPU has bfloat16 instructions (a ``flags``/``Features`` line of ``cpuinfo``
     names one of ``NATIVE_BF16_FLAGS``); None without ``cpuinfo`` (not Linux: unknown, so no note;
     torch's public CPU probe names vector widths, not bf16)."""
-    try:
-        text = cpuinfo.read_text(errors="replace")
-    except OSError:
+    text = read_cpuinfo(cpuinfo)
+    if text is None:
         return None
-    flags = {
-        flag
-        for line in text.splitlines()
-        if line.split(":")[0].strip().lower() in ("flags", "features")
-        for flag in line.partition(":")[2].split()
-    }
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return any(flag in flags_of(text) for flag in NATIVE_BF16_FLAGS)
 
 
 def bf16_note(cfg: SdpConfig, device: torch.device | str) -> str | None:
