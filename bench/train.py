@@ -31,7 +31,8 @@ mode's answers are as long as its own policy makes them, so a step is not the sa
 CPU time per step is measured too (``watch_cpu``: user + system time of the trainer's, the rollout and the
 engine processes, from /proc, over its steps after the tenth), and the last lines say whether segment-wise
 η = 4's work per step could reach 95 % of decoupled η = 4's steps/s on this machine at all, with every core
-busy all the time, and at decoupled's own use of the cores (``cpu_budget``). The load
+busy all the time, and at decoupled's own use of the cores (``cpu_budget``), and how busy each mode kept the
+trainer's core and the rollout and engine's (the fuller one decides what the recompute pass costs). The load
 average before and after is printed and stored: numbers measured under load are not benchmark numbers.
 
     python bench/train.py            # 60 steps per configuration, 5 repeats
@@ -521,8 +522,9 @@ def cpu_budget(rows: list[dict]) -> dict | None:
     the three targets): "below" all cores says that no overlap, however perfect, brings this work
     within the target on this machine; "below" as placed, that the fuller half of the cores
     cannot; "below" at decoupled's core use, that segment-wise would have to keep the cores busier
-    than decoupled does. None for results without CPU times (written before they were measured)
-    or with a run that has none."""
+    than decoupled does. Each mode's use of each half (its CPU per step there × steps/s, median
+    over runs) is printed and stored as ``{mode}_cores_busy``. None for results without CPU times
+    (written before they were measured) or with a run that has none."""
     seg, dec = eta4_pair(rows)
     cpu = {"segment_wise": seg.get("cpu_ms_per_step_all"), "decoupled": dec.get("cpu_ms_per_step_all")}
     if any(not runs or any(run is None for run in runs) for runs in cpu.values()):
@@ -537,6 +539,11 @@ def cpu_budget(rows: list[dict]) -> dict | None:
         other = run.get("rollout", 0.0) + run.get("engine", 0.0)
         return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other) if other else all_cores(run)
 
+    def busy(run: dict, sps: float) -> dict[str, float]:  # share of each half's core time the run used
+        other = run.get("rollout", 0.0) + run.get("engine", 0.0)
+        return {"trainer": run["trainer"] * sps / (1000.0 * half), "rollout_engine": other * sps / (1000.0 * (cores - half))}
+
+    trainers = "the trainer's core" if half == 1 else f"the trainer's {half} cores"
     out: dict = {}
     for mode, runs in cpu.items():
         roles, total = cpu_medians(runs)
@@ -545,6 +552,15 @@ def cpu_budget(rows: list[dict]) -> dict | None:
             f"{mode} η=4 uses {total:.1f} ms of CPU per step (the trainer {roles['trainer']:.1f}, the rollout process "
             f"{roles['rollout']:.1f}, the engine {roles['engine']:.1f}; medians): with all {cores} cores busy that "
             f"work allows at most {1000.0 * cores / total:.2f} steps/s, as sdp places the processes {as_placed(roles):.2f}"
+        )
+        # which half is the fuller one decides whether segment-wise's recompute pass costs steps
+        sps_all = (seg if mode == "segment_wise" else dec)["steps_per_second_all"]
+        shares = [busy(run, sps) for run, sps in zip(runs, sps_all, strict=True)]
+        used = {half_name: statistics.median(s[half_name] for s in shares) for half_name in ("trainer", "rollout_engine")}
+        out[f"{mode}_cores_busy"] = used
+        print(
+            f"{mode} η=4 keeps {trainers} {100 * used['trainer']:.0f} % busy and the rollout and engine's "
+            f"{100 * used['rollout_engine']:.0f} % (medians over runs of CPU per step × steps/s)"
         )
     bounds = {
         name: [bound(run) / sps for run, sps in zip(cpu["segment_wise"], dec["steps_per_second_all"], strict=True)]

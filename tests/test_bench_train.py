@@ -206,6 +206,30 @@ def test_the_cpu_budget_bounds_segment_wise_by_what_the_cores_give(bench, capsys
     assert "segment_wise η=4 uses 102.5 ms of CPU per step" in printed
     assert "at most 19.51 steps/s, as sdp places the processes 19.05" in printed
     assert "busy all the time, allows at most 95.4 % of decoupled η=4's steps/s" in printed
+
+
+def test_each_half_of_the_cores_is_as_busy_as_its_processes_cpu_per_step_times_steps_per_second(bench, capsys):
+    # 2 cores, the trainer on one, the rollout and engine processes on the other. Segment-wise
+    # η=4 ran 18 and 19 steps/s: its trainer's 50 ms a step fill 90 % and 95 % of its core (median
+    # 92.5 %), the rollout's and engine's 10 + 40 and 10 + 45 ms 90 % and 104.5 % of theirs (the
+    # second over 100 %: a made-up run; median 97.25 %). Decoupled at 20 and 21 steps/s: 45 ms →
+    # 90 % and 94.5 % (92.25 %); 8 + 30 ms → 76 % and 79.8 % (77.9 %).
+    seg = [{"trainer": 50.0, "rollout": 10.0, "engine": 40.0}, {"trainer": 50.0, "rollout": 10.0, "engine": 45.0}]
+    dec = [{"trainer": 45.0, "rollout": 8.0, "engine": 30.0}, {"trainer": 45.0, "rollout": 8.0, "engine": 30.0}]
+    rows = [
+        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [20.0, 21.0],
+         "cpu_ms_per_step_all": dec, "cores": 2},
+        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [18.0, 19.0],
+         "cpu_ms_per_step_all": seg, "cores": 2},
+    ]  # fmt: skip
+    out = bench.check_targets(rows)
+    printed = capsys.readouterr().out
+    assert out["segment_wise_cores_busy"] == pytest.approx({"trainer": 0.925, "rollout_engine": 0.9725})
+    assert out["decoupled_cores_busy"] == pytest.approx({"trainer": 0.9225, "rollout_engine": 0.779})
+    assert "segment_wise η=4 keeps the trainer's core 92 % busy and the rollout and engine's 97 %" in printed
+    assert "decoupled η=4 keeps the trainer's core 92 % busy and the rollout and engine's 78 %" in printed
     assert "the rest), allows at most 93.3 % of decoupled η=4's steps/s" in printed
     assert "as busy as decoupled kept them, allows at most 81.0 % of decoupled η=4's steps/s" in printed
     assert "over the three bounds" in printed
