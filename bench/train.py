@@ -535,13 +535,18 @@ def cpu_budget(rows: list[dict]) -> dict | None:
     def all_cores(run: dict) -> float:
         return 1000.0 * cores / sum(run.values())
 
-    def as_placed(run: dict) -> float:  # the fuller half decides; no processes of its own: nothing placed
-        other = run.get("rollout", 0.0) + run.get("engine", 0.0)
-        return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other) if other else all_cores(run)
+    def beside(run: dict) -> float:  # ms a step of the processes placed beside the trainer
+        return run.get("rollout", 0.0) + run.get("engine", 0.0)
+
+    def as_placed(run: dict) -> float:  # the fuller half decides; no processes of its own or one core: nothing placed
+        other = beside(run)
+        if not other or cores == half:
+            return all_cores(run)
+        return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other)
 
     def busy(run: dict, sps: float) -> dict[str, float]:  # share of each half's core time the run used
-        other = run.get("rollout", 0.0) + run.get("engine", 0.0)
-        return {"trainer": run["trainer"] * sps / (1000.0 * half), "rollout_engine": other * sps / (1000.0 * (cores - half))}
+        rest = max(1, cores - half)  # one core: both shares are of that core
+        return {"trainer": run["trainer"] * sps / (1000.0 * half), "rollout_engine": beside(run) * sps / (1000.0 * rest)}
 
     trainers = "the trainer's core" if half == 1 else f"the trainer's {half} cores"
     out: dict = {}

@@ -206,6 +206,22 @@ def test_the_cpu_budget_bounds_segment_wise_by_what_the_cores_give(bench, capsys
     assert "segment_wise η=4 uses 102.5 ms of CPU per step" in printed
     assert "at most 19.51 steps/s, as sdp places the processes 19.05" in printed
     assert "busy all the time, allows at most 95.4 % of decoupled η=4's steps/s" in printed
+    assert "the rest), allows at most 93.3 % of decoupled η=4's steps/s" in printed
+    assert "as busy as decoupled kept them, allows at most 81.0 % of decoupled η=4's steps/s" in printed
+    assert "over the three bounds" in printed
+    # twice the work, three repeats: about half of decoupled's steps/s in each, far below the
+    # target: no overlap lets this machine do that work at 95 %
+    seg = [{"trainer": 100.0, "rollout": 20.0, "engine": e} for e in (80.0, 80.0, 85.0)]
+    rows[1]["steps_per_second_all"] = rows[3]["steps_per_second_all"] = [20.0, 21.0, 20.0]
+    rows[0]["steps_per_second_all"] = rows[2]["steps_per_second_all"] = [10.0, 10.0, 10.0]
+    rows[1]["cpu_ms_per_step_all"], rows[3]["cpu_ms_per_step_all"] = [*dec, dec[0]], seg
+    assert bench.check_targets(rows)["segment_vs_decoupled_cpu_bound_test"]["verdict"] == "below"
+    assert "48.8 % of decoupled η=4's steps/s" in capsys.readouterr().out
+    # a run without CPU times (an engine restart inside its window; results stored before they
+    # were measured): no budget
+    rows[1]["cpu_ms_per_step_all"] = [dec[0], None, dec[0]]
+    assert "segment_vs_decoupled_cpu_bound" not in bench.check_targets(rows)
+    assert "ms of CPU per step" not in capsys.readouterr().out
 
 
 def test_each_half_of_the_cores_is_as_busy_as_its_processes_cpu_per_step_times_steps_per_second(bench, capsys):
@@ -230,22 +246,21 @@ def test_each_half_of_the_cores_is_as_busy_as_its_processes_cpu_per_step_times_s
     assert out["decoupled_cores_busy"] == pytest.approx({"trainer": 0.9225, "rollout_engine": 0.779})
     assert "segment_wise η=4 keeps the trainer's core 92 % busy and the rollout and engine's 97 %" in printed
     assert "decoupled η=4 keeps the trainer's core 92 % busy and the rollout and engine's 78 %" in printed
-    assert "the rest), allows at most 93.3 % of decoupled η=4's steps/s" in printed
-    assert "as busy as decoupled kept them, allows at most 81.0 % of decoupled η=4's steps/s" in printed
-    assert "over the three bounds" in printed
-    # twice the work, three repeats: about half of decoupled's steps/s in each, far below the
-    # target: no overlap lets this machine do that work at 95 %
-    seg = [{"trainer": 100.0, "rollout": 20.0, "engine": e} for e in (80.0, 80.0, 85.0)]
-    rows[1]["steps_per_second_all"] = rows[3]["steps_per_second_all"] = [20.0, 21.0, 20.0]
-    rows[0]["steps_per_second_all"] = rows[2]["steps_per_second_all"] = [10.0, 10.0, 10.0]
-    rows[1]["cpu_ms_per_step_all"], rows[3]["cpu_ms_per_step_all"] = [*dec, dec[0]], seg
-    assert bench.check_targets(rows)["segment_vs_decoupled_cpu_bound_test"]["verdict"] == "below"
-    assert "48.8 % of decoupled η=4's steps/s" in capsys.readouterr().out
-    # a run without CPU times (an engine restart inside its window; results stored before they
-    # were measured): no budget
-    rows[1]["cpu_ms_per_step_all"] = [dec[0], None, dec[0]]
-    assert "segment_vs_decoupled_cpu_bound" not in bench.check_targets(rows)
-    assert "ms of CPU per step" not in capsys.readouterr().out
+
+
+def test_on_one_core_both_shares_are_of_that_core(bench):
+    # one core: the trainer's 50 ms and the rollout's and engine's 10 + 40 ms at 10 steps/s each
+    # fill half of it; nothing is placed apart, so the bound as placed is that of the whole core
+    # (1000 / 100 ms = 10 steps/s, 100 % of decoupled's 10), not a division by no cores
+    run = {"trainer": 50.0, "rollout": 10.0, "engine": 40.0}
+    rows = [
+        {"mode": mode, "max_head_offpolicyness": eta, "steps_per_second_all": [10.0], "async_ceiling": 1.0,
+         **({"cpu_ms_per_step_all": [run], "cores": 1} if eta else {})}
+        for mode in ("decoupled", "segment_wise") for eta in (0, 4)
+    ]  # fmt: skip
+    out = bench.check_targets(rows)
+    assert out["segment_wise_cores_busy"] == pytest.approx({"trainer": 0.5, "rollout_engine": 0.5})
+    assert out["segment_vs_decoupled_cpu_bound_as_placed_by_repeat"] == pytest.approx([1.0])
 
 
 #: a stand-in `sdp train`: each step burns 50 ms of its own CPU and appends a row to the metrics
