@@ -165,22 +165,31 @@ def test_step_parts_are_printed_with_the_loss_to_the_ceiling(bench, capsys):
     assert "decoupled η=0" in printed and "–" in printed  # no sharing at η = 0
 
 
+#: two repeats on 2 cores: each η=4 run's CPU ms a step by process; decoupled η=4 ran 20 and 21
+#: steps/s, segment-wise η=4 18 and 19, both modes' η=0 10
+SEG_CPU = [{"trainer": 50.0, "rollout": 10.0, "engine": 40.0}, {"trainer": 50.0, "rollout": 10.0, "engine": 45.0}]
+DEC_CPU = [{"trainer": 45.0, "rollout": 8.0, "engine": 30.0}, {"trainer": 45.0, "rollout": 8.0, "engine": 30.0}]
+
+
+def two_core_rows() -> list[dict]:
+    return [
+        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [20.0, 21.0],
+         "cpu_ms_per_step_all": list(DEC_CPU), "cores": 2},
+        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
+        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [18.0, 19.0],
+         "cpu_ms_per_step_all": list(SEG_CPU), "cores": 2},
+    ]  # fmt: skip
+
+
 def test_the_cpu_budget_bounds_segment_wise_by_what_the_cores_give(bench, capsys):
     # 2 cores. Segment-wise η=4 used 100 and 105 ms of CPU a step, decoupled η=4 ran 20 and 21
     # steps/s: all cores busy, segment-wise could reach 2000/100 = 20 and 2000/105 = 19.05
     # steps/s, 100 % and 90.70 % of decoupled's, median 95.35 %. As placed (trainer on core 0,
     # rollout + engine on core 1), segment-wise's medians 50 and 10 + 42.5 ms give min(1000/50,
     # 1000/52.5) = 19.05 steps/s.
-    seg = [{"trainer": 50.0, "rollout": 10.0, "engine": 40.0}, {"trainer": 50.0, "rollout": 10.0, "engine": 45.0}]
-    dec = [{"trainer": 45.0, "rollout": 8.0, "engine": 30.0}, {"trainer": 45.0, "rollout": 8.0, "engine": 30.0}]
-    rows = [
-        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
-        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [20.0, 21.0],
-         "cpu_ms_per_step_all": dec, "cores": 2},
-        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
-        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [18.0, 19.0],
-         "cpu_ms_per_step_all": seg, "cores": 2},
-    ]  # fmt: skip
+    dec = DEC_CPU
+    rows = two_core_rows()
     out = bench.check_targets(rows)
     printed = capsys.readouterr().out
     assert out["segment_vs_decoupled_cpu_bound_by_repeat"] == pytest.approx([1.0, 2000 / 105 / 21])
@@ -230,16 +239,7 @@ def test_each_half_of_the_cores_is_as_busy_as_its_processes_cpu_per_step_times_s
     # 92.5 %), the rollout's and engine's 10 + 40 and 10 + 45 ms 90 % and 104.5 % of theirs (the
     # second over 100 %: a made-up run; median 97.25 %). Decoupled at 20 and 21 steps/s: 45 ms →
     # 90 % and 94.5 % (92.25 %); 8 + 30 ms → 76 % and 79.8 % (77.9 %).
-    seg = [{"trainer": 50.0, "rollout": 10.0, "engine": 40.0}, {"trainer": 50.0, "rollout": 10.0, "engine": 45.0}]
-    dec = [{"trainer": 45.0, "rollout": 8.0, "engine": 30.0}, {"trainer": 45.0, "rollout": 8.0, "engine": 30.0}]
-    rows = [
-        {"mode": "decoupled", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
-        {"mode": "decoupled", "max_head_offpolicyness": 4, "steps_per_second_all": [20.0, 21.0],
-         "cpu_ms_per_step_all": dec, "cores": 2},
-        {"mode": "segment_wise", "max_head_offpolicyness": 0, "steps_per_second_all": [10.0, 10.0], "async_ceiling": 1.3},
-        {"mode": "segment_wise", "max_head_offpolicyness": 4, "steps_per_second_all": [18.0, 19.0],
-         "cpu_ms_per_step_all": seg, "cores": 2},
-    ]  # fmt: skip
+    rows = two_core_rows()
     out = bench.check_targets(rows)
     printed = capsys.readouterr().out
     assert out["segment_wise_cores_busy"] == pytest.approx({"trainer": 0.925, "rollout_engine": 0.9725})
