@@ -531,6 +531,7 @@ def cpu_budget(rows: list[dict]) -> dict | None:
         return None
     cores = seg["cores"]
     half = max(1, cores // 2)
+    rest = cores - half  # the cores of the rollout and engine processes; none on one core: nothing placed apart
 
     def all_cores(run: dict) -> float:
         return 1000.0 * cores / sum(run.values())
@@ -538,15 +539,15 @@ def cpu_budget(rows: list[dict]) -> dict | None:
     def beside(run: dict) -> float:  # ms a step of the processes placed beside the trainer
         return run.get("rollout", 0.0) + run.get("engine", 0.0)
 
-    def as_placed(run: dict) -> float:  # the fuller half decides; no processes of its own or one core: nothing placed
+    def as_placed(run: dict) -> float:  # the fuller half decides; no processes of its own or no rest: nothing placed
         other = beside(run)
-        if not other or cores == half:
+        if not other or not rest:
             return all_cores(run)
-        return min(1000.0 * half / run["trainer"], 1000.0 * (cores - half) / other)
+        return min(1000.0 * half / run["trainer"], 1000.0 * rest / other)
 
     def busy(run: dict, sps: float) -> dict[str, float]:  # share of each half's core time the run used
-        rest = max(1, cores - half)  # one core: both shares are of that core
-        return {"trainer": run["trainer"] * sps / (1000.0 * half), "rollout_engine": beside(run) * sps / (1000.0 * rest)}
+        beside_cores = rest or half  # one core: both shares are of that core
+        return {"trainer": run["trainer"] * sps / (1000.0 * half), "rollout_engine": beside(run) * sps / (1000.0 * beside_cores)}
 
     trainers = "the trainer's core" if half == 1 else f"the trainer's {half} cores"
     out: dict = {}
