@@ -166,6 +166,11 @@ class RunDir:
         return self.weights / version_name(version)
 
     @property
+    def is_run(self) -> bool:
+        """Whether the directory holds a run (its resolved config, written when the run starts)."""
+        return self.config.is_file()
+
+    @property
     def finished(self) -> bool:
         """Whether the run ended normally (it wrote ``summary.json``)."""
         return self.summary.is_file()

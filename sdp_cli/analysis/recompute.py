@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
+from sdp_cli.analysis.batch_files import batches_run, expand_batch_paths, resolve_targets
 from sdp_cli.analysis.checkpoints import RunNumerics, checkpoint_root, find_checkpoints, run_numerics
 from sdp_cli.analysis.decomposition import LagDecomposition, exact_decomposition
 from sdp_cli.analysis.noise import NoiseFloor, Verdict
@@ -122,7 +122,7 @@ class RecomputeResult:
 
 def recompute(
     paths: Sequence[str | os.PathLike[str]],
-    checkpoints: str | os.PathLike[str],
+    checkpoints: str | os.PathLike[str] | None,
     scorer_factory: Callable[[Sequence[SavedBatch]], Scorer],
     options: RecomputeOptions | None = None,
     *,
@@ -136,7 +136,8 @@ def recompute(
     Every batch is read and validated and every needed checkpoint located before any model is
     loaded, so a bad file or a missing version fails fast. ``scorer_factory`` receives the
     batches (so a server engine can pick their temperature) and is called only when there is
-    work; ``on_plan`` sees the plan first (to size a progress bar).
+    work; ``on_plan`` sees the plan first (to size a progress bar). Without ``checkpoints``
+    they are those of the run whose ``batches/`` holds the batches.
     """
     options = options or RecomputeOptions()
     started = time.perf_counter()
@@ -145,7 +146,7 @@ def recompute(
     outputs = OutputPlan(force=force, make_dirs=True)
     planned = [outputs.add(t, "--output", replace=force or output is None) for t in targets]
     batches = [(p, read_batch(p)) for p in sources]
-    root = checkpoint_root(checkpoints)
+    root = checkpoint_root(batches_run(sources) if checkpoints is None else checkpoints)
     store = find_checkpoints(root)
     numerics = run_numerics(root)
     plan = make_plan(batches, options, store, root)

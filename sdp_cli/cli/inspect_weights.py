@@ -8,7 +8,6 @@ analysis in ``sdp_cli.analysis``; docs/inspect-weights.md explains every column.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ EXAMPLE_BATCH = Path(__file__).resolve().parents[1] / "data" / "example_batch.sa
 
 HELP = """Compare the behavioural importance weights of saved batches under every correction mode.
 
-For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav), segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip) any mode registered in sdp_cli/modes.py and your own (--mode FILE:FUNCTION), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, and several files are analysed together. See docs/inspect-weights.md.
+For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wise (w = π_prox_t/π_behav), segment_wise_drift (the segment-wise weight times the drift factor π_prox/π_prox_t clipped into [1/κ, κ], --drift-clip) any mode registered in sdp_cli/modes.py and your own (--mode FILE:FUNCTION), at token, sequence and geometric aggregation: mean, std, min, max and ESS of the weights, the share truncated or masked by --cap/--floor, kl, k3_kl, chi2_token and chi2_seq against π_behav, and a breakdown by staleness (lag = trainer version − token version) with the factor segment-wise drops, π_c/π_{v+1}. Batches come from `sdp train train.save_batches=true` (in runs/<run>/batches/); a directory stands for every *.safetensors file in it, a run directory for its batches/, and several files are analysed together. See docs/inspect-weights.md.
 
 [bold]Examples[/bold]
 
@@ -50,7 +49,7 @@ For bypass (w = 1, the reference), decoupled (w = π_prox/π_behav), segment_wis
 def inspect_weights_command(
     files: list[Path] = typer.Argument(
         None,
-        help="Batch files or directories of them (written by train.save_batches=true).",
+        help="Batch files, directories of them, or run directories (their batches/; written by train.save_batches=true).",
         show_default=False,
     ),
     example: bool = typer.Option(
@@ -239,34 +238,15 @@ def _check_masks(
 
 
 def _batch_paths(files: list[Path], example: bool) -> list[Path]:
-    """Files as given, directories expanded to their *.safetensors (sorted), plus the example;
-    one file given twice (whatever the spelling, also inside a directory given) is refused,
-    since it would be counted twice."""
-    from sdp_cli.fileio import file_identity
+    """The files to analyse (``expand_batch_paths``: directories and runs expanded, one file
+    twice refused), plus the example."""
+    from sdp_cli.analysis.batch_files import expand_batch_paths
 
-    paths: list[Path] = []
-    for f in files:
-        if os.path.isdir(f):
-            found = sorted(f.glob("*.safetensors"))
-            if not found:
-                raise UserError(
-                    f"{f}: directory holds no *.safetensors batch files; pass batch files or a run's batches/"
-                )
-            paths += found
-        else:
-            paths.append(f)
-    if example:
-        if not EXAMPLE_BATCH.is_file():
-            raise UserError(f"{EXAMPLE_BATCH}: the example batch is missing from this installation; reinstall sdp")
-        paths.append(EXAMPLE_BATCH)
+    if example and not EXAMPLE_BATCH.is_file():
+        raise UserError(f"{EXAMPLE_BATCH}: the example batch is missing from this installation; reinstall sdp")
+    paths = expand_batch_paths([*files, *([EXAMPLE_BATCH] if example else [])])
     if not paths:
         raise UserError("no batch file given; pass batch files (or a directory of them), or --example")
-    seen: dict[tuple[object, ...], Path] = {}
-    for path in paths:
-        first = seen.setdefault(file_identity(path), path)
-        if first is not path:
-            same = "is given twice" if str(first) == str(path) else f"is the same file as {first}"
-            raise UserError(f"{path}: {same}; pass each batch once")
     return paths
 
 

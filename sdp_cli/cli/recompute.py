@@ -22,9 +22,11 @@ app = typer.Typer()
 
 RECOMPUTE_HELP = """Recompute π_prox_t of saved batches from the run's per-version checkpoints.
 
-Every output token of version v < c (c: the batch's trainer version) is scored under the checkpoint of version v + 1, in the run's engine dtype; tokens of version c keep π_prox_t = π_behav. Each batch gets a verdict (unchanged, dtype noise, DAMAGED) against a noise floor measured on its version-c tokens. Needs a run trained with train.save_batches=true train.keep_version_checkpoints=true. Files are replaced atomically; see docs/recompute.md.
+Every output token of version v < c (c: the batch's trainer version) is scored under the checkpoint of version v + 1, in the run's engine dtype; tokens of version c keep π_prox_t = π_behav. Each batch gets a verdict (unchanged, dtype noise, DAMAGED) against a noise floor measured on its version-c tokens. Needs a run trained with train.save_batches=true train.keep_version_checkpoints=true. A run directory stands for its batches/, whose run is where the checkpoints are unless --checkpoints says otherwise. Files are replaced atomically; see docs/recompute.md.
 
 [bold]Examples[/bold]
+
+  sdp recompute runs/my-run --dry-run
 
   sdp recompute runs/my-run/batches --checkpoints runs/my-run
 
@@ -39,15 +41,16 @@ def recompute_command(
     batches: list[Path] = typer.Argument(
         ...,
         metavar="BATCH",
-        help="Batch files, or directories of them (e.g. <run>/batches).",
+        help="Batch files, directories of them (e.g. <run>/batches), or run directories.",
         show_default=False,
     ),
-    checkpoints: Path = typer.Option(
-        ...,
+    checkpoints: Path | None = typer.Option(
+        None,
         "--checkpoints",
         "-c",
         metavar="DIR",
-        help="A run directory (its versions/ is used) or a directory of v000012/ checkpoints.",
+        help="A run directory (its versions/ is used) or a directory of v000012/ checkpoints; "
+        "by default the run whose batches/ holds the batches.",
         show_default=False,
     ),
     proximal: str | None = typer.Option(
@@ -159,7 +162,7 @@ def recompute_command(
 
 def _run(
     batches: list[Path],
-    checkpoints: Path,
+    checkpoints: Path | None,
     options: Any,
     output: str | None,
     force: bool,

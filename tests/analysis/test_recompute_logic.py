@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sdp_cli.analysis.recompute as rc
-from sdp_cli.analysis.batch_files import expand_batch_paths, resolve_targets
+from sdp_cli.analysis.batch_files import batches_run, expand_batch_paths, resolve_targets
 from sdp_cli.analysis.checkpoints import MissingCheckpoints, find_checkpoints, format_versions
 from sdp_cli.analysis.recompute_plan import (
     ProximalChoice,
@@ -469,6 +469,51 @@ def test_a_failing_rename_leaves_every_file_old(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
     assert all(p.read_bytes() == before[p] for p in paths)
     assert sorted(os.listdir(tmp_path)) == ["b0.safetensors", "b1.safetensors", "versions"]
+
+
+def test_a_run_directory_stands_for_its_batches(tmp_path):
+    run = tmp_path / "run"
+    (run / "batches").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    for name in ("step-000002.safetensors", "step-000001.safetensors"):
+        write_batch(run / "batches" / name, make_batch(0, [(1, [0], None)]))
+    files = expand_batch_paths([run])
+    assert files == [run / "batches" / "step-000001.safetensors", run / "batches" / "step-000002.safetensors"]
+    # the run and one of its batches: one file twice, however it is spelled
+    with pytest.raises(UserError, match="is the same file as"):
+        expand_batch_paths([run, tmp_path / "run" / "batches" / ".." / "batches" / "step-000001.safetensors"])
+    # a run that saved no batches says how to get them; a directory that is no run, what to pass
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.yaml").write_text("{}\n")
+    with pytest.raises(UserError, match="train.save_batches=true"):
+        expand_batch_paths([tmp_path / "bare"])
+    (tmp_path / "bare" / "config.yaml").unlink()
+    with pytest.raises(UserError, match="pass batch files, a batches/ directory or a run directory"):
+        expand_batch_paths([tmp_path / "bare"])
+
+
+def test_the_checkpoints_of_batches_default_to_their_run(tmp_path):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    files = []
+    for run in runs:
+        (run / "batches").mkdir(parents=True)
+        (run / "config.yaml").write_text("{}\n")
+        files.append(write_batch(run / "batches" / "step-000001.safetensors", make_batch(0, [(1, [0], None)])))
+    assert batches_run([files[0]]) == runs[0]
+    assert batches_run(expand_batch_paths([runs[1]])) == runs[1]
+    with pytest.MonkeyPatch.context() as mp:  # a bare name, given inside the run's batches/
+        mp.chdir(runs[0] / "batches")
+        assert batches_run([Path("step-000001.safetensors")]) == runs[0]
+    with pytest.raises(UserError, match="two runs.*--checkpoints"):
+        batches_run(files)
+    loose = write_batch(tmp_path / "step-000001.safetensors", make_batch(0, [(1, [0], None)]))
+    with pytest.raises(UserError, match="not in a run's batches/.*pass --checkpoints"):
+        batches_run([loose])
+    # a batches/ directory copied out of its run has no run around it
+    (tmp_path / "copy" / "batches").mkdir(parents=True)
+    copied = write_batch(tmp_path / "copy" / "batches" / "step-000001.safetensors", make_batch(0, [(1, [0], None)]))
+    with pytest.raises(UserError, match="pass --checkpoints"):
+        batches_run([copied])
 
 
 def test_output_directory_is_created_and_sources_are_untouched(tmp_path):

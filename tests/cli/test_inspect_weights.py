@@ -208,6 +208,17 @@ def test_masks_are_measured_per_mode_as_the_trainer_would_apply_them(capsys):
     assert all(0 <= modes["decoupled"]["masks"][k] <= 1 for k in ("rejection", "m2po", "opsm"))
 
 
+def test_a_run_directory_stands_for_its_batches(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "batches").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")
+    write_batch(run / "batches" / "step-000001.safetensors", read_batch(EXAMPLE_BATCH))
+    code, out, err = run_main(["inspect-weights", str(run), "--json"], capsys)
+    assert code == 0, err
+    code, expected, _ = run_main(["inspect-weights", str(run / "batches"), "--json"], capsys)
+    assert code == 0 and json.loads(out)["modes"] == json.loads(expected)["modes"]
+
+
 def test_an_empty_directory_is_one_line(tmp_path, capsys):
     code, _, err = run_main(["inspect-weights", str(tmp_path)], capsys)
     assert code == 2 and "holds no *.safetensors batch files" in one_error_line(err)

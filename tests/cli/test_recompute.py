@@ -141,6 +141,21 @@ def test_a_bad_file_is_one_line_and_nothing_is_written(run_dir, batches, content
     assert unchanged([*files, bad], before)
 
 
+def test_a_run_directory_alone_is_its_batches_and_its_checkpoints(run_dir, batches, capsys):
+    code, out, err = run_main(["recompute", str(run_dir), "--dry-run", "--json"], capsys)
+    assert code == 0, err
+    code, expected, _ = run_main(
+        ["recompute", str(run_dir / "batches"), "--checkpoints", str(run_dir), "--dry-run", "--json"], capsys
+    )
+    doc, want = json.loads(out), json.loads(expected)
+    assert code == 0 and doc["batches"] == want["batches"] and len(doc["batches"]) == 4
+    # batches outside a run's batches/ have no run to default to: one line naming the option
+    files, before = batches
+    code, _, err = run_main(["recompute", str(files[0].parent)], capsys)
+    assert_one_line_error(code, err, "pass --checkpoints")
+    assert unchanged(files, before)
+
+
 def test_missing_checkpoints_are_one_line_and_nothing_is_written(run_dir, batches, tmp_path, capsys):
     files, before = batches
     # π_prox_t of the lagged tokens needs v000001 (batches c = 1…3 hold version-0 tokens);

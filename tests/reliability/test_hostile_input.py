@@ -262,7 +262,10 @@ MALFORMED = [
      lambda t: ["recompute", str(_copy_example(t)), "-c", f"{t}/{'c' * 300}"], "File name too long"),
     ("inspect-weights: directory without batches", lambda t: ["inspect-weights", str(_empty_dir(t))],
      "holds no *.safetensors"),
-    ("recompute: no --checkpoints", lambda t: ["recompute", str(EXAMPLE)], "Missing option '--checkpoints'"),
+    ("recompute: no --checkpoints, batch outside a run", lambda t: ["recompute", str(_copy_example(t))],
+     "pass --checkpoints RUN_DIR"),
+    ("recompute: a run that saved no batches", lambda t: ["recompute", str(_run_without_batches(t))],
+     "train.save_batches=true"),
     ("recompute: checkpoints directory missing",
      lambda t: ["recompute", str(_copy_example(t)), "--checkpoints", f"{t}/none", "-o", f"{t}/o.safetensors"],
      "none"),
@@ -298,6 +301,12 @@ def _foreign(path: Path) -> Path:
 def _empty_dir(tmp: Path) -> Path:
     (tmp / "empty").mkdir()
     return tmp / "empty"
+
+
+def _run_without_batches(tmp: Path) -> Path:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "config.yaml").write_text("{}\n")
+    return tmp / "run"
 
 
 def _copy_example(tmp: Path) -> Path:
