@@ -12,6 +12,7 @@ before Hydra or OmegaConf reads or resolves them.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,14 @@ from sdp_cli.config.limits import (
     read_yaml_file,
     yaml_error_line,
 )
-from sdp_cli.config.overrides import HELP_HINT, check_overrides, schema_keys, unknown_key_message, unknown_keys
+from sdp_cli.config.overrides import (
+    HELP_HINT,
+    check_overrides,
+    schema_keys,
+    unknown_key_message,
+    unknown_keys,
+    wrong_type_message,
+)
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.config.validation import ConfigValueError, validate
 from sdp_cli.errors import UserError
@@ -160,7 +168,9 @@ def _explain(exc: BaseException, source: ConfigSource) -> str:
             group, _, option = missing.rpartition("/")
             options = sorted(getattr(err, "options", None) or [])
             if group and options:
-                return f"{group}={option}: no such option; choose one of {', '.join(options)}"
+                near = difflib.get_close_matches(option, options, n=1)
+                guess = f"did you mean {near[0]}? Choose" if near else "choose"
+                return f"{group}={option}: no such option; {guess} one of {', '.join(options)}"
             return f"config '{missing}' not found ({HELP_HINT})"
         if isinstance(err, ConfigKeyError):
             key = getattr(err, "full_key", "") or _first_line(err)
@@ -183,6 +193,12 @@ def _explain(exc: BaseException, source: ConfigSource) -> str:
             if origin is not None:
                 line = _line_of(origin, key) if key else None
                 where = f"{origin}{f':{line}' if line else ''}: "
+            # OmegaConf's "Value 'x' of type 'str' could not be converted to Integer" names
+            # neither the type wanted in our words nor a fix
+            value = re.match(r"Value '(.*)' (?:of type|is not a valid)", _first_line(err))
+            wrong_type = wrong_type_message(key, value.group(1)) if key and value else None
+            if wrong_type is not None:
+                return f"{where}{wrong_type}"
             return f"{where}{key}: {_first_line(err)}" if key else f"{where}{_first_line(err)}"
     text = _first_line(exc)
     found = re.search(r"Could not override '([^']+)'", text)

@@ -91,6 +91,28 @@ def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
     return keys
 
 
+def wrong_type_message(key: str, value: str) -> str | None:
+    """``key=value`` where the schema wants a number or a boolean: what it wants, with the
+    default as an example; None for a key that takes neither."""
+    from sdp_cli.config.schema import SdpConfig
+
+    node: Any = SdpConfig()
+    hint: Any = None
+    for part in key.split("."):
+        hints = typing.get_type_hints(type(node)) if is_dataclass(node) else {}
+        if part not in hints:
+            return None
+        hint, node = hints[part], getattr(node, part)
+    wanted = set(typing.get_args(hint) or (hint,))  # int | None → {int, NoneType}
+    if bool in wanted:
+        return f"{key}={value} is not true or false; pass {key}=true or false"
+    kind = "a whole number" if int in wanted else "a number" if float in wanted else None
+    if kind is None:
+        return None
+    example = f", e.g. {key}={node}" if node is not None else ""
+    return f"{key}={value} is not {kind}; pass one{' or null' if type(None) in wanted else ''}{example}"
+
+
 #: what the same section adds to a candidate's score in :func:`nearest_key`: a typo inside the
 #: right group wins over a similar name elsewhere, a whole name elsewhere wins over a typo
 SAME_SECTION_BONUS = 0.1

@@ -161,6 +161,15 @@ def test_hf_model_and_gsm8k_need_paths():
         (["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=3"], "is above"),
         (["optim.minibatches=100000"], "exceeds the batch size"),
         (["rollout.groups_per_request=0"], "rollout.groups_per_request=0 must be > 0"),
+        # a value of the wrong type names the type wanted and an example of it
+        (["train.steps=abc"], "train.steps=abc is not a whole number; pass one, e.g. train.steps=300"),
+        (["train.steps=1.5"], "train.steps=1.5 is not a whole number; pass one, e.g. train.steps=300"),
+        (["optim.lr=fast"], "optim.lr=fast is not a number; pass one, e.g. optim.lr=0.0001"),
+        (["train.save_batches=maybe"], "train.save_batches=maybe is not true or false; pass train.save_batches=true or false"),
+        (["rollout.groups_per_request=many"], "rollout.groups_per_request=many is not a whole number; pass one or null"),
+        # a near miss of an option names it
+        (["+preset=segmentwise"], "preset=segmentwise: no such option; did you mean segment_wise? Choose one of a3po,"),
+        (["mode=decoupeld"], "mode=decoupeld: no such option; did you mean decoupled? Choose one of bypass, decoupled, segment_wise"),
     ],
 )
 def test_bad_input_gives_one_line_naming_the_problem(overrides, fragment):
