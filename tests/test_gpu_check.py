@@ -122,10 +122,11 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     assert train["entropy_first"] >= 0 and train["entropy_last"] >= 0 and train["train_s_mean"] > 0
     rows = [json.loads(line) for line in (out / "train_metrics.jsonl").read_text().splitlines()]
     # every batch: 4 prompts × 4 samples of 8 tokens. A prompt is BOS, the few-shot prefix (7
-    # examples "a+b=c." of 6 characters and 5 of 7: 77) and "a+b=" (4): 82 tokens. The plain
-    # forward runs 16 rows of 90 = 1440 positions, the shared one 4·82 + 16·8 = 456
+    # examples "a+b=c." of 6 characters and 5 of 7: 77) and "a+b=" (4): 82 tokens. A row's last
+    # column predicts nothing, so the plain forward runs 16 rows of 89 = 1424 positions, the
+    # shared one each prompt once and 7 answer positions a row: 4·82 + 16·7 = 440
     saved = [r["batch/positions_saved"] for r in rows if "batch/positions_saved" in r]
-    assert saved == [pytest.approx(1 - 456 / 1440)] * 4
+    assert saved == [pytest.approx(1 - 440 / 1424)] * 4
     tests = parts["gpu_tests"]
     assert tests["device"] == "cpu" and tests["counts"] == {"passed": 5, "failure": 0, "error": 0, "skipped": 0}
     (row,) = parts["engine"]["rows"]

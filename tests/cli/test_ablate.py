@@ -204,7 +204,9 @@ def test_table_matches_numbers_recomputed_from_the_runs(smoke):
 @pytest.mark.slow
 def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
     """On the same tokens: lag 0 → both weights 1; lag 1 → equal (π_{v+1} = π_c); lag 2 →
-    they differ by the factor π_c/π_{v+1} the segment-wise weight drops."""
+    they differ by the factor π_c/π_{v+1} the segment-wise weight drops. At lag 1 π_c is the
+    trainer's forward and π_{v+1} the engine's, so they agree to float32 rounding (the lag-0
+    tolerance, the same two forwards' mismatch), not bit for bit."""
     rows = _csv_rows(smoke)
     for mode in MODES:
         assert float(rows[(mode, 0)]["w_dec_std_mean"]) < 1e-5
@@ -212,7 +214,7 @@ def test_the_shadow_weights_are_the_segment_wise_and_decoupled_ratios(smoke):
         steps = _batch_weights(_run_dir(smoke, mode, 2))
         w_dec, w_seg, lags = (np.concatenate(parts) for parts in zip(*steps))
         assert np.allclose(w_dec[lags == 0], 1.0, atol=1e-4) and np.all(w_seg[lags == 0] == 1.0)
-        assert np.array_equal(w_dec[lags == 1], w_seg[lags == 1])
+        assert (lags == 1).any() and np.allclose(w_dec[lags == 1], w_seg[lags == 1], rtol=1e-4, atol=0)
         assert (lags == 2).any() and not np.allclose(w_dec[lags == 2], w_seg[lags == 2])
 
 

@@ -12,6 +12,7 @@ import torch
 import sdp_cli.models.warm_start as ws
 from sdp_cli.errors import UserError
 from sdp_cli.models import greedy_accuracy, load_policy
+from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import build_tokenizer
 from sdp_cli.tasks import build_task
@@ -272,13 +273,16 @@ def test_gsm8k_warm_start_smoke(tmp_path):
 @pytest.mark.slow
 def test_default_arith1_warm_start_reaches_the_feasibility_accuracy(tmp_path):
     # 3-8 s alone, ~20 s on a busy 2-core machine: kept out of the fast suite, which covers the
-    # same path with a smaller model. Defaults (h128-L4, 40 steps, lr 1e-3, batch 64). A feasibility
-    # probe measured greedy 0.43 for seed 0 with a similar recipe; here seeds 0, 1, 2 gave 0.40,
-    # 0.50, 0.41 on 1000 problems.
+    # same path with a smaller model. Defaults (h128-L4, 40 steps, lr 1e-3, batch 64). The warm
+    # start learns the training problems only (arith1: 79 pairs; held-out ones are left to the
+    # run's evaluation, where it starts at 0.00), so its accuracy is measured on those: 0.58 on
+    # the 79 here (2026-12-01).
     task = build_task("arith1")
     policy = load_policy("tiny", task=task, cache_dir=tmp_path)
     assert policy.name.startswith("tiny-qwen2:arith1:ws40:")
-    assert greedy_accuracy(policy, task, 500, seed=123) >= 0.25
+    training = task.validation_items(500, seed=123)
+    assert len(training) == 79
+    assert accuracy_on(policy, task, training) >= 0.25
 
 
 def test_the_warm_start_never_trains_on_a_sequence_longer_than_the_context(tmp_path, monkeypatch):
