@@ -447,7 +447,7 @@ def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, 
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())  # one paragraph, as the table wraps it
     rows: list[tuple[str, str, str]] = []
     instance = cls()
     for f in fields(cls):
