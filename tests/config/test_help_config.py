@@ -70,7 +70,7 @@ def test_help_config_prints_yaml(capsys):
 
 def test_meanings_are_one_paragraph_each():
     # a docstring wrapped in the source keeps its line breaks and indentation; the table would
-    # print them ('docs/design.md "Adding a' then '    mode"' on the next line)
+    # print them (loss.mode's second source line, indented, on a line of its own)
     docs = {key: doc for key, _, doc in field_docs()}
     assert docs["loss.mode"].endswith('docs/design.md "Adding a mode"): which behavioural weight multiplies the PPO loss.')
     assert {k: d for k, d in docs.items() if "\n" in d or "  " in d or d != d.strip()} == {}
