@@ -149,6 +149,7 @@ def test_a_run_directory_alone_is_its_batches_and_its_checkpoints(run_dir, batch
     )
     doc, want = json.loads(out), json.loads(expected)
     assert code == 0 and doc["batches"] == want["batches"] and len(doc["batches"]) == 4
+    assert doc["checkpoints"] == want["checkpoints"] == str(run_dir / "versions")
     # batches outside a run's batches/ have no run to default to: one line naming the option
     files, before = batches
     code, _, err = run_main(["recompute", str(files[0].parent)], capsys)
