@@ -23,8 +23,9 @@ def expand_batch_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         path = Path(raw).expanduser()
         if os.path.isdir(path):  # False for a name too long: the reader then names the problem
             found = _batch_files_in(path)
-            if not found and RunDir(path).is_run:
-                found = _batch_files_in(RunDir(path).batches)
+            run = RunDir(path)
+            if not found and run.is_run:
+                found = _batch_files_in(run.batches)
                 if not found:
                     raise UserError(
                         f"{path} is a run that saved no batches; train with train.save_batches=true to keep them"
@@ -50,12 +51,12 @@ def batches_run(files: Sequence[Path]) -> Path:
     finds their checkpoints when ``--checkpoints`` is not given."""
     runs: dict[str, Path] = {}
     for path in files:
-        run = Path(os.path.abspath(path)).parent.parent  # also for a bare name given inside batches/
-        if not RunDir(run).is_run or os.path.realpath(RunDir(run).batches) != os.path.realpath(path.parent):
+        run = RunDir(Path(os.path.abspath(path)).parent.parent)  # also for a bare name given inside batches/
+        if not run.is_run or os.path.realpath(run.batches) != os.path.realpath(path.parent):
             raise UserError(
                 f"{path} is not in a run's batches/, so its run's checkpoints are unknown; pass --checkpoints RUN_DIR"
             )
-        runs.setdefault(os.path.realpath(run), run)
+        runs.setdefault(os.path.realpath(run.path), run.path)
     if len(runs) > 1:
         first, second = list(runs.values())[:2]
         raise UserError(

@@ -94,7 +94,7 @@ def schema_keys(cls: type | None = None, prefix: str = "") -> list[str]:
 def wrong_type_message(key: str, value: str) -> str | None:
     """``key=value`` where the schema wants a number or a boolean: what it wants, with the
     default as an example; None for a key that takes neither."""
-    from sdp_cli.config.schema import SdpConfig
+    from sdp_cli.config.schema import SdpConfig, yaml_literal
 
     node: Any = SdpConfig()
     hint: Any = None
@@ -109,7 +109,7 @@ def wrong_type_message(key: str, value: str) -> str | None:
     kind = "a whole number" if int in wanted else "a number" if float in wanted else None
     if kind is None:
         return None
-    example = f", e.g. {key}={node}" if node is not None else ""
+    example = f", e.g. {key}={yaml_literal(node)}" if node is not None else ""  # as --help-config shows it
     return f"{key}={value} is not {kind}; pass one{' or null' if type(None) in wanted else ''}{example}"
 
 
