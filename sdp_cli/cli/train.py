@@ -67,19 +67,7 @@ def train_command(
 ) -> None:
     overrides = list(ctx.args)
     if help_config:
-        from rich.console import Console
-        from rich.markup import escape
-        from rich.table import Table
-
-        from sdp_cli.config.schema import field_docs
-
-        table = Table(box=None, show_header=True)
-        table.add_column("key", no_wrap=True)  # a key is copied onto the command line whole
-        table.add_column("default", max_width=12)  # long defaults (lists) wrap, not the meaning
-        table.add_column("meaning")
-        for key, default, doc in field_docs():
-            table.add_row(key, escape(default), escape(doc))
-        Console().print(table)
+        _print_config_help()
         raise typer.Exit()
 
     from sdp_cli.config.compose import compose_config, config_source, to_yaml
@@ -131,3 +119,39 @@ def _details(err: BaseException) -> str:
             return cause.details.rstrip()
     bug = next((c for c in chain if not isinstance(c, UserError)), err)
     return "".join(traceback.format_exception(bug)).rstrip()
+
+
+#: below this many columns for the meanings, each key's meaning goes under it instead of beside it
+_MIN_MEANING_WIDTH = 32
+
+
+def _print_config_help() -> None:
+    """Every config key with its default and meaning. A table where the terminal leaves the
+    meanings room, else each key and its default on one line and the meaning indented below. A key
+    and its default always share a line (``| grep KEY`` finds both); nothing is cut short: a word
+    longer than its column is folded, never ended with an ellipsis."""
+    from rich.console import Console
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    from sdp_cli.config.schema import field_docs
+
+    rows = list(field_docs())
+    console = Console()
+    key_width = max(len(key) for key, _, _ in rows)
+    # a default wraps between its words (the LoRA modules' list), so the column fits the longest word
+    default_width = max(len(word) for _, default, _ in rows for word in default.split())
+    if console.width - key_width - default_width - 6 >= _MIN_MEANING_WIDTH:  # 6: each cell's padding
+        table = Table(box=None, show_header=True)
+        table.add_column("key", no_wrap=True, min_width=key_width)  # a key is copied onto the command line whole
+        table.add_column("default", width=default_width, overflow="fold")
+        table.add_column("meaning", overflow="fold")
+        for key, default, doc in rows:
+            table.add_row(key, Text(default), Text(doc))
+        console.print(table)
+        return
+    console.print(Text("key  default", style="bold"), Padding(Text("meaning", style="bold"), (0, 0, 0, 4)))
+    for key, default, doc in rows:
+        console.print(Text(f"{key}  {default}", overflow="fold"))
+        console.print(Padding(Text(doc, overflow="fold"), (0, 0, 0, 4)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
 import yaml
 
 from sdp_cli.config.schema import field_docs
@@ -74,3 +75,32 @@ def test_meanings_are_one_paragraph_each():
     docs = {key: doc for key, _, doc in field_docs()}
     assert docs["loss.mode"].endswith('docs/design.md "Adding a mode"): which behavioural weight multiplies the PPO loss.')
     assert {k: d for k, d in docs.items() if "\n" in d or "  " in d or d != d.strip()} == {}
+
+
+def _help_config_at(width: int, capsys, monkeypatch) -> str:
+    monkeypatch.setenv("COLUMNS", str(width))  # rich sizes a console that is not a terminal by it
+    code, out, _ = run_main(["train", "--help-config"], capsys)
+    assert code == 0
+    return out
+
+
+@pytest.mark.parametrize("width", [50, 60, 80, 120, 200])
+def test_nothing_is_cut_short_at_any_width(width, capsys, monkeypatch):
+    # run.trackers' default [tensorboard] is 13 characters: a 12-wide default column printed
+    # "[tensorboar…" at every width, and at 80 columns a long word of a meaning lost its end
+    out = _help_config_at(width, capsys, monkeypatch)
+    assert "…" not in out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= width
+    words = set(out.split())
+    for key, default, doc in field_docs():
+        # every word of the key, its default and its meaning is there whole (none is longer than
+        # the narrowest meaning column tested, so none needs folding)
+        assert {key, *default.split(), *doc.split()} <= words, key
+
+
+def test_a_key_and_its_default_share_a_line_at_any_width(capsys, monkeypatch):
+    # grep KEY shows the default whatever the terminal's width
+    for width in (50, 120):
+        out = _help_config_at(width, capsys, monkeypatch)
+        line = next(line for line in out.splitlines() if line.split()[:1] == ["run.trackers"])
+        assert line.split()[1] == "[tensorboard]", (width, line)
