@@ -562,3 +562,79 @@ def test_files_a_resume_reads_first_are_one_line_when_odd(trained, tmp_path, nam
         refused_unchanged(run_dir, "train.steps=3", match="identity.json is not what sdp wrote there")
     else:
         assert resume(run_dir, "train.steps=3")["steps"] == 3  # from step-000001
+
+
+# ------------------------------------------------------------- a run another process holds
+def _hold(run_dir):
+    """The run's lock, held here as a live `sdp train` holds it (a second open of the lock file
+    conflicts with it even in this process: flock belongs to the open file)."""
+    from sdp_cli.dirlock import DirectoryLock
+
+    return DirectoryLock.acquire(run_dir, "run directory")
+
+
+def _mid_metrics_damage(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run_dir / "metrics.jsonl").write_text("".join([lines[0], "not json\n", *lines[1:]]))
+
+
+def _no_valid_checkpoint(run_dir):
+    for checkpoint in (run_dir / "checkpoints").glob("step-*"):
+        (checkpoint / "manifest.json").write_text("{}")
+
+
+def _fifo_in_a_temporary_checkpoint(run_dir):
+    import os
+
+    tmp = run_dir / "checkpoints" / ".tmp-step-000003-abcd"
+    tmp.mkdir()
+    os.mkfifo(tmp / "state.json")
+
+
+@pytest.mark.parametrize("damage", [_mid_metrics_damage, _no_valid_checkpoint, _fifo_in_a_temporary_checkpoint])
+def test_a_run_in_use_is_refused_as_in_use_before_its_files_are_read(trained, tmp_path, damage):
+    """The lock is taken before the run's files are read: what the holder has half written is
+    its own business, and the answer is that the run is in use. On main the files were checked
+    first, so a live run's half state was reported as damage (or, below, was a traceback)."""
+    import os
+
+    run_dir = _copy(trained, tmp_path)
+    damage(run_dir)
+    with _hold(run_dir):
+        message = refused_unchanged(run_dir, "train.steps=3", match="is in use by another sdp process")
+    assert message == (
+        f"run directory {run_dir} is in use by another sdp process (pid {os.getpid()}); "
+        "wait for it to end or stop it, then try again"
+    )
+
+
+def test_a_resume_racing_a_live_checkpoint_writer_is_refused_in_one_line(trained, tmp_path):
+    """The reliability suite's race, made likely: while the holder writes and removes temporary
+    checkpoint directories, resumes of its run are refused as in use, every time. On main the
+    resume walked the run's tree before locking: a directory removed under the walk was a
+    FileNotFoundError traceback (exit 1) or "cannot be listed"."""
+    import threading
+
+    run_dir = _copy(trained, tmp_path)
+    stop = threading.Event()
+
+    def checkpoint_churn():
+        n = 0
+        while not stop.is_set():
+            tmp = run_dir / "checkpoints" / f".tmp-step-{n:06d}-x"
+            (tmp / "policy" / "deep").mkdir(parents=True)
+            for i in range(20):
+                (tmp / "policy" / "deep" / f"f{i}").write_bytes(b"x")
+            shutil.rmtree(tmp)
+            n += 1
+
+    writer = threading.Thread(target=checkpoint_churn, daemon=True)
+    with _hold(run_dir):
+        writer.start()
+        try:
+            for _ in range(15):
+                with pytest.raises(UserError, match="is in use by another sdp process"):
+                    resume(run_dir, "train.steps=3")
+        finally:
+            stop.set()
+            writer.join()

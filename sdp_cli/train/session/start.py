@@ -149,10 +149,12 @@ def open_run(
                     f"{run_dir.path}: not an sdp run directory (no overrides.json); pass the run directory to resume="
                 )
             original = read_overrides(saved)  # a directory that is no run gets no lock file
+            if coordinator.is_main:
+                # Locked before its files are read: a live run's half-written checkpoint is its own
+                # business (the lock file itself is opened neither through a link nor as a FIFO).
+                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
             found = resume_point(run_dir)  # nothing to resume from: one line, before any output
             check_run_files(run_dir)  # links, special files, damaged logs: before anything is written
-            if coordinator.is_main:
-                owned = OwnedRunDir(run_dir, DirectoryLock.acquire(run_dir.path, "run directory"), created=False)
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
             cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
