@@ -46,15 +46,16 @@ def export_command(
         raise UserError(f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_CHOICES)}")
     from sdp_cli.models.export import check_export_target, export_policy
     from sdp_cli.models.precision import DTYPES
-    from sdp_cli.train.session.saved_policy import find_saved_policy, load_saved_policy
+    from sdp_cli.train.session.saved_policy import find_saved_policy, held, load_saved_policy
 
-    check_export_target(out)  # before any loading: a refused OUT costs nothing
+    target = check_export_target(out)  # before any loading: a refused OUT costs nothing
     saved = find_saved_policy(source)
-    policy = load_saved_policy(saved)
-    target = export_policy(policy, out, dtype=DTYPES.get(dtype))
+    with held(saved, near=target.parent) as loaded:  # a live run may prune the checkpoint meanwhile
+        policy = load_saved_policy(loaded)
+    target = export_policy(policy, target, dtype=DTYPES.get(dtype))
     count = sum(p.numel() for p in policy.model.parameters())
     written = next(p.dtype for p in policy.model.parameters()) if dtype == "auto" else DTYPES[dtype]
     typer.echo(
-        f"exported {saved.name} of {saved.run.path} ({count / 1e6:.1f} M parameters, "
+        f"exported {loaded.name} of {loaded.run.path} ({count / 1e6:.1f} M parameters, "
         f"{str(written).removeprefix('torch.')}) to {target}"
     )

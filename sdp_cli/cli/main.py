@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     UserError raised by a command each become one line on stderr and exit code 2, never a
     traceback or a boxed block."""
     _register_commands()
+    # sdp prints its own progress; transformers' bars (loading weights, writing shards) only break
+    # it up. transformers reads this when it is imported, which no command has done yet; a user's
+    # own setting stands.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = app(args=argv, prog_name="sdp", standalone_mode=False)
     except typer.TyperException as err:  # typer's click errors derive from it

@@ -179,9 +179,6 @@ def _run(
 
     def make_scorer(saved: Any) -> Any:
         if engine == "local":
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # one progress bar is enough
             return LocalScorer(device=device)
         return connect_remote(engine, servers, [b.temperature for b in saved])
 

@@ -131,6 +131,106 @@ def test_a_full_fine_tuning_run_exports_its_checkpoint_weights(full_run, tmp_pat
     assert torch.equal(_logits(_loaded(out)), expected)
 
 
+@pytest.mark.parametrize("named", ["the run", "its checkpoint"])
+def test_a_checkpoint_the_run_prunes_while_it_is_read_still_exports(full_run, tmp_path, capsys, monkeypatch, named):
+    """A run that is training keeps only its newest checkpoints: the one an export chose can go
+    before it is loaded. On main the export then failed in one misleading line ("cannot load
+    model directory ...: FileNotFoundError ...; point model.path at ...") every time on a run
+    checkpointing each step; the export holds the checkpoint's files before it loads them."""
+    import sdp_cli.models as models
+
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    checkpoint = run / "checkpoints" / "step-000002"
+    expected = _logits(AutoModelForCausalLM.from_pretrained(checkpoint / "policy"))
+    load = models.load_policy
+
+    def pruned_first(*args, **kwargs):  # the run prunes its checkpoints just before the load
+        shutil.rmtree(run / "checkpoints")
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(models, "load_policy", pruned_first)
+    out = tmp_path / "exported"
+    stdout = _export(capsys, run if named == "the run" else checkpoint, out)
+    assert "checkpoint step-000002" in stdout
+    assert torch.equal(_logits(_loaded(out)), expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exported", "run"]  # nothing held is left
+
+
+def test_exports_of_a_run_writing_and_pruning_checkpoints_succeed(full_run, tmp_path, capsys):
+    """A live run's pace, made extreme: a thread writes a checkpoint after another, keeping one,
+    while the run is exported five times; each export is a complete model of some checkpoint."""
+    import threading
+
+    from sdp_cli.train.session import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    original = tmp_path / "original"
+    shutil.copytree(run / "checkpoints" / "step-000002", original)
+    shutil.rmtree(run / "checkpoints")  # the thread's checkpoints only: keep=1 prunes older ones
+    expected = _logits(AutoModelForCausalLM.from_pretrained(original / "policy"))
+    state = json.loads((original / "state.json").read_text())
+    state = {k: v for k, v in state.items() if k not in ("format", "format_version", "step", "optimizer")}
+    written = ckpt.write_checkpoint  # the run's own writer: temporary directory, manifest, rename, prune
+    stop = threading.Event()
+
+    def train_on():
+        step = 3
+        while not stop.is_set():
+            written(run / "checkpoints", step, keep=1, optimizer_state=None, state=state,
+                    save_policy=lambda d: shutil.copytree(original / "policy", d))  # fmt: skip
+            step += 1
+
+    writer = threading.Thread(target=train_on, daemon=True)
+    written(run / "checkpoints", 2, keep=1, optimizer_state=None, state=state,
+            save_policy=lambda d: shutil.copytree(original / "policy", d))  # fmt: skip
+    writer.start()
+    try:
+        for i in range(5):
+            out = tmp_path / f"exported{i}"
+            assert "checkpoint step-" in _export(capsys, run, out)
+            assert torch.equal(_logits(_loaded(out)), expected)
+    finally:
+        stop.set()
+        writer.join()
+
+
+def test_a_named_checkpoint_the_run_prunes_before_it_is_held_is_one_line(full_run, tmp_path, capsys, monkeypatch):
+    import sdp_cli.train.session.saved_policy as saved_policy
+
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    checkpoint = run / "checkpoints" / "step-000001"
+    find = saved_policy.find_saved_policy
+
+    def found_then_pruned(source):
+        saved = find(source)
+        shutil.rmtree(checkpoint)
+        return saved
+
+    monkeypatch.setattr(saved_policy, "find_saved_policy", found_then_pruned)
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    line = _refused(capsys, ["export", checkpoint, outs / "out"], outs)  # nothing held is left there
+    assert line == (
+        f"error: {checkpoint} was removed while it was read (its run is training and keeps only its newest "
+        "checkpoints); pass the run directory to take its newest one"
+    )
+
+
+def test_the_export_prints_its_line_and_no_progress_bars_of_transformers(full_run, tmp_path):
+    # a process of its own: in this one an earlier run turned transformers' bars off for good
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "sdp_cli", "export", full_run, tmp_path / "out"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("exported checkpoint step-000002 of ") and done.stdout.count("\n") == 1
+    assert done.stderr == ""  # on main: "Loading weights: 100%|...|" and "Writing model shards: ..."
+
+
 def _refused(capsys, argv, root) -> str:
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     code, _, stderr = run_main(argv, capsys)

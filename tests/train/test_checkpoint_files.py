@@ -69,3 +69,46 @@ def test_with_optimizer_state_round_trips(tmp_path):
     loaded = ckpt.read_checkpoint(_write(tmp_path, 10, keep=2))
     state = ckpt.unflatten_optimizer_state(loaded.optimizer_tensors, loaded.state["optimizer"])
     assert torch.equal(state["state"][0]["exp_avg"], torch.ones(3)) and state["param_groups"][0]["lr"] == 0.1
+
+
+def test_a_held_checkpoint_outlives_its_pruning(tmp_path):
+    # hard links on one file system: the run's pruning removes its names, not the held files
+    written = _write(tmp_path / "run", 10, keep=1)
+    held = tmp_path / "held"
+    assert ckpt.hold_checkpoint(written, held)
+    _write(tmp_path / "run", 20, keep=1)  # prunes step 10
+    assert not written.exists()
+    assert (held / "policy" / "weights.txt").read_text() == "step 10"
+    assert ckpt.is_complete(held)
+
+
+def test_a_checkpoint_is_copied_where_it_cannot_be_linked(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    def cross_device(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    written = _write(tmp_path / "run", 10, keep=1)
+    monkeypatch.setattr(os, "link", cross_device)
+    assert ckpt.hold_checkpoint(written, tmp_path / "held")
+    assert (tmp_path / "held" / "policy" / "weights.txt").read_text() == "step 10"
+    assert os.stat(tmp_path / "held" / "state.json").st_nlink == 1  # a copy, not a link
+
+
+def test_holding_a_gone_or_incomplete_checkpoint_says_so(tmp_path):
+    written = _write(tmp_path / "run", 10, keep=1)
+    _corrupt(written)
+    assert not ckpt.hold_checkpoint(written, tmp_path / "torn")
+    assert not ckpt.hold_checkpoint(tmp_path / "run" / "step-000099", tmp_path / "gone")
+
+
+def test_a_manifest_naming_files_outside_its_checkpoint_is_not_followed(tmp_path):
+    # the held directory is written: a manifest path "../x" would place a link outside it
+    written = _write(tmp_path / "run", 10, keep=1)
+    (tmp_path / "secret.txt").write_text("not the run's")
+    manifest = json.loads((written / "manifest.json").read_text())
+    manifest["files"]["../../secret.txt"] = {"size": 13, "sha256": "0"}
+    (written / "manifest.json").write_text(json.dumps(manifest))
+    assert not ckpt.hold_checkpoint(written, tmp_path / "held")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "run", "secret.txt"]

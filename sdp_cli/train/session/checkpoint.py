@@ -23,6 +23,7 @@ would delete the newest complete checkpoint.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -261,6 +262,35 @@ def read_checkpoint(path: Path) -> Checkpoint:
             f"{path}: checkpoint cannot be read ({type(err).__name__}: {problem}); "
             "move it away to resume from an earlier one"
         ) from None
+
+
+def hold_checkpoint(checkpoint: Path, into: Path) -> bool:
+    """Hold the files of the complete ``checkpoint`` in the new directory ``into``, where its run
+    cannot remove them: hard links where ``into`` is on the run's file system (instant; a
+    checkpoint's files are never rewritten, only pruned), else copies. True when the held files
+    pass the held manifest's check; False when the checkpoint went meanwhile (a run that is
+    training prunes its older checkpoints) or was not complete. ``into`` is the caller's to remove."""
+    try:
+        into.mkdir()
+        _hold_file(checkpoint / MANIFEST, into / MANIFEST)
+        files = json.loads((into / MANIFEST).read_text())["files"]
+        for rel in files:
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:  # a manifest sdp did not write
+                return False
+            (into / rel).parent.mkdir(parents=True, exist_ok=True)
+            _hold_file(checkpoint / rel, into / rel)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return False
+    return _is_valid(into)
+
+
+def _hold_file(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+            raise  # gone (ENOENT) included: the caller looks again
+        shutil.copyfile(source, target, follow_symlinks=False)
 
 
 def remove_stale_temporaries(root: Path) -> int:

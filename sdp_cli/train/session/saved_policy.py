@@ -12,6 +12,11 @@ tiny model's cached warm start) and cast to ``train.dtype``.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,9 @@ from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
 
 SOURCE_FIX = "pass a run directory, one of its checkpoints/step-NNNNNN or one of its versions/vNNNNNN"
+
+#: how many times ``held`` looks for a run's newest checkpoint again when the run pruned the one it found
+HOLD_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,10 @@ class SavedPolicy:
     run: RunDir
     #: what it is, for messages: "checkpoint step-000040" or "version v000012"
     name: str
+    #: the checkpoint directory holding ``policy_dir`` (None: a version directory, which its run keeps)
+    checkpoint: Path | None = None
+    #: whether ``checkpoint`` was chosen as the run's newest (another may be chosen if it goes)
+    newest: bool = False
 
 
 def find_saved_policy(source: str | Path) -> SavedPolicy:
@@ -45,15 +57,55 @@ def find_saved_policy(source: str | Path) -> SavedPolicy:
         latest = find_latest(run.checkpoints) if run.checkpoints.is_dir() else None
         if latest is None:
             raise UserError(f"{path} has no complete checkpoint; train with train.checkpoint_every > 0, or pass a version directory")
-        return SavedPolicy(latest / "policy", run, f"checkpoint {latest.name}")
+        return SavedPolicy(latest / "policy", run, f"checkpoint {latest.name}", latest, newest=True)
     run = RunDir(path.parent.parent)
     if parse_step_name(path.name) is not None and path.parent == run.checkpoints:
         if not is_complete(path):
             raise UserError(f"{path} is an incomplete or corrupted checkpoint; pass an earlier one")
-        return SavedPolicy(path / "policy", run, f"checkpoint {path.name}")
+        return SavedPolicy(path / "policy", run, f"checkpoint {path.name}", path)
     if parse_version_name(path.name) is not None and path.parent == run.versions:
         return SavedPolicy(path, run, f"version {path.name}")
     raise UserError(f"{path} is no run, checkpoint or version directory of sdp train; {SOURCE_FIX}")
+
+
+@contextmanager
+def held(saved: SavedPolicy, near: Path) -> Iterator[SavedPolicy]:
+    """``saved`` with its checkpoint's files held in a temporary directory in ``near`` (created if
+    missing) for as long as the block runs: a run that is training prunes its older checkpoints,
+    and one chosen a moment ago may go before it is loaded. A run's newest checkpoint that went
+    is replaced by the newest then; a named one that went is refused in one line. A version
+    directory, which its run keeps, is not copied."""
+    from sdp_cli.train.session.checkpoint import find_latest, hold_checkpoint
+
+    if saved.checkpoint is None:
+        yield saved
+        return
+    try:
+        near.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=".sdp-hold-", dir=near))
+    except OSError as err:
+        raise UserError(f"cannot write in {near} ({err.strerror}); choose a writable place") from None
+    try:
+        checkpoint = saved.checkpoint
+        for attempt in range(HOLD_ATTEMPTS):
+            into = root / str(attempt)
+            if hold_checkpoint(checkpoint, into):
+                yield dataclasses.replace(saved, policy_dir=into / "policy", name=f"checkpoint {checkpoint.name}")
+                return
+            if not saved.newest:
+                raise UserError(
+                    f"{checkpoint} was removed while it was read (its run is training and keeps only its newest "
+                    "checkpoints); pass the run directory to take its newest one"
+                )
+            checkpoint = find_latest(saved.run.checkpoints)
+            if checkpoint is None:
+                raise UserError(f"{saved.run.path}: its checkpoints were removed while they were read; try again")
+        raise UserError(
+            f"{saved.run.path}: its newest checkpoint was removed {HOLD_ATTEMPTS} times while it was read "
+            "(the run writes checkpoints faster than they can be held); try again, or pass a version directory"
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def load_saved_policy(saved: SavedPolicy) -> Any:
