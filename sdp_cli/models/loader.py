@@ -29,6 +29,7 @@ from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, load_tokenizer
+from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
 from sdp_cli.models.warm_start import default_settings, warm_start
 from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
@@ -163,7 +164,30 @@ def _tiny_policy(
 def _model_dir_fix(path: str | Path) -> str:
     if is_hub_id(path):
         return f"the hub model {path} needs safetensors weights, config.json and tokenizer files"
+    in_run = _sdp_run_part(Path(path).expanduser())
+    if in_run is not None:  # a new run started from a trained one
+        run, source = in_run
+        return (
+            f"it is part of the sdp run {run}: `sdp export {source} DIR` writes its policy as a model "
+            f"directory for model.path=DIR (resume={run} continues that run)"
+        )
     return "point model.path at a directory written by save_pretrained (config.json, *.safetensors, tokenizer files)"
+
+
+def _sdp_run_part(directory: Path) -> tuple[Path, Path] | None:
+    """(the run, what ``sdp export`` takes) when ``directory`` is an sdp run, one of its
+    checkpoints (or a checkpoint's ``policy/``) or one of its versions; else None."""
+    in_checkpoint = directory.name == "policy" and parse_step_name(directory.parent.name) is not None
+    source = directory.parent if in_checkpoint else directory
+    if RunDir(source).is_run:
+        return source, source
+    run = RunDir(source.parent.parent)
+    if run.is_run and (
+        (parse_step_name(source.name) is not None and source.parent == run.checkpoints)
+        or (parse_version_name(source.name) is not None and source.parent == run.versions)
+    ):
+        return run.path, source
+    return None
 
 
 def check_hf_model_dir(path: str | Path) -> Path:

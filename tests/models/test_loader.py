@@ -141,6 +141,33 @@ def test_bad_hf_directories_are_one_line_user_errors(policy, tmp_path, setup, fr
 
 
 @pytest.mark.parametrize(
+    ("part", "source"),
+    [
+        ("", ""),  # the run directory itself
+        ("checkpoints/step-000002", "checkpoints/step-000002"),
+        ("checkpoints/step-000002/policy", "checkpoints/step-000002"),  # a LoRA checkpoint's adapters
+        ("versions/v000001", "versions/v000001"),  # a LoRA version's adapters
+    ],
+)
+def test_a_part_of_an_sdp_run_as_model_path_names_the_export_that_makes_it_one(tmp_path, part, source):
+    """A user starting a new run from a trained one points model.path at the run; on main the
+    line said only "point model.path at a directory written by save_pretrained"."""
+    run = tmp_path / "runs" / "my-run"
+    for directory in ("checkpoints/step-000002/policy", "versions/v000001"):
+        (run / directory).mkdir(parents=True)
+        (run / directory / "adapter_config.json").write_text("{}")
+    (run / "config.yaml").write_text("seed: 0\n")
+    with pytest.raises(UserError) as err:
+        load_policy("hf", path=run / part)
+    directory = run / part
+    assert str(err.value) == (
+        f"model directory {directory} has no config.json; it is part of the sdp run {run}: "
+        f"`sdp export {run / source} DIR` writes its policy as a model directory for model.path=DIR "
+        f"(resume={run} continues that run)"
+    )
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"kind": "gguf"}, "unknown model kind 'gguf'; choose one of tiny, hf"),
