@@ -29,8 +29,8 @@ from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, load_tokenizer
-from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
 from sdp_cli.models.warm_start import default_settings, warm_start
+from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
 from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
