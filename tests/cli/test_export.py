@@ -212,7 +212,8 @@ def test_a_named_checkpoint_the_run_prunes_before_it_is_held_is_one_line(full_ru
     monkeypatch.setattr(saved_policy, "find_saved_policy", found_then_pruned)
     outs = tmp_path / "outs"
     outs.mkdir()
-    line = _refused(capsys, ["export", checkpoint, outs / "out"], outs)  # nothing held is left there
+    # nothing held is left, and OUT's missing parents are not made for a failed export
+    line = _refused(capsys, ["export", checkpoint, outs / "new" / "dirs" / "out"], outs)
     assert line == (
         f"error: {checkpoint} was removed while it was read (its run is training and keeps only its newest "
         "checkpoints); pass the run directory to take its newest one"

@@ -70,8 +70,9 @@ def find_saved_policy(source: str | Path) -> SavedPolicy:
 
 @contextmanager
 def held(saved: SavedPolicy, near: Path) -> Iterator[SavedPolicy]:
-    """``saved`` with its checkpoint's files held in a temporary directory in ``near`` (created if
-    missing) for as long as the block runs: a run that is training prunes its older checkpoints,
+    """``saved`` with its checkpoint's files held in a temporary directory in ``near`` (or its
+    nearest existing parent: nothing is made for a load that fails) for as long as the block
+    runs: a run that is training prunes its older checkpoints,
     and one chosen a moment ago may go before it is loaded. A run's newest checkpoint that went
     is replaced by the newest then; a named one that went is refused in one line. A version
     directory, which its run keeps, is not copied."""
@@ -80,11 +81,11 @@ def held(saved: SavedPolicy, near: Path) -> Iterator[SavedPolicy]:
     if saved.checkpoint is None:
         yield saved
         return
+    existing = next((p for p in (near, *near.parents) if p.is_dir()), Path.cwd())
     try:
-        near.mkdir(parents=True, exist_ok=True)
-        root = Path(tempfile.mkdtemp(prefix=".sdp-hold-", dir=near))
+        root = Path(tempfile.mkdtemp(prefix=".sdp-hold-", dir=existing))
     except OSError as err:
-        raise UserError(f"cannot write in {near} ({err.strerror}); choose a writable place") from None
+        raise UserError(f"cannot write in {existing} ({err.strerror}); choose a writable place") from None
     try:
         checkpoint = saved.checkpoint
         for attempt in range(HOLD_ATTEMPTS):
