@@ -176,6 +176,20 @@ class RunDir:
         return self.summary.is_file()
 
 
+def run_part(path: Path) -> tuple[RunDir, str] | None:
+    """What ``path`` is of an sdp run, by its place: (the run, "run") for a run directory (it
+    holds ``overrides.json``, the first file a run writes), (its run, "checkpoint") for one of a
+    run's ``checkpoints/step-N``, (its run, "version") for one of its ``versions/vN``; else None."""
+    if RunDir(path).overrides.is_file():
+        return RunDir(path), "run"
+    run = RunDir(path.parent.parent)
+    if parse_step_name(path.name) is not None and path.parent == run.checkpoints:
+        return run, "checkpoint"
+    if parse_version_name(path.name) is not None and path.parent == run.versions:
+        return run, "version"
+    return None
+
+
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every ``step-N`` directory under ``root``, oldest first. Ordered by
     number: past step 999,999 the names grow a digit, and ``step-1000000`` < ``step-999999`` as

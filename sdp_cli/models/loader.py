@@ -30,7 +30,7 @@ from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import CHARSETS, build_tokenizer, load_tokenizer
 from sdp_cli.models.warm_start import default_settings, warm_start
-from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
+from sdp_cli.rundir import parse_step_name, run_part
 from sdp_cli.safetensors_layout import LayoutError, check_directory
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Task
@@ -179,15 +179,8 @@ def _sdp_run_part(directory: Path) -> tuple[Path, Path] | None:
     checkpoints (or a checkpoint's ``policy/``) or one of its versions; else None."""
     in_checkpoint = directory.name == "policy" and parse_step_name(directory.parent.name) is not None
     source = directory.parent if in_checkpoint else directory
-    if RunDir(source).is_run:
-        return source, source
-    run = RunDir(source.parent.parent)
-    if run.is_run and (
-        (parse_step_name(source.name) is not None and source.parent == run.checkpoints)
-        or (parse_version_name(source.name) is not None and source.parent == run.versions)
-    ):
-        return run.path, source
-    return None
+    part = run_part(source)
+    return None if part is None else (part[0].path, source)
 
 
 def check_hf_model_dir(path: str | Path) -> Path:

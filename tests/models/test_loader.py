@@ -156,6 +156,7 @@ def test_a_part_of_an_sdp_run_as_model_path_names_the_export_that_makes_it_one(t
     for directory in ("checkpoints/step-000002/policy", "versions/v000001"):
         (run / directory).mkdir(parents=True)
         (run / directory / "adapter_config.json").write_text("{}")
+    (run / "overrides.json").write_text("[]")  # what a run writes first, then config.yaml
     (run / "config.yaml").write_text("seed: 0\n")
     with pytest.raises(UserError) as err:
         load_policy("hf", path=run / part)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.errors import UserError
-from sdp_cli.rundir import RunDir, parse_step_name, parse_version_name
+from sdp_cli.rundir import RunDir, run_part
 
 SOURCE_FIX = "pass a run directory, one of its checkpoints/step-NNNNNN or one of its versions/vNNNNNN"
 
@@ -52,30 +52,30 @@ def find_saved_policy(source: str | Path) -> SavedPolicy:
     path = Path(source).expanduser()
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; {SOURCE_FIX}")
-    if RunDir(path).overrides.is_file():
-        run = RunDir(path)
+    part = run_part(path)
+    if part is None:
+        raise UserError(f"{path} is no run, checkpoint or version directory of sdp train; {SOURCE_FIX}")
+    run, kind = part
+    if kind == "run":
         latest = find_latest(run.checkpoints) if run.checkpoints.is_dir() else None
         if latest is None:
             raise UserError(f"{path} has no complete checkpoint; train with train.checkpoint_every > 0, or pass a version directory")
         return SavedPolicy(latest / "policy", run, f"checkpoint {latest.name}", latest, newest=True)
-    run = RunDir(path.parent.parent)
-    if parse_step_name(path.name) is not None and path.parent == run.checkpoints:
+    if kind == "checkpoint":
         if not is_complete(path):
             raise UserError(f"{path} is an incomplete or corrupted checkpoint; pass an earlier one")
         return SavedPolicy(path / "policy", run, f"checkpoint {path.name}", path)
-    if parse_version_name(path.name) is not None and path.parent == run.versions:
-        return SavedPolicy(path, run, f"version {path.name}")
-    raise UserError(f"{path} is no run, checkpoint or version directory of sdp train; {SOURCE_FIX}")
+    return SavedPolicy(path, run, f"version {path.name}")
 
 
 @contextmanager
 def held(saved: SavedPolicy, near: Path) -> Iterator[SavedPolicy]:
     """``saved`` with its checkpoint's files held in a temporary directory in ``near`` (or its
     nearest existing parent: nothing is made for a load that fails) for as long as the block
-    runs: a run that is training prunes its older checkpoints,
-    and one chosen a moment ago may go before it is loaded. A run's newest checkpoint that went
-    is replaced by the newest then; a named one that went is refused in one line. A version
-    directory, which its run keeps, is not copied."""
+    runs: a run that is training prunes its older checkpoints, and one chosen a moment ago may
+    go before it is loaded. A run's newest checkpoint that went is replaced by the newest then;
+    a named one that went is refused in one line. A version directory, which its run keeps, is
+    not copied."""
     from sdp_cli.train.session.checkpoint import find_latest, hold_checkpoint
 
     if saved.checkpoint is None:
