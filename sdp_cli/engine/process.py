@@ -125,6 +125,7 @@ def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scrat
         health_path="/health",
         log_path=Path(log_dir) / LOG_NAME,
         secrets=(token,),
+        watches_parent=True,  # process_server.leave_with_parent
     )
 
 

@@ -7,16 +7,24 @@ launched server writes its output to a log file; readiness is a health route ans
 a process that exits during startup is reported at once with the end of its log. A launched
 server whose process exited (a crash, a kill) is started again on the same port by ``revive``,
 which the engine calls when the server stops answering (docs/reliability.md "Engine faults").
+A server that knows nothing of sdp (vLLM, SGLang) runs under ``server_guard.py``, which ends it
+when sdp is gone (a kill -9 included), with a temporary directory of its own (``TMPDIR``) that is
+removed once it has ended, however it ended: vLLM leaves its ZMQ sockets and a torch.distributed
+store there even when it is stopped cleanly. sdp's own engine process does both itself.
 """
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +37,9 @@ from sdp_cli.engine.base import EngineUnavailable
 from sdp_cli.fileio import open_in_place
 
 logger = logging.getLogger(__name__)
+
+#: runs a launched server and ends it when sdp is gone (a script: only the standard library)
+GUARD = Path(__file__).with_name("server_guard.py")
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,11 @@ class LaunchSpec:
     poll_interval_s: float = 0.5
     #: command-line values hidden in logs (API keys)
     secrets: Sequence[str] = field(default=(), repr=False)
+    #: the server ends itself once sdp is gone and keeps its files to a scratch directory sdp
+    #: gave it (sdp's local engine process); otherwise it runs under server_guard.py
+    watches_parent: bool = False
+    #: seconds a server is given to exit after SIGTERM before it is killed
+    stop_grace_s: float = 20.0
 
     @property
     def base_url(self) -> str:
@@ -98,6 +114,7 @@ class ServerLaunch:
         health_path: str,
         log_path: Path,
         secrets: Sequence[str] = (),
+        watches_parent: bool = False,
     ) -> LaunchSpec:
         """The ``LaunchSpec`` of ``command`` (``extra_args`` go last, so they may override a flag)."""
         return LaunchSpec(
@@ -110,7 +127,33 @@ class ServerLaunch:
             log_path=log_path,
             startup_timeout_s=self.startup_timeout_s,
             secrets=tuple(secrets),
+            watches_parent=watches_parent,
         )
+
+
+def _scratch_dir(env: Mapping[str, str]) -> tuple[Path, dict[str, str]]:
+    """A new temporary directory for one server process, inside the one it would use otherwise
+    (its ``TMPDIR``, else ours), and the variables that give it to the process. torch keeps its
+    compile cache under the temporary directory by default: that stays in the shared place, so a
+    restarted server does not compile again."""
+    base = env.get("TMPDIR") or tempfile.gettempdir()
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix="sdp-server-", dir=base))
+    except OSError as exc:
+        raise EngineUnavailable(
+            f"cannot make the server's temporary directory in {base}: {exc.strerror}; "
+            "set TMPDIR (or engine.env.TMPDIR) to a writable directory"
+        ) from None
+    variables = {"TMPDIR": str(scratch)}
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        # the name torch gives that cache (torch/_inductor/runtime/cache_dir_utils.py)
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)
+        variables["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"torchinductor_{user}")
+    return scratch, variables
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -134,6 +177,8 @@ class ManagedServer:
         self._revive_lock = threading.Lock()
         #: times the process was started again after it exited
         self.restarts = 0
+        #: pid -> the temporary directory that process was given (removed when it has ended)
+        self._scratch: dict[int, Path] = {}
 
     @property
     def base_url(self) -> str:
@@ -153,13 +198,27 @@ class ManagedServer:
             "starting %s: %s (log: %s)", spec.label, self._redacted(spec.command), spec.log_path
         )
         env = {**os.environ, **spec.env}
+        if shutil.which(spec.command[0], path=env.get("PATH")) is None:
+            raise EngineUnavailable(
+                f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: no such executable); "
+                "set engine.python to the server virtualenv's python"
+            )
+        command, scratch = spec.command, None
+        if not spec.watches_parent:
+            scratch, variables = _scratch_dir(env)
+            env.update(variables)
+            command = [
+                sys.executable, "-I", str(GUARD),
+                "--parent-pid", str(os.getpid()), "--scratch", str(scratch),
+                "--grace-s", repr(spec.stop_grace_s), "--", *command,
+            ]  # fmt: skip
         # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
         with open_in_place(spec.log_path, "ab") as log:
             try:
                 # Its own session, so stop() can end the server's worker processes too, and a
                 # Ctrl-C at the terminal reaches sdp only (which stops the server at its end).
                 process = subprocess.Popen(
-                    spec.command,
+                    command,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -167,10 +226,14 @@ class ManagedServer:
                     start_new_session=True,
                 )
             except OSError as exc:
+                if scratch is not None:
+                    shutil.rmtree(scratch, ignore_errors=True)
                 raise EngineUnavailable(
                     f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: {exc.strerror}); "
                     "set engine.python to the server virtualenv's python"
                 ) from None
+        if scratch is not None:
+            self._scratch[process.pid] = scratch
         self._process = process
         try:
             self._wait_ready(process)
@@ -224,6 +287,8 @@ class ManagedServer:
                 self.spec.log_path, self.log_tail(),
             )  # fmt: skip
             self.restarts += 1
+            if process is not None:
+                self._discard_scratch(process)
             self.start()
             return True
 
@@ -236,29 +301,39 @@ class ManagedServer:
         tail = [line.strip() for line in text.strip().splitlines()[-lines:]]
         return self._redacted(" | ".join(tail)) if tail else "(empty log)"
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """Terminate the server's process group; kill it if it has not exited after ``grace_s``."""
+    def stop(self) -> None:
+        """Terminate the server's process group; kill it if it has not exited after the spec's
+        ``stop_grace_s``."""
         self._stopped.set()
         process, self._process = self._process, None
         if process is not None:
-            self._end(process, grace_s)
+            self._end(process)
 
-    def _end(self, process: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-        """SIGTERM the process group of ``process``, then SIGKILL after ``grace_s``; reaps it."""
-        if process.poll() is not None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
+    def _end(self, process: subprocess.Popen[bytes]) -> None:
+        """SIGTERM the process group of ``process``, then SIGKILL after ``stop_grace_s``; reaps it
+        and removes its temporary directory."""
+        try:
+            if process.poll() is not None:
                 return
-            try:
-                process.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                logger.warning(
-                    "%s (pid %d) ignored signal %s", self.spec.label, process.pid, sig.name
-                )
+            for sig, wait_s in ((signal.SIGTERM, self.spec.stop_grace_s), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    process.wait(timeout=wait_s)
+                    return
+                except subprocess.TimeoutExpired:
+                    logger.warning(
+                        "%s (pid %d) ignored signal %s", self.spec.label, process.pid, sig.name
+                    )
+        finally:
+            self._discard_scratch(process)
+
+    def _discard_scratch(self, process: subprocess.Popen[bytes]) -> None:
+        scratch = self._scratch.pop(process.pid, None)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def _redacted(self, value: Sequence[str] | str) -> str:
         text = value if isinstance(value, str) else " ".join(value)

@@ -3,9 +3,19 @@ version / π_prox_t bookkeeping, checked as a property over arbitrary abort sche
 
 from __future__ import annotations
 
+import contextlib
+import getpass
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -237,6 +247,183 @@ def test_a_missing_interpreter_is_reported(tmp_path):
     spec = LaunchSpec(**{**spec.__dict__, "command": ["/no/such/python", "-m", "x"]})
     with pytest.raises(EngineUnavailable, match="cannot start the test server .*set engine.python"):
         ManagedServer(spec).start()
+
+
+# A server that leaves files in the temporary directory, as vLLM does (ZMQ sockets, a
+# torch.distributed file store), from its own process and from a worker in its session.
+LITTERING = """
+import os, socket, subprocess, sys, tempfile
+from http.server import BaseHTTPRequestHandler, HTTPServer
+tmp = tempfile.gettempdir()
+print("tmpdir", tmp, "inductor", os.environ.get("TORCHINDUCTOR_CACHE_DIR"), flush=True)
+open(os.path.join(tmp, "server_dist_store"), "w").close()
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(os.path.join(tmp, "server.sock"))
+worker = subprocess.Popen([sys.executable, "-c",
+    "import os, tempfile, time; open(os.path.join(tempfile.gettempdir(), 'worker'), 'w').close(); time.sleep(60)"])
+print("pids", os.getpid(), worker.pid, flush=True)
+if os.environ.get("IGNORE_SIGTERM"):
+    import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+@pytest.fixture
+def system_tmp(monkeypatch):
+    """sdp's own temporary directory, empty at the start (what /tmp is to a real run); a short
+    path, as a socket's path must be (pytest's tmp_path is too long for one)."""
+    root = Path(tempfile.mkdtemp(prefix="st-"))
+    monkeypatch.setenv("TMPDIR", str(root))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _server_tmpdirs(log: Path) -> list[str]:
+    return [line.split()[1] for line in log.read_text().splitlines() if line.startswith("tmpdir ")]
+
+
+def test_a_stopped_server_leaves_nothing_in_the_temporary_directory(tmp_path, system_tmp):
+    spec = _spec(tmp_path, LITTERING)
+    with ManagedServer(spec) as server:
+        assert httpx.get(server.base_url + "/health").status_code == 200
+    (server_tmp,) = _server_tmpdirs(spec.log_path)
+    # the server had a directory of its own inside sdp's, and it is gone with the server
+    assert Path(server_tmp).parent == system_tmp
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_a_killed_and_revived_server_leaves_nothing_behind(tmp_path, system_tmp):
+    spec = _spec(tmp_path, LITTERING)
+    server = ManagedServer(spec).start()
+    try:
+        wait_s = time.monotonic() + 10
+        while not any(system_tmp.rglob("worker")) and time.monotonic() < wait_s:
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)
+        wait_s = time.monotonic() + 10
+        while not server.revive() and time.monotonic() < wait_s:
+            time.sleep(0.05)
+        assert server.restarts == 1
+        first, second = _server_tmpdirs(spec.log_path)
+        assert first != second and not Path(first).exists() and Path(second).is_dir()
+    finally:
+        server.stop()
+    assert list(system_tmp.iterdir()) == []
+
+
+def _pids(log: Path) -> list[int]:
+    lines = [line.split() for line in log.read_text().splitlines() if line.startswith("pids ")]
+    return [int(pid) for pid in lines[-1][1:]]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"  # ended, waiting to be reaped
+
+
+def test_a_server_killed_alone_is_reported_with_its_signal_and_revived(tmp_path, system_tmp, caplog):
+    spec = _spec(tmp_path, LITTERING)
+    server = ManagedServer(spec).start()
+    try:
+        first_pid = _pids(spec.log_path)[0]
+        os.kill(first_pid, signal.SIGKILL)  # the server's process only, not its session
+        deadline = time.monotonic() + 10
+        while not server.revive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.restarts == 1 and httpx.get(server.base_url + "/health").status_code == 200
+        assert "exited with code -9; starting it again" in caplog.text
+        assert _gone(first_pid) and _pids(spec.log_path)[0] != first_pid
+    finally:
+        server.stop()
+    assert list(system_tmp.iterdir()) == []
+
+
+# a stand-in for sdp: launches the server, reports its pid, then waits to be killed
+FAKE_SDP = """
+import sys, time
+from pathlib import Path
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer
+grace = {"stop_grace_s": float(sys.argv[4])} if len(sys.argv) > 4 else {}
+spec = LaunchSpec(label="test server", command=[sys.executable, "-c", sys.argv[1], sys.argv[2]], env={},
+                  host="127.0.0.1", port=int(sys.argv[2]), health_path="/health",
+                  log_path=Path(sys.argv[3]), poll_interval_s=0.05, **grace)
+ManagedServer(spec).start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("ignores_sigterm", [False, True], ids=["stops", "ignores-sigterm"])
+def test_a_kill_9_of_sdp_ends_the_server_it_launched_and_its_files(tmp_path, system_tmp, ignores_sigterm):
+    log = tmp_path / "server.log"
+    env, grace = dict(os.environ), []
+    if ignores_sigterm:  # killed 1 s after the SIGTERM it ignores
+        env["IGNORE_SIGTERM"], grace = "1", ["1.0"]
+    sdp = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SDP, LITTERING, str(free_port()), str(log), *grace],
+        stdout=subprocess.PIPE, env=env, text=True,
+    )  # fmt: skip
+    try:
+        assert sdp.stdout.readline().strip() == "ready"
+        pids = _pids(log)
+        deadline = time.monotonic() + 10
+        while not any(system_tmp.rglob("worker")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sdp.kill()
+        sdp.wait()
+        deadline = time.monotonic() + 15
+        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(map(_gone, pids)), "the server outlived sdp"
+        deadline = time.monotonic() + 5
+        while list(system_tmp.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(system_tmp.iterdir()) == []
+    finally:
+        sdp.kill()
+        sdp.stdout.close()
+        for pid in _pids(log) if log.exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_that_fails_at_startup_leaves_nothing_behind(tmp_path, system_tmp):
+    code = "import os, sys, tempfile; open(os.path.join(tempfile.gettempdir(), 'x'), 'w').close(); sys.exit(3)"
+    with pytest.raises(EngineUnavailable, match="exited with code 3"):
+        ManagedServer(_spec(tmp_path, code)).start()
+    assert list(system_tmp.iterdir()) == []
+
+
+def test_the_compile_cache_stays_where_it_is_shared_between_starts(tmp_path, system_tmp):
+    spec = _spec(tmp_path, LITTERING)
+    with ManagedServer(spec):
+        pass
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    # a cache directory the user chose is passed on unchanged
+    spec = LaunchSpec(**{**spec.__dict__, "env": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}})
+    with ManagedServer(spec):
+        pass
+    inductor = [line.split()[3] for line in spec.log_path.read_text().splitlines() if line.startswith("tmpdir ")]
+    assert inductor == [str(system_tmp / f"torchinductor_{user}"), str(tmp_path / "mine")]
+
+
+def test_a_temporary_directory_set_for_the_server_holds_its_own_directory(tmp_path, system_tmp):
+    chosen = system_tmp / "big-disk"
+    chosen.mkdir()
+    spec = LaunchSpec(**{**_spec(tmp_path, LITTERING).__dict__, "env": {"TMPDIR": str(chosen)}})
+    with ManagedServer(spec):
+        (server_tmp,) = _server_tmpdirs(spec.log_path)
+        assert Path(server_tmp).parent == chosen
+    assert list(chosen.iterdir()) == [] and list(system_tmp.iterdir()) == [chosen]
 
 
 # ------------------------------------------------- π_prox_t bookkeeping, as a property

@@ -103,6 +103,50 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
         time.sleep(0.05)
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts as gone: it no longer runs)."""
+    try:
+        return _stat(pid)[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def session_of(pid: int) -> int:
+    return int(_stat(pid)[3])
+
+
+def running_in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` that still run."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = _stat(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def processes_whose_command_has(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if text in command:
+                found.append(int(entry.name))
+    return found
+
+
 def complete_checkpoint_steps(run_dir: Path) -> list[int]:
     """Steps of the checkpoints renamed into place (complete by construction: the rename is the
     last step of a write), read from the directory listing, not through checkpoint.py."""

@@ -13,7 +13,10 @@ checked against a transformers forward of that version's weights.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +33,12 @@ from .harness import (
     events,
     first_step_time_after,
     metrics,
+    processes_whose_command_has,
     read_jsonl,
     run_sdp,
+    running_in_session,
     sdp_env,
+    session_of,
     start_sdp,
     versioned_segment_wise,
     wait_for,
@@ -234,6 +240,45 @@ def test_kill_9_of_sdp_while_attached_then_resume(vllm_server, tmp_path, sdp_cac
     _finish(run_dir, steps, run_id, vllm_server, done.stdout, done.stderr)
     back = first_step_time_after(run_dir, 0, killed_at)
     report.fault("kill -9", "sdp with a vLLM server attached", run_id, back - killed_at)
+
+
+def test_kill_9_of_sdp_ends_the_server_it_launched_then_resume(tmp_path, sdp_cache):
+    """sdp launched the server itself (engine.launch) and is killed -9, so it cannot stop it: the
+    guard it runs the server under (server_guard.py) does. Every process of the server's session
+    ends, and the temporary directory it was given goes with them; the resume launches a new
+    server and finishes with nothing lost."""
+    python = os.environ.get("SDP_VLLM_PYTHON") or pytest.skip("set SDP_VLLM_PYTHON")
+    steps = 6
+    run_dir = tmp_path / "run"
+    tmp = Path(tempfile.mkdtemp(prefix="sdp-rel-"))  # sdp's TMPDIR: short, as socket paths must be
+    args = [*FAST, "engine=vllm", f"engine.python={python}", "engine.max_model_len=256",
+            *versioned_segment_wise(run_dir, steps)]  # fmt: skip
+    env = sdp_env(sdp_cache, TMPDIR=str(tmp))
+    log = tmp_path / "sdp.log"
+    proc = start_sdp(["train", *args], env, log)
+    try:
+        wait_for(lambda: len(metrics(run_dir)) >= 2, 400, "step 2", proc)
+        # the guard and the server (its command is in the guard's)
+        (session,) = {session_of(p) for p in processes_whose_command_has(f"--model {run_dir}/weights/launch")}
+        assert [p.name for p in tmp.iterdir()][0].startswith("sdp-server-")
+        proc.kill()
+        proc.wait()
+        killed_at = time.time()
+        wait_for(lambda: not running_in_session(session), 60, "the launched server to end with sdp")
+        assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+        done = run_sdp(["train", f"resume={run_dir}"], env, 600)
+        assert done.returncode == 0, done.stderr[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    run_id = "vLLM: kill -9 of sdp that launched the server, resume"
+    verdict = check_finished_run(run_dir, steps)
+    assert assert_tokens_carry_their_version(run_dir) > 0
+    report.run_result(run_id, survived=True, samples_lost=verdict.audit.samples_lost,
+                      samples_duplicated=verdict.audit.samples_duplicated)  # fmt: skip
+    back = first_step_time_after(run_dir, 0, killed_at)
+    report.fault("kill -9", "sdp with a vLLM server it launched", run_id, back - killed_at)
 
 
 def test_unreachable_server_at_start_is_one_line_naming_address_and_retries(tmp_path, sdp_cache):

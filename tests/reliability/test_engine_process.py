@@ -30,6 +30,7 @@ from .harness import (
     check_finished_run,
     events,
     first_step_time_after,
+    gone,
     metrics,
     run_sdp,
     sdp_env,
@@ -74,15 +75,6 @@ def rollout_scratches(run_dir: Path) -> list[tuple[int, Path]]:
 def scratches(run_dir: Path) -> list[Path]:
     """The scratch directories the run's engine processes were started with, in order."""
     return [Path(p) for p in re.findall(r"sdp local engine: pid \d+, .*, scratch (\S+)", whole_lines(run_dir / LOG))]
-
-
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie of sdp counts as gone: it no longer runs)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    return state == "Z"
 
 
 def _finished(run_dir: Path, steps: int, run_id: str, *outputs: str):
