@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from _results import commit_of, write_results
+from _scratch import KEEP_HELP, run_scratch
 
 from sdp_cli.ablate.stats import holm, paired_t
 
@@ -88,6 +89,7 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab_train.json")
+    parser.add_argument("--keep-runs", action="store_true", help=KEEP_HELP)
     args = parser.parse_args()
     checkouts = {"before": args.before.resolve(), "after": args.after.resolve()}
     for name, path in checkouts.items():
@@ -97,18 +99,18 @@ def main() -> None:
         parser.error("--pairs must be at least 1 and --steps at least 2")
     configs = [(m, int(e)) for m in args.modes.split(",") if m for e in args.etas.split(",") if e]
     load_before = os.getloadavg()[0]
-    root = Path(tempfile.mkdtemp(prefix="sdp-bench-ab-"))
-    sps: dict[tuple[str, int, str], list[float]] = {}
-    for pair in range(args.pairs):
-        for k, (mode, eta) in enumerate(configs):
-            order = ["before", "after"] if (pair + k) % 2 == 0 else ["after", "before"]
-            for which in order:
-                overrides = [
-                    f"+preset={mode}", f"rollout.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.set
-                ]
-                value = run_once(checkouts[which], overrides, root, root / f"cache-{which}")
-                sps.setdefault((mode, eta, which), []).append(value)
-        print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr)
+    with run_scratch("ab", args.keep_runs) as root:
+        sps: dict[tuple[str, int, str], list[float]] = {}
+        for pair in range(args.pairs):
+            for k, (mode, eta) in enumerate(configs):
+                order = ["before", "after"] if (pair + k) % 2 == 0 else ["after", "before"]
+                for which in order:
+                    overrides = [
+                        f"+preset={mode}", f"rollout.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.set
+                    ]
+                    value = run_once(checkouts[which], overrides, root, root / f"cache-{which}")
+                    sps.setdefault((mode, eta, which), []).append(value)
+            print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr)
     load_after = os.getloadavg()[0]
 
     rows = []

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from _results import write_results
+from _scratch import KEEP_HELP, run_scratch
 
 COMMON = ["run.progress=false", "run.tensorboard=false", "train.eval_samples=0", "train.checkpoint_every=0"]
 #: the processes of a run, by what their command line runs
@@ -136,6 +137,7 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_share.json")
+    parser.add_argument("--keep-runs", action="store_true", help=KEEP_HELP)
     args = parser.parse_args()
     if args.eta < 1:
         parser.error("--eta must be at least 1: at η = 0 the rollout side runs in sdp's own process")
@@ -145,13 +147,13 @@ def main() -> None:
         parser.error("this benchmark reads /proc: Linux only")
     modes = [m for m in args.modes.split(",") if m]
     load_before = os.getloadavg()[0]
-    root = Path(tempfile.mkdtemp(prefix="sdp-bench-cpu-"))
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for repeat in range(args.repeats):
-        for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
-            overrides = [f"+preset={mode}", f"rollout.max_head_offpolicyness={args.eta}", *args.set]
-            runs[mode].append(measure(overrides, args.steps, args.skip, args.window, root))
-        print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
+    with run_scratch("cpu", args.keep_runs) as root:
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for repeat in range(args.repeats):
+            for mode in modes[repeat % len(modes) :] + modes[: repeat % len(modes)]:
+                overrides = [f"+preset={mode}", f"rollout.max_head_offpolicyness={args.eta}", *args.set]
+                runs[mode].append(measure(overrides, args.steps, args.skip, args.window, root))
+            print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
     load_after = os.getloadavg()[0]
 
     rows = []

@@ -45,10 +45,10 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from _results import write_results
+from _scratch import KEEP_HELP, run_scratch
 from train import (
     ALPHA,
     PROCESSES,
@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "pass_cost.json")
+    parser.add_argument("--keep-runs", action="store_true", help=KEEP_HELP)
     parser.add_argument("--judge", type=Path, metavar="JSON", help="print the verdicts of a stored run and exit")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", dest="extra",
@@ -196,16 +197,16 @@ def main() -> None:
     if args.repeats < 1 or args.steps < 20:
         raise SystemExit("--repeats must be at least 1 and --steps at least 20 (the CPU window skips the first 10 steps)")
     load_before = os.getloadavg()[0]
-    root = Path(tempfile.mkdtemp(prefix="sdp-bench-pass-"))
-    cache = root / "cache"
-    run_once(configs["decoupled"], 1, root, cache)  # the warm-start cache (and a check of --set), once for all runs
+    with run_scratch("pass", args.keep_runs) as root:
+        cache = root / "cache"
+        run_once(configs["decoupled"], 1, root, cache)  # the warm-start cache (and a check of --set), once for all runs
 
-    names = list(CONFIGS)
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for repeat in range(args.repeats):
-        for name in rotated(names, repeat):
-            runs[name].append(run_once(configs[name], args.steps, root, cache))
-        print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
+        names = list(CONFIGS)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for repeat in range(args.repeats):
+            for name in rotated(names, repeat):
+                runs[name].append(run_once(configs[name], args.steps, root, cache))
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
     load_after = os.getloadavg()[0]
 
     rows = []

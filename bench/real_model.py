@@ -20,12 +20,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from _results import write_results
+from _scratch import run_scratch
 
 
 def _prompts(policy: Any, batch: int) -> list[list[int]]:
@@ -134,6 +134,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--note", default="", help="free text stored with the results (e.g. what else ran)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "real_model.json")
+    parser.add_argument("--keep-runs", action="store_true", help="keep the vLLM server's log (printed at the end)")
     args = parser.parse_args()
     if not args.vllm_python:
         sys.exit("bench/real_model.py: give --vllm-python or set SDP_VLLM_PYTHON (the vLLM server's python)")
@@ -142,8 +143,8 @@ def main() -> None:
 
     policy = load_hf_policy(args.model)
     prompts = _prompts(policy, args.batch)
-    log_dir = Path(tempfile.mkdtemp(prefix="sdp-bench-real-"))
-    rows = [bench_local(policy, prompts, args), bench_vllm(args.model, prompts, args, log_dir)]
+    with run_scratch("real", args.keep_runs) as log_dir:
+        rows = [bench_local(policy, prompts, args), bench_vllm(args.model, prompts, args, log_dir)]
     speedup = rows[1]["tokens_per_second_median"] / rows[0]["tokens_per_second_median"]
 
     print(f"{args.model.name}: batch {args.batch} x {args.max_new_tokens} new tokens, median of {args.repeats}")

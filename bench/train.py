@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 from _results import write_results
+from _scratch import KEEP_HELP, run_scratch
 from cpu_share import TICKS, cpu_ticks, descendants
 
 from sdp_cli.ablate.stats import holm, minimum_detectable_effect, paired_t, student_t_cdf, student_t_sf
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train.json")
+    parser.add_argument("--keep-runs", action="store_true", help=KEEP_HELP)
     parser.add_argument("--in-process", action="store_true", help="run the local engine and the rollout side in sdp's process")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a Hydra override for every run (repeatable)"
@@ -180,24 +182,24 @@ def main() -> None:
     engine = (["engine.in_process=true"] if args.in_process else []) + args.set
     load_before = os.getloadavg()[0]
 
-    root = Path(tempfile.mkdtemp(prefix="sdp-bench-train-"))
-    cache = root / "cache"
-    # warm the warm-start cache once so that no configuration pays for it
-    run_once([*CONFIGS[0][2], *engine], 1, root, cache)
+    with run_scratch("train", args.keep_runs) as root:
+        cache = root / "cache"
+        # warm the warm-start cache once so that no configuration pays for it
+        run_once([*CONFIGS[0][2], *engine], 1, root, cache)
 
-    # the trainer's step on the threads it gets when η > 0 (train/session/placement.py thread_counts)
-    half = max(1, (os.cpu_count() or 1) // 2)
-    plan = [(mode, eta, overrides, False) for mode, eta, overrides in CONFIGS]
-    plan += [(mode, eta, overrides, True) for mode, eta, overrides in CONFIGS if eta == 0]
-    # Every repeat runs every configuration, in an order rotated by one each repeat: a drift of
-    # the machine then hits all configurations alike, and the ratios pair runs of one repeat.
-    runs: dict[tuple[str, int, bool], list[dict]] = {}
-    for repeat in range(args.repeats):
-        for mode, eta, overrides, alone in rotated(plan, repeat):
-            threads = [f"train.threads={half}"] if alone else []
-            summary = run_once([*overrides, *engine, *threads], args.steps, root, cache)
-            runs.setdefault((mode, eta, alone), []).append(summary)
-        print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
+        # the trainer's step on the threads it gets when η > 0 (train/session/placement.py thread_counts)
+        half = max(1, (os.cpu_count() or 1) // 2)
+        plan = [(mode, eta, overrides, False) for mode, eta, overrides in CONFIGS]
+        plan += [(mode, eta, overrides, True) for mode, eta, overrides in CONFIGS if eta == 0]
+        # Every repeat runs every configuration, in an order rotated by one each repeat: a drift of
+        # the machine then hits all configurations alike, and the ratios pair runs of one repeat.
+        runs: dict[tuple[str, int, bool], list[dict]] = {}
+        for repeat in range(args.repeats):
+            for mode, eta, overrides, alone in rotated(plan, repeat):
+                threads = [f"train.threads={half}"] if alone else []
+                summary = run_once([*overrides, *engine, *threads], args.steps, root, cache)
+                runs.setdefault((mode, eta, alone), []).append(summary)
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
     alone = {
         mode: statistics.median(r["time/train_s"] * r["wall_seconds"] / r["steps"] for r in runs[(mode, 0, True)])
         for mode, eta, _ in CONFIGS

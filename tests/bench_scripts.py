@@ -4,6 +4,7 @@ module to test their functions."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,14 @@ from types import ModuleType
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def run_bench(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python bench/<script> <args>``, its output captured."""
-    return subprocess.run([sys.executable, str(BENCH / script), *args], check=False, capture_output=True, text=True, timeout=timeout)
+def run_bench(
+    script: str, *args: str, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python bench/<script> <args>``, its output captured (``env``: added to ours)."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        check=False, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def load_bench(script: str) -> ModuleType:

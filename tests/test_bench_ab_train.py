@@ -52,11 +52,15 @@ def test_verdicts_are_holm_adjusted_over_the_configurations(bench):
 def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
     # one pair (two runs): the statistics of several are tested on hand-computed values above
     out = tmp_path / "ab.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     done = run_bench(
         "ab_train.py", "--before", str(ROOT), "--after", str(ROOT), "--pairs", "1", "--steps", "3", "--modes", "decoupled",
         "--etas", "1", "--set", "+debug=fast", "--set", "engine.in_process=true", "--out", str(out), timeout=600,
+        env={"TMPDIR": str(scratch)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert list(scratch.glob("sdp-bench-*")) == []  # the runs' directories are gone (torch's cache stays)
     result = json.loads(out.read_text())
     (row,) = result["rows"]
     assert (row["mode"], row["max_head_offpolicyness"], row["pairs"]) == ("decoupled", 1, 1)

@@ -65,11 +65,16 @@ def test_the_rollout_and_engine_processes_are_found_below_the_run_only(bench):
 
 def test_end_to_end_on_the_fast_config(tmp_path):
     out = tmp_path / "cpu.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     done = run_bench(
         "cpu_share.py", "--modes", "decoupled", "--eta", "1", "--steps", "400", "--skip", "0", "--window", "1",
-        "--repeats", "1", "--set", "+debug=fast", "--out", str(out), timeout=600,
+        "--repeats", "1", "--set", "+debug=fast", "--out", str(out), "--keep-runs", timeout=600,
+        env={"TMPDIR": str(scratch)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    (kept,) = scratch.glob("sdp-bench-*")  # --keep-runs: kept, and named
+    assert f"cpu: the runs are kept in {kept}" in done.stderr and (kept / "cache").is_dir()
     (row,) = json.loads(out.read_text())["rows"]
     assert row["mode"] == "decoupled" and row["steps_per_second"] > 0
     # every process ran in the window, none past the cores it may use
