@@ -513,7 +513,9 @@ def part_engine(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[st
 def part_fsdp(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str, Any]:
     run_dir = args.work / "run-fsdp"
     overrides = [*train_overrides(args, plan, run_dir, plan.fsdp_steps), "train.parallel=fsdp", "train.eval_samples=0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "sdp_cli", "train", *overrides]
+    # torchrun's logs in the work directory (by default a torchelastic_* directory left in /tmp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--log-dir", str(args.work / "torchrun"),
+           "-m", "sdp_cli", "train", *overrides]  # fmt: skip
     started = time.monotonic()
     with GpuMemoryPoll(plan.device == "cuda") as poll:
         code = run_process(cmd, timeout, child_env(plan))

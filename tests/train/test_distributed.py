@@ -18,7 +18,8 @@ def test_two_processes_train_the_same_model(tmp_path):
     torchrun = str(Path(sys.executable).parent / "torchrun")
     run_dir = tmp_path / "run"
     env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    cmd = [torchrun, "--nproc_per_node", "2", "-m", "sdp_cli", "train", *FAST, "+preset=segment_wise",
+    cmd = [torchrun, "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun"), "-m", "sdp_cli", "train",
+           *FAST, "+preset=segment_wise",
            "train.steps=3", "train.threads=1", f"run.dir={run_dir}"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

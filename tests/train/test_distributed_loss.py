@@ -30,7 +30,7 @@ def test_several_processes_compute_the_single_process_gradient(tmp_path, process
     worker = Path(__file__).with_name("dist_loss_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [str(TORCHRUN), "--nproc_per_node", str(processes), str(worker), str(tmp_path)],
+        [str(TORCHRUN), "--nproc_per_node", str(processes), "--log-dir", str(tmp_path / "torchrun"), str(worker), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,

@@ -30,7 +30,7 @@ def test_a_sharded_step_equals_the_single_process_step(tmp_path):
     the global token mean; a rank with no row of a minibatch still joins every all-gather."""
     worker = Path(__file__).with_name("dist_loss_worker.py")
     done = subprocess.run(
-        [str(TORCHRUN), "--nproc_per_node", "2", str(worker), str(tmp_path), "fsdp"],
+        [str(TORCHRUN), "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun"), str(worker), str(tmp_path), "fsdp"],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
@@ -65,7 +65,10 @@ def test_a_sharded_step_equals_the_single_process_step(tmp_path):
 
 
 def _torchrun_train(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    cmd = [str(TORCHRUN), "--nproc_per_node", "2", "-m", "sdp_cli", "train", *args]
+    # torchrun's logs in the warm-start cache's directory (a test's own): by default it leaves a
+    # torchelastic_* directory in /tmp per run
+    log_dir = Path(env["SDP_CACHE_DIR"]).parent / "torchrun"
+    cmd = [str(TORCHRUN), "--nproc_per_node", "2", "--log-dir", str(log_dir), "-m", "sdp_cli", "train", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -197,7 +197,7 @@ def test_two_processes_train_lora_in_bf16_with_kl_and_entropy(hf_model, tmp_path
     run_dir = tmp_path / "run"
     env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     overrides = [*FAST, f"model.path={hf_model}", *LORA_BF16[:6], "train.steps=2", "train.threads=1", f"run.dir={run_dir}"]
-    cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "sdp_cli", "train", *overrides]
+    cmd = [str(torchrun), "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun"), "-m", "sdp_cli", "train", *overrides]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     events = _events(run_dir)
