@@ -256,6 +256,7 @@ def test_kill_9_of_sdp_ends_the_server_it_launched_then_resume(tmp_path, sdp_cac
     env = sdp_env(sdp_cache, TMPDIR=str(tmp))
     log = tmp_path / "sdp.log"
     proc = start_sdp(["train", *args], env, log)
+    session = None
     try:
         wait_for(lambda: len(metrics(run_dir)) >= 2, 400, "step 2", proc)
         # the guard and the server (its command is in the guard's)
@@ -271,6 +272,8 @@ def test_kill_9_of_sdp_ends_the_server_it_launched_then_resume(tmp_path, sdp_cac
     finally:
         if proc.poll() is None:
             proc.kill()
+        if session is not None and running_in_session(session):  # failed: leave no server behind
+            os.killpg(session, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
     run_id = "vLLM: kill -9 of sdp that launched the server, resume"
     verdict = check_finished_run(run_dir, steps)
