@@ -200,7 +200,7 @@ class ManagedServer:
         env = {**os.environ, **spec.env}
         if shutil.which(spec.command[0], path=env.get("PATH")) is None:
             raise EngineUnavailable(
-                f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: no such executable); "
+                f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: not found, or not executable); "
                 "set engine.python to the server virtualenv's python"
             )
         command, scratch = spec.command, None

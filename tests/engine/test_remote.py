@@ -249,6 +249,15 @@ def test_a_missing_interpreter_is_reported(tmp_path):
         ManagedServer(spec).start()
 
 
+def test_an_interpreter_that_is_not_executable_is_reported_before_anything_starts(tmp_path, system_tmp):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")  # not executable
+    spec = LaunchSpec(**{**_spec(tmp_path, "").__dict__, "command": [str(python), "-m", "x"]})
+    with pytest.raises(EngineUnavailable, match=r"\(.*/python: not found, or not executable\); set engine.python"):
+        ManagedServer(spec).start()
+    assert list(system_tmp.iterdir()) == [] and not spec.log_path.exists()
+
+
 # A server that leaves files in the temporary directory, as vLLM does (ZMQ sockets, a
 # torch.distributed file store), from its own process and from a worker in its session.
 LITTERING = """
