@@ -255,16 +255,20 @@ def test_an_interpreter_that_is_not_executable_is_reported_before_anything_start
     spec = LaunchSpec(**{**_spec(tmp_path, "").__dict__, "command": [str(python), "-m", "x"]})
     with pytest.raises(EngineUnavailable, match=r"\(.*/python: not found, or not executable\); set engine.python"):
         ManagedServer(spec).start()
-    assert list(system_tmp.iterdir()) == [] and not spec.log_path.exists()
+    assert list(system_tmp.iterdir()) == [] and not spec.log_path.exists()  # nothing made
 
 
 # A server that leaves files in the temporary directory, as vLLM does (ZMQ sockets, a
-# torch.distributed file store), from its own process and from a worker in its session.
+# torch.distributed file store), from its own process and from a worker in its session, and
+# writes to torch's compile cache where torch finds it from the temporary directory alone.
 LITTERING = """
-import os, socket, subprocess, sys, tempfile
+import getpass, os, re, socket, subprocess, sys, tempfile
 from http.server import BaseHTTPRequestHandler, HTTPServer
 tmp = tempfile.gettempdir()
-print("tmpdir", tmp, "inductor", os.environ.get("TORCHINDUCTOR_CACHE_DIR"), flush=True)
+print("tmpdir", tmp, flush=True)
+cache = os.path.join(tmp, "torchinductor_" + re.sub(r'[\\\\/:*?"<>|]', "_", getpass.getuser()))
+os.makedirs(cache, exist_ok=True)
+open(os.path.join(cache, f"compiled-{os.getpid()}"), "w").close()
 open(os.path.join(tmp, "server_dist_store"), "w").close()
 sock = socket.socket(socket.AF_UNIX)
 sock.bind(os.path.join(tmp, "server.sock"))
@@ -293,6 +297,14 @@ def system_tmp(monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
+CACHE = "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+
+
+def _left(root: Path) -> list[str]:
+    """What is in ``root`` besides torch's shared compile cache."""
+    return sorted(p.name for p in root.iterdir() if p.name != CACHE)
+
+
 def _server_tmpdirs(log: Path) -> list[str]:
     return [line.split()[1] for line in log.read_text().splitlines() if line.startswith("tmpdir ")]
 
@@ -304,7 +316,7 @@ def test_a_stopped_server_leaves_nothing_in_the_temporary_directory(tmp_path, sy
     (server_tmp,) = _server_tmpdirs(spec.log_path)
     # the server had a directory of its own inside sdp's, and it is gone with the server
     assert Path(server_tmp).parent == system_tmp
-    assert list(system_tmp.iterdir()) == []
+    assert _left(system_tmp) == []
 
 
 def test_a_killed_and_revived_server_leaves_nothing_behind(tmp_path, system_tmp):
@@ -323,7 +335,7 @@ def test_a_killed_and_revived_server_leaves_nothing_behind(tmp_path, system_tmp)
         assert first != second and not Path(first).exists() and Path(second).is_dir()
     finally:
         server.stop()
-    assert list(system_tmp.iterdir()) == []
+    assert _left(system_tmp) == []
 
 
 def _pids(log: Path) -> list[int]:
@@ -353,7 +365,7 @@ def test_a_server_killed_alone_is_reported_with_its_signal_and_revived(tmp_path,
         assert _gone(first_pid) and _pids(spec.log_path)[0] != first_pid
     finally:
         server.stop()
-    assert list(system_tmp.iterdir()) == []
+    assert _left(system_tmp) == []
 
 
 # a stand-in for sdp: launches the server, reports its pid, then waits to be killed
@@ -396,7 +408,7 @@ def test_a_kill_9_of_sdp_ends_the_server_it_launched_and_its_files(tmp_path, sys
         deadline = time.monotonic() + 5
         while list(system_tmp.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert list(system_tmp.iterdir()) == []
+        assert _left(system_tmp) == []
     finally:
         sdp.kill()
         sdp.stdout.close()
@@ -409,20 +421,17 @@ def test_a_server_that_fails_at_startup_leaves_nothing_behind(tmp_path, system_t
     code = "import os, sys, tempfile; open(os.path.join(tempfile.gettempdir(), 'x'), 'w').close(); sys.exit(3)"
     with pytest.raises(EngineUnavailable, match="exited with code 3"):
         ManagedServer(_spec(tmp_path, code)).start()
-    assert list(system_tmp.iterdir()) == []
+    assert _left(system_tmp) == []
 
 
-def test_the_compile_cache_stays_where_it_is_shared_between_starts(tmp_path, system_tmp):
+def test_the_compile_cache_is_shared_between_starts(tmp_path, system_tmp):
     spec = _spec(tmp_path, LITTERING)
-    with ManagedServer(spec):
-        pass
-    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    # a cache directory the user chose is passed on unchanged
-    spec = LaunchSpec(**{**spec.__dict__, "env": {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")}})
-    with ManagedServer(spec):
-        pass
-    inductor = [line.split()[3] for line in spec.log_path.read_text().splitlines() if line.startswith("tmpdir ")]
-    assert inductor == [str(system_tmp / f"torchinductor_{user}"), str(tmp_path / "mine")]
+    for _ in range(2):
+        with ManagedServer(spec):
+            pass
+    # both servers wrote to the one cache in sdp's temporary directory, and it outlives them
+    assert len(list((system_tmp / CACHE).glob("compiled-*"))) == 2
+    assert _left(system_tmp) == []
 
 
 def test_a_temporary_directory_set_for_the_server_holds_its_own_directory(tmp_path, system_tmp):
@@ -432,7 +441,7 @@ def test_a_temporary_directory_set_for_the_server_holds_its_own_directory(tmp_pa
     with ManagedServer(spec):
         (server_tmp,) = _server_tmpdirs(spec.log_path)
         assert Path(server_tmp).parent == chosen
-    assert list(chosen.iterdir()) == [] and list(system_tmp.iterdir()) == [chosen]
+    assert _left(chosen) == [] and _left(system_tmp) == ["big-disk"]
 
 
 # ------------------------------------------------- π_prox_t bookkeeping, as a property
