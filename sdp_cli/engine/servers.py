@@ -206,17 +206,17 @@ class ManagedServer:
                 f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: not found, or not executable); "
                 "set engine.python to the server virtualenv's python"
             )
-        command, scratch = spec.command, None
-        if not spec.watches_parent:
-            scratch = _scratch_dir(env)
-            env["TMPDIR"] = str(scratch)
-            command = [
-                sys.executable, "-I", str(GUARD),
-                "--parent-pid", str(os.getpid()), "--scratch", str(scratch),
-                "--grace-s", repr(spec.stop_grace_s), "--", *command,
-            ]  # fmt: skip
         # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
         with open_in_place(spec.log_path, "ab") as log:
+            command, scratch = spec.command, None
+            if not spec.watches_parent:
+                scratch = _scratch_dir(env)
+                env["TMPDIR"] = str(scratch)
+                command = [
+                    sys.executable, "-I", str(GUARD),
+                    "--parent-pid", str(os.getpid()), "--scratch", str(scratch),
+                    "--grace-s", repr(spec.stop_grace_s), "--", *command,
+                ]  # fmt: skip
             try:
                 # Its own session, so stop() can end the server's worker processes too, and a
                 # Ctrl-C at the terminal reaches sdp only (which stops the server at its end).

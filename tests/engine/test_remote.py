@@ -29,6 +29,7 @@ from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, free_port
 from sdp_cli.engine.wire import Segment, expand_spans, new_request_id, request_seed
+from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutSample
 
 from .stubs import tiny_lm
@@ -349,6 +350,15 @@ def _gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return state == "Z"  # ended, waiting to be reaped
+
+
+def test_a_log_that_cannot_be_opened_leaves_no_temporary_directory(tmp_path, system_tmp):
+    spec = _spec(tmp_path, LITTERING)
+    spec.log_path.parent.mkdir(parents=True)
+    spec.log_path.symlink_to(tmp_path / "elsewhere.log")  # sdp never writes through a link
+    with pytest.raises(UserError, match="is a symbolic link, not a regular file"):
+        ManagedServer(spec).start()
+    assert not (tmp_path / "elsewhere.log").exists() and _left(system_tmp) == []
 
 
 def test_a_server_killed_alone_is_reported_with_its_signal_and_revived(tmp_path, system_tmp, caplog):
