@@ -135,8 +135,8 @@ def _scratch_dir(env: Mapping[str, str]) -> Path:
     """A new temporary directory for one server process, inside the one it would use otherwise
     (its ``TMPDIR``, else ours). torch keeps its compile caches in ``torchinductor_<user>`` there
     (some of its code finds it from the temporary directory alone, whatever
-    ``TORCHINDUCTOR_CACHE_DIR`` says): a link of that name to the shared one keeps them, so a
-    started server does not build them again (about 10 s of C++ compiling a start on the CPU)."""
+    ``TORCHINDUCTOR_CACHE_DIR`` says, e.g. its precompiled C++ headers): a link of that name to
+    the shared one keeps them shared between starts."""
     base = env.get("TMPDIR") or tempfile.gettempdir()
     try:
         scratch = Path(tempfile.mkdtemp(prefix="sdp-server-", dir=base))
