@@ -32,6 +32,7 @@ from sdp_cli.engine.wire import Segment, expand_spans, new_request_id, request_s
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.records import RolloutSample
 
+from ..reliability.harness import gone
 from .stubs import tiny_lm
 
 
@@ -344,14 +345,6 @@ def _pids(log: Path) -> list[int]:
     return [int(pid) for pid in lines[-1][1:]]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state == "Z"  # ended, waiting to be reaped
-
-
 def test_a_log_that_cannot_be_opened_leaves_no_temporary_directory(tmp_path, system_tmp):
     spec = _spec(tmp_path, LITTERING)
     spec.log_path.parent.mkdir(parents=True)
@@ -372,7 +365,7 @@ def test_a_server_killed_alone_is_reported_with_its_signal_and_revived(tmp_path,
             time.sleep(0.05)
         assert server.restarts == 1 and httpx.get(server.base_url + "/health").status_code == 200
         assert "exited with code -9; starting it again" in caplog.text
-        assert _gone(first_pid) and _pids(spec.log_path)[0] != first_pid
+        assert gone(first_pid) and _pids(spec.log_path)[0] != first_pid
     finally:
         server.stop()
     assert _left(system_tmp) == []
@@ -412,9 +405,9 @@ def test_a_kill_9_of_sdp_ends_the_server_it_launched_and_its_files(tmp_path, sys
         sdp.kill()
         sdp.wait()
         deadline = time.monotonic() + 15
-        while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        while not all(map(gone, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(map(_gone, pids)), "the server outlived sdp"
+        assert all(map(gone, pids)), "the server outlived sdp"
         deadline = time.monotonic() + 5
         while list(system_tmp.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.1)
