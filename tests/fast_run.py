@@ -21,6 +21,9 @@ from sdp_cli.train.session.run import run_training
 #: engine's own process is tested where it matters (tests/engine/test_process_engine.py,
 #: tests/reliability/test_engine_process.py, tests/train/test_threads.py).
 FAST = ["+debug=fast", "engine.in_process=true"]
+#: the same fast debug run on a server engine (engine=vllm, engine=sglang), which refuses the local
+#: engine's engine.in_process (sdp_cli/config/scopes.py)
+FAST_SERVER = ["+debug=fast"]
 
 
 def train_run(root: Path, overrides: list[str]) -> Path:

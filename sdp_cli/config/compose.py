@@ -39,6 +39,7 @@ from sdp_cli.config.overrides import (
     wrong_type_message,
 )
 from sdp_cli.config.schema import SdpConfig
+from sdp_cli.config.scopes import unread_key_problem
 from sdp_cli.config.validation import ConfigValueError, validate
 from sdp_cli.errors import UserError
 
@@ -381,9 +382,12 @@ def _explain_resolution(exc: BaseException, cfg: Any, source: ConfigSource, over
     return f"{where + ': ' if where else ''}{key}: {problem}"
 
 
-def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequence[str] = ()) -> SdpConfig:
+def to_config(
+    cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequence[str] = (), *, judged: Sequence[str] = ()
+) -> SdpConfig:
     """Resolve interpolations, build the typed config and validate every value; ``source`` and
-    ``overrides`` (what ``cfg`` was composed from) locate an interpolation that does not resolve."""
+    ``overrides`` (what ``cfg`` was composed from) locate an interpolation that does not resolve.
+    A key of the ``judged`` overrides that the run does not read is refused (config/scopes.py)."""
     from omegaconf import OmegaConf
 
     try:
@@ -395,6 +399,9 @@ def to_config(cfg: Any, source: ConfigSource = ConfigSource(), overrides: Sequen
         validate(obj)
     except ConfigValueError as exc:
         raise UserError(str(exc)) from exc
+    unread = unread_key_problem(obj, judged)
+    if unread:
+        raise UserError(unread)
     return obj
 
 
@@ -408,10 +415,16 @@ def config_from_dict(data: dict[str, Any]) -> SdpConfig:
     return obj
 
 
-def compose_config(overrides: list[str], *, source: ConfigSource = ConfigSource()) -> tuple[SdpConfig, Any]:
-    """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors."""
+def compose_config(
+    overrides: list[str], *, source: ConfigSource = ConfigSource(), accepted: Sequence[str] = ()
+) -> tuple[SdpConfig, Any]:
+    """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors.
+    Every override but the ``accepted`` ones (a resumed run's saved overrides, accepted when the
+    run began) must set only keys the run reads."""
     cfg = compose_dict(overrides, source=source)
-    return to_config(cfg, source, overrides), cfg
+    saved = set(accepted)
+    judged = [o for o in overrides if o not in saved]
+    return to_config(cfg, source, overrides, judged=judged), cfg
 
 
 def to_yaml(cfg: Any) -> str:

@@ -221,11 +221,11 @@ class EngineConfig:
     launch: bool = True
     """remote engines: start a server when no urls are given."""
     python: str = "python"
-    """remote engines: the python executable of the server's virtualenv."""
+    """launched servers: the python executable of the server's virtualenv."""
     host: str = "127.0.0.1"
-    """remote engines: address to bind a launched server to (loopback by default)."""
+    """launched servers: address to bind the server to (loopback by default)."""
     port: int = 0
-    """remote engines: port for a launched server; 0 = pick a free one."""
+    """launched servers: port for the server; 0 = pick a free one."""
     dtype: str | None = None
     """dtype the engine holds the weights in and samples/scores with: float32 | bfloat16 (local engine;
     launched servers also float16, auto); null = train.dtype for the local engine, float32 for servers."""
@@ -246,18 +246,19 @@ class EngineConfig:
     """remote engines: run at temperature != 1 although the server's logprobs are then wrong
     (vLLM: not temperature-scaled; SGLang: prefill ones not; docs/engines.md)."""
     extra_args: list[str] = field(default_factory=list)
-    """remote engines: extra command-line arguments for a launched server."""
+    """launched servers: extra command-line arguments for the server."""
     env: dict[str, str] = field(default_factory=dict)
-    """remote engines: extra environment variables for a launched server."""
+    """launched servers: extra environment variables for the server."""
     max_model_len: int | None = None
-    """vllm: context length of a launched server; null = the model's."""
+    """context length, when shorter than the model's: prompts it cannot hold beside the generation
+    budget are dropped (docs/tasks.md), and a launched vLLM server is started with it; null = the model's."""
     enforce_eager: bool = True
-    """vllm: skip torch.compile in a launched server (much faster start on CPU)."""
+    """launched vllm: skip torch.compile in the server (much faster start on CPU)."""
     cpu_kv_cache_gib: float | None = 1.0
-    """vllm: KV-cache size in GiB of a launched CPU server (VLLM_CPU_KVCACHE_SPACE)."""
+    """launched vllm: KV-cache size in GiB of a CPU server (VLLM_CPU_KVCACHE_SPACE)."""
     reload_method: str | None = None
-    """vllm: reload_weights | reload_weights_cpu (sdp's worker extension, needed for tied
-    embeddings on CPU); null = reload_weights_cpu for a launched server, reload_weights otherwise."""
+    """attached vllm: reload_weights | reload_weights_cpu (sdp's worker extension, needed for tied
+    embeddings on CPU); null = reload_weights. A server sdp launches always uses reload_weights_cpu."""
 
 
 @dataclass

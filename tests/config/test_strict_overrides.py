@@ -75,7 +75,7 @@ def test_the_check_follows_the_schema_not_a_list(monkeypatch):
 
 
 def test_free_form_mappings_and_group_additions_keep_working():
-    cfg, _ = compose_config(["+engine.env.MY_VAR=1", "+preset=segment_wise", "++train.steps=3"])
+    cfg, _ = compose_config(["engine=vllm", "+engine.env.MY_VAR=1", "+preset=segment_wise", "++train.steps=3"])
     assert cfg.engine.env == {"MY_VAR": "1"} and cfg.loss.mode == "segment_wise" and cfg.train.steps == 3
 
 

@@ -16,7 +16,7 @@ from sdp_cli.models import load_policy
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.session.run import run_training
 
-from ..fast_run import FAST
+from ..fast_run import FAST_SERVER
 from ..scoring import target_logprobs
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def test_segment_wise_training_on_a_vllm_server(vllm_python, tmp_path, monkeypat
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     cfg, raw = compose_config(
         [
-            *FAST,
+            *FAST_SERVER,
             "engine=vllm",
             f"engine.python={vllm_python}",
             "engine.max_model_len=256",

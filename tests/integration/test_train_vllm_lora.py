@@ -19,7 +19,7 @@ from sdp_cli.config.compose import compose_config
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.train.session.run import run_training
 
-from ..fast_run import FAST
+from ..fast_run import FAST_SERVER
 from ..scoring import target_logprobs
 
 pytestmark = pytest.mark.integration
@@ -29,7 +29,7 @@ def test_lora_training_on_a_vllm_server(vllm_python, tmp_path, monkeypatch):
     monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
     cfg, raw = compose_config(
         [
-            *FAST,
+            *FAST_SERVER,
             "engine=vllm",
             f"engine.python={vllm_python}",
             "engine.max_model_len=256",

@@ -14,7 +14,7 @@ from sdp_cli.rundir import RunDir
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.asyncloop.ledger import Audit, audit
 
-from ..fast_run import FAST
+from ..fast_run import FAST, FAST_SERVER
 GROUP_SIZE = 4
 TERMINAL_EVENTS = ("finished", "stopped", "interrupted")
 

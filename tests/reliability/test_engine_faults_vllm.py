@@ -26,7 +26,7 @@ import torch
 from . import report
 from .conftest import API_KEY_ENV
 from .harness import (
-    FAST,
+    FAST_SERVER,
     assert_no_secret,
     check_finished_run,
     error_line,
@@ -52,7 +52,7 @@ GENERATE = "/inference/v1/generate"
 
 def _args(url: str, run_dir: Path, steps: int, *extra: str) -> list[str]:
     return [
-        *FAST,
+        *FAST_SERVER,
         "engine=vllm",
         f"engine.urls=[{url}]",
         "engine.reload_method=reload_weights_cpu",  # the server runs sdp's worker extension
@@ -251,7 +251,7 @@ def test_kill_9_of_sdp_ends_the_server_it_launched_then_resume(tmp_path, sdp_cac
     steps = 6
     run_dir = tmp_path / "run"
     tmp = Path(tempfile.mkdtemp(prefix="sdp-rel-"))  # sdp's TMPDIR: short, as socket paths must be
-    args = [*FAST, "engine=vllm", f"engine.python={python}", "engine.max_model_len=256",
+    args = [*FAST_SERVER, "engine=vllm", f"engine.python={python}", "engine.max_model_len=256",
             *versioned_segment_wise(run_dir, steps)]  # fmt: skip
     env = sdp_env(sdp_cache, TMPDIR=str(tmp))
     log = tmp_path / "sdp.log"
@@ -291,7 +291,7 @@ def test_unreachable_server_at_start_is_one_line_naming_address_and_retries(tmp_
 
     port = free_port()
     run_dir = tmp_path / "run"
-    args = [*FAST, "engine=vllm", f"engine.urls=[http://127.0.0.1:{port}]", "engine.retries=1",
+    args = [*FAST_SERVER, "engine=vllm", f"engine.urls=[http://127.0.0.1:{port}]", "engine.retries=1",
             f"run.dir={run_dir}"]  # fmt: skip
     done = run_sdp(["train", *args], sdp_env(sdp_cache), 120)
     assert done.returncode == 2

@@ -120,11 +120,11 @@ def test_a_resumed_run_directory_never_names_a_program_to_run(key, tmp_path, sdp
 def test_credentials_in_engine_urls_appear_nowhere(tmp_path, sdp_cache):
     """`http://user:pw@host` in engine.urls: the password is in no line sdp prints and no file
     it writes (overrides.json, config.yaml, events), whatever becomes of the run."""
-    from .harness import FAST, assert_no_secret, run_sdp, sdp_env
+    from .harness import FAST_SERVER, assert_no_secret, run_sdp, sdp_env
 
     secret = "s3cret-pw-7781"
     run_dir = tmp_path / "run"
-    args = [*FAST, "engine=vllm", f"engine.urls=[http://alice:{secret}@127.0.0.1:9]",
+    args = [*FAST_SERVER, "engine=vllm", f"engine.urls=[http://alice:{secret}@127.0.0.1:9]",
             "engine.startup_timeout_s=2", "engine.reconnect_timeout_s=2", f"run.dir={run_dir}"]  # fmt: skip
     done = run_sdp(["train", *args], sdp_env(sdp_cache), timeout=120)
     assert done.returncode != 0, done.stderr[-2000:]

@@ -32,6 +32,7 @@ from . import report
 from .conftest import API_KEY_ENV
 from .harness import (
     FAST,
+    FAST_SERVER,
     GROUP_SIZE,
     check_finished_run,
     events,
@@ -178,7 +179,7 @@ def test_signals_against_the_vllm_engine(vllm_server, tmp_path, sdp_cache):
     run_dir = tmp_path / "run"
     steps = 40
     args = [
-        *FAST,
+        *FAST_SERVER,
         "engine=vllm",
         f"engine.urls=[{vllm_server.url}]",
         "engine.reload_method=reload_weights_cpu",

@@ -141,7 +141,7 @@ def test_allowed_overrides_at_resume_are_taken_and_the_identity_is_kept(trained,
         "run.progress=false",
         "run.trackers=[]",
         "engine.request_timeout_s=60",
-        "engine.retries=2",
+        "engine.reconnect_timeout_s=60",
     ]
     assert resume(run_dir, *allowed)["steps"] == 3
     assert json.loads((run_dir / "overrides.json").read_text())[-len(allowed):] == allowed

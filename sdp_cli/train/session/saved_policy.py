@@ -133,7 +133,8 @@ def _base_from_config(run: RunDir) -> Any:
     from sdp_cli.train.session.start import resume_source
     from sdp_cli.train.session.task_setup import prepare_task
 
-    cfg, _ = compose_config(read_overrides(run.overrides), source=resume_source(run, ConfigSource()))
+    saved = read_overrides(run.overrides)
+    cfg, _ = compose_config(saved, source=resume_source(run, ConfigSource()), accepted=saved)
     policy = load_policy_from(cfg, prepare_task(cfg))
     policy.model.to(DTYPES[cfg.train.dtype])
     return policy

@@ -157,7 +157,7 @@ def open_run(
             check_run_files(run_dir)  # links, special files, damaged logs: before anything is written
             extra = [o for o in overrides if not o.startswith("resume=")]
             source = resume_source(run_dir, source)
-            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source)
+            cfg, raw = compose_config([*original, *extra, f"resume={run_dir.path}"], source=source, accepted=original)
             refuse_saved_programs(cfg, original, extra, run_dir)
             if any(is_redacted(url) for url in cfg.engine.urls):
                 raise UserError(
@@ -166,7 +166,7 @@ def open_run(
                 )
             config = config_dict(raw)
             if extra:
-                _, saved_raw = compose_config([*original, f"resume={run_dir.path}"], source=source)
+                _, saved_raw = compose_config([*original, f"resume={run_dir.path}"], source=source, accepted=original)
                 refuse_structural_changes(run_dir, config_dict(saved_raw), config)
             task = preflight(cfg)
             checkpoint = read_for_resume(run_dir, found, cfg, config, task, speak=coordinator.is_main)
