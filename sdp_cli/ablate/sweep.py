@@ -295,6 +295,7 @@ def plan_sweep(
     the user's config directory and primary config (``--config-dir``/``--config-name``).
     """
     from sdp_cli.config.compose import compose_config, to_yaml
+    from sdp_cli.config.scopes import unread_keys
 
     sweeps = available_sweeps()
     if sweep not in sweeps:
@@ -321,8 +322,9 @@ def plan_sweep(
     plain = [
         str(o.input_line) for o in _parse_overrides(job_overrides) if not o.is_sweep_override()
     ]
-    # a bad key or value gets sdp train's own message
-    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain], source=source)
+    # a bad key or value gets sdp train's own message; whether a run reads a key is judged over
+    # the jobs below (a sweep over model.lora.r or engine= may set keys only some of its runs read)
+    compose_config([f"+{SWEEP_GROUP}={sweep}", *plain], source=source, accepted=plain)
     params = _sweeper_params(sweep, plain, hydra_overrides, source)
     expanded = _expand(params, [f"+{SWEEP_GROUP}={sweep}", *job_overrides])
 
@@ -335,6 +337,7 @@ def plan_sweep(
     jobs: list[Job] = []
     modes: set[str] = set()
     seen: dict[str, tuple[str, ...]] = {}
+    unread_everywhere: dict[str, str] | None = None  # keys no run composed below reads
     for job_list in expanded:
         name = run_name(job_list)
         assert name not in seen, (
@@ -347,12 +350,19 @@ def plan_sweep(
         # composing them finds any bad value; a run that exists must match its planned config.
         if sum(a != b for a, b in zip(job_list, expanded[0], strict=True)) <= 1 or job.state != NEW:
             try:
-                typed, raw = compose_config(job.train_overrides(), source=source)
+                typed, raw = compose_config(job.train_overrides(), source=source, accepted=job.train_overrides())
             except UserError as err:
                 raise UserError(f"run {name}: {err}") from None
+            unread = unread_keys(typed, job.train_overrides())
+            if unread_everywhere is None:
+                unread_everywhere = unread
+            else:
+                unread_everywhere = {k: v for k, v in unread_everywhere.items() if k in unread}
             modes.add(mode_label({"loss": {"mode": typed.loss.mode, "drift_clip": typed.loss.drift_clip}}, job_list))
             _check_same_config(run_dir, to_yaml(raw))
         jobs.append(job)
+    if unread_everywhere:
+        raise UserError(f"{next(iter(unread_everywhere.values()))} (no run of the sweep reads it)")
 
     final: dict[str, Any] = {}
     for parsed in _parse_overrides([*(f"{k}={v}" for k, v in params.items()), *job_overrides]):
@@ -449,7 +459,7 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
     stop = StopRequest()
     try:
         with handling(stop), _outside_hydra():
-            cfg, raw = compose_config(train, source=source)
+            cfg, raw = compose_config(train, source=source, accepted=train)  # judged by the plan
             run_training(cfg, raw, overrides=train, source=source, stop=stop)
     except UserError as err:
         print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)

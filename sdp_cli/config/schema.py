@@ -268,11 +268,11 @@ class LoraConfig:
     r: int = 0
     """adapter rank; 0 = full fine-tuning, > 0 trains LoRA adapters only."""
     alpha: float | None = None
-    """scaling numerator (the update is alpha/r · B·A); null = 2·r."""
+    """LoRA: scaling numerator (the update is alpha/r · B·A); null = 2·r."""
     dropout: float = 0.0
-    """adapter dropout; must stay 0: the trainer runs without dropout (docs/training.md, LoRA)."""
+    """LoRA: adapter dropout; must stay 0: the trainer runs without dropout (docs/training.md, LoRA)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """names of the linear layers that get adapters (default: attention and MLP of Qwen2/Llama)."""
+    """LoRA: names of the linear layers that get adapters (default: attention and MLP of Qwen2/Llama)."""
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Which runs read which keys: a key set on the command line that the run's model or engine never
-reads is refused in one line, instead of being accepted and ignored.
+"""Which runs read which keys: a key set on the command line that the run never reads (another
+model's, another engine's, LoRA's without LoRA) is refused in one line, instead of being accepted
+and ignored.
 
 A key's scope is the label its ``--help-config`` text opens with (``model.path`` is documented as
 "hf: the model directory ..."), so the help a user reads and the check are one statement. Only
@@ -12,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import attrgetter
 
 from sdp_cli.config.schema import SdpConfig, field_docs
 from sdp_cli.engines import ENGINES, EngineKind, engine_kind
@@ -20,30 +21,35 @@ from sdp_cli.engines import ENGINES, EngineKind, engine_kind
 
 @dataclass(frozen=True)
 class KeyScope:
-    """The runs that read the keys documented as ``<label>: ...``: a model kind, or engines (with
-    or without ``engine.urls``). ``text`` names them in a message (``{servers}``: the server
-    engines registered), ``fix`` says what to do."""
+    """The runs that read the keys documented as ``<label>: ...``. ``missed_by(cfg)`` says what
+    ``cfg`` runs instead (None: it reads them); ``text`` names the runs in a message
+    (``{servers}``: the server engines registered), ``fix`` says what to do."""
 
     text: str
-    model_kind: str | None = None
-    engine: Callable[[EngineKind], bool] = lambda kind: True
-    attached: bool | None = None  # reads the key only with engine.urls (True) or without (False)
+    missed_by: Callable[[SdpConfig], str | None]
     fix: str = "remove it"
-
-    def missed_by(self, cfg: SdpConfig) -> str | None:
-        """What ``cfg`` runs instead of this scope, or None when it reads the scope's keys."""
-        if self.model_kind is not None:
-            return None if cfg.model.kind == self.model_kind else f"model.kind={cfg.model.kind}"
-        kind = engine_kind(cfg.engine.kind)
-        if not self.engine(kind):
-            return f"engine.kind={kind.name}"
-        if self.attached is None or self.attached == bool(cfg.engine.urls):
-            return None
-        return "the servers of engine.urls, which sdp attaches to" if cfg.engine.urls else "a server sdp launches"
 
     def describe(self) -> str:
         servers = ", ".join(f"engine={name}" for name, kind in ENGINES.items() if kind.server)
         return self.text.format(servers=servers)
+
+
+def _model(kind: str) -> Callable[[SdpConfig], str | None]:
+    return lambda cfg: None if cfg.model.kind == kind else f"model.kind={cfg.model.kind}"
+
+
+def _engine(accepts: Callable[[EngineKind], bool], attached: bool | None = None) -> Callable[[SdpConfig], str | None]:
+    """Engines ``accepts`` takes, with ``engine.urls`` (attached True), without (False) or either."""
+
+    def missed_by(cfg: SdpConfig) -> str | None:
+        kind = engine_kind(cfg.engine.kind)
+        if not accepts(kind):
+            return f"engine.kind={kind.name}"
+        if attached is None or attached == bool(cfg.engine.urls):
+            return None
+        return "the servers of engine.urls, which sdp attaches to" if cfg.engine.urls else "a server sdp launches"
+
+    return missed_by
 
 
 def _is_server(kind: EngineKind) -> bool:
@@ -55,18 +61,21 @@ def _is_vllm(kind: EngineKind) -> bool:
 
 
 KEY_SCOPES: dict[str, KeyScope] = {
-    "tiny": KeyScope("model.kind=tiny", model_kind="tiny"),
-    "hf": KeyScope("model.kind=hf", model_kind="hf", fix="add model=hf to train the model it names, or remove it"),
-    "local engine": KeyScope("the local engine (engine=local)", engine=lambda kind: not kind.server),
-    "remote engines": KeyScope("remote engines ({servers})", engine=_is_server, fix="choose one of them, or remove it"),
-    "launched servers": KeyScope(
-        "a server sdp launches ({servers} without engine.urls)", engine=_is_server, attached=False
+    "tiny": KeyScope("model.kind=tiny", _model("tiny")),
+    "hf": KeyScope("model.kind=hf", _model("hf"), fix="add model=hf to train the model it names, or remove it"),
+    "LoRA": KeyScope(
+        "LoRA (model.lora.r > 0)",
+        lambda cfg: None if cfg.model.lora.r > 0 else f"model.lora.r={cfg.model.lora.r}",
+        fix="set model.lora.r too, or remove it",
     ),
-    "launched vllm": KeyScope(
-        "a vLLM server sdp launches (engine=vllm without engine.urls)", engine=_is_vllm, attached=False
-    ),
-    "attached vllm": KeyScope(
-        "vLLM servers sdp attaches to (engine=vllm with engine.urls)", engine=_is_vllm, attached=True
+    "local engine": KeyScope("the local engine (engine=local)", _engine(lambda kind: not kind.server)),
+    "remote engines": KeyScope("remote engines ({servers})", _engine(_is_server), fix="choose one of them, or remove it"),
+    "launched servers": KeyScope("a server sdp launches ({servers} without engine.urls)", _engine(_is_server, False)),
+    "launched vllm": KeyScope("a vLLM server sdp launches (engine=vllm without engine.urls)", _engine(_is_vllm, False)),
+    "attached vllm": KeyScope("vLLM servers sdp attaches to (engine=vllm with engine.urls)", _engine(_is_vllm, True)),
+    "reward_errors=zero": KeyScope(
+        "task.reward_errors=zero",
+        lambda cfg: None if cfg.task.reward_errors == "zero" else f"task.reward_errors={cfg.task.reward_errors}",
     ),
 }
 
@@ -78,25 +87,25 @@ def scoped_keys() -> dict[str, str]:
     return {key: label for key, label in labels.items() if label in KEY_SCOPES}
 
 
-def _value(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
-def unread_key_problem(cfg: SdpConfig, overrides: Sequence[str]) -> str | None:
-    """One line for the first ``key=value`` of ``overrides`` that sets a key ``cfg``'s run does
-    not read to something other than its default; None when there is none."""
+def unread_keys(cfg: SdpConfig, overrides: Sequence[str]) -> dict[str, str]:
+    """Each key a ``key=value`` of ``overrides`` sets to other than its default that ``cfg``'s run
+    does not read, with the one line that says so, in the order of ``overrides``."""
     scoped, defaults = scoped_keys(), SdpConfig()
+    found: dict[str, str] = {}
     for override in overrides:
         if override.startswith("~"):
             continue
         named = override.lstrip("+").partition("=")[0]
         key = next((k for k in scoped if named == k or named.startswith(k + ".")), None)
-        if key is None or _value(cfg, key) == _value(defaults, key):
+        if key is None or key in found or attrgetter(key)(cfg) == attrgetter(key)(defaults):
             continue
         scope = KEY_SCOPES[scoped[key]]
         instead = scope.missed_by(cfg)
         if instead is not None:
-            return f"{key} applies to {scope.describe()}, not {instead}; {scope.fix}"
-    return None
+            found[key] = f"{key} applies to {scope.describe()}, not {instead}; {scope.fix}"
+    return found
+
+
+def unread_key_problem(cfg: SdpConfig, overrides: Sequence[str]) -> str | None:
+    """The first of ``unread_keys``, or None."""
+    return next(iter(unread_keys(cfg, overrides).values()), None)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
@@ -23,6 +24,7 @@ from sdp_cli.ablate.sweep import (
     PARTIAL,
     available_sweeps,
     plan_sweep,
+    run_job,
     run_name,
     run_state,
 )
@@ -219,6 +221,27 @@ def test_bad_sweep_input_is_one_line(tmp_path, sweep, overrides, fragment):
         plan_sweep(sweep, overrides, tmp_path)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_key_no_run_of_the_sweep_reads_is_one_line_and_one_some_runs_read_is_taken(tmp_path, monkeypatch):
+    with pytest.raises(UserError) as info:
+        plan_sweep("smoke", ["model.path=/models/mine"], tmp_path / "a")
+    assert str(info.value) == (
+        "model.path applies to model.kind=hf, not model.kind=tiny; add model=hf to train the model it names, "
+        "or remove it (no run of the sweep reads it)"
+    )
+    # LoRA against full fine-tuning: the r=4 runs read the adapters' settings, the r=0 runs do not
+    quick = ["train.steps=1", "engine.in_process=true"]
+    plan = plan_sweep("smoke", ["model.lora.r=0,4", "model.lora.alpha=8", *quick], tmp_path / "b")
+    assert plan.axes["model.lora.r"] == ["0", "4"]
+    # and a run that does not read it trains with it (the plan judged the sweep as a whole)
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+    full = next(job for job in plan.jobs if "model.lora.r=0" in job.overrides)
+    threads = torch.get_num_threads()
+    assert run_job(plan.sweep_dir, list(full.overrides)) == "trained"
+    torch.set_num_threads(threads)
+    with pytest.raises(UserError, match=r"^model.lora.alpha applies to LoRA .* \(no run of the sweep reads it\)$"):
+        plan_sweep("smoke", ["model.lora.r=0", "model.lora.alpha=8"], tmp_path / "c")
 
 
 # -------------------------------------------------------------- aggregation

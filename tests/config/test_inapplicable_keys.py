@@ -4,8 +4,9 @@
 user let it; `engine.urls=[http://gpu-box:8000]` without `engine=vllm` trained on the local
 engine; `engine=vllm engine.in_process=true` was accepted and meant nothing. Each was accepted
 without a word, against the promise of strict overrides (tests/config/test_strict_overrides.py).
-Which runs read a key is what its `--help-config` text opens with ("tiny:", "hf:", "local engine:",
-"remote engines:", "launched servers:", "launched vllm:", "attached vllm:").
+Which runs read a key is what its `--help-config` text opens with ("tiny:", "hf:", "LoRA:",
+"local engine:", "remote engines:", "launched servers:", "launched vllm:", "attached vllm:",
+"reward_errors=zero:"). Only keys the command line names are judged.
 """
 
 import json
@@ -74,6 +75,16 @@ def _refused(overrides: list[str], **kwargs) -> str:
         (["engine=vllm", "engine.reload_method=reload_weights"],
          "engine.reload_method applies to vLLM servers sdp attaches to (engine=vllm with engine.urls), "
          "not a server sdp launches; remove it"),
+        # LoRA's keys without model.lora.r: full fine-tuning, whatever they say
+        (["model.lora.alpha=32"],
+         "model.lora.alpha applies to LoRA (model.lora.r > 0), not model.lora.r=0; set model.lora.r too, or remove it"),
+        (["model.lora.target_modules=[q_proj]"],
+         "model.lora.target_modules applies to LoRA (model.lora.r > 0), not model.lora.r=0; "
+         "set model.lora.r too, or remove it"),
+        (["model.lora.dropout=0.1"],
+         "model.lora.dropout applies to LoRA (model.lora.r > 0), not model.lora.r=0; set model.lora.r too, or remove it"),
+        (["task.reward_error_window=10"],
+         "task.reward_error_window applies to task.reward_errors=zero, not task.reward_errors=raise; remove it"),
         (["engine=sglang", URL, "engine.reload_method=reload_weights"],
          "engine.reload_method applies to vLLM servers sdp attaches to (engine=vllm with engine.urls), "
          "not engine.kind=sglang; remove it"),
@@ -93,6 +104,8 @@ def test_a_key_the_run_does_not_read_is_refused_in_one_line(overrides, message):
          "+engine.env.A=b", "engine.extra_args=[--x]"],
         ["engine=sglang", "engine.host=127.0.0.2", "engine.api_key_env=KEY"],
         ["engine.in_process=true", "engine.max_batch_size=8"],
+        ["model.lora.r=4", "model.lora.alpha=32", "model.lora.target_modules=[q_proj]"],
+        ["task.reward_errors=zero", "task.reward_max_error_rate=0.5", "task.reward_error_window=10"],
         # the context prompts are kept within, on every engine (a launched vLLM server also gets it)
         ["engine.max_model_len=64"], ["engine=sglang", URL, "engine.max_model_len=64"],
         # what sdp's own files set is not judged: the fast debug run's tiny model keys on a real model
@@ -128,12 +141,14 @@ def test_every_scoped_key_is_where_its_help_text_says():
                                         "charset", "warm_start_steps", "warm_start_lr", "warm_start_batch",
                                         "warm_start_target")},
         "hf": {"model.path"},
+        "LoRA": {"model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"},
         "local engine": {"engine.in_process", "engine.max_batch_size"},
         "remote engines": {"engine.urls", "engine.launch", "engine.retries", "engine.api_key_env",
                            "engine.allow_temperature_mismatch"},
         "launched servers": {"engine.python", "engine.host", "engine.port", "engine.extra_args", "engine.env"},
         "launched vllm": {"engine.enforce_eager", "engine.cpu_kv_cache_gib"},
         "attached vllm": {"engine.reload_method"},
+        "reward_errors=zero": {"task.reward_max_error_rate", "task.reward_error_window"},
     }  # fmt: skip
 
 
