@@ -136,6 +136,7 @@ def _print_config_help() -> None:
     from rich.text import Text
 
     from sdp_cli.config.schema import field_docs
+    from sdp_cli.config.scopes import KEY_SCOPES
 
     rows = list(field_docs())
     console = Console()
@@ -150,8 +151,13 @@ def _print_config_help() -> None:
         for key, default, doc in rows:
             table.add_row(key, Text(default), Text(doc))
         console.print(table)
-        return
-    console.print(Text("key  default", style="bold"), Padding(Text("meaning", style="bold"), (0, 0, 0, 4)))
-    for key, default, doc in rows:
-        console.print(Text(f"{key}  {default}", overflow="fold"))
-        console.print(Padding(Text(doc, overflow="fold"), (0, 0, 0, 4)))
+    else:
+        console.print(Text("key  default", style="bold"), Padding(Text("meaning", style="bold"), (0, 0, 0, 4)))
+        for key, default, doc in rows:
+            console.print(Text(f"{key}  {default}", overflow="fold"))
+            console.print(Padding(Text(doc, overflow="fold"), (0, 0, 0, 4)))
+    labels = ", ".join(f"{label}:" for label in KEY_SCOPES)
+    console.print(Text(
+        f"A meaning that opens with {labels} names the runs that read the key; set on the command line "
+        "for another run, the key is refused.", overflow="fold",
+    ))

@@ -40,6 +40,14 @@ def test_help_config_lists_keys(capsys):
     assert "rollout.max_head_offpolicyness" in out
 
 
+def test_help_config_says_what_the_opening_of_a_meaning_means(capsys):
+    code, out, _ = run_main(["train", "--help-config"], capsys)
+    assert code == 0
+    tail = " ".join(out.split()[-60:])
+    assert "A meaning that opens with tiny:, hf:, LoRA:, local engine:, remote engines:" in tail
+    assert "names the runs that read the key; set on the command line for another run, the key is refused." in tail
+
+
 def test_unknown_key_is_one_line_and_exit_2(capsys):
     code, out, err = run_main(["train", "nope.key=1"], capsys)
     assert code == 2
