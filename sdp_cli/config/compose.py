@@ -420,7 +420,8 @@ def compose_config(
 ) -> tuple[SdpConfig, Any]:
     """Compose, validate and return ``(typed config, DictConfig)``; errors are one-line UserErrors.
     Every override but the ``accepted`` ones (a resumed run's saved overrides, accepted when the
-    run began) must set only keys the run reads."""
+    run began; a sweep's jobs, judged as a whole when it was planned) must set only keys the run
+    reads (config/scopes.py)."""
     cfg = compose_dict(overrides, source=source)
     saved = set(accepted)
     judged = [o for o in overrides if o not in saved]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from .harness import FAST, error_line, run_sdp, sdp_env
+from .harness import FAST, FAST_SERVER, error_line, run_sdp, sdp_env
 
 pytestmark = pytest.mark.reliability
 
@@ -103,8 +103,8 @@ BAD_ENGINE = {
 def test_bad_task_data_and_engine_settings_leave_no_run_directory(case, tmp_path, sdp_cache):
     """Caught before the run directory exists: the fresh run.root is never even made."""
     fresh = tmp_path / "fresh"
-    args = _bad_task_data(tmp_path).get(case) or ["engine=vllm", *BAD_ENGINE[case]]
-    done = run_sdp(["train", *FAST, *args, f"run.root={fresh / 'runs'}", "train.steps=2"], sdp_env(sdp_cache), timeout=180)
+    args = [*FAST, *_bad_task_data(tmp_path)[case]] if case not in BAD_ENGINE else [*FAST_SERVER, "engine=vllm", *BAD_ENGINE[case]]
+    done = run_sdp(["train", *args, f"run.root={fresh / 'runs'}", "train.steps=2"], sdp_env(sdp_cache), timeout=180)
     assert done.returncode == 2, (case, done.returncode, done.stderr[-2000:])
     line = error_line(done.stderr, alone=False)
     assert "secret" not in line, line
@@ -116,7 +116,7 @@ def test_a_run_that_fails_in_setup_removes_the_directories_it_made(tmp_path, sdp
     run.root above it); both are removed, nothing is left."""
     fresh = tmp_path / "fresh"
     args = ["engine=vllm", "engine.urls=[http://127.0.0.1:9]", "engine.retries=0", f"run.root={fresh / 'runs'}"]
-    done = run_sdp(["train", *FAST, *args, "train.steps=2"], sdp_env(sdp_cache), timeout=180)
+    done = run_sdp(["train", *FAST_SERVER, *args, "train.steps=2"], sdp_env(sdp_cache), timeout=180)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "cannot reach the vllm server" in error_line(done.stderr, alone=False)
     assert not fresh.exists(), f"left {[str(p) for p in fresh.rglob('*')]}"
