@@ -1,4 +1,5 @@
-"""A key set on the command line that the run never reads is refused (another model's, another engine's, LoRA's without LoRA).
+"""A key set on the command line that the run never reads is refused (another model's, another
+engine's, LoRA's without LoRA).
 
 `sdp train model.path=./my-model` without `model=hf` trained the tiny model for as long as the
 user let it; `engine.urls=[http://gpu-box:8000]` without `engine=vllm` trained on the local
