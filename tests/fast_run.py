@@ -7,6 +7,7 @@ Test modules import it relatively (``from ..fast_run import FAST``): pytest runs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,12 @@ FAST = ["+debug=fast", "engine.in_process=true"]
 #: the same fast debug run on a server engine (engine=vllm, engine=sglang), which refuses the local
 #: engine's engine.in_process (sdp_cli/config/scopes.py)
 FAST_SERVER = ["+debug=fast"]
+
+
+def fast_with(overrides: Sequence[str]) -> list[str]:
+    """The fast debug run with ``overrides``: FAST's, or FAST_SERVER's when they choose an engine."""
+    chooses_engine = any(o.startswith(("engine=", "engine.kind=")) for o in overrides)
+    return [*(FAST_SERVER if chooses_engine else FAST), *overrides]
 
 
 def train_run(root: Path, overrides: list[str]) -> Path:

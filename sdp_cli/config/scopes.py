@@ -90,12 +90,12 @@ def scoped_keys() -> dict[str, str]:
 def unread_keys(cfg: SdpConfig, overrides: Sequence[str]) -> dict[str, str]:
     """Each key a ``key=value`` of ``overrides`` sets to other than its default that ``cfg``'s run
     does not read, with the one line that says so, in the order of ``overrides``."""
+    if not overrides:  # the key table reads the schema's source: not for nothing
+        return {}
     scoped, defaults = scoped_keys(), SdpConfig()
     found: dict[str, str] = {}
     for override in overrides:
-        if override.startswith("~"):
-            continue
-        named = override.lstrip("+").partition("=")[0]
+        named = override.lstrip("+").partition("=")[0]  # `~key` is refused before (config/overrides.py)
         key = next((k for k in scoped if named == k or named.startswith(k + ".")), None)
         if key is None or key in found or attrgetter(key)(cfg) == attrgetter(key)(defaults):
             continue

@@ -22,7 +22,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.models.loader import load_policy
 from sdp_cli.rollout.batch_file import read_batch
 
-from ..fast_run import FAST, FAST_SERVER, train_run
+from ..fast_run import FAST, fast_with, train_run
 
 RUN = [
     *FAST,
@@ -84,8 +84,7 @@ def test_lag0_k3_is_second_order_for_small_gaps():
 
 
 def _cfg(*overrides):
-    server = any(o.startswith(("engine=", "engine.kind=")) for o in overrides)  # no engine.in_process then
-    return compose_config([*(FAST_SERVER if server else FAST), *overrides])[0]
+    return compose_config(fast_with(overrides))[0]
 
 
 def test_engine_dtype_resolution():

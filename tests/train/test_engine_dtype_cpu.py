@@ -9,7 +9,7 @@ import sdp_cli.train.session.policy_setup as policy_setup
 from sdp_cli.config.compose import compose_config
 from sdp_cli.train.session.policy_setup import bf16_note, native_bf16
 
-from ..fast_run import FAST, FAST_SERVER, train_run
+from ..fast_run import FAST, fast_with, train_run
 
 X86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw {extra}\nmodel name\t: x\n"
 ARM = "processor\t: 0\nFeatures\t: fp asimd sve {extra}\nCPU part\t: 0xd40\n"
@@ -35,8 +35,7 @@ def test_native_bf16_reads_the_flags(tmp_path, text, native):
 def _note(native, *overrides, device="cpu"):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(policy_setup, "native_bf16", lambda: native)
-        server = any(o.startswith("engine=") for o in overrides)  # no engine.in_process then
-        return bf16_note(compose_config([*(FAST_SERVER if server else FAST), *overrides])[0], device)
+        return bf16_note(compose_config(fast_with(overrides))[0], device)
 
 
 def test_the_note_only_when_bfloat16_would_be_emulated():
