@@ -1,4 +1,4 @@
-"""Two versions of sdp against each other: steps/s of `sdp train` from two checkouts, paired.
+"""Two versions of sdp against each other: steps/s (or the wall time) of `sdp train` from two checkouts, paired.
 
 For a change that should make training faster (or must not make it slower), bench/train.py's
 ratios within one version are not enough: a change can move η = 0 and η = 4 together. This bench
@@ -12,9 +12,14 @@ not benchmark numbers. Each run is a separate `sdp train` process with the check
 ``PYTHONPATH`` (its rollout and engine processes follow it), and the warm-start cache is each
 checkout's own. Prints a table and writes bench/results/ab_train.json.
 
+``--measure wall_seconds`` compares the whole command's wall time instead, from its start to its
+exit (start-up included: a run of one step measures sdp's start-up); its verdicts are "shorter"
+and "longer".
+
     python bench/ab_train.py --before /path/to/old/checkout --after . --pairs 3
     python bench/ab_train.py --before ../base --after . --etas 4 --modes segment_wise --steps 100
     python bench/ab_train.py --before ../base --after . --set +debug=fast   # Hydra overrides for every run
+    python bench/ab_train.py --before ../base --after . --measure wall_seconds --steps 1 --etas 4 --modes segment_wise
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _results import commit_of, write_results
@@ -39,14 +45,23 @@ COMMON = ["run.progress=false", "run.tensorboard=false", "train.eval_samples=0",
 ALPHA = 0.05
 
 
-def run_once(checkout: Path, overrides: list[str], root: Path, cache: Path) -> float:
-    """Steps/s of one `sdp train` run of ``checkout``'s sdp (its summary.json's)."""
+#: what a run is measured by, and the verdicts of a ratio above and below 1
+MEASURES = {"steps_per_second": ("faster", "slower"), "wall_seconds": ("longer", "shorter")}
+
+
+def run_once(checkout: Path, overrides: list[str], root: Path, cache: Path, measure: str = "steps_per_second") -> float:
+    """One `sdp train` run of ``checkout``'s sdp: its steps/s (its summary.json's) or the wall
+    seconds of the command, from its start to its exit."""
     run_dir = Path(tempfile.mkdtemp(prefix="ab-", dir=root))
     env = dict(os.environ, PYTHONPATH=str(checkout), SDP_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "sdp_cli", "train", *overrides, *COMMON, f"run.dir={run_dir}"]
+    started = time.perf_counter()
     done = subprocess.run(cmd, env=env, cwd=checkout, capture_output=True, text=True)
+    wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{checkout}: {' '.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    if measure == "wall_seconds":
+        return wall
     return float(json.loads((run_dir / "summary.json").read_text())["steps_per_second"])
 
 
@@ -69,12 +84,13 @@ def compare(before: list[float], after: list[float]) -> dict[str, float | list[f
     return out
 
 
-def verdicts(results: list[dict]) -> None:
+def verdicts(results: list[dict], measure: str = "steps_per_second") -> None:
     """Each configuration's verdict, Holm-adjusted over the configurations (in place)."""
+    above, below = MEASURES[measure]
     tested = [r for r in results if r["p"] is not None]
     for r, p in zip(tested, holm([r["p"] for r in tested]), strict=True):
         r["p_holm"] = p
-        r["verdict"] = "no difference shown" if p >= ALPHA else ("faster" if r["geometric_mean"] > 1 else "slower")
+        r["verdict"] = "no difference shown" if p >= ALPHA else (above if r["geometric_mean"] > 1 else below)
 
 
 def main() -> None:
@@ -83,6 +99,7 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True, help="the checkout of the change")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--measure", choices=list(MEASURES), default="steps_per_second")
     parser.add_argument("--modes", default="decoupled,segment_wise", help="presets, comma-separated")
     parser.add_argument("--etas", default="0,4", help="rollout.max_head_offpolicyness values, comma-separated")
     parser.add_argument(
@@ -95,8 +112,8 @@ def main() -> None:
     for name, path in checkouts.items():
         if not (path / "sdp_cli" / "__init__.py").is_file():
             parser.error(f"--{name} {path}: not an sdp checkout (no sdp_cli/__init__.py); give the checkout's root")
-    if args.pairs < 1 or args.steps < 2:
-        parser.error("--pairs must be at least 1 and --steps at least 2")
+    if args.pairs < 1 or args.steps < (1 if args.measure == "wall_seconds" else 2):
+        parser.error("--pairs must be at least 1 and --steps at least 2 (1 with --measure wall_seconds)")
     configs = [(m, int(e)) for m in args.modes.split(",") if m for e in args.etas.split(",") if e]
     load_before = os.getloadavg()[0]
     with run_scratch("ab", args.keep_runs) as root:
@@ -108,7 +125,7 @@ def main() -> None:
                     overrides = [
                         f"+preset={mode}", f"rollout.max_head_offpolicyness={eta}", f"train.steps={args.steps}", *args.set
                     ]
-                    value = run_once(checkouts[which], overrides, root, root / f"cache-{which}")
+                    value = run_once(checkouts[which], overrides, root, root / f"cache-{which}", args.measure)
                     sps.setdefault((mode, eta, which), []).append(value)
             print(f"pair {pair + 1}/{args.pairs} done", file=sys.stderr)
     load_after = os.getloadavg()[0]
@@ -118,12 +135,13 @@ def main() -> None:
         before, after = sps[(mode, eta, "before")], sps[(mode, eta, "after")]
         rows.append({
             "mode": mode, "max_head_offpolicyness": eta, "steps": args.steps, "pairs": args.pairs,
-            "before_steps_per_second": before, "after_steps_per_second": after,
+            f"before_{args.measure}": before, f"after_{args.measure}": after,
             "before_median": statistics.median(before), "after_median": statistics.median(after),
             **compare(before, after),
         })  # fmt: skip
-    verdicts(rows)
+    verdicts(rows, args.measure)
     header = f"{'mode':<14}{'η':>3}{'before':>9}{'after':>9}{'after/before':>14}{'range':>15}{'95 % interval':>17}  verdict"
+    print(f"{args.measure} (medians), after/before paired")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -135,7 +153,8 @@ def main() -> None:
         )
     print(f"load average: {load_before:.1f} before, {load_after:.1f} after (2 cores: above ~0.5 the numbers are under load)")
     write_results(
-        args.out, "ab_train", rows=rows, overrides=args.set, load_average={"before": load_before, "after": load_after},
+        args.out, "ab_train", rows=rows, measure=args.measure, overrides=args.set,
+        load_average={"before": load_before, "after": load_after},
         **{name: {"path": str(path), "commit": commit_of(path)} for name, path in checkouts.items()},
     )  # fmt: skip
 

@@ -17,8 +17,12 @@ An engine's entry here is everything the rest of sdp knows about it:
   processes"): ``prepare(cfg, policy, run_dir, *, device, threads, scratch) -> dict`` in sdp's
   process, where the policy is (it writes what the engine starts from into ``scratch``, a
   directory the rollout process made and removes when it ends, and returns the rest as plain
-  data), and ``start(cfg, recipe, run_dir) -> InferenceEngine`` in the rollout process.
-  ``engine.in_process=true`` builds the engine in sdp's process instead (``build``).
+  data), and ``start(cfg, recipe, run_dir, *, warm) -> InferenceEngine`` in the rollout process.
+  ``engine.in_process=true`` builds the engine in sdp's process instead (``build``);
+- ``warm`` (optional, ``"module:function"``, with ``prepare`` and ``start``): what the rollout
+  process starts as soon as it runs, before its recipe, so that the engine's imports overlap
+  sdp's: ``warm(scratch, *, threads, model_type) -> object`` (its ``discard()`` ends it if
+  unused); ``start`` gets it as ``warm`` (None when there is none).
 
 What an engine *object* can do (take an in-memory state dict, compute in the caller's threads)
 is declared by its class (``sdp_cli/engine/base.py`` ``InferenceEngine``). The config validates
@@ -56,6 +60,7 @@ class EngineKind:
     doc: str = ""
     prepare: str | None = None
     start: str | None = None
+    warm: str | None = None
 
     def builder(self) -> Callable[..., Any]:
         """The build function, imported at first use when named as ``module:function``."""
@@ -75,6 +80,9 @@ class EngineKind:
     def starter(self) -> Callable[..., Any]:
         assert self.start is not None, f"engine {self.name!r} has no start half"
         return _import(self.start)
+
+    def warmer(self) -> Callable[..., Any] | None:
+        return None if self.warm is None else _import(self.warm)
 
     def weight_dtype(self, cfg: Any) -> str:
         """``engine.dtype`` resolved: as set, or null's meaning for this engine."""
@@ -152,6 +160,7 @@ register(EngineKind(
     doc="sdp's own engine: a transformers copy of the policy with its own sampling loop, in its own "
     "process (engine.in_process=true: in sdp's process)",
     prepare="sdp_cli.engine.factory:prepare_local", start="sdp_cli.engine.factory:start_local",
+    warm="sdp_cli.engine.factory:warm_local",
 ))  # fmt: skip
 register(EngineKind(
     "vllm", "sdp_cli.engine.factory:build_vllm", server=True, dtypes=SERVER_DTYPES, default_dtype="float32",

@@ -220,6 +220,24 @@ def open_in_place(path: Path, mode: str) -> IO[Any]:
     return os.fdopen(fd, mode)
 
 
+def redirect_output(log_path: Path) -> None:
+    """Send this process's output (descriptors 1 and 2) to ``log_path``, appended (opened as
+    ``open_in_place`` opens), after what it wrote until now to the file its stdout was (a
+    process started before its run directory existed kept it in an unlinked file)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open_in_place(log_path, "ab") as log:
+        try:
+            log.write(os.pread(1, os.fstat(1).st_size, 0))
+        except OSError:  # its stdout is no readable file: nothing kept
+            pass
+        log.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+
+
 def check_tree(root: Path, *, skip: Iterable[str] = ()) -> None:
     """Refuse, in one line, a directory tree in which sdp is about to write that holds a
     symbolic link or anything but regular files and directories: it would write through it or

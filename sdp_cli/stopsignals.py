@@ -7,11 +7,13 @@ session) kill the process outright. Inside :func:`handling`, all three only call
 boundary, a later SIGINT (a second Ctrl-C) raises :class:`Abort` at once. A second SIGTERM or
 SIGHUP is ignored: preemption systems often deliver SIGTERM by several routes (to the process
 and to its group) and follow it with SIGKILL after a grace period, and a hangup reaches every
-process of the terminal, so a repeat is not a request to hurry. Torch-free.
+process of the terminal, so a repeat is not a request to hurry. Before its run handles them, ``sdp train`` ends at once
+on all three (:func:`exiting_on_signals`). Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -100,3 +102,49 @@ def handling(handler: Callable[[int], None], *, restore: bool = True) -> Iterato
     finally:
         for signum, old in previous.items() if restore else ():
             signal.signal(signum, old)
+
+
+@contextmanager
+def exiting_on_signals(line: Callable[[int], str]) -> Iterator[None]:
+    """Inside the block SIGINT, SIGTERM and SIGHUP end the process at once: ``line(signum)`` on
+    stderr and exit status 128 + the signal, with no exception raised into the code that was
+    running (one raised inside an import leaves the module half-imported, and the next import of
+    it fails with an error that names no signal: a ``KeyboardInterrupt`` in transformers' model
+    code came out as ``ModuleNotFoundError``, in numpy's as ``RecursionError``). For a process
+    that has written nothing yet and whose helpers leave on their own once it has gone: ``sdp
+    train`` before its run handles signals (the run's :func:`handling` is installed inside the
+    block and left as it is; the previous handlers come back at the end where this one is still
+    set). Main thread only (elsewhere it does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum: int, _frame: object) -> None:
+        if signum == signal.SIGHUP:
+            drop_terminal_output()
+        with contextlib.suppress(OSError):  # a terminal that has gone takes no line
+            os.write(2, (line(signum) + "\n").encode())
+        os._exit(128 + signum)
+
+    previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    for signum in SIGNALS:
+        signal.signal(signum, exit_now)
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            if signal.getsignal(signum) is exit_now:
+                signal.signal(signum, old)
+
+
+def interrupted_by_ctrl_c(err: BaseException) -> bool:
+    """Whether ``err`` is a ``KeyboardInterrupt`` or was raised from or during one (an import
+    cut off by Ctrl-C, re-raised by transformers as ``ModuleNotFoundError``)."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return False

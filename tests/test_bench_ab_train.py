@@ -49,6 +49,22 @@ def test_verdicts_are_holm_adjusted_over_the_configurations(bench):
     assert rows[0]["p_holm"] == pytest.approx(0.03) and rows[2]["p_holm"] == pytest.approx(0.2)
 
 
+def test_wall_time_verdicts_say_longer_and_shorter(bench):
+    # the same Holm arithmetic as above; a ratio above 1 is a longer command
+    rows = [{"p": 0.01, "geometric_mean": 0.7}, {"p": 0.02, "geometric_mean": 1.1}, {"p": 0.2, "geometric_mean": 0.5}]
+    bench.verdicts(rows, "wall_seconds")
+    assert [r["verdict"] for r in rows] == ["shorter", "longer", "no difference shown"]
+
+
+def test_one_step_is_refused_unless_the_wall_time_is_measured(tmp_path):
+    done = run_bench(
+        "ab_train.py", "--before", str(ROOT), "--after", str(ROOT), "--steps", "1", "--out", str(tmp_path / "x.json"),
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "1 with --measure wall_seconds" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_end_to_end_with_one_checkout_on_both_sides(tmp_path):
     # one pair (two runs): the statistics of several are tested on hand-computed values above
     out = tmp_path / "ab.json"

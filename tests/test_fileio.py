@@ -249,3 +249,34 @@ def test_check_tree_finds_a_link_or_special_file_at_any_depth(tmp_path):
     linked_root = tmp_path / "alias"
     linked_root.symlink_to(root)
     fileio.check_tree(linked_root, skip=("wandb",))  # the root itself may be a link
+
+
+def test_redirect_output_keeps_what_came_before_and_refuses_a_link(tmp_path):
+    """A process started before its log existed wrote into an unlinked file; redirected, its
+    log holds that output first, then what it writes after (stdout and stderr alike). A log
+    that is a symbolic link is refused, as every log in a run directory is."""
+    import subprocess
+    import sys
+    import tempfile
+
+    log = tmp_path / "engine.log"
+    log.write_text("an earlier session\n")
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from sdp_cli.fileio import redirect_output\n"
+        "print('before the run directory', flush=True)\n"
+        "redirect_output(Path(sys.argv[1]))\n"
+        "print('after', flush=True)\n"
+        "print('an error line', file=sys.stderr, flush=True)\n"
+    )
+    with tempfile.TemporaryFile() as early:
+        done = subprocess.run([sys.executable, "-c", child, str(log)], stdout=early, stderr=subprocess.STDOUT, timeout=60)
+    assert done.returncode == 0
+    assert log.read_text() == "an earlier session\nbefore the run directory\nafter\nan error line\n"
+    (tmp_path / "target").write_text("")
+    link = tmp_path / "link.log"
+    link.symlink_to(tmp_path / "target")
+    with tempfile.TemporaryFile() as early:
+        done = subprocess.run([sys.executable, "-c", child, str(link)], stdout=early, stderr=subprocess.PIPE, timeout=60)
+    assert done.returncode != 0 and (tmp_path / "target").read_text() == ""

@@ -127,4 +127,10 @@ def main(argv: list[str] | None = None) -> None:
 
         _say(lambda: typer.echo(redact_urls(str(err)), err=True))
         _exit(err.exit_code)
+    except Exception as err:  # a Ctrl-C that cut an import comes out as the import's own error
+        from sdp_cli.stopsignals import interrupted_by_ctrl_c
+
+        if not interrupted_by_ctrl_c(err):
+            raise
+        _fail("interrupted (SIGINT)", 130)
     _exit(code if isinstance(code, int) else 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -70,6 +71,18 @@ def train_command(
         _print_config_help()
         raise typer.Exit()
 
+    from sdp_cli.stopsignals import exiting_on_signals, signal_name
+
+    # Until the run handles them (it stops at a step boundary), a signal ends sdp at once: nothing
+    # is written before then, and the rollout process started ahead leaves when sdp has gone.
+    with exiting_on_signals(lambda signum: f"stopped before the run started ({signal_name(signum)}); nothing was written"):
+        _start(overrides, config_dir, config_name, print_config=print_config, show_prompts=show_prompts)
+
+
+def _start(
+    overrides: list[str], config_dir: Path | None, config_name: str | None, *, print_config: bool, show_prompts: int | None
+) -> None:
+    """Compose the config and train (or print the config or the prompts)."""
     from sdp_cli.config.compose import compose_config, config_source, to_yaml
 
     source = config_source(config_dir, config_name)
@@ -92,14 +105,23 @@ def train_command(
             typer.echo(render_prompts(cfg, show_prompts))
         raise typer.Exit()
 
-    from sdp_cli.train.session.run import run_training
+    from sdp_cli.train.session.rollout_process import RolloutProcessStart
 
+    # started before the seconds of torch's and transformers' imports below, which it overlaps
+    # with its engine's (docs/training.md "Three processes"); the run gives it its recipe
+    rollout_process = RolloutProcessStart.early_start(cfg, os.environ)
     try:
-        run_training(cfg, raw, overrides=overrides, source=source, keep_lock=True)  # until the process ends
+        from sdp_cli.train.session.run import run_training
+
+        # keep_lock: the run directory stays locked until the process ends
+        run_training(cfg, raw, overrides=overrides, source=source, keep_lock=True, rollout_process=rollout_process)
     except UserError as err:
         if cfg.run.debug:
             typer.echo(_details(err), err=True)
         raise
+    finally:
+        if rollout_process is not None:
+            rollout_process.cancel()  # a run that ended before its recipe (nothing once it has it)
 
 
 def _details(err: BaseException) -> str:

@@ -74,9 +74,17 @@ def prepare_local(
     }
 
 
-def start_local(cfg: Any, recipe: dict[str, Any], run_dir: RunDir) -> InferenceEngine:
+def warm_local(scratch: Path, *, threads: int | None, model_type: str | None) -> Any:
+    """The engine's process started ahead of ``start_local`` on the rollout process's scratch
+    directory, importing (``WarmProcess``)."""
+    from sdp_cli.engine.process import WarmProcess
+
+    return WarmProcess(scratch, threads=threads, model_type=model_type)
+
+
+def start_local(cfg: Any, recipe: dict[str, Any], run_dir: RunDir, *, warm: Any = None) -> InferenceEngine:
     """The second half: start the engine's process on what ``prepare_local`` wrote and attach
-    (in the process that uses the engine)."""
+    (in the process that uses the engine; in ``warm``, from ``warm_local``, if it can)."""
     from sdp_cli.engine.process import ProcessEngine, ProcessLaunchConfig, local_http_options
     from sdp_cli.engine.remote import RemoteOptions
 
@@ -99,7 +107,7 @@ def start_local(cfg: Any, recipe: dict[str, Any], run_dir: RunDir) -> InferenceE
         reconnect_timeout_s=float(engine_cfg.reconnect_timeout_s),
         http=local_http_options(float(engine_cfg.request_timeout_s)),
     )
-    return ProcessEngine.launch_prepared(launch, Path(recipe["scratch"]), run_dir.logs, options)
+    return ProcessEngine.launch_prepared(launch, Path(recipe["scratch"]), run_dir.logs, options, warm=warm)
 
 
 def _ids(value: int | Any) -> list[int]:

@@ -18,14 +18,18 @@ server (``servers.ManagedServer``): loopback only, a random token in its environ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +58,8 @@ LOG_NAME = "local_engine.log"
 WEIGHTS_FILE = "model.safetensors"
 #: the scratch directory's start-up weights (``ProcessEngine.prepare``)
 LAUNCH_DIR = "launch"
+#: what the process runs (``python -m``)
+SERVER_MODULE = "sdp_cli.engine.process_server"
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,21 @@ def make_scratch() -> Path:
     return Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
 
 
+def process_env(threads: int | None) -> dict[str, str]:
+    """What the engine's process adds to its parent's environment besides its token (the same
+    for a process started ahead of its launch, ``WarmProcess``)."""
+    # the sdp_cli this process runs, whatever the environment's path says
+    package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # the process's OpenMP pool from its start
+    return env
+
+
 def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scratch: Path) -> LaunchSpec:
     """The command and environment of the local engine's process."""
     port = config.port or free_port(config.host)
-    command = config.command("sdp_cli.engine.process_server", port)
+    command = config.command(SERVER_MODULE, port)
     command += [
         "--temperature", repr(config.temperature),
         "--eos", *map(str, config.eos_token_ids),
@@ -108,15 +125,12 @@ def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scrat
         "--parent-pid", str(os.getpid()),
         "--scratch", str(scratch),
     ]  # fmt: skip
-    env = {TOKEN_ENV: token, **config.env}  # the token in the environment: argv is visible to all
+    # the token in the environment: argv is visible to all
+    env = {TOKEN_ENV: token, **config.env, **process_env(config.threads)}
     if config.threads:
         command += ["--threads", str(config.threads)]
-        env["OMP_NUM_THREADS"] = str(config.threads)  # the process's OpenMP pool from its start
     if config.attn_implementation:
         command += ["--attn-implementation", config.attn_implementation]
-    # the sdp_cli this process runs, whatever the environment's path says
-    package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     return config.spec(
         "local engine process",
         command,
@@ -127,6 +141,94 @@ def launch_spec(config: ProcessLaunchConfig, log_dir: Path, *, token: str, scrat
         secrets=(token,),
         watches_parent=True,  # process_server.leave_with_parent
     )
+
+
+class WarmProcess:
+    """The engine's process started ahead of its launch (``python -m
+    sdp_cli.engine.process_server --await-launch``): it imports torch, transformers and the code
+    of ``model_type`` while sdp loads the policy, in the environment a launch with ``threads``
+    gives it, and waits. ``hand_over`` (``ManagedServer``'s ``prestarted``) tells it what to
+    serve; a launch it was not started for (another interpreter, environment or module) gets a
+    new process, as a process that ended does. Its output until then is kept in an unlinked
+    file in ``scratch``, the engine's scratch directory, and goes to the head of the engine's
+    log; like a launched process it removes ``scratch`` and leaves if this process goes.
+    ``discard`` ends one that was never handed over. (docs/engines.md "The local engine's
+    process")"""
+
+    def __init__(self, scratch: Path, *, threads: int | None, model_type: str | None):
+        self._env = {**os.environ, **process_env(threads)}
+        self._output = tempfile.TemporaryFile(dir=scratch)
+        command = [
+            sys.executable, "-m", SERVER_MODULE, "--await-launch", "--parent-pid", str(os.getpid()),
+            "--scratch", str(scratch),
+        ]  # fmt: skip
+        if model_type:
+            command += ["--model-type", model_type]
+        try:
+            self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=self._output,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                start_new_session=True,  # as a launched one: stop() ends its process group
+            )
+        except BaseException:
+            self._output.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def hand_over(self, spec: LaunchSpec, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
+        """The process, told to run ``spec`` with its token from ``env``, on this process's cores,
+        writing to ``spec.log_path``; None (and the process ended) where a new process would not
+        run what it runs."""
+        process, self._process = self._process, None
+        if process is None:
+            return None
+        try:
+            same = (
+                spec.command[:3] == [sys.executable, "-m", SERVER_MODULE]
+                and {k: v for k, v in env.items() if k != TOKEN_ENV} == self._env
+                and process.poll() is None
+            )
+            if same:
+                launch = {
+                    "argv": spec.command[3:],
+                    "env": {TOKEN_ENV: env[TOKEN_ENV]},
+                    "log": str(spec.log_path),
+                    "cores": sorted(os.sched_getaffinity(0)),
+                }
+                assert process.stdin is not None
+                try:
+                    process.stdin.write(json.dumps(launch).encode() + b"\n")
+                    process.stdin.close()
+                    return process
+                except OSError:  # it ended meanwhile
+                    pass
+            _end_now(process)
+            return None
+        finally:
+            self._output.close()
+
+    def discard(self) -> None:
+        """End the process if it was never handed over (idempotent)."""
+        process, self._process = self._process, None
+        if process is not None:
+            _end_now(process)
+            self._output.close()
+
+
+def _end_now(process: subprocess.Popen[bytes]) -> None:
+    """Kill a process that serves nothing yet, and its group, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        if process.stdin is not None:
+            process.stdin.close()
+    process.wait()
 
 
 class ProcessEngine(RemoteEngine):
@@ -181,17 +283,27 @@ class ProcessEngine(RemoteEngine):
 
     @classmethod
     def launch_prepared(
-        cls, config: ProcessLaunchConfig, scratch: Path, log_dir: Path, options: RemoteOptions
+        cls,
+        config: ProcessLaunchConfig,
+        scratch: Path,
+        log_dir: Path,
+        options: RemoteOptions,
+        *,
+        warm: WarmProcess | None = None,
     ) -> ProcessEngine:
-        """Start the process on the scratch directory ``prepare`` wrote and attach; ``close()``
-        stops the process and removes the directory, and so does a failed start."""
+        """Start the process on the scratch directory ``prepare`` wrote (``warm``: in the process
+        started ahead for it, if it can) and attach; ``close()`` stops the process and removes
+        the directory, and so does a failed start."""
         try:
             config = dataclasses.replace(config, model=str(scratch / LAUNCH_DIR), python=sys.executable)
             token = secrets.token_hex(16)
             options = dataclasses.replace(options, http=dataclasses.replace(options.http, api_key=token))
             spec = launch_spec(config, log_dir, token=token, scratch=scratch)
-            return cls._attach_launched(spec, options, scratch=scratch, weight_dtype=config.dtype)
+            prestarted = warm.hand_over if warm is not None else None
+            return cls._attach_launched(spec, options, prestarted=prestarted, scratch=scratch, weight_dtype=config.dtype)
         except BaseException:
+            if warm is not None:
+                warm.discard()
             shutil.rmtree(scratch, ignore_errors=True)
             raise
 

@@ -37,6 +37,7 @@ import gc
 import hmac
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -356,5 +357,51 @@ def main(argv: list[str] | None = None) -> None:
     server.serve_forever()
 
 
+def await_launch(argv: list[str] | None = None) -> None:
+    """``--await-launch``: the process started ahead of its launch (``process.WarmProcess``). It
+    imports what ``main`` serves with (and the model code of ``--model-type``), then reads its
+    launch from stdin — one JSON line: ``main``'s arguments, the variables the launch adds (the
+    token), its log and its cores — and runs ``main`` on it. End of input: it leaves."""
+    parser = argparse.ArgumentParser(description="sdp's local engine, started ahead of its launch")
+    parser.add_argument("--await-launch", action="store_true", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--scratch", type=Path, required=True)
+    parser.add_argument("--model-type", default=None)
+    args = parser.parse_args(argv)
+    threading.Thread(target=leave_with_parent, args=(args.parent_pid, args.scratch), daemon=True).start()
+    import importlib
+
+    # what main imports, imported while sdp loads the policy
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import sdp_cli.engine.local  # noqa: F401
+    import sdp_cli.models.precision  # noqa: F401
+
+    if args.model_type and re.fullmatch(r"[a-z0-9_]+", args.model_type):
+        try:  # a hint: transformers imports a model's code on first use, seconds on a small CPU
+            importlib.import_module(f"transformers.models.{args.model_type}.modeling_{args.model_type}")
+        except ImportError:
+            pass
+    line = sys.stdin.readline()
+    if not line:
+        return
+    launch = json.loads(line)
+    os.environ.update(launch["env"])
+    cores = set(launch["cores"])
+    for task in os.listdir("/proc/self/task"):  # every thread, as the launching process's
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    from sdp_cli.fileio import redirect_output
+
+    redirect_output(Path(launch["log"]))
+    main(launch["argv"])
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--await-launch"]:
+        await_launch()
+    else:
+        main()

@@ -44,7 +44,7 @@ from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.remote_sample import MAX_RESTORES_IN_A_ROW, SampleRun, run_rounds
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.remote_state import RemoteState
-from sdp_cli.engine.servers import LaunchSpec, ManagedServer
+from sdp_cli.engine.servers import LaunchSpec, ManagedServer, Prestarted
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
@@ -200,10 +200,12 @@ class RemoteEngine(InferenceEngine):
             raise
 
     @classmethod
-    def _attach_launched(cls, spec: LaunchSpec, options: RemoteOptions, **kwargs: Any) -> Self:
-        """Start the server of ``spec`` and attach to it (``kwargs`` go to the constructor);
-        ``close()`` stops it, and so does a failed attach."""
-        server = ManagedServer(spec).start()
+    def _attach_launched(
+        cls, spec: LaunchSpec, options: RemoteOptions, *, prestarted: Prestarted | None = None, **kwargs: Any
+    ) -> Self:
+        """Start the server of ``spec`` (``prestarted``: see ``ManagedServer``) and attach to it
+        (``kwargs`` go to the constructor); ``close()`` stops it, and so does a failed attach."""
+        server = ManagedServer(spec, prestarted=prestarted).start()
         try:
             return cls([server.base_url], options, managed=[server], **kwargs)
         except BaseException:

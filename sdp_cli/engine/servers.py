@@ -11,6 +11,10 @@ A server that knows nothing of sdp (vLLM, SGLang) runs under ``server_guard.py``
 when sdp is gone (a kill -9 included), with a temporary directory of its own (``TMPDIR``) that is
 removed once it has ended, however it ended: vLLM leaves its ZMQ sockets and a torch.distributed
 store there even when it is stopped cleanly. sdp's own engine process does both itself.
+
+A server's first start may take a process started ahead of it (``prestarted``: sdp's engine
+process, which imports while sdp loads the policy, docs/engines.md "The local engine's process");
+a restart always starts a new one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,12 +171,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+#: a process started ahead of a server's launch, told to run it: ``(spec, env)`` (the environment
+#: the launch would give a new process) -> the process, or None when it cannot (a new one starts)
+Prestarted = Callable[[LaunchSpec, Mapping[str, str]], "subprocess.Popen[bytes] | None"]
+
+
 class ManagedServer:
     """A server process started by sdp; ``revive()`` starts it again if it exited, ``stop()`` (or
-    the context manager) ends it for good."""
+    the context manager) ends it for good. ``prestarted``: what the first start takes instead of
+    a new process, if it can (see the module docstring)."""
 
-    def __init__(self, spec: LaunchSpec):
+    def __init__(self, spec: LaunchSpec, *, prestarted: Prestarted | None = None):
         self.spec = spec
+        self._prestarted = prestarted
         self._process: subprocess.Popen[bytes] | None = None
         #: set by stop(): no revive, and a start in progress gives up
         self._stopped = threading.Event()
@@ -217,10 +228,12 @@ class ManagedServer:
                     "--parent-pid", str(os.getpid()), "--scratch", str(scratch),
                     "--grace-s", repr(spec.stop_grace_s), "--", *command,
                 ]  # fmt: skip
+            prestarted, self._prestarted = self._prestarted, None  # the first start only
+            process = prestarted(spec, env) if prestarted is not None and scratch is None else None
             try:
                 # Its own session, so stop() can end the server's worker processes too, and a
                 # Ctrl-C at the terminal reaches sdp only (which stops the server at its end).
-                process = subprocess.Popen(
+                process = process or subprocess.Popen(
                     command,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -4,8 +4,10 @@ the run's checks before anything is written use it (``sdp_cli.models.context``).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 from sdp_cli.errors import UserError
 
@@ -50,3 +52,24 @@ def resolve_model_dir(path: str | Path) -> Path:
     except (HfHubHTTPError, OSError, ValueError) as err:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(f"model.path={repo}: download from the Hugging Face hub failed ({first}); retry or pass a local directory") from None
+
+
+#: the ``model_type`` of sdp's tiny model (``sdp_cli/models/tiny.py`` builds a Qwen2)
+TINY_MODEL_TYPE = "qwen2"
+
+
+def model_type_hint(cfg: Any) -> str | None:
+    """The ``model_type`` of the run's model where it is known without loading anything: the
+    tiny model's, or that of a local directory's ``config.json``; None otherwise (a hub id, a
+    GGUF file, a file that does not parse). A hint only (the engine's process imports that
+    model's code ahead, ``sdp_cli/engine/process.py`` ``WarmProcess``), never an error."""
+    if cfg.model.kind == "tiny":
+        return TINY_MODEL_TYPE
+    path = cfg.model.path
+    if not path or is_hub_id(path):
+        return None
+    try:
+        model_type = json.loads((Path(path).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None

@@ -103,3 +103,49 @@ def test_a_torchrun_process_leaves_without_the_interpreter_teardown(argv, expect
     assert codes == [expected]
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert run_main(argv, capsys)[0] == expected and codes == [expected]
+
+
+def _import_cut_by_ctrl_c():
+    """What transformers' lazy import raises when a Ctrl-C lands inside it."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as cut:
+        raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from cut
+
+
+def test_a_ctrl_c_that_cut_an_import_is_one_line_and_exit_130(monkeypatch, capsys):
+    """Any command: the import's own error (with its traceback) was what a user saw."""
+    import sdp_cli.cli.main as cli_main
+
+    class CutApp:
+        registered_groups = True  # the commands are registered already
+
+        def __call__(self, **_kwargs):
+            _import_cut_by_ctrl_c()
+
+    monkeypatch.setattr(cli_main, "app", CutApp())
+    code, _, err = run_main(["inspect-weights", "batch.safetensors"], capsys)
+    assert (code, err.strip()) == (130, "error: interrupted (SIGINT)")
+
+
+def test_only_an_error_raised_from_or_during_a_ctrl_c_counts_as_one():
+    from sdp_cli.stopsignals import interrupted_by_ctrl_c
+
+    with pytest.raises(ModuleNotFoundError) as cut:
+        _import_cut_by_ctrl_c()
+    assert interrupted_by_ctrl_c(cut.value)
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("raised while handling it") from None  # the context is dropped on purpose
+    except ValueError as dropped:
+        assert not interrupted_by_ctrl_c(dropped)
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise ValueError("raised while handling it")
+    except ValueError as during:
+        assert interrupted_by_ctrl_c(during)
+    assert not interrupted_by_ctrl_c(ModuleNotFoundError("no module named x"))

@@ -375,3 +375,92 @@ def test_a_killed_process_is_started_again_and_close_leaves_nothing(process_cfg,
     assert managed.pid is None and not scratch.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(first_pid, 0)
+
+
+# ------------------------------------------------------------------ the process started ahead
+def _start_with(cfg, policy, run_dir: Path, warm_threads: int | None, *, threads: int = 1, kill_warm: bool = False):
+    """``start_local`` as the rollout process runs it: the scratch directory made, the engine's
+    process started ahead with ``warm_threads`` (None: none), the policy written, the launch.
+    Returns (engine, the pid of the process started ahead or None)."""
+    from sdp_cli.engine.factory import prepare_local, start_local, warm_local
+    from sdp_cli.engine.process import make_scratch
+    from sdp_cli.rundir import RunDir
+
+    scratch = make_scratch()
+    warm = None if warm_threads is None else warm_local(scratch, threads=warm_threads, model_type="qwen2")
+    warm_pid = None if warm is None else warm.pid
+    if kill_warm:
+        os.kill(warm_pid, signal.SIGKILL)
+    recipe = prepare_local(cfg, policy, RunDir(run_dir), device="cpu", threads=threads, scratch=scratch)
+    return start_local(cfg, recipe, RunDir(run_dir), warm=warm), warm_pid
+
+
+def _serves_the_policy(engine, policy) -> None:
+    """Four samples whose every token's logprob is the policy's own (a full forward)."""
+    prompt = policy.tokenizer("12+7=")["input_ids"]
+    samples = [RolloutSample(prompt_ids=list(prompt)) for _ in range(4)]
+    engine.generate(samples, SamplingParams(max_new_tokens=6))
+    for x in samples:
+        ref = reference_logprobs(policy.model.eval(), x.input_ids, x.prompt_len, 1.0)
+        assert max(abs(a - b) for a, b in zip(x.old_logprobs, ref, strict=True)) <= 1e-4
+
+
+def test_the_process_started_ahead_is_handed_its_launch_and_serves_the_policy(process_cfg, tmp_path):
+    """The rollout process's path (docs/training.md "Start-up"): the engine's process that
+    imported while the policy was written is the one that serves it, on the launch's port and
+    token, in the run's log, with the launch's threads; close() ends it and removes the scratch."""
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import build_task_from
+
+    policy = load_policy_from(process_cfg, build_task_from(process_cfg))
+    engine, warm_pid = _start_with(process_cfg, policy, tmp_path / "run", 1)
+    managed, scratch = engine._managed[0], engine.scratch
+    try:
+        assert managed.pid == warm_pid
+        log = (tmp_path / "run" / "logs" / "local_engine.log").read_text()
+        assert f"sdp local engine: pid {warm_pid}, 1 thread(s)" in log and log.count("serving on") == 1
+        _serves_the_policy(engine, policy)
+    finally:
+        engine.close()
+    assert not scratch.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(warm_pid, 0)
+
+
+@pytest.mark.parametrize("case", ["another environment", "ended"])
+def test_a_launch_the_process_started_ahead_cannot_run_gets_a_new_process(case, process_cfg, tmp_path):
+    """Started for two threads (OMP_NUM_THREADS=2 from its start: the launch's one thread would
+    not be what a new process runs with), or killed before the launch: a new process serves,
+    and the one started ahead is ended and reaped."""
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import build_task_from
+
+    policy = load_policy_from(process_cfg, build_task_from(process_cfg))
+    warm_threads = 2 if case == "another environment" else 1
+    engine, warm_pid = _start_with(process_cfg, policy, tmp_path / "run", warm_threads, kill_warm=case == "ended")
+    try:
+        assert engine._managed[0].pid not in (None, warm_pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(warm_pid, 0)  # ended and reaped, not a zombie
+        _serves_the_policy(engine, policy)
+    finally:
+        engine.close()
+
+
+def test_the_process_started_ahead_leaves_at_the_end_of_its_input_or_when_discarded(tmp_path):
+    """Never handed over: the rollout process closes its input (it ended without a recipe) and
+    it exits; ``discard`` ends one still importing (idempotent)."""
+    from sdp_cli.engine.process import WarmProcess
+
+    for end in ("input closed", "discarded"):
+        warm = WarmProcess(tmp_path, threads=1, model_type=None)
+        process = warm._process
+        if end == "input closed":
+            process.stdin.close()
+            assert process.wait(timeout=120) == 0
+            warm.discard()
+        else:
+            warm.discard()
+            warm.discard()
+            assert process.returncode is not None
+        assert warm.pid is None

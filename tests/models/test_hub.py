@@ -82,3 +82,27 @@ def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hf_home, tmp_path
     (tmp_path / "sdp-test" / "tiny-arith").mkdir(parents=True)
     assert not is_hub_id(REPO)
     assert not is_hub_id("./model") and not is_hub_id("/abs/model") and not is_hub_id("../x/y")
+
+
+def test_the_model_type_hint_is_read_without_loading_anything(tmp_path):
+    """The engine's process started ahead imports the model code this names (a hint: anything
+    it cannot tell without loading or downloading is None, never an error)."""
+    from types import SimpleNamespace
+
+    from sdp_cli.models.model_dir import model_type_hint
+    from sdp_cli.models.tiny import tiny_arch, tiny_config
+
+    def cfg(kind, path=None):
+        return SimpleNamespace(model=SimpleNamespace(kind=kind, path=path))
+
+    assert model_type_hint(cfg("tiny")) == tiny_config(64, tiny_arch()).model_type  # what the tiny model is
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    assert model_type_hint(cfg("hf", str(tmp_path / "llama"))) == "llama"
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text('["model_type"]')
+    for path in ("HuggingFaceTB/SmolLM2-135M", tmp_path / "broken", tmp_path / "model.gguf", tmp_path / "listed", None):
+        assert model_type_hint(cfg("hf", None if path is None else str(path))) is None, path

@@ -37,9 +37,12 @@ from .harness import (
     check_finished_run,
     events,
     first_step_time_after,
+    gone,
     metrics,
+    processes_whose_command_has,
     run_sdp,
     sdp_env,
+    train_cmd,
     wait_for,
 )
 
@@ -381,3 +384,73 @@ def test_a_run_killed_before_its_first_checkpoint_is_started_over_by_resume(tmp_
     check_finished_run(run_dir, steps)
     started = [e for e in events(run_dir) if e["event"] == "started"]
     assert started[-1]["note"] == "no complete checkpoint: started over", started
+
+
+#: seconds after `sdp train` has begun to import torch (the first of its seconds of imports; the
+#: rollout process and the engine's process have started by then): before the run directory is
+#: made (~6 s after the command began on 2 cores)
+START_MOMENTS = (0.0, 0.4, 1.0, 2.0)
+
+
+def _importing_torch(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's library (it is importing torch, or has)."""
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _descendants(sdp_pid: int) -> list[int]:
+    """The processes sdp started that watch their parent: the rollout process (``--parent-pid``
+    sdp) and the engine's process it started (``--parent-pid`` the rollout process)."""
+    rollout = processes_whose_command_has(f"--parent-pid {sdp_pid}")
+    return rollout + [pid for parent in rollout for pid in processes_whose_command_has(f"--parent-pid {parent}")]
+
+
+def _scratch_of(pid: int) -> Path | None:
+    """The scratch directory a rollout process named on its stdout (an unlinked file before the
+    run directory exists: read through /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/fd/1").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"the engine's scratch directory is (\S+)", text)
+    return Path(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_sdp_train_starts_ends_it_in_one_line_and_leaves_nothing(signum, tmp_path, sdp_cache):
+    """Before a run handles signals itself (sdp's seconds of imports, with the rollout process and
+    the engine's process started ahead), a Ctrl-C came out as the traceback of the import it cut
+    (transformers re-raises a KeyboardInterrupt as ModuleNotFoundError) or as a silent exit, and
+    a SIGTERM killed sdp without a line. At each moment: one line, exit 128 + the signal, no run
+    directory, and no process or scratch directory of the run left."""
+    name = SIGNALS[signum]
+    for moment in START_MOMENTS:
+        run_dir = tmp_path / f"run-{moment}"
+        sdp = subprocess.Popen(
+            train_cmd(*FAST_SERVER, "train.steps=2", f"run.dir={run_dir}"),
+            env=sdp_env(sdp_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        wait_for(lambda: _importing_torch(sdp.pid), 60, "sdp to import torch", sdp)
+        started, scratches = set(), set()
+        deadline = time.monotonic() + moment
+        while True:
+            for pid in _descendants(sdp.pid):
+                started.add(pid)
+                if (scratch := _scratch_of(pid)) is not None:
+                    scratches.add(scratch)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        sdp.send_signal(signum)
+        _, err = sdp.communicate(timeout=120)
+        assert sdp.returncode == 128 + signum and "Traceback" not in err, (moment, sdp.returncode, err[-3000:])
+        assert err.strip().splitlines()[-1:] == [f"stopped before the run started ({name}); nothing was written"], (
+            moment, err[-3000:],
+        )  # fmt: skip
+        assert not run_dir.exists(), moment
+        wait_for(lambda: all(gone(pid) for pid in started), 15, f"the processes sdp started to end ({moment} s)")
+        assert not [s for s in scratches if s.exists()], f"scratch directories left ({moment} s)"
+        report.hostile_input(f"{name} while sdp train starts ({moment} s)", one_line=True, nonzero_exit=True,
+                             nothing_written=True)  # fmt: skip

@@ -9,6 +9,7 @@ tests/reliability/test_engine_process.py.)"""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,19 +59,29 @@ def test_a_run_in_three_processes(tmp_path):
     assert len(used) == 1 and not used[0].exists(), "the engine's scratch directory is removed"
     made = [scratch for _, scratch in rollout_scratches(run_dir)]
     assert made == used, "the engine ran on the rollout process's directory"
+    # the engine's process that served is the one the rollout process started ahead, as the
+    # command began (docs/training.md "Start-up"); its log says so from its first line
+    ahead = re.findall(r"the engine's process (\d+) started ahead", (run_dir / "logs" / "rollout.log").read_text())
+    served = re.findall(r"sdp local engine: pid (\d+),", (run_dir / "logs" / "local_engine.log").read_text())
+    assert ahead == served and len(served) == 1, (ahead, served)
 
 
 def test_the_rollout_process_starts_without_torch(tmp_path):
     """Its imports, the default run's tokenizer loaded as the rollout process loads it, and the
     staging of a push leave torch and transformers' model code out (the engine computes in a
-    process of its own): they are seconds of start-up, or of the first push, in every run."""
+    process of its own): they are seconds of start-up, or of the first push, in every run. What
+    sdp imports to start it, before its own imports (``early_start``), has no transformers."""
     from sdp_cli.models.tokenizer import build_tokenizer
 
     build_tokenizer("arith").save_pretrained(tmp_path)
     probe = (
         "import sys\n"
         "import sdp_cli.train.session.rollout_process as rp\n"
-        f"codec = rp.PromptCodec.of_tokenizer(rp.load_tokenizer(rp.Path({str(tmp_path)!r})), 2)\n"
+        "assert 'transformers' not in sys.modules, 'what starts the process imports transformers'\n"
+        "rp._import_the_rest()\n"
+        "from sdp_cli.models.policy import PromptCodec\n"
+        "from sdp_cli.models.tokenizer import load_tokenizer\n"
+        f"codec = PromptCodec.of_tokenizer(load_tokenizer(rp.Path({str(tmp_path)!r})), 2)\n"
         "assert codec.decode_completion(codec.encode_prompt('12+7=')[1:]) == '12+7='\n"
         "from sdp_cli.engine.base import WeightUpdate\n"
         "from sdp_cli.engine.process import ProcessEngine\n"
@@ -96,22 +107,26 @@ def _children_of(parent: int) -> list[int]:
     return found
 
 
-def test_the_rollout_process_starts_with_the_session_and_an_abort_before_its_recipe_ends_it(tmp_path):
-    """It starts as setup begins (its imports run while the policy loads); two Ctrl-Cs while the
-    warm start still trains (the first waits for the step boundary, the second aborts) end sdp,
-    and the process, which never got its recipe, with it."""
+def test_the_rollout_process_starts_with_the_command_and_an_abort_before_its_recipe_ends_it(tmp_path):
+    """It starts as `sdp train` begins, before sdp's own imports and long before the run
+    directory exists (its imports, and its engine's, run while sdp imports and loads the
+    policy); two Ctrl-Cs while the warm start still trains (the first waits for the step
+    boundary, the second aborts) end sdp, and the process, which never got its recipe, with it."""
     import signal
     import time
 
-    command = [sys.executable, "-m", "sdp_cli", "train", *PROCESS, f"run.dir={tmp_path / 'run'}",
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "sdp_cli", "train", *PROCESS, f"run.dir={run_dir}",
                "model.warm_start_steps=100000", "train.steps=2"]  # fmt: skip
     sdp = subprocess.Popen(command, env=sdp_env(tmp_path / "cache"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         while not (started := _children_of(sdp.pid)) and time.monotonic() < deadline and sdp.poll() is None:
+            time.sleep(0.05)
+        assert len(started) == 1 and not run_dir.exists(), "the rollout process starts before the run directory"
+        while not (run_dir / "config.yaml").exists() and time.monotonic() < deadline and sdp.poll() is None:
             time.sleep(0.1)
-        assert len(started) == 1, "the rollout process starts while the warm start trains"
-        time.sleep(1.0)  # the warm start is under way
+        time.sleep(1.0)  # the run has begun: its warm start is under way
         sdp.send_signal(signal.SIGINT)
         time.sleep(0.5)
         sdp.send_signal(signal.SIGINT)
@@ -120,9 +135,10 @@ def test_the_rollout_process_starts_with_the_session_and_an_abort_before_its_rec
         if sdp.poll() is None:
             sdp.kill()
     assert sdp.returncode == 130 and "Traceback" not in err.decode(), err.decode()[-3000:]
+    assert "before training started" in err.decode(), err.decode()[-3000:]
     deadline = time.monotonic() + 10
     while not gone(started[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(started[0]), "the rollout process ended with the session"
-    ((_, scratch),) = rollout_scratches(tmp_path / "run")
+    ((_, scratch),) = rollout_scratches(run_dir)
     assert not scratch.exists(), "and removed the scratch directory it made"

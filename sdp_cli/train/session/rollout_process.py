@@ -1,58 +1,65 @@
 """The rollout process: a run's rollout side in a process of its own (docs/training.md "Three processes").
 
 ``RolloutProcessStart`` (in sdp's process) starts ``python -m
-sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair as the session
-begins, so that the process imports what it runs while sdp loads the policy. The process
-first makes the engine's scratch directory and says where (its first frame): the directory is
-the process's, removed when it ends however that comes (by sdp or the engine's process if it
-was killed). ``begin`` then writes what the engine
-starts from into it (the registry entry's ``prepare`` half, where the policy is) and sends the
-run's recipe as the first frame of its own (``rollout_link.py``): the
-typed config, the run directory, the engine's recipe, the ids and budgets of generation, the
-ledger offset of a resume. ``main`` (in the rollout process) builds from it what the rollout side needs (the task
-with its reward code, the tokenizer the engine's files hold, the engine from the ``start``
-half, the group ledger), answers with the engine's log files, or with the error that kept it
-from starting, and then serves the link until the session ends or sdp is gone.
+sdp_cli.train.session.rollout_process`` with one end of a Unix socket pair as ``sdp train``
+begins (``early_start``, before sdp's own imports) or as the session's setup begins, so that
+the process imports what it runs while sdp imports and loads the policy. The process first
+makes the engine's scratch directory and says where (its first frame): the directory is the
+process's, removed when it ends however that comes (by sdp or the engine's process if it was
+killed). Then it starts the engine's process ahead, where the engine has a ``warm`` half (the
+local engine's: it imports torch and transformers meanwhile). ``begin`` writes what the engine
+starts from into the directory (the registry entry's ``prepare`` half, where the policy is) and
+sends the run's recipe as the first frame of its own (``rollout_link.py``): the typed config, the
+run directory and the log to go on in, the engine's recipe, the ids and budgets of generation,
+the ledger offset of a resume. ``main`` (in the rollout process) builds from it what the rollout
+side needs (the task with its reward code, the tokenizer the engine's files hold, the engine
+from the ``start`` half, in the process started ahead if it can, the group ledger), answers with
+the engine's log files, or with the error that kept it from starting, and then serves the link
+until the session ends or sdp is gone.
 
 The process has its own session, so a Ctrl-C at the terminal reaches sdp only, which stops it in
 order; it ignores SIGINT, ends on SIGTERM (stopping its engine first), and leaves on its own
-when sdp has gone. Its output goes to ``<run>/logs/rollout.log``.
+when sdp has gone. Its output goes to ``<run>/logs/rollout.log`` (started before the run
+directory existed: to an unlinked file until the recipe names the log, then to the log, after
+what it wrote until then).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
-# What this module imports is all the rollout process imports for the local engine: no torch, no
-# transformers model code (its engine computes in a process of its own), so that it starts in a
-# fraction of a second (tests/train/test_rollout_process.py checks).
+# What this module imports at its top is what sdp's process needs to start the rollout process
+# (it may do so before its own imports of torch, ``early_start``); the rollout process imports
+# the rest in ``_serve_session`` while it waits for its recipe: no torch, no transformers model
+# code (its engine computes in a process of its own), so that it starts in a fraction of a second
+# (tests/train/test_rollout_process.py checks).
 import sdp_cli
-from sdp_cli.config.compose import config_from_dict
-from sdp_cli.config.schema import SdpConfig
-from sdp_cli.engine.process import LAUNCH_DIR, make_scratch
-from sdp_cli.engine.process_server import leave_with_parent
 from sdp_cli.engines import engine_kind
-from sdp_cli.fileio import open_in_place
-from sdp_cli.models.policy import PromptCodec
-from sdp_cli.models.tokenizer import load_tokenizer
+from sdp_cli.fileio import open_in_place, redirect_output
+from sdp_cli.models.model_dir import model_type_hint
 from sdp_cli.rundir import RunDir
-from sdp_cli.train.asyncloop.ledger import LedgerLog
-from sdp_cli.train.asyncloop.rollout import RolloutSide
-from sdp_cli.train.asyncloop.rollout_link import RolloutLink, error_to_json, receive_frame, send_frame, serve
-from sdp_cli.train.session.placement import pin_process
-from sdp_cli.train.session.task_setup import prepare_task
+from sdp_cli.train.session.placement import pin_process, thread_counts
+
+if TYPE_CHECKING:
+    from sdp_cli.config.schema import SdpConfig
+    from sdp_cli.train.asyncloop.rollout import RolloutSide
+    from sdp_cli.train.asyncloop.rollout_link import RolloutLink
 
 #: the rollout process's log in the run's logs directory
 LOG_NAME = "rollout.log"
@@ -60,15 +67,20 @@ LOG_NAME = "rollout.log"
 
 class RolloutProcessStart:
     """A rollout process started ahead of its recipe, for a run whose engine builds in two
-    halves (``EngineKind.own_process``): its interpreter imports what it runs while sdp loads
-    the policy, and it waits for ``begin``. ``cancel`` ends it if the run never gets that far
-    (so does sdp's end: the process leaves when its end of the link closes)."""
+    halves (``EngineKind.own_process``): its interpreter imports what it runs, and it starts
+    the engine's process ahead too where the engine has a ``warm`` half, while sdp loads the
+    policy; it waits for ``begin``. ``cancel`` ends it if the run never gets that far (so does
+    sdp's end: the process leaves when its end of the link closes).
 
-    def __init__(self, run_dir: RunDir):
-        self.log_path = run_dir.logs / LOG_NAME
+    ``run_dir`` None: started before the run directory exists (``early_start``); its output is
+    kept in an unlinked file until ``begin`` names the run, then goes to the head of its log."""
+
+    def __init__(self, cfg: SdpConfig, run_dir: RunDir | None):
+        self.log_path = run_dir.logs / LOG_NAME if run_dir is not None else None
+        #: the unlinked file of an early start's output, until ``begin``
+        self._early: IO[bytes] | None = None
         ours, theirs = socket.socketpair()
         try:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
             # the sdp_cli this process runs, whatever the environment's path says
             package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
             env = {
@@ -78,8 +90,19 @@ class RolloutProcessStart:
                 "OMP_NUM_THREADS": "1",
             }
             command = [sys.executable, "-m", __name__, "--fd", str(theirs.fileno()), "--parent-pid", str(os.getpid())]
-            # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
-            with open_in_place(self.log_path, "ab") as log:
+            kind = engine_kind(cfg.engine.kind)
+            if kind.warm is not None:
+                warm = {"kind": kind.name, "threads": thread_counts(cfg)[1], "model_type": model_type_hint(cfg)}
+                command += ["--warm-engine", json.dumps(warm)]
+            if self.log_path is not None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
+                log = open_in_place(self.log_path, "ab")
+            else:
+                log = self._early = tempfile.TemporaryFile()
+            with contextlib.ExitStack() as closing:
+                if log is not self._early:
+                    closing.enter_context(log)
                 # Its own session: a Ctrl-C at the terminal reaches sdp only, which stops it in order.
                 self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
                     command,
@@ -92,10 +115,41 @@ class RolloutProcessStart:
                 )
         except BaseException:
             ours.close()
+            self._close_early()
             raise
         finally:
             theirs.close()
         self._sock = ours
+
+    @classmethod
+    def early_start(cls, cfg: SdpConfig, environ: Mapping[str, str]) -> RolloutProcessStart | None:
+        """The rollout process of ``sdp train``, started as the command begins, before sdp's own
+        seconds of imports, where the run is sure to use it: a new run (a resume's config is
+        known only once its directory is read) in one process, whose engine runs in a process of
+        its own. None otherwise: setup starts it then."""
+        if cfg.resume or environ.get("WORLD_SIZE", "1") not in ("", "1"):
+            return None  # (a WORLD_SIZE that is no number is the run's to refuse)
+        return cls(cfg, None) if engine_kind(cfg.engine.kind).own_process(cfg) else None
+
+    def _close_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early.close()
+
+    def _keep_early_output(self, log_path: Path) -> None:
+        """What the process wrote before its recipe, appended to its log (where a failure to
+        start is then reported from); the process itself goes on in that log (``redirect_output``)."""
+        if self._early is None:
+            return
+        try:
+            self._early.seek(0)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open_in_place(log_path, "ab") as log:
+                shutil.copyfileobj(self._early, log)
+        except OSError:
+            pass  # the run's log is the report's only loss
+        finally:
+            self._close_early()
 
     def begin(
         self,
@@ -115,15 +169,19 @@ class RolloutProcessStart:
         engine's failure to start is raised here as in sdp's process (``EngineUnavailable`` …),
         and the process is ended. ``cores``: where it and its engine's process run
         (``placement.core_split``; None: anywhere)."""
+        from sdp_cli.train.asyncloop.rollout_link import RolloutLink
+
         assert self._process is not None, "begin() is called once"
         kind = engine_kind(cfg.engine.kind)
-        link = RolloutLink(self._process, self._sock, log_path=self.log_path, weight_dtype=kind.weight_dtype(cfg))
+        log_path = run_dir.logs / LOG_NAME
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        link = RolloutLink(self._process, self._sock, log_path=log_path, weight_dtype=kind.weight_dtype(cfg))
         scratch: Path | None = None
         try:
             scratch = link.receive_scratch()
             recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads, scratch=scratch)
         except BaseException:
-            self.cancel()  # the process, which has no recipe, leaves and removes the directory
+            self.cancel(keep_output=log_path)  # the process, which has no recipe, leaves and removes the directory
             if scratch is not None:  # unless it was killed
                 shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -133,6 +191,8 @@ class RolloutProcessStart:
                 {
                     "config": dataclasses.asdict(cfg),
                     "run_dir": str(run_dir.path),
+                    # an early start's output goes on in the run's log from here (the process moves it)
+                    "log": str(log_path) if self._early is not None else None,
                     "engine": recipe,
                     "stop_token_ids": list(stop_token_ids),
                     "max_new_tokens": max_new_tokens,
@@ -143,26 +203,39 @@ class RolloutProcessStart:
         except BaseException:
             link.shutdown(grace_s=10.0)
             raise
+        finally:
+            self._close_early()
         return link
 
-    def cancel(self) -> None:
+    def cancel(self, *, keep_output: Path | None = None) -> None:
         """End the process if it is still waiting for its recipe (idempotent): it leaves when
         its end of the link closes, removing the scratch directory it made, by signal if it
-        does not."""
+        does not. ``keep_output``: the log an early start's output is appended to then."""
         process, self._process = self._process, None
-        if process is None:
-            return
-        self._sock.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process is not None:
+            self._sock.close()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if keep_output is not None:
+            self._keep_early_output(keep_output)
+        self._close_early()
 
 
 # ------------------------------------------------------------------ the rollout process
-def _build(recipe: dict[str, Any]) -> RolloutSide:
-    """The rollout side of ``recipe`` (``start_rollout_process``) with its engine started."""
+def _build(recipe: dict[str, Any], warm: Any) -> RolloutSide:
+    """The rollout side of ``recipe`` (``RolloutProcessStart.begin``) with its engine started
+    (in ``warm``, the engine's process started ahead, if it can)."""
+    from sdp_cli.config.compose import config_from_dict
+    from sdp_cli.engine.process import LAUNCH_DIR
+    from sdp_cli.models.policy import PromptCodec
+    from sdp_cli.models.tokenizer import load_tokenizer
+    from sdp_cli.train.asyncloop.ledger import LedgerLog
+    from sdp_cli.train.asyncloop.rollout import RolloutSide
+    from sdp_cli.train.session.task_setup import prepare_task
+
     cfg = config_from_dict(recipe["config"])
     run_dir = RunDir(recipe["run_dir"])
     engine_recipe = recipe["engine"]
@@ -170,7 +243,7 @@ def _build(recipe: dict[str, Any]) -> RolloutSide:
     tokenizer = load_tokenizer(Path(engine_recipe["scratch"]) / LAUNCH_DIR)
     task = prepare_task(cfg, tokenizer=tokenizer)
     codec = PromptCodec.of_tokenizer(tokenizer, int(engine_recipe["eos_token_ids"][0]))
-    engine = engine_kind(cfg.engine.kind).starter()(cfg, engine_recipe, run_dir)
+    engine = engine_kind(cfg.engine.kind).starter()(cfg, engine_recipe, run_dir, warm=warm)
     try:
         ledger = LedgerLog(run_dir.ledger, truncate_to=recipe["ledger_offset"])
     except BaseException:
@@ -188,14 +261,42 @@ def _build(recipe: dict[str, Any]) -> RolloutSide:
     )
 
 
+def _import_the_rest() -> None:
+    """What the rollout side runs on, imported while the process waits for its recipe (the
+    module's top imports only what sdp's process needs to start it)."""
+    import sdp_cli.config.compose  # noqa: F401
+    import sdp_cli.models.policy  # noqa: F401
+    import sdp_cli.models.tokenizer  # noqa: F401
+    import sdp_cli.train.asyncloop.ledger  # noqa: F401
+    import sdp_cli.train.asyncloop.rollout  # noqa: F401
+    import sdp_cli.train.session.task_setup  # noqa: F401
+
+
+def _start_warm(options: str, scratch: Path) -> Any:
+    """The engine's process started ahead (``EngineKind.warm``) as ``--warm-engine`` asks, or
+    None: a warm start that fails costs the run nothing but its head start."""
+    try:
+        asked = json.loads(options)
+        warm = engine_kind(asked.pop("kind")).warmer()(scratch, **asked)
+    except Exception as exc:  # noqa: BLE001 - the engine then starts as it would without
+        print(f"sdp rollout process: the engine's process was not started ahead ({exc})", flush=True)
+        return None
+    print(f"sdp rollout process: the engine's process {warm.pid} started ahead", flush=True)
+    return warm
+
+
 def _end_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
+    from sdp_cli.engine.process import make_scratch
+    from sdp_cli.engine.process_server import leave_with_parent
+
     parser = argparse.ArgumentParser(description="sdp's rollout process (started by sdp train)")
     parser.add_argument("--fd", type=int, required=True, help="this process's end of the link")
     parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--warm-engine", default=None, help="JSON: the engine's process to start ahead")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # sdp stops this process in order
     signal.signal(signal.SIGTERM, _end_on_sigterm)
@@ -209,9 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=leave_with_parent, args=(args.parent_pid, scratch), daemon=True).start()
     print(f"sdp rollout process {os.getpid()}: the engine's scratch directory is {scratch}", flush=True)
     sock = socket.socket(fileno=args.fd)
+    warm = _start_warm(args.warm_engine, scratch) if args.warm_engine else None
     try:
-        _serve_session(sock, scratch)
+        _serve_session(sock, scratch, warm)
     finally:
+        if warm is not None:
+            warm.discard()  # never handed over (a handed-over one is the engine's, stopped with it)
         shutil.rmtree(scratch, ignore_errors=True)
     # The engine is stopped and the ledger closed: leave now, without waiting for a reward call
     # that may still run (user code, cut off with the process rather than left to sdp's end).
@@ -220,13 +324,16 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)
 
 
-def _serve_session(sock: socket.socket, scratch: Path) -> None:
+def _serve_session(sock: socket.socket, scratch: Path, warm: Any) -> None:
     """Say where the scratch directory is, take the recipe, build the rollout side and serve
     the link until the session ends or sdp has gone."""
+    from sdp_cli.train.asyncloop.rollout_link import error_to_json, receive_frame, send_frame, serve
+
     try:
         send_frame(sock, {"ok": {"scratch": str(scratch)}})
     except OSError:  # sdp has gone already
         return
+    _import_the_rest()
     recipe = receive_frame(sock)
     if recipe is None:  # sdp cancelled the start, or has gone
         return
@@ -235,7 +342,9 @@ def _serve_session(sock: socket.socket, scratch: Path) -> None:
     if recipe["cores"] is not None:
         pin_process(recipe["cores"])  # before the engine's process starts: it inherits them
     try:
-        side = _build(recipe)
+        if recipe["log"] is not None:  # started early: its output goes on in the run's log
+            redirect_output(Path(recipe["log"]))
+        side = _build(recipe, warm)
     except Exception as exc:  # noqa: BLE001 - sdp reports it as its own
         send_frame(sock, {"error": error_to_json(exc)})
         return

@@ -55,7 +55,7 @@ from sdp_cli.train.session.policy_setup import (
     save_version,
 )
 from sdp_cli.train.session.recovery import recover_after_crash
-from sdp_cli.train.session.rollout_process import RolloutProcessStart
+from sdp_cli.train.session.rollout_process import LOG_NAME as ROLLOUT_LOG, RolloutProcessStart
 from sdp_cli.train.session.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.session.display import Progress, StartDisplay, start_evaluation_title
 from sdp_cli.train.session.reporting import EventLog, MetricsLog
@@ -84,6 +84,7 @@ class TrainingRun:
         checkpoint: ckpt.Checkpoint | None = None,
         stop_request: StopRequest | None = None,
         display: StartDisplay | None = None,
+        rollout_process: RolloutProcessStart | None = None,
     ):
         self.cfg = cfg
         self.task = task
@@ -98,8 +99,9 @@ class TrainingRun:
         self.stop_request = stop_request or StopRequest()
         #: the rollout side: producer, buffers, engine and ledger (rank 0), or the link to it
         self.rollout: RolloutSide | RolloutLink | None = None
-        #: the rollout process, started as setup begins, until it gets its recipe (rank 0)
-        self._rollout_process: RolloutProcessStart | None = None
+        #: the rollout process, started as the command began (``RolloutProcessStart.early_start``)
+        #: or as setup begins, until it gets its recipe (rank 0)
+        self._rollout_process = rollout_process
         self.loop: AsyncLoop | None = None
         #: the greedy evaluation's reward calls, under the training rewards' rules (rank 0)
         self.eval_rewards: RewardPool | None = None
@@ -123,7 +125,11 @@ class TrainingRun:
 
         if self.coordinator.is_main and engine_kind(cfg.engine.kind).own_process(cfg):
             # its imports run while the policy loads; it gets its recipe in _start_rollout
-            self._rollout_process = RolloutProcessStart(self.run_dir)
+            if self._rollout_process is None:
+                self._rollout_process = RolloutProcessStart(cfg, self.run_dir)
+        elif self._rollout_process is not None:
+            self._rollout_process.cancel()
+            self._rollout_process = None
         checkpoint = self.resume_from
         # a resume without a checkpoint starts over: what the earlier sessions logged is dropped
         over = self.resuming and checkpoint is None
@@ -502,7 +508,7 @@ class TrainingRun:
         if getattr(self, "progress", None) is not None:
             self.progress.close()
         if self._rollout_process is not None:  # setup stopped before the rollout side started
-            self._rollout_process.cancel()
+            self._rollout_process.cancel(keep_output=self.run_dir.logs / ROLLOUT_LOG)
         if self.rollout is not None:
             self.rollout.close()
         if abort:
@@ -582,8 +588,11 @@ def run_training(
     source: ConfigSource = ConfigSource(),
     stop: StopRequest | None = None,
     keep_lock: bool = False,
+    rollout_process: RolloutProcessStart | None = None,
 ) -> dict[str, Any] | None:
     """Start (or resume) a run and return its summary (None on ranks other than 0).
+    ``rollout_process``: the run's, started as the command began (``early_start``); the run
+    gives it its recipe, or ends it.
 
     SIGINT, SIGTERM and SIGHUP stop it at a step boundary with a checkpoint (``Interrupted``); a
     second SIGINT aborts at once (docs/reliability.md, "Signals"). One process per run directory:
@@ -602,7 +611,7 @@ def run_training(
     # several processes: rank 0 ignores SIGTERM once the run is over (Coordinator.end), and
     # restoring the default handler at the end of the block would undo that
     with handling(stop, restore=not coordinator.distributed):
-        return _train(cfg, raw, overrides, source, coordinator, stop, keep_lock)
+        return _train(cfg, raw, overrides, source, coordinator, stop, keep_lock, rollout_process)
 
 
 def _train(
@@ -613,6 +622,7 @@ def _train(
     coordinator: Coordinator,
     stop: StopRequest,
     keep_lock: bool,
+    rollout_process: RolloutProcessStart | None,
 ) -> dict[str, Any] | None:
     start: RunStart | None = None
     run: TrainingRun | None = None
@@ -635,6 +645,7 @@ def _train(
             checkpoint=start.checkpoint,
             stop_request=stop,
             display=display,
+            rollout_process=rollout_process if coordinator.is_main else None,
         )
         try:
             run.setup()
