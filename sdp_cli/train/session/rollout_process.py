@@ -76,7 +76,6 @@ class RolloutProcessStart:
     kept in an unlinked file until ``begin`` names the run, then goes to the head of its log."""
 
     def __init__(self, cfg: SdpConfig, run_dir: RunDir | None):
-        self.log_path = run_dir.logs / LOG_NAME if run_dir is not None else None
         #: the unlinked file of an early start's output, until ``begin``
         self._early: IO[bytes] | None = None
         ours, theirs = socket.socketpair()
@@ -94,10 +93,10 @@ class RolloutProcessStart:
             if kind.warm is not None:
                 warm = {"kind": kind.name, "threads": thread_counts(cfg)[1], "model_type": model_type_hint(cfg)}
                 command += ["--warm-engine", json.dumps(warm)]
-            if self.log_path is not None:
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            if run_dir is not None:
+                run_dir.logs.mkdir(parents=True, exist_ok=True)
                 # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
-                log = open_in_place(self.log_path, "ab")
+                log = open_in_place(run_dir.logs / LOG_NAME, "ab")
             else:
                 log = self._early = tempfile.TemporaryFile()
             with contextlib.ExitStack() as closing:
