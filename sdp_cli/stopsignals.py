@@ -101,7 +101,8 @@ def handling(handler: Callable[[int], None], *, restore: bool = True) -> Iterato
         yield True
     finally:
         for signum, old in previous.items() if restore else ():
-            signal.signal(signum, old)
+            # the start's handler (exiting_on_signals) had its time: the one before it comes back
+            signal.signal(signum, getattr(old, "replaced", {}).get(signum, old))
 
 
 @contextmanager
@@ -112,9 +113,9 @@ def exiting_on_signals(line: Callable[[int], str]) -> Iterator[None]:
     it fails with an error that names no signal: a ``KeyboardInterrupt`` in transformers' model
     code came out as ``ModuleNotFoundError``, in numpy's as ``RecursionError``). For a process
     that has written nothing yet and whose helpers leave on their own once it has gone: ``sdp
-    train`` before its run handles signals (the run's :func:`handling` is installed inside the
-    block and left as it is; the previous handlers come back at the end where this one is still
-    set). Main thread only (elsewhere it does nothing)."""
+    train`` before its run handles signals. Once a run's :func:`handling` has taken over inside
+    the block, this handler is done: that block ends with the handlers from before this one, as
+    does this block where this one is still set. Main thread only (elsewhere it does nothing)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -127,6 +128,7 @@ def exiting_on_signals(line: Callable[[int], str]) -> Iterator[None]:
         os._exit(128 + signum)
 
     previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
+    exit_now.replaced = previous  # type: ignore[attr-defined]  # read by handling() at its end
     for signum in SIGNALS:
         signal.signal(signum, exit_now)
     try:

@@ -126,26 +126,3 @@ def test_a_ctrl_c_that_cut_an_import_is_one_line_and_exit_130(monkeypatch, capsy
     monkeypatch.setattr(cli_main, "app", CutApp())
     code, _, err = run_main(["inspect-weights", "batch.safetensors"], capsys)
     assert (code, err.strip()) == (130, "error: interrupted (SIGINT)")
-
-
-def test_only_an_error_raised_from_or_during_a_ctrl_c_counts_as_one():
-    from sdp_cli.stopsignals import interrupted_by_ctrl_c
-
-    with pytest.raises(ModuleNotFoundError) as cut:
-        _import_cut_by_ctrl_c()
-    assert interrupted_by_ctrl_c(cut.value)
-    try:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            raise ValueError("raised while handling it") from None  # the context is dropped on purpose
-    except ValueError as dropped:
-        assert not interrupted_by_ctrl_c(dropped)
-    try:
-        try:
-            raise KeyboardInterrupt
-        except KeyboardInterrupt:
-            raise ValueError("raised while handling it")
-    except ValueError as during:
-        assert interrupted_by_ctrl_c(during)
-    assert not interrupted_by_ctrl_c(ModuleNotFoundError("no module named x"))
