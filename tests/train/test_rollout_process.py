@@ -9,6 +9,7 @@ tests/reliability/test_engine_process.py.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -64,6 +65,45 @@ def test_a_run_in_three_processes(tmp_path):
     ahead = re.findall(r"the engine's process (\d+) started ahead", (run_dir / "logs" / "rollout.log").read_text())
     served = re.findall(r"sdp local engine: pid (\d+),", (run_dir / "logs" / "local_engine.log").read_text())
     assert ahead == served and len(served) == 1, (ahead, served)
+    # a resume, in three processes too, starts them ahead as well (its engine from its saved overrides)
+    done = _sdp(["train", f"resume={run_dir}", "train.steps=10"], cache)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_finished_run(run_dir, 10)
+    ahead = re.findall(r"the engine's process (\d+) started ahead", (run_dir / "logs" / "rollout.log").read_text())
+    served = re.findall(r"sdp local engine: pid (\d+),", (run_dir / "logs" / "local_engine.log").read_text())
+    assert ahead == served and len(served) == 2, (ahead, served)
+
+
+def test_a_resume_starts_its_rollout_process_early_where_its_saved_overrides_say_so(tmp_path):
+    """``early_start`` of a resume reads the run's saved overrides (nothing else of it, and no
+    code): an engine in its own process starts the rollout process at once; an engine in
+    sdp's process, a run with its own config directory, or overrides that are not what sdp
+    writes leave it to setup (which reports what is wrong, under the run's lock)."""
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.train.session.rollout_process import RolloutProcessStart
+
+    cases = {
+        "three processes": (["+debug=fast"], None, True),
+        "engine in sdp's process": (["+debug=fast", "engine.in_process=true"], None, False),
+        "its own config directory": (["+debug=fast"], "config_source.json", False),
+        "not a list of strings": ({"+debug": "fast"}, None, False),
+        "no overrides file": (None, None, False),
+    }
+    for name, (saved, extra_file, starts) in cases.items():
+        run_dir = tmp_path / name.replace(" ", "-").replace("'", "")
+        run_dir.mkdir()
+        if saved is not None:
+            (run_dir / "overrides.json").write_text(json.dumps(saved))
+        if extra_file is not None:
+            (run_dir / extra_file).write_text("{}")
+        cfg, _ = compose_config([f"resume={run_dir}", "run.progress=false"])
+        start = RolloutProcessStart.early_start(cfg, {})
+        try:
+            assert (start is not None) == starts, name
+        finally:
+            if start is not None:
+                start.cancel()
+    assert RolloutProcessStart.early_start(compose_config(["+debug=fast"])[0], {"WORLD_SIZE": "2"}) is None
 
 
 def test_the_rollout_process_starts_without_torch(tmp_path):

@@ -123,12 +123,16 @@ class RolloutProcessStart:
     @classmethod
     def early_start(cls, cfg: SdpConfig, environ: Mapping[str, str]) -> RolloutProcessStart | None:
         """The rollout process of ``sdp train``, started as the command begins, before sdp's own
-        seconds of imports, where the run is sure to use it: a new run (a resume's config is
-        known only once its directory is read) in one process, whose engine runs in a process of
-        its own. None otherwise: setup starts it then."""
-        if cfg.resume or environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        seconds of imports, for a run in one process whose engine runs in a process of its own
+        (a resume's engine as its saved overrides compose, ``_resumed``). None otherwise, and
+        where a resume's config cannot be told before the run reads its directory: setup starts
+        it then. A start the run turns out not to need is ended by the run."""
+        if environ.get("WORLD_SIZE", "1") not in ("", "1"):
             return None  # (a WORLD_SIZE that is no number is the run's to refuse)
-        return cls(cfg, None) if engine_kind(cfg.engine.kind).own_process(cfg) else None
+        run_cfg = _resumed(cfg) if cfg.resume else cfg
+        if run_cfg is None or not engine_kind(run_cfg.engine.kind).own_process(run_cfg):
+            return None
+        return cls(run_cfg, None)
 
     def _close_early(self) -> None:
         early, self._early = self._early, None
@@ -221,6 +225,28 @@ class RolloutProcessStart:
         if keep_output is not None:
             self._keep_early_output(keep_output)
         self._close_early()
+
+
+def _resumed(cfg: SdpConfig) -> SdpConfig | None:
+    """The config the saved overrides of the run ``cfg.resume`` names compose to, for the early
+    start's engine, threads and model only; None where that is not plain: no ``overrides.json``
+    that is a file holding a list of strings, the run's own ``--config-dir``, or a compose that
+    fails (the run reads and checks its directory itself, under its lock, and says what is
+    wrong). Composing runs no code of the run's (its programs are imported only once the resume
+    has been accepted, docs/reliability.md "Security defaults")."""
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.errors import UserError
+
+    run_dir = RunDir(Path(cfg.resume))
+    try:
+        if not run_dir.overrides.is_file() or run_dir.config_source.exists():
+            return None
+        saved = json.loads(run_dir.overrides.read_text())
+        if not isinstance(saved, list) or not all(isinstance(o, str) for o in saved):
+            return None
+        return compose_config([*saved, f"resume={run_dir.path}"], accepted=saved)[0]
+    except (OSError, ValueError, RecursionError, UserError):
+        return None
 
 
 # ------------------------------------------------------------------ the rollout process
