@@ -220,17 +220,18 @@ def open_in_place(path: Path, mode: str) -> IO[Any]:
     return os.fdopen(fd, mode)
 
 
-def redirect_output(log_path: Path) -> None:
+def redirect_output(log_path: Path, *, copied: int = 0) -> None:
     """Send this process's output (descriptors 1 and 2) to ``log_path``, appended (opened as
     ``open_in_place`` opens), after what it wrote until now to the file its stdout was (a
-    process started before its run directory existed kept it in an unlinked file)."""
+    process started before its run directory existed kept it in an unlinked file) from byte
+    ``copied`` on (what its parent copied into the log already)."""
     import sys
 
     sys.stdout.flush()
     sys.stderr.flush()
     with open_in_place(log_path, "ab") as log:
         try:
-            log.write(os.pread(1, os.fstat(1).st_size, 0))
+            log.write(os.pread(1, max(0, os.fstat(1).st_size - copied), copied))
         except OSError:  # its stdout is no readable file: nothing kept
             pass
         log.flush()

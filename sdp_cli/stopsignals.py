@@ -7,8 +7,8 @@ session) kill the process outright. Inside :func:`handling`, all three only call
 boundary, a later SIGINT (a second Ctrl-C) raises :class:`Abort` at once. A second SIGTERM or
 SIGHUP is ignored: preemption systems often deliver SIGTERM by several routes (to the process
 and to its group) and follow it with SIGKILL after a grace period, and a hangup reaches every
-process of the terminal, so a repeat is not a request to hurry. Before its run handles them, ``sdp train`` ends at once
-on all three (:func:`exiting_on_signals`). Torch-free.
+process of the terminal, so a repeat is not a request to hurry. Before its run handles them,
+``sdp train`` ends at once on all three (:func:`exiting_on_signals`). Torch-free.
 """
 
 from __future__ import annotations

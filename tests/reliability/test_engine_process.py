@@ -179,17 +179,19 @@ def test_kill_9_of_sdp_leaves_no_engine_process(closing_stall, tmp_path, sdp_cac
 
 def test_kill_9_of_sdp_while_it_writes_the_start_weights_leaves_nothing(tmp_path, sdp_cache):
     """sdp killed once it has written the engine's start weights, before the rollout process
-    has its recipe and before any engine's process: the scratch directory holding them is the
-    rollout process's, which removes it and exits. (The run has no checkpoint yet: sdp says to
-    start it again.)"""
+    has its recipe: the scratch directory holding them is the rollout process's, which removes
+    it and exits, and the engine's process it started ahead (never handed its launch) leaves
+    too. Both were started before the run directory existed; their first lines are in its log.
+    (The run has no checkpoint yet: sdp says to start it again.)"""
     run_dir = tmp_path / "run"
     env = sdp_env(sdp_cache, SDP_TEST_FAULTS="kill:local.start_weights_written")
     done = run_sdp(["train", *_args(run_dir, 4)], env, timeout=600)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     ((rollout, scratch),) = rollout_scratches(run_dir)
-    wait_for(lambda: gone(rollout) and not scratch.exists(), 10,
-             "the rollout process to remove the start weights and exit")  # fmt: skip
-    assert not engine_pids(run_dir), "no engine's process had started"
+    (ahead,) = map(int, re.findall(r"the engine's process (\d+) started ahead", whole_lines(run_dir / "logs" / "rollout.log")))
+    wait_for(lambda: gone(rollout) and gone(ahead) and not scratch.exists(), 10,
+             "the rollout process and the engine's process to remove the start weights and exit")  # fmt: skip
+    assert not engine_pids(run_dir), "no engine's process served"
 
 
 def test_a_killed_rollout_process_stops_the_run_at_a_step_and_the_resume_goes_on(tmp_path, sdp_cache):

@@ -76,8 +76,10 @@ class RolloutProcessStart:
     kept in an unlinked file until ``begin`` names the run, then goes to the head of its log."""
 
     def __init__(self, cfg: SdpConfig, run_dir: RunDir | None):
-        #: the unlinked file of an early start's output, until ``begin``
+        #: the unlinked file of an early start's output, until ``begin``, and how much of it
+        #: has been copied into the run's log
         self._early: IO[bytes] | None = None
+        self._copied = 0
         ours, theirs = socket.socketpair()
         try:
             # the sdp_cli this process runs, whatever the environment's path says
@@ -139,20 +141,24 @@ class RolloutProcessStart:
         if early is not None:
             early.close()
 
-    def _keep_early_output(self, log_path: Path) -> None:
-        """What the process wrote before its recipe, appended to its log (where a failure to
-        start is then reported from); the process itself goes on in that log (``redirect_output``)."""
+    def run_dir_made(self, run_dir: RunDir) -> None:
+        """The run directory exists: what the process wrote until now goes into its log."""
+        self._copy_early_output(run_dir.logs / LOG_NAME)
+
+    def _copy_early_output(self, log_path: Path) -> None:
+        """What the process wrote since the last copy, appended to its log in the run directory
+        (its first lines name the scratch directory and the engine's process it started: once
+        there, a kill of sdp at any later moment leaves them where the run's logs are)."""
         if self._early is None:
             return
         try:
-            self._early.seek(0)
+            self._early.seek(self._copied)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open_in_place(log_path, "ab") as log:
                 shutil.copyfileobj(self._early, log)
+            self._copied = self._early.tell()
         except OSError:
             pass  # the run's log is the report's only loss
-        finally:
-            self._close_early()
 
     def begin(
         self,
@@ -182,6 +188,7 @@ class RolloutProcessStart:
         scratch: Path | None = None
         try:
             scratch = link.receive_scratch()
+            self._copy_early_output(log_path)
             recipe = kind.preparer()(cfg, policy, run_dir, device=device, threads=engine_threads, scratch=scratch)
         except BaseException:
             self.cancel(keep_output=log_path)  # the process, which has no recipe, leaves and removes the directory
@@ -194,8 +201,10 @@ class RolloutProcessStart:
                 {
                     "config": dataclasses.asdict(cfg),
                     "run_dir": str(run_dir.path),
-                    # an early start's output goes on in the run's log from here (the process moves it)
+                    # an early start's output goes on in the run's log from here (the process
+                    # moves what it wrote after the part copied above)
                     "log": str(log_path) if self._early is not None else None,
+                    "log_copied": self._copied,
                     "engine": recipe,
                     "stop_token_ids": list(stop_token_ids),
                     "max_new_tokens": max_new_tokens,
@@ -223,7 +232,7 @@ class RolloutProcessStart:
                 process.kill()
                 process.wait()
         if keep_output is not None:
-            self._keep_early_output(keep_output)
+            self._copy_early_output(keep_output)
         self._close_early()
 
 
@@ -368,7 +377,7 @@ def _serve_session(sock: socket.socket, scratch: Path, warm: Any) -> None:
         pin_process(recipe["cores"])  # before the engine's process starts: it inherits them
     try:
         if recipe["log"] is not None:  # started early: its output goes on in the run's log
-            redirect_output(Path(recipe["log"]))
+            redirect_output(Path(recipe["log"]), copied=recipe["log_copied"])
         side = _build(recipe, warm)
     except Exception as exc:  # noqa: BLE001 - sdp reports it as its own
         send_frame(sock, {"error": error_to_json(exc)})

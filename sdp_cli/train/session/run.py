@@ -127,6 +127,8 @@ class TrainingRun:
             # its imports run while the policy loads; it gets its recipe in _start_rollout
             if self._rollout_process is None:
                 self._rollout_process = RolloutProcessStart(cfg, self.run_dir)
+            else:  # started as the command began, before the run directory existed
+                self._rollout_process.run_dir_made(self.run_dir)
         elif self._rollout_process is not None:
             self._rollout_process.cancel()
             self._rollout_process = None
