@@ -73,7 +73,9 @@ class RolloutProcessStart:
     sdp's end: the process leaves when its end of the link closes).
 
     ``run_dir`` None: started before the run directory exists (``early_start``); its output is
-    kept in an unlinked file until ``begin`` names the run, then goes to the head of its log."""
+    kept in an unlinked file, copied into the run's log once the directory exists
+    (``run_dir_made``) and before the start weights are written, and the process goes on in
+    that log from its recipe on."""
 
     def __init__(self, cfg: SdpConfig, run_dir: RunDir | None):
         #: the unlinked file of an early start's output, until ``begin``, and how much of it
