@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import sdp_cli
 from sdp_cli.engine.base import EngineError, WeightUpdate
 from sdp_cli.engine.http import HttpOptions
 from sdp_cli.engine.process_server import TOKEN_ENV
@@ -50,6 +49,7 @@ from sdp_cli.engine.wire import (
     malformed,
 )
 from sdp_cli.faults import fault_point
+from sdp_cli.processes import sdp_pythonpath
 
 #: scratch directories live here when it is a writable tmpfs (files in memory, no disk writes)
 SHM = Path("/dev/shm")
@@ -104,9 +104,7 @@ def make_scratch() -> Path:
 def process_env(threads: int | None) -> dict[str, str]:
     """What the engine's process adds to its parent's environment besides its token (the same
     for a process started ahead of its launch, ``WarmProcess``)."""
-    # the sdp_cli this process runs, whatever the environment's path says
-    package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": sdp_pythonpath()}  # the sdp_cli this process runs
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)  # the process's OpenMP pool from its start
     return env

@@ -388,14 +388,10 @@ def await_launch(argv: list[str] | None = None) -> None:
         return
     launch = json.loads(line)
     os.environ.update(launch["env"])
-    cores = set(launch["cores"])
-    for task in os.listdir("/proc/self/task"):  # every thread, as the launching process's
-        try:
-            os.sched_setaffinity(int(task), cores)
-        except (ProcessLookupError, FileNotFoundError):
-            pass
     from sdp_cli.fileio import redirect_output
+    from sdp_cli.processes import pin_process
 
+    pin_process(launch["cores"])  # every thread, on the launching process's cores
     redirect_output(Path(launch["log"]))
     main(launch["argv"])
 

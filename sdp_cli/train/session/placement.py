@@ -8,14 +8,13 @@ may use and the rollout process, with the engine's process it starts, to the oth
 the scheduler never puts generation on the trainer's core (a one-thread trainer's step waited for
 the core it was moved off; η = 4 steps were 1–3 % shorter pinned in five of five paired runs,
 2026-11-29). A set ``train.threads`` means the user places the processes (several runs on one
-machine, as `sdp ablate` runs them): nothing is pinned then.
+machine, as `sdp ablate` runs them): nothing is pinned then. The pinning itself:
+`sdp_cli/processes.py` `pin_process`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 
@@ -54,15 +53,3 @@ def core_split(cfg: Any, *, own_process: bool, device: str) -> tuple[list[int], 
         return None
     half = len(cores) // 2
     return cores[:half], cores[half:]
-
-
-def pin_process(cores: Iterable[int]) -> None:
-    """Run every thread of this process on ``cores`` (threads it starts later inherit them from
-    the thread that starts them). A thread that ended meanwhile is skipped."""
-    cores = set(cores)
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cores)
-        except (ProcessLookupError, FileNotFoundError):
-            pass
-

@@ -49,12 +49,12 @@ from typing import IO, TYPE_CHECKING, Any
 # the rest in ``_serve_session`` while it waits for its recipe: no torch, no transformers model
 # code (its engine computes in a process of its own), so that it starts in a fraction of a second
 # (tests/train/test_rollout_process.py checks).
-import sdp_cli
 from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place, redirect_output
 from sdp_cli.models.model_dir import model_type_hint
 from sdp_cli.rundir import RunDir
-from sdp_cli.train.session.placement import pin_process, thread_counts
+from sdp_cli.processes import pin_process, sdp_pythonpath
+from sdp_cli.train.session.placement import thread_counts
 
 if TYPE_CHECKING:
     from sdp_cli.config.schema import SdpConfig
@@ -84,11 +84,9 @@ class RolloutProcessStart:
         self._copied = 0
         ours, theirs = socket.socketpair()
         try:
-            # the sdp_cli this process runs, whatever the environment's path says
-            package_root = str(Path(sdp_cli.__file__).resolve().parent.parent)
             env = {
                 **os.environ,
-                "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])),
+                "PYTHONPATH": sdp_pythonpath(),  # the sdp_cli this process runs
                 # the rollout side computes nothing with torch: no OpenMP pool beside the trainer's
                 "OMP_NUM_THREADS": "1",
             }

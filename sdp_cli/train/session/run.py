@@ -44,7 +44,8 @@ from sdp_cli.train.asyncloop.rollout_link import RolloutLink
 from sdp_cli.train.asyncloop.loop import AsyncLoop, LoopInterrupted, LoopStopped, StepRecord
 from sdp_cli.train.step.batch import assemble_batch
 from sdp_cli.train.asyncloop.distributed import Coordinator
-from sdp_cli.train.session.placement import core_split, pin_process, thread_counts
+from sdp_cli.processes import pin_process
+from sdp_cli.train.session.placement import core_split, thread_counts
 from sdp_cli.train.session.policy_setup import (
     WholePolicy,
     bf16_note,
