@@ -49,6 +49,7 @@ from sdp_cli.engine.wire import (
     malformed,
 )
 from sdp_cli.faults import fault_point
+from sdp_cli.fileio import open_in_place
 from sdp_cli.processes import sdp_pythonpath
 
 #: scratch directories live here when it is a writable tmpfs (files in memory, no disk writes)
@@ -182,17 +183,13 @@ class WarmProcess:
     def hand_over(self, spec: LaunchSpec, env: Mapping[str, str]) -> subprocess.Popen[bytes] | None:
         """The process, told to run ``spec`` with its token from ``env``, on this process's cores,
         writing to ``spec.log_path``; None (and the process ended) where a new process would not
-        run what it runs."""
+        run what it runs, and the engine's log says why."""
         process, self._process = self._process, None
         if process is None:
             return None
         try:
-            same = (
-                spec.command[:3] == [sys.executable, "-m", SERVER_MODULE]
-                and {k: v for k, v in env.items() if k != TOKEN_ENV} == self._env
-                and process.poll() is None
-            )
-            if same:
+            why_not = self._why_not(process, spec, env)
+            if why_not is None:
                 launch = {
                     "argv": spec.command[3:],
                     "env": {TOKEN_ENV: env[TOKEN_ENV]},
@@ -205,11 +202,35 @@ class WarmProcess:
                     process.stdin.close()
                     return process
                 except OSError:  # it ended meanwhile
-                    pass
+                    why_not = f"it ended with code {process.wait()} as it was handed the launch"
             _end_now(process)
+            self._note_not_used(spec.log_path, process.pid, why_not)
             return None
         finally:
             self._output.close()
+
+    def _why_not(self, process: subprocess.Popen[bytes], spec: LaunchSpec, env: Mapping[str, str]) -> str | None:
+        """Why ``process`` would not run what a new process for ``spec`` runs; None if it would."""
+        code = process.poll()
+        if code is not None:
+            return f"it had ended with code {code}"
+        if spec.command[:3] != [sys.executable, "-m", SERVER_MODULE]:
+            return "the launch runs another interpreter or module"
+        launch_env = {k: v for k, v in env.items() if k != TOKEN_ENV}
+        differing = sorted(k for k in launch_env.keys() | self._env.keys() if launch_env.get(k) != self._env.get(k))
+        if differing:  # names only: a value may be a secret
+            return f"the launch's environment differs in {', '.join(differing)}"
+        return None
+
+    def _note_not_used(self, log_path: Path, pid: int, why_not: str) -> None:
+        """The engine's log says why the process started ahead was not used, with what it wrote
+        (an ended one's output says why it ended)."""
+        self._output.seek(0)
+        output = self._output.read()
+        with open_in_place(log_path, "ab") as log:
+            log.write(f"sdp: the engine's process {pid} started ahead was not used ({why_not}); a new process starts\n".encode())
+            if output:
+                log.write(b"its output:\n" + output + (b"" if output.endswith(b"\n") else b"\n"))
 
     def discard(self) -> None:
         """End the process if it was never handed over (idempotent)."""

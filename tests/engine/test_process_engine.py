@@ -431,7 +431,7 @@ def test_the_process_started_ahead_is_handed_its_launch_and_serves_the_policy(pr
 def test_a_launch_the_process_started_ahead_cannot_run_gets_a_new_process(case, process_cfg, tmp_path):
     """Started for two threads (OMP_NUM_THREADS=2 from its start: the launch's one thread would
     not be what a new process runs with), or killed before the launch: a new process serves,
-    and the one started ahead is ended and reaped."""
+    the one started ahead is ended and reaped, and the engine's log says why it was not used."""
     from sdp_cli.train.session.policy_setup import load_policy_from
     from sdp_cli.train.session.task_setup import build_task_from
 
@@ -442,6 +442,9 @@ def test_a_launch_the_process_started_ahead_cannot_run_gets_a_new_process(case, 
         assert engine._managed[0].pid not in (None, warm_pid)
         with pytest.raises(ProcessLookupError):
             os.kill(warm_pid, 0)  # ended and reaped, not a zombie
+        why = "it had ended with code -9" if case == "ended" else "the launch's environment differs in OMP_NUM_THREADS"
+        log = (tmp_path / "run" / "logs" / "local_engine.log").read_text()
+        assert f"sdp: the engine's process {warm_pid} started ahead was not used ({why}); a new process starts" in log
         _serves_the_policy(engine, policy)
     finally:
         engine.close()
