@@ -12,11 +12,10 @@ writes anything.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.models.gguf import is_gguf
+from sdp_cli.models.gguf import gguf_metadata, is_gguf
 
 #: positions of the built-in tiny model (its ``max_position_embeddings``)
 TINY_CONTEXT = 1024
@@ -37,15 +36,12 @@ def config_context(config: dict[str, Any]) -> int | None:
 
 
 def _gguf_context(path: str) -> int | None:
-    import gguf
-
-    reader = gguf.GGUFReader(str(Path(path).expanduser()))
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
+    arch = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    if not isinstance(arch, str):
         return None
-    name = bytes(arch.parts[arch.data[0]]).decode()
-    field = reader.fields.get(f"{name}.context_length")
-    return None if field is None else int(field.parts[field.data[0]][0])
+    key = f"{arch}.context_length"
+    context = gguf_metadata(path, [key]).get(key)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
 
 
 def model_context(cfg: SdpConfig) -> int | None:

@@ -15,6 +15,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import mmap
+import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +49,87 @@ def check_gguf_file(path: str | Path) -> Path:
     return file
 
 
+#: GGUF metadata value types (the format's numbering) with their struct codes; 8 string, 9 array
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_metadata(path: str | Path, keys: Collection[str]) -> dict[str, Any]:
+    """The values of the metadata ``keys`` a GGUF file holds (numbers, booleans and strings;
+    an array's key is left out), read from its header alone and only as far as the last of them.
+    ``gguf.GGUFReader`` maps every field and tensor of the file first: seconds for a model's
+    token lists, paid by each process that asked for one number. One-line UserError for a file
+    whose header is cut short or malformed."""
+    file = Path(path).expanduser()
+    wanted = set(keys)
+    found: dict[str, Any] = {}
+    try:
+        with open(file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                raise ValueError("it does not start with 'GGUF'")
+            # a big-endian file's version reads as a multiple of 2**16 in little-endian order
+            order = "<" if struct.unpack_from("<I", data, 4)[0] < 1 << 16 else ">"
+            version = struct.unpack_from(order + "I", data, 4)[0]
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not read (2 and later are)")
+            count = struct.unpack_from(order + "Q", data, 16)[0]
+            offset = 24
+            for _ in range(count):
+                if not wanted - found.keys():
+                    break
+                key, offset = _gguf_string(data, offset, order)
+                kind = struct.unpack_from(order + "I", data, offset)[0]
+                value, offset = _gguf_value(data, offset + 4, order, kind)
+                if key in wanted and kind != _ARRAY:
+                    found[key] = value
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read the GGUF file {file}'s metadata: {err}; check the file") from None
+    return found
+
+
+def _gguf_string(data: mmap.mmap, offset: int, order: str) -> tuple[str, int]:
+    size = struct.unpack_from(order + "Q", data, offset)[0]
+    end = offset + 8 + size
+    if end > len(data):
+        raise ValueError("its metadata is cut short")
+    return data[offset + 8 : end].decode("utf-8"), end
+
+
+def _gguf_value(data: mmap.mmap, offset: int, order: str, kind: int) -> tuple[Any, int]:
+    """The value of type ``kind`` at ``offset`` and the offset after it (an array: None, skipped
+    without decoding its items, which for a token list are most of the header)."""
+    if kind in _SCALARS:
+        code = order + _SCALARS[kind]
+        return struct.unpack_from(code, data, offset)[0], offset + struct.calcsize(code)
+    if kind == _STRING:
+        return _gguf_string(data, offset, order)
+    if kind == _ARRAY:
+        item_kind, items = struct.unpack_from(order + "IQ", data, offset)
+        offset += 12
+        if item_kind in _SCALARS:
+            end = offset + items * struct.calcsize(order + _SCALARS[item_kind])
+            if end > len(data):
+                raise ValueError("its metadata is cut short")
+            return None, end
+        for _ in range(items):
+            if item_kind == _STRING:  # the length alone: no string is decoded
+                offset += 8 + struct.unpack_from(order + "Q", data, offset)[0]
+            else:
+                _, offset = _gguf_value(data, offset, order, item_kind)
+        if offset > len(data):
+            raise ValueError("its metadata is cut short")
+        return None, offset
+    raise ValueError(f"its metadata holds a value of unknown type {kind}")
+
+
 def quantization(path: str | Path) -> str:
     """The file's weight type as llama.cpp names it (``Q4_1``, ``F32``, ...); ``unknown`` when
     the file does not say."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    field = reader.fields.get("general.file_type")
-    if field is None:
+    value = gguf_metadata(path, ["general.file_type"]).get("general.file_type")
+    if value is None:
         return "unknown"
-    value = int(field.parts[field.data[0]][0])
     try:
         name = gguf.LlamaFileType(value).name
     except ValueError:

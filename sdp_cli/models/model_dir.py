@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.errors import UserError
+from sdp_cli.models.gguf import gguf_metadata, is_gguf
 
 #: `name` or `org/name` as the hub spells repository ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -60,16 +61,23 @@ TINY_MODEL_TYPE = "qwen2"
 
 def model_type_hint(cfg: Any) -> str | None:
     """The ``model_type`` of the run's model where it is known without loading anything: the
-    tiny model's, or that of a local directory's ``config.json``; None otherwise (a hub id, a
-    GGUF file, a file that does not parse). A hint only (the engine's process imports that
-    model's code ahead, ``sdp_cli/engine/process.py`` ``WarmProcess``), never an error."""
+    tiny model's, that of a local directory's ``config.json``, or a GGUF file's architecture
+    (transformers' name for most); None otherwise (a hub id, a file that does not parse). A hint
+    only (the engine's process imports that model's code ahead, ``sdp_cli/engine/process.py``
+    ``WarmProcess``), never an error."""
     if cfg.model.kind == "tiny":
         return TINY_MODEL_TYPE
     path = cfg.model.path
     if not path or is_hub_id(path):
         return None
-    try:
-        model_type = json.loads((Path(path).expanduser() / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    if is_gguf(path):
+        try:
+            model_type = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+        except UserError:
+            return None
+    else:
+        try:
+            model_type = json.loads((Path(path).expanduser() / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None
     return model_type if isinstance(model_type, str) else None

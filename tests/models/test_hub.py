@@ -3,6 +3,7 @@
 sdp wrote itself; with HF_HUB_OFFLINE=1 sdp loads it from there and never reaches the network.
 huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when imported, so each check is a subprocess."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -101,8 +102,17 @@ def test_the_model_type_hint_is_read_without_loading_anything(tmp_path):
     assert model_type_hint(cfg("hf", str(tmp_path / "llama"))) == "llama"
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
-    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")  # cut short
     (tmp_path / "listed").mkdir()
     (tmp_path / "listed" / "config.json").write_text('["model_type"]')
+    if importlib.util.find_spec("gguf") is not None:  # a GGUF file's architecture, read from its header
+        import gguf
+
+        writer = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert model_type_hint(cfg("hf", str(tmp_path / "llama.gguf"))) == "llama"
     for path in ("HuggingFaceTB/SmolLM2-135M", tmp_path / "broken", tmp_path / "model.gguf", tmp_path / "listed", None):
         assert model_type_hint(cfg("hf", None if path is None else str(path))) is None, path

@@ -106,6 +106,31 @@ def test_a_resume_starts_its_rollout_process_early_where_its_saved_overrides_say
     assert RolloutProcessStart.early_start(compose_config(["+debug=fast"])[0], {"WORLD_SIZE": "2"}) is None
 
 
+def test_a_hugging_face_models_rollout_process_imports_its_tokenizer_class_ahead(tmp_path):
+    """A Hugging Face model's tokenizer is transformers' AutoTokenizer, whose import (about 2 s
+    on a small CPU) the rollout process makes while it waits, not after its recipe; the tiny
+    model's tokenizer is sdp's own, so its rollout process does not import transformers."""
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.train.session.rollout_process import RolloutProcessStart
+
+    for model, asks in ((["model=hf", f"model.path={tmp_path}"], True), ([], False)):
+        cfg, _ = compose_config(["+debug=fast", "engine.in_process=false", "run.progress=false", *model])
+        start = RolloutProcessStart.early_start(cfg, {})
+        try:
+            argv = Path(f"/proc/{start._process.pid}/cmdline").read_bytes().split(b"\0")
+            assert (b"--auto-tokenizer" in argv) == asks, argv
+        finally:
+            start.cancel()
+    probe = (
+        "import sys\n"
+        "import sdp_cli.train.session.rollout_process as rp\n"
+        "rp._import_the_rest(auto_tokenizer=True)\n"
+        "print('transformers.models.auto.tokenization_auto' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-3000:]
+
+
 def test_the_rollout_process_starts_without_torch(tmp_path):
     """Its imports, the default run's tokenizer loaded as the rollout process loads it, and the
     staging of a push leave torch and transformers' model code out (the engine computes in a
@@ -118,7 +143,7 @@ def test_the_rollout_process_starts_without_torch(tmp_path):
         "import sys\n"
         "import sdp_cli.train.session.rollout_process as rp\n"
         "assert 'transformers' not in sys.modules, 'what starts the process imports transformers'\n"
-        "rp._import_the_rest()\n"
+        "rp._import_the_rest(auto_tokenizer=False)\n"
         "from sdp_cli.models.policy import PromptCodec\n"
         "from sdp_cli.models.tokenizer import load_tokenizer\n"
         f"codec = PromptCodec.of_tokenizer(load_tokenizer(rp.Path({str(tmp_path)!r})), 2)\n"

@@ -95,6 +95,8 @@ class RolloutProcessStart:
             if kind.warm is not None:
                 warm = {"kind": kind.name, "threads": thread_counts(cfg)[1], "model_type": model_type_hint(cfg)}
                 command += ["--warm-engine", json.dumps(warm)]
+            if cfg.model.kind == "hf":  # its tokenizer is transformers' (the tiny model's is sdp's)
+                command += ["--auto-tokenizer"]
             if run_dir is not None:
                 run_dir.logs.mkdir(parents=True, exist_ok=True)
                 # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
@@ -295,9 +297,12 @@ def _build(recipe: dict[str, Any], warm: Any) -> RolloutSide:
     )
 
 
-def _import_the_rest() -> None:
+def _import_the_rest(*, auto_tokenizer: bool) -> None:
     """What the rollout side runs on, imported while the process waits for its recipe (the
-    module's top imports only what sdp's process needs to start it)."""
+    module's top imports only what sdp's process needs to start it); ``auto_tokenizer``:
+    transformers' ``AutoTokenizer`` too, seconds that would otherwise follow the recipe."""
+    if auto_tokenizer:
+        from transformers import AutoTokenizer  # noqa: F401
     import sdp_cli.config.compose  # noqa: F401
     import sdp_cli.models.policy  # noqa: F401
     import sdp_cli.models.tokenizer  # noqa: F401
@@ -331,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True, help="this process's end of the link")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--warm-engine", default=None, help="JSON: the engine's process to start ahead")
+    parser.add_argument("--auto-tokenizer", action="store_true", help="import transformers' AutoTokenizer ahead")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # sdp stops this process in order
     signal.signal(signal.SIGTERM, _end_on_sigterm)
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(fileno=args.fd)
     warm = _start_warm(args.warm_engine, scratch) if args.warm_engine else None
     try:
-        _serve_session(sock, scratch, warm)
+        _serve_session(sock, scratch, warm, auto_tokenizer=args.auto_tokenizer)
     finally:
         if warm is not None:
             warm.discard()  # never handed over (a handed-over one is the engine's, stopped with it)
@@ -358,7 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     os._exit(0)
 
 
-def _serve_session(sock: socket.socket, scratch: Path, warm: Any) -> None:
+def _serve_session(sock: socket.socket, scratch: Path, warm: Any, *, auto_tokenizer: bool) -> None:
     """Say where the scratch directory is, take the recipe, build the rollout side and serve
     the link until the session ends or sdp has gone."""
     from sdp_cli.train.asyncloop.rollout_link import error_to_json, receive_frame, send_frame, serve
@@ -367,7 +373,7 @@ def _serve_session(sock: socket.socket, scratch: Path, warm: Any) -> None:
         send_frame(sock, {"ok": {"scratch": str(scratch)}})
     except OSError:  # sdp has gone already
         return
-    _import_the_rest()
+    _import_the_rest(auto_tokenizer=auto_tokenizer)
     recipe = receive_frame(sock)
     if recipe is None:  # sdp cancelled the start, or has gone
         return
