@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -117,8 +118,12 @@ def test_a_hugging_face_models_rollout_process_imports_its_tokenizer_class_ahead
         cfg, _ = compose_config(["+debug=fast", "engine.in_process=false", "run.progress=false", *model])
         start = RolloutProcessStart.early_start(cfg, {})
         try:
-            argv = Path(f"/proc/{start._process.pid}/cmdline").read_bytes().split(b"\0")
-            assert (b"--auto-tokenizer" in argv) == asks, argv
+            # empty for a moment after Popen returns: the kernel closes the parent's pipe (exec
+            # succeeded) before it has set the new program's arguments
+            deadline = time.monotonic() + 30
+            while not (argv := Path(f"/proc/{start._process.pid}/cmdline").read_bytes()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert (b"--auto-tokenizer" in argv.split(b"\0")) == asks, argv
         finally:
             start.cancel()
     probe = (
@@ -178,7 +183,6 @@ def test_the_rollout_process_starts_with_the_command_and_an_abort_before_its_rec
     policy); two Ctrl-Cs while the warm start still trains (the first waits for the step
     boundary, the second aborts) end sdp, and the process, which never got its recipe, with it."""
     import signal
-    import time
 
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "sdp_cli", "train", *PROCESS, f"run.dir={run_dir}",
