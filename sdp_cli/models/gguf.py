@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import math
 import mmap
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,9 @@ def is_gguf(path: str | Path | None) -> bool:
 
 
 def check_gguf_file(path: str | Path) -> Path:
-    """The GGUF file, checked: it exists, starts with the GGUF magic, and the ``gguf`` package
-    is installed; one-line UserError otherwise."""
+    """The GGUF file, checked: it exists, starts with the GGUF magic, the ``gguf`` package is
+    installed, and its header and tensors' table read to the end, with the file long enough for
+    every tensor's data (a download or copy cut short); one-line UserError otherwise."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"model.path={path} is not a file; pass an existing .gguf file or a model directory")
@@ -46,80 +48,157 @@ def check_gguf_file(path: str | Path) -> Path:
         raise UserError(
             f"model.path={path} is a GGUF file, which needs the gguf package; pip install 'sdp-cli[gguf]'"
         )
+    try:
+        with _GGUFHeader(file) as header:
+            needed, size = header.data_end(), len(header.data)
+    except _CutShort as err:
+        raise UserError(f"model.path={path} is cut short ({err}); copy or download the file again") from None
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"model.path={path} is not a GGUF file sdp can read ({err}); check the file") from None
+    if needed > size:
+        raise UserError(
+            f"model.path={path} is cut short (its tensors' data end at byte {needed}, the file has {size}); "
+            "copy or download the file again"
+        )
     return file
 
 
 #: GGUF metadata value types (the format's numbering) with their struct codes; 8 string, 9 array
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+#: where a tensor's data starts is a multiple of this, unless ``general.alignment`` says otherwise
+_DEFAULT_ALIGNMENT = 32
+#: the most dimensions a tensor has (ggml's limit)
+_MAX_DIMS = 4
+
+
+class _CutShort(ValueError):
+    """The file ends before what its header says comes next."""
+
+
+class _GGUFHeader:
+    """A GGUF file's header, read in place (memory-mapped) with the format's own layout, and
+    only as far as asked: ``metadata`` walks its key-value pairs, ``data_end`` its tensors'
+    table too. ``gguf.GGUFReader`` maps every field and tensor before it answers anything:
+    seconds for a model's token lists."""
+
+    def __init__(self, file: Path):
+        self._handle = open(file, "rb")  # noqa: SIM115 - closed by __exit__
+        try:
+            self.data = mmap.mmap(self._handle.fileno(), 0, access=mmap.ACCESS_READ)
+        except BaseException:
+            self._handle.close()
+            raise
+
+    def __enter__(self) -> _GGUFHeader:
+        try:
+            if self.data[:4] != b"GGUF":
+                raise ValueError("it does not start with 'GGUF'")
+            # a big-endian file's version reads as a multiple of 2**16 in little-endian order
+            self._order = "<" if self._unpack("<I", 4)[0] < 1 << 16 else ">"
+            version = self._unpack(self._order + "I", 4)[0]
+            if version < 2:
+                raise ValueError(f"GGUF version {version} is not read (2 and later are)")
+            self.tensor_count, self.kv_count = self._unpack(self._order + "QQ", 8)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.data.close()
+        self._handle.close()
+
+    def _unpack(self, code: str, offset: int) -> tuple[Any, ...]:
+        if offset + struct.calcsize(code) > len(self.data):
+            raise _CutShort(f"its header ends past the file's {len(self.data)} bytes")
+        return struct.unpack_from(code, self.data, offset)
+
+    def metadata(self) -> Iterator[tuple[str, int, Any]]:
+        """Each key-value pair as ``(key, value type, value)``, in the file's order (an
+        array's value: None, skipped without decoding its items); the offset after the last
+        one read is ``self.offset``."""
+        self.offset = 24
+        for _ in range(self.kv_count):
+            key, offset = self._string(self.offset)
+            kind = self._unpack(self._order + "I", offset)[0]
+            value, self.offset = self._value(offset + 4, kind)
+            yield key, kind, value
+
+    def data_end(self) -> int:
+        """Where the last tensor's data ends, by the header (the file must be at least this
+        long); tensors of a type this gguf package does not know are not counted."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        alignment = _DEFAULT_ALIGNMENT
+        for key, _, value in self.metadata():
+            if key == "general.alignment" and isinstance(value, int) and value > 0:
+                alignment = value
+        offset, ends = self.offset, [0]
+        for _ in range(self.tensor_count):
+            _, offset = self._string(offset)
+            dims = self._unpack(self._order + "I", offset)[0]
+            if dims > _MAX_DIMS:
+                raise ValueError(f"a tensor of its table has {dims} dimensions")
+            shape = self._unpack(self._order + "Q" * dims, offset + 4)
+            kind, start = self._unpack(self._order + "IQ", offset + 4 + 8 * dims)
+            offset += 4 + 8 * dims + 12
+            with contextlib.suppress(ValueError, KeyError):  # a type this gguf package does not know
+                block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                ends.append(start + math.prod(shape) // block * block_bytes)
+        data_start = -(-offset // alignment) * alignment
+        return data_start + max(ends)
+
+    def _string(self, offset: int) -> tuple[str, int]:
+        size = self._unpack(self._order + "Q", offset)[0]
+        end = offset + 8 + size
+        if end > len(self.data):
+            raise _CutShort(f"a string of its header ends past the file's {len(self.data)} bytes")
+        return self.data[offset + 8 : end].decode("utf-8"), end
+
+    def _value(self, offset: int, kind: int) -> tuple[Any, int]:
+        """The value of type ``kind`` at ``offset`` and the offset after it (an array: None,
+        skipped without decoding its items, which for a token list are most of the header)."""
+        if kind in _SCALARS:
+            code = self._order + _SCALARS[kind]
+            return self._unpack(code, offset)[0], offset + struct.calcsize(code)
+        if kind == _STRING:
+            return self._string(offset)
+        if kind == _ARRAY:
+            item_kind, items = self._unpack(self._order + "IQ", offset)
+            offset += 12
+            if item_kind in _SCALARS:
+                end = offset + items * struct.calcsize(self._order + _SCALARS[item_kind])
+            else:
+                for _ in range(items):
+                    if item_kind == _STRING:  # the length alone: no string is decoded
+                        offset += 8 + self._unpack(self._order + "Q", offset)[0]
+                    else:
+                        _, offset = self._value(offset, item_kind)
+                end = offset
+            if end > len(self.data):
+                raise _CutShort(f"an array of its header ends past the file's {len(self.data)} bytes")
+            return None, end
+        raise ValueError(f"its header holds a value of unknown type {kind}")
 
 
 def gguf_metadata(path: str | Path, keys: Collection[str]) -> dict[str, Any]:
     """The values of the metadata ``keys`` a GGUF file holds (numbers, booleans and strings;
-    an array's key is left out), read from its header alone and only as far as the last of them.
-    ``gguf.GGUFReader`` maps every field and tensor of the file first: seconds for a model's
-    token lists, paid by each process that asked for one number. One-line UserError for a file
-    whose header is cut short or malformed."""
+    an array's key is left out), read from its header alone and only as far as the last of
+    them. One-line UserError for a file whose header is cut short or malformed."""
     file = Path(path).expanduser()
     wanted = set(keys)
     found: dict[str, Any] = {}
     try:
-        with open(file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                raise ValueError("it does not start with 'GGUF'")
-            # a big-endian file's version reads as a multiple of 2**16 in little-endian order
-            order = "<" if struct.unpack_from("<I", data, 4)[0] < 1 << 16 else ">"
-            version = struct.unpack_from(order + "I", data, 4)[0]
-            if version < 2:
-                raise ValueError(f"GGUF version {version} is not read (2 and later are)")
-            count = struct.unpack_from(order + "Q", data, 16)[0]
-            offset = 24
-            for _ in range(count):
-                if not wanted - found.keys():
-                    break
-                key, offset = _gguf_string(data, offset, order)
-                kind = struct.unpack_from(order + "I", data, offset)[0]
-                value, offset = _gguf_value(data, offset + 4, order, kind)
+        with _GGUFHeader(file) as header:
+            for key, kind, value in header.metadata() if wanted else ():
                 if key in wanted and kind != _ARRAY:
                     found[key] = value
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as err:
+                if not wanted - found.keys():
+                    break
+    except (OSError, ValueError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read the GGUF file {file}'s metadata: {err}; check the file") from None
     return found
-
-
-def _gguf_string(data: mmap.mmap, offset: int, order: str) -> tuple[str, int]:
-    size = struct.unpack_from(order + "Q", data, offset)[0]
-    end = offset + 8 + size
-    if end > len(data):
-        raise ValueError("its metadata is cut short")
-    return data[offset + 8 : end].decode("utf-8"), end
-
-
-def _gguf_value(data: mmap.mmap, offset: int, order: str, kind: int) -> tuple[Any, int]:
-    """The value of type ``kind`` at ``offset`` and the offset after it (an array: None, skipped
-    without decoding its items, which for a token list are most of the header)."""
-    if kind in _SCALARS:
-        code = order + _SCALARS[kind]
-        return struct.unpack_from(code, data, offset)[0], offset + struct.calcsize(code)
-    if kind == _STRING:
-        return _gguf_string(data, offset, order)
-    if kind == _ARRAY:
-        item_kind, items = struct.unpack_from(order + "IQ", data, offset)
-        offset += 12
-        if item_kind in _SCALARS:
-            end = offset + items * struct.calcsize(order + _SCALARS[item_kind])
-            if end > len(data):
-                raise ValueError("its metadata is cut short")
-            return None, end
-        for _ in range(items):
-            if item_kind == _STRING:  # the length alone: no string is decoded
-                offset += 8 + struct.unpack_from(order + "Q", data, offset)[0]
-            else:
-                _, offset = _gguf_value(data, offset, order, item_kind)
-        if offset > len(data):
-            raise ValueError("its metadata is cut short")
-        return None, offset
-    raise ValueError(f"its metadata holds a value of unknown type {kind}")
 
 
 def quantization(path: str | Path) -> str:

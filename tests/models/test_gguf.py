@@ -99,6 +99,34 @@ def test_bad_gguf_paths_are_one_line(tmp_path, monkeypatch, files):
     assert "pip install 'sdp-cli[gguf]'" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_gguf_file_cut_short_anywhere_is_one_line_naming_it(files, tmp_path):
+    """A download or copy cut short: cut in its header (transformers' reader raised a bare
+    struct.error), in its tensors' table, or in their data (transformers said "cannot reshape
+    array", as a tokenizer error), the check before anything is written says so in one line,
+    and `sdp train` exits with it; the whole file passes."""
+    content = files["Q8_0"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    # the last tensor's data ends where the file does, or up to 31 bytes of padding before it
+    sizes = sorted({*range(4, 400, 7), *range(400, len(content) - 32, max(1, len(content) // 150)), len(content) - 32})
+    for size in sizes:
+        cut.write_bytes(content[:size])
+        with pytest.raises(UserError) as err:
+            check_gguf_file(cut)
+        message = str(err.value)
+        assert "\n" not in message and str(cut) in message and "cut short" in message, (size, message)
+    check_gguf_file(files["Q8_0"])
+    cut.write_bytes(content[: len(content) * 2 // 3])  # in the tensors' data, as an interrupted download
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SDP_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdp_cli", "train", "model=hf", f"model.path={cut}", "run.progress=false",
+         f"run.dir={run}"],  # fmt: skip
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "cut short" in proc.stderr, proc.stderr
+    assert not run.exists()
+
+
 def test_sdp_train_on_a_gguf_file(files, tmp_path):
     """Two steps of `sdp train model=hf model.path=FILE.gguf` on the embedded engine; the run
     says the weights were dequantised and its checkpoint is a plain Hugging Face model."""

@@ -123,7 +123,7 @@ def test_the_header_cut_anywhere_is_one_line_or_still_right(tmp_path):
         (b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"k"
          + (99).to_bytes(4, "little"), "unknown type 99"),
         (b"GGUF" + (3).to_bytes(4, "little") + bytes(8) + (1).to_bytes(8, "little") + (2**40).to_bytes(8, "little"),
-         "cut short"),
+         "ends past the file.s 32 bytes"),
     ],  # fmt: skip
 )
 def test_a_malformed_header_is_one_line_naming_the_problem(tmp_path, content, problem):
