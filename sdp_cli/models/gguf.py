@@ -245,12 +245,14 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
         raise UserError(f"cannot load the tokenizer of the GGUF file {file}: {type(err).__name__}: {first}") from None
 
 
-def load_gguf(path: str | Path) -> tuple[Any, Any]:
+def load_gguf(path: str | Path, *, tokenizer: Any = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a GGUF file: a plain float32 transformers model (no quantizer
-    attached) and the tokenizer stored in the file."""
+    attached) and the tokenizer stored in the file (``tokenizer``: that tokenizer, already
+    loaded with ``load_gguf_tokenizer``)."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_gguf_tokenizer(path)
+    if tokenizer is None:
+        tokenizer = load_gguf_tokenizer(path)
     file = Path(path).expanduser()
     try:
         with _quiet_tqdm():

@@ -59,6 +59,7 @@ def load_policy(
     dtype: str = "float32",
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
+    tokenizer: Any = None,
 ) -> Policy:
     """The policy of ``kind``.
 
@@ -69,14 +70,15 @@ def load_policy(
     already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
     warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds; ``dtype="auto"``
     keeps the dtype the weights were saved in. ``progress`` gets a short line at each step of a warm
-    start that is not cached yet.
+    start that is not cached yet. ``tokenizer``: for ``hf``, the tokenizer of ``path`` if the
+    caller has loaded it already (``load_hf_policy``).
     """
     if dtype not in DTYPES and dtype != "auto":
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
     if kind == "hf":
         if path is None:
             raise UserError("model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)")
-        policy = load_hf_policy(path)
+        policy = load_hf_policy(path, tokenizer=tokenizer)
     elif kind == "tiny":
         if task is None:
             raise UserError("model kind 'tiny' needs a task to warm start on; set task (e.g. arith1)")
@@ -214,20 +216,22 @@ def check_hf_model_dir(path: str | Path) -> Path:
     return directory
 
 
-def load_hf_policy(path: str | Path) -> Policy:
+def load_hf_policy(path: str | Path, *, tokenizer: Any = None) -> Policy:
     """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
     directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
-    dequantised to float32)."""
+    dequantised to float32). ``tokenizer``: the one of ``path``, already loaded (task setup
+    loads it to render prompts), else it is loaded here."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     if is_gguf(path):
-        model, tokenizer = load_gguf(path)
+        model, tokenizer = load_gguf(path, tokenizer=tokenizer)
         return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
     directory = check_hf_model_dir(path)
     hub = is_hub_id(path)
     try:
-        tokenizer = load_tokenizer(directory)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(directory)
         model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as err:
         first_line = (str(err).strip().splitlines() or [""])[0]

@@ -93,6 +93,9 @@ class DatasetTask(Task):
         self.dropped = {TRAIN: 0, EVAL: 0}
         #: the model's context and generation budget prompts were measured against (``prepare``)
         self.context: Context | None = None
+        #: the model's tokenizer they were rendered and counted with (``prepare``): the policy's
+        #: load takes it rather than reading it again (seconds for a GGUF file)
+        self.tokenizer: Any = None
         #: warm-start problems when ``fit_warm_start`` left some out, else None (all of ``items``)
         self._sft_items: list[TaskItem] | None = None
         self._sft_fit: int | None = None
@@ -165,6 +168,7 @@ class DatasetTask(Task):
         ``max_prompt_tokens``, or the room ``context`` leaves beside the generation budget
         when that is smaller (docs/tasks.md, "Limits on a record")."""
         self.context = context
+        self.tokenizer = tokenizer
         self._build_items(tokenizer)
 
     def _limit(self) -> int | None:

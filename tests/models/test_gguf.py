@@ -127,6 +127,27 @@ def test_a_gguf_file_cut_short_anywhere_is_one_line_naming_it(files, tmp_path):
     assert not run.exists()
 
 
+def test_the_policy_takes_the_tokenizer_task_setup_loaded(files, tmp_path):
+    """A data task renders its prompts with the model's tokenizer; the policy's load takes that
+    tokenizer instead of reading it from the file again (seconds for a real GGUF file), for a
+    GGUF file and for a model directory alike; a checkpoint's policy reads its own."""
+    from sdp_cli.config.compose import compose_config
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import prepare_task
+
+    directory = tmp_path / "converted"
+    save_policy(load_hf_policy(files["F32"]), directory)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(10)))
+    for model in (files["F32"], directory):
+        cfg, _ = compose_config(["model=hf", f"model.path={model}", "task=gsm8k", f"task.path={data}",
+                                 "task.chat_template=true", "rollout.max_new_tokens=16"])  # fmt: skip
+        task = prepare_task(cfg)
+        assert task.tokenizer is not None
+        assert load_policy_from(cfg, task).tokenizer is task.tokenizer, model
+        assert load_policy_from(cfg, task, path=directory).tokenizer is not task.tokenizer
+
+
 def test_sdp_train_on_a_gguf_file(files, tmp_path):
     """Two steps of `sdp train model=hf model.path=FILE.gguf` on the embedded engine; the run
     says the weights were dequantised and its checkpoint is a plain Hugging Face model."""

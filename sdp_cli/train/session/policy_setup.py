@@ -34,7 +34,7 @@ from sdp_cli.engines import engine_kind
 from sdp_cli.errors import UserError
 from sdp_cli.models.lora import apply_lora, is_adapter_dir, is_lora, load_adapters, save_adapters
 from sdp_cli.models.precision import DTYPES, cast_weights
-from sdp_cli.tasks import Task
+from sdp_cli.tasks import DatasetTask, Task
 
 
 def engine_dtype(cfg: SdpConfig) -> torch.dtype | None:
@@ -185,7 +185,8 @@ def load_policy_from(
     if path is not None:
         return load_policy("hf", path=str(path))
     if cfg.model.kind == "hf":
-        return load_policy("hf", path=cfg.model.path)
+        # the model's tokenizer that task setup loaded to render the prompts, not read again
+        return load_policy("hf", path=cfg.model.path, tokenizer=task.tokenizer if isinstance(task, DatasetTask) else None)
     m = cfg.model
     return load_policy(
         "tiny",
