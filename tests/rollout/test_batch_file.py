@@ -522,9 +522,11 @@ def test_a_valid_batch_whose_header_length_looks_like_a_pickle_is_read(tmp_path,
 
 def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
     """Another process rewrites a 6.6 MB batch in place (the same inode), cutting it to half its
-    length at random moments, while it is read 100 times: each read gives the batch or one
-    BatchFormatError line, never SIGBUS (a memory map of a file that shrinks under it; before
-    the reader copied the file, 3 of 3 runs of this test died that way)."""
+    length at random moments, while it is read at least 100 times: each read gives the batch or
+    one BatchFormatError line, never SIGBUS (a memory map of a file that shrinks under it; before
+    the reader copied the file, 3 of 3 runs of this test died that way). Every tenth time the
+    whole file stays 0.3 s, and the reader goes on until one read got the batch: on a loaded
+    machine the random windows alone were once all shorter than a read (CI: 0 of 100)."""
     sample = RolloutSample(prompt_ids=[1])
     sample.append_tokens([3] * 200_000, [-0.5] * 200_000, 0)
     batch = SavedBatch.from_samples([sample], trainer_version=0, temperature=1.0, model="m", mode="bypass")
@@ -534,7 +536,7 @@ def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
         "import sys\n"
         "from sdp_cli.rollout.batch_file import BatchFormatError, read_batch\n"
         "ok = bad = 0\n"
-        "for _ in range(100):\n"
+        "while ok + bad < 100 or (ok == 0 and bad < 2000):\n"
         "    try:\n"
         "        read_batch(sys.argv[1]); ok += 1\n"
         "    except BatchFormatError as err:\n"
@@ -543,16 +545,18 @@ def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", reader, str(path)], stdout=subprocess.PIPE, text=True)
     rng = random.Random(0)
+    rewrites = 0
     while proc.poll() is None:
         with open(path, "r+b") as f:
             f.write(data)
-        time.sleep(rng.random() * 0.02)
+        time.sleep(0.3 if rewrites % 10 == 9 else rng.random() * 0.02)
         with open(path, "r+b") as f:
             f.truncate(len(data) // 2)
+        rewrites += 1
     out = proc.stdout.read()
     assert proc.returncode == 0, f"the reader died with {proc.returncode} ({out!r})"
     ok, bad = map(int, out.split())
-    assert ok + bad == 100 and ok > 0, (ok, bad)
+    assert ok + bad >= 100 and ok > 0, (ok, bad)
 
 
 # ------------------------------------------------------------- sparse huge files (issue 24)
