@@ -15,7 +15,12 @@ files, at the cost of rounding the float32 weights that a run would otherwise st
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +31,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def convert(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
     """Write the model of ``gguf_file`` to ``out_dir`` (which must not exist or be empty) in
-    ``dtype``; returns ``out_dir``."""
+    ``dtype``; returns ``out_dir``.
+
+    The files are written into a scratch directory beside ``out_dir``, which is renamed to it
+    only when all are there: a stop part-way (Ctrl-C, a full disk) leaves ``out_dir`` as it was."""
     import torch
 
     from sdp_cli.models.gguf import check_gguf_file
@@ -34,13 +42,40 @@ def convert(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
-    check_gguf_file(gguf_file)
+    check_gguf_file(gguf_file, label=str(gguf_file))
     target = Path(out_dir).expanduser()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UserError(f"{target} exists and is not an empty directory; choose a new output directory")
     policy = load_hf_policy(gguf_file)
     policy.model.to(getattr(torch, dtype))
-    return save_policy(policy, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as err:
+        raise UserError(f"cannot write into {target.parent} ({err.strerror}); choose a writable directory") from None
+    try:
+        save_policy(policy, scratch)
+        _past_stopping()
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.rename(scratch, target)
+    except OSError as err:
+        raise UserError(f"cannot write {target} ({err.strerror or err}); nothing was written there") from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _past_stopping() -> None:
+    """Every file is written: from here Ctrl-C and SIGTERM are ignored, so that a stop cannot
+    fall between the directory's move and the report and be told as "nothing was written"."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    signal.signal(signal.SIGTERM, _stop)  # a stop by `kill` cleans up as Ctrl-C does
     started = time.perf_counter()
     try:
         from sdp_cli.models.gguf import dequantised_note
@@ -61,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: interrupted; nothing was written to {args.out_dir}", file=sys.stderr)
+        return 130
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote {out} ({size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")
     return 0

