@@ -15,12 +15,8 @@ files, at the cost of rounding the float32 weights that a run would otherwise st
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import signal
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -31,51 +27,25 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def convert(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32") -> Path:
     """Write the model of ``gguf_file`` to ``out_dir`` (which must not exist or be empty) in
-    ``dtype``; returns ``out_dir``.
-
-    The files are written into a scratch directory beside ``out_dir``, which is renamed to it
-    only when all are there: a stop part-way (Ctrl-C, a full disk) leaves ``out_dir`` as it was."""
+    ``dtype``; returns ``out_dir``. Written as ``sdp export`` writes (``export_policy``): into a
+    temporary sibling renamed into place, so a stop part-way (Ctrl-C, a full disk) leaves
+    ``out_dir`` as it was."""
     import torch
 
+    from sdp_cli.models.export import check_export_target, export_policy
     from sdp_cli.models.gguf import check_gguf_file
-    from sdp_cli.models.loader import load_hf_policy, save_policy
+    from sdp_cli.models.loader import load_hf_policy
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     check_gguf_file(gguf_file, label=str(gguf_file))
-    target = Path(out_dir).expanduser()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise UserError(f"{target} exists and is not an empty directory; choose a new output directory")
+    check_export_target(out_dir)
     policy = load_hf_policy(gguf_file)
-    policy.model.to(getattr(torch, dtype))
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    except OSError as err:
-        raise UserError(f"cannot write into {target.parent} ({err.strerror}); choose a writable directory") from None
-    try:
-        save_policy(policy, scratch)
-        _past_stopping()
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        os.rename(scratch, target)
-    except OSError as err:
-        raise UserError(f"cannot write {target} ({err.strerror or err}); nothing was written there") from None
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return export_policy(policy, out_dir, dtype=getattr(torch, dtype))
 
 
 def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _past_stopping() -> None:
-    """Every file is written: from here Ctrl-C and SIGTERM are ignored, so that a stop cannot
-    fall between the directory's move and the report and be told as "nothing was written"."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: interrupted; nothing was written to {args.out_dir}", file=sys.stderr)
+        out = Path(args.out_dir).expanduser()
+        # the directory is renamed into place whole: holding files, it is complete
+        done = out.is_dir() and any(out.iterdir())
+        said = f"{out} was written whole before the stop" if done else f"nothing was written to {out}"
+        print(f"error: interrupted; {said}", file=sys.stderr)
         return 130
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote {out} ({size / 2**20:.0f} MiB) in {time.perf_counter() - started:.0f} s")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from sdp_cli.fileio import atomic_write_bytes
 from sdp_cli.rollout.batch_file import SavedBatch, read_batch
 from sdp_cli.rundir import RunDir
 
@@ -83,7 +83,7 @@ def main() -> None:
         if not candidates:
             sys.exit("no batch holds a token with lag >= 2; re-run (the lags depend on thread timing)")
         _, best = max(candidates, key=lambda c: c[0])
-        shutil.copyfile(best, args.out)
+        atomic_write_bytes(args.out, best.read_bytes())  # a stop mid-copy leaves the old batch
     batch = read_batch(args.out)
     print(
         f"wrote {args.out} ({args.out.stat().st_size} bytes) from {best.name}: "

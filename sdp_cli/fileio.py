@@ -27,7 +27,7 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -431,6 +431,21 @@ def _make_dirs(directory: Path, created: list[Path]) -> None:
         except OSError as err:
             raise UserError(f"{path}: cannot create the directory ({err.strerror})") from None
         created.append(path)
+
+
+@contextlib.contextmanager
+def missing_dirs_made(directory: Path) -> Iterator[None]:
+    """Create ``directory`` and its missing parents for the block; if the block raises, remove
+    the ones it created (those still empty), so that a failed write leaves no trace."""
+    created: list[Path] = []
+    try:
+        _make_dirs(Path(directory), created)
+        yield
+    except BaseException:
+        for made in reversed(created):
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
 
 
 def _backup(target: Path) -> Path | None:

@@ -280,3 +280,23 @@ def test_redirect_output_keeps_what_came_before_and_refuses_a_link(tmp_path):
     with tempfile.TemporaryFile() as early:
         done = subprocess.run([sys.executable, "-c", child, str(link)], stdout=early, stderr=subprocess.PIPE, timeout=60)
     assert done.returncode != 0 and (tmp_path / "target").read_text() == ""
+
+
+def test_missing_dirs_made_are_removed_when_the_block_fails_and_kept_when_it_succeeds(tmp_path):
+    (tmp_path / "kept").mkdir()
+    deep = tmp_path / "kept" / "a" / "b" / "c"
+    with pytest.raises(KeyboardInterrupt):
+        with fileio.missing_dirs_made(deep):
+            assert deep.is_dir()
+            raise KeyboardInterrupt
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["kept"]  # a, b, c gone; kept, which was there, stays
+    with pytest.raises(OSError):
+        with fileio.missing_dirs_made(deep):
+            (deep.parent / "someone-elses.txt").write_text("x")  # b is not empty: left as it is
+            raise OSError("disk")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "kept", "kept/a", "kept/a/b", "kept/a/b/someone-elses.txt"
+    ]  # fmt: skip
+    with fileio.missing_dirs_made(deep):
+        pass
+    assert deep.is_dir()

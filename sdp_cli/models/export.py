@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from sdp_cli.errors import UserError
+from sdp_cli.fileio import missing_dirs_made
 from sdp_cli.models.loader import save_policy
 from sdp_cli.models.policy import Policy
 
@@ -34,21 +35,25 @@ def check_export_target(out: str | Path) -> Path:
 
 def export_policy(policy: Policy, out: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write ``policy`` to the new directory ``out`` (``check_export_target``), its weights cast
-    to ``dtype`` (None: as they are), through a temporary sibling renamed into place."""
+    to ``dtype`` (None: as they are), through a temporary sibling renamed into place. A failure
+    (a full disk, an interrupt) leaves nothing: no temporary, and no parent directory made for
+    ``out``; an OSError is one line."""
     target = check_export_target(out)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
-    except OSError as err:
-        raise UserError(f"cannot write next to {target} ({err.strerror}); choose a writable place") from None
-    try:
-        written = save_policy(policy, tmp / "model", dtype=dtype)
+    with missing_dirs_made(target.parent):
         try:
-            if target.is_dir():
-                target.rmdir()  # empty, as checked: a directory made meanwhile is not replaced
-            os.rename(written, target)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
         except OSError as err:
-            raise UserError(f"cannot move the export into {target} ({err.strerror}); pass a new directory") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"cannot write next to {target} ({err.strerror}); choose a writable place") from None
+        try:
+            written = save_policy(policy, tmp / "model", dtype=dtype)
+            try:
+                if target.is_dir():
+                    target.rmdir()  # empty, as checked: a directory made meanwhile is not replaced
+                os.rename(written, target)
+            except OSError as err:
+                raise UserError(f"cannot move the export into {target} ({err.strerror}); pass a new directory") from None
+        except OSError as err:
+            raise UserError(f"cannot write {target} ({err.strerror or err}); nothing was written") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -256,6 +256,35 @@ def test_refusals_are_one_line_and_write_nothing(lora_run, hf_model, tmp_path, c
     assert "--dtype" in _refused(capsys, ["export", lora_run, tmp_path / "d", "--dtype", "int8"], tmp_path)
 
 
+
+@pytest.mark.parametrize("where", ["weights", "tokenizer"])
+def test_a_full_disk_while_writing_is_one_line_and_writes_nothing(full_run, tmp_path, capsys, monkeypatch, where):
+    """The disk fills up after part of the export was written (the weights, or the tokenizer's
+    files after them): one line naming the directory and the cause, exit 2, and nothing left
+    beside the output (before: a traceback of transformers' save)."""
+    import errno
+
+    from sdp_cli.models import loader
+
+    real_save = loader._save_model
+
+    def save_then_fill(model, directory, dtype):
+        real_save(model, directory, dtype)
+        if where == "weights":
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / "model.safetensors"))
+
+    monkeypatch.setattr(loader, "_save_model", save_then_fill)
+    if where == "tokenizer":
+        from transformers import PreTrainedTokenizerBase
+
+        def fill(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", fill)
+    out = tmp_path / "out" / "model"
+    line = _refused(capsys, ["export", full_run, out], tmp_path)
+    assert str(out) in line and "No space left on device" in line and "nothing was written" in line, line
+
 def test_help_shows_an_example(capsys):
     code, stdout, _ = run_main(["export", "--help"], capsys)
     assert code == 0 and "sdp export runs/my-run exported/my-model" in stdout
