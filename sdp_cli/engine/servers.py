@@ -230,6 +230,7 @@ class ManagedServer:
                 ]  # fmt: skip
             prestarted, self._prestarted = self._prestarted, None  # the first start only
             process = prestarted(spec, env) if prestarted is not None and scratch is None else None
+            handed = process
             try:
                 # Its own session, so stop() can end the server's worker processes too, and a
                 # Ctrl-C at the terminal reaches sdp only (which stops the server at its end).
@@ -253,12 +254,36 @@ class ManagedServer:
         self._process = process
         try:
             self._wait_ready(process)
+        except EngineUnavailable:
+            if process is not handed or process.poll() is None:
+                self._end_failed(process)
+                raise
+            # The process started ahead ended as it was handed the launch (killed between the
+            # check that it lives and the handover): a new process starts, as it would have.
+            self._end_failed(process)
+            with open_in_place(spec.log_path, "ab") as log:
+                log.write(f"sdp: the process {process.pid} started ahead ended with code {process.returncode} "
+                          "as it took the launch; a new process starts\n".encode())  # fmt: skip
+                log.flush()
+                self._process = process = subprocess.Popen(
+                    spec.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    start_new_session=True,
+                )  # fmt: skip
+            try:
+                self._wait_ready(process)
+            except BaseException:
+                self._end_failed(process)
+                raise
         except BaseException:
-            self._end(process)
-            if self._process is process:
-                self._process = None
+            self._end_failed(process)
             raise
         return self
+
+    def _end_failed(self, process: subprocess.Popen[bytes]) -> None:
+        """End a process whose start failed and forget it."""
+        self._end(process)
+        if self._process is process:
+            self._process = None
 
     def _wait_ready(self, process: subprocess.Popen[bytes]) -> None:
         spec = self.spec

@@ -450,6 +450,37 @@ def test_a_launch_the_process_started_ahead_cannot_run_gets_a_new_process(case, 
         engine.close()
 
 
+
+def test_a_process_started_ahead_that_ends_as_it_takes_the_launch_is_replaced(process_cfg, tmp_path, monkeypatch):
+    """Killed between the check that it lives and its start-up (the window a kill -9 of it, or
+    its death on its own, can fall in; the "ended" case above met it by chance): a new process
+    serves, and the engine's log says why. Before, the engine's start failed ("exited with code
+    -9 during startup")."""
+    from sdp_cli.engine.process import WarmProcess
+    from sdp_cli.train.session.policy_setup import load_policy_from
+    from sdp_cli.train.session.task_setup import build_task_from
+
+    real_hand_over = WarmProcess.hand_over
+
+    def hand_over_then_die(self, spec, env):
+        process = real_hand_over(self, spec, env)
+        assert process is not None
+        os.kill(process.pid, signal.SIGKILL)
+        return process
+
+    monkeypatch.setattr(WarmProcess, "hand_over", hand_over_then_die)
+    policy = load_policy_from(process_cfg, build_task_from(process_cfg))
+    engine, warm_pid = _start_with(process_cfg, policy, tmp_path / "run", 1)
+    try:
+        assert engine._managed[0].pid not in (None, warm_pid)
+        log = (tmp_path / "run" / "logs" / "local_engine.log").read_text()
+        assert f"sdp: the process {warm_pid} started ahead ended with code -9 as it took the launch" in log
+        _serves_the_policy(engine, policy)
+    finally:
+        engine.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(warm_pid, 0)  # reaped, not a zombie
+
 def test_the_process_started_ahead_leaves_at_the_end_of_its_input_or_when_discarded(tmp_path):
     """Never handed over: the rollout process closes its input (it ended without a recipe) and
     it exits; ``discard`` ends one still importing (idempotent)."""
