@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -431,6 +432,25 @@ def _make_dirs(directory: Path, created: list[Path]) -> None:
         except OSError as err:
             raise UserError(f"{path}: cannot create the directory ({err.strerror})") from None
         created.append(path)
+
+
+#: how safetensors' writer (Rust) words a failed write: "I/O error: No space left on device (os error 28)"
+_SAFETENSORS_IO_ERROR = re.compile(r"I/O error: (?P<what>.+?) \(os error (?P<errno>\d+)\)")
+
+
+@contextlib.contextmanager
+def write_errors_as_os_errors(path: str | os.PathLike[str]) -> Iterator[None]:
+    """For a write made by safetensors (``save_file``, ``save_pretrained``): a failed write (a
+    full disk) comes out of it as its own ``SafetensorError``, which every handler of write
+    errors, built for OSError, would let through as a traceback. Re-raised here as the OSError
+    it was, naming ``path``."""
+    try:
+        yield
+    except Exception as err:
+        found = _SAFETENSORS_IO_ERROR.search(str(err)) if type(err).__name__ == "SafetensorError" else None
+        if found is None:
+            raise
+        raise OSError(int(found["errno"]), found["what"], os.fspath(path)) from err
 
 
 @contextlib.contextmanager

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.errors import UserError
-from sdp_cli.fileio import fsync_directory
+from sdp_cli.fileio import fsync_directory, write_errors_as_os_errors
 from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model
@@ -279,6 +279,13 @@ def _set_aside(entry: Path) -> None:
         graveyard.unlink(missing_ok=True)
 
 
+def _cannot_write(entry: Path, err: OSError) -> str:
+    return (
+        f"cannot write the warm-start cache entry {entry} ({err.strerror or err}); free space there "
+        "or set SDP_CACHE_DIR to a directory with room (nothing was written)"
+    )
+
+
 def _publish(tmp: Path, entry: Path, info: dict[str, Any]) -> None:
     """Checksum and fsync every file of ``tmp``, write ``warm_start.json`` last, fsync the
     directory and rename it to ``entry``."""
@@ -398,10 +405,14 @@ def warm_start(
         train_seconds,
     )
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    except OSError as err:
+        raise UserError(_cannot_write(entry, err)) from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
-        model.save_pretrained(tmp)
+        with write_errors_as_os_errors(entry):
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # transformers writes the weights only on rank 0 once torch.distributed is initialised;
         # never publish an entry without them
@@ -409,6 +420,8 @@ def warm_start(
             f"warm start saved no model files into {tmp}: build the policy on rank 0 first"
         )
         _publish(tmp, entry, info)
+    except OSError as err:  # a full disk: the run cannot start without its warm start
+        raise UserError(_cannot_write(entry, err)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     published, problem = verified_info(entry)

@@ -196,6 +196,8 @@ def test_the_rollout_process_starts_with_the_command_and_an_abort_before_its_rec
         while not (run_dir / "config.yaml").exists() and time.monotonic() < deadline and sdp.poll() is None:
             time.sleep(0.1)
         time.sleep(1.0)  # the run has begun: its warm start is under way
+        ((_, scratch),) = rollout_scratches(run_dir)  # the process's first line, in the run's log
+        assert scratch.is_dir()
         sdp.send_signal(signal.SIGINT)
         time.sleep(0.5)
         sdp.send_signal(signal.SIGINT)
@@ -209,5 +211,5 @@ def test_the_rollout_process_starts_with_the_command_and_an_abort_before_its_rec
     while not gone(started[0]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(started[0]), "the rollout process ended with the session"
-    ((_, scratch),) = rollout_scratches(run_dir)
     assert not scratch.exists(), "and removed the scratch directory it made"
+    assert not run_dir.exists(), "a start that never trained leaves no run directory, its log included"

@@ -48,12 +48,14 @@ class OwnedRunDir:
     #: new run.root), None when the run directory was there, empty
     made: Path | None = None
 
-    def remove(self) -> None:
-        """Undo a start that failed before training: remove what the run wrote, except the log of a
-        server it launched (the error line names it), then the directory if this process made it
-        and nothing is left, with the parents it made for it."""
+    def remove(self, error: BaseException | None = None) -> None:
+        """Undo a start that failed before training on ``error``: remove what the run wrote,
+        except its logs when the error's line names one of them (a launched server's log that
+        says why it did not start), then the directory if this process made it and nothing is
+        left, with the parents it made for it. Logs no line points to (the rollout process's
+        start lines, written from the run's first second) go with the rest."""
         path = self.run_dir.path
-        kept = [LOCK_NAME] + ([self.run_dir.logs.name] if _has_files(self.run_dir.logs) else [])
+        kept = [LOCK_NAME] + ([self.run_dir.logs.name] if _names_a_log(error, self.run_dir.logs) else [])
         for child in path.iterdir():
             if child.name not in kept:
                 shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
@@ -72,6 +74,15 @@ class OwnedRunDir:
 
 def _has_files(directory: Path) -> bool:
     return directory.is_dir() and any(p.is_file() for p in directory.rglob("*"))
+
+
+def _names_a_log(error: BaseException | None, logs: Path) -> bool:
+    """Whether ``error``'s line points to a file of ``logs`` (by its path, or by its name, as
+    "see local_engine.log in the run's logs directory" does)."""
+    if error is None or not _has_files(logs):
+        return False
+    text = str(error)
+    return f"{logs}{os.sep}" in text or any(p.name in text for p in logs.rglob("*") if p.is_file())
 
 
 def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:

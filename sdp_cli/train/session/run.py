@@ -652,10 +652,10 @@ def _train(
         )
         try:
             run.setup()
-        except BaseException:
+        except BaseException as exc:
             run.close(abort=True)
             if owned is not None and owned.created:
-                owned.remove()  # nothing was trained: a failed start leaves nothing behind
+                owned.remove(exc)  # nothing was trained: a failed start leaves nothing behind
                 run = None
             raise
         if coordinator.is_main:

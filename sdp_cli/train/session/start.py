@@ -190,9 +190,9 @@ def open_run(
                 atomic_write_text(run_dir.config_source, source.to_json())
             atomic_write_text(run_dir.config, redact_urls(to_yaml(raw)))
         return RunStart(cfg, raw, run_dir, task, False, owned)
-    except BaseException:
+    except BaseException as exc:
         if owned is not None:
-            owned.remove() if owned.created else owned.lock.release()
+            owned.remove(exc) if owned.created else owned.lock.release()
         raise
 
 

@@ -1,0 +1,108 @@
+"""A real write error where safetensors writes the file: the process's file-size limit makes
+the write fail with EFBIG, as a full disk makes it fail with ENOSPC. safetensors reports either
+as its own ``SafetensorError`` ("I/O error: File too large (os error 27)"), not as the OSError
+that sdp's handling of write errors looks for (and that the injected faults of
+sdp_cli/faults.py raise), so before this a full disk at a checkpoint or in the warm-start cache
+ended `sdp train` in a traceback. Each case is one line naming the file and the cause."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+
+
+def _limit_files_to(max_bytes: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return apply
+
+
+def _train(run: Path, cache: Path, *overrides: str, limit: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SDP_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "sdp_cli", "train", "+debug=fast", f"run.dir={run}", *overrides]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300,
+        preexec_fn=_limit_files_to(limit) if limit is not None else None,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sizes(tmp_path_factory):
+    """A run of one step without a limit: the warm-start cache it leaves, and the sizes of the
+    files a checkpoint writes (the weights, then the optimizer's state: twice the weights)."""
+    root = tmp_path_factory.mktemp("unlimited")
+    done = _train(root / "run", root / "cache", "train.steps=1", "train.checkpoint_every=1")
+    assert done.returncode == 0, done.stderr
+    checkpoint = root / "run" / "checkpoints" / "step-000001"
+    weights = (checkpoint / "policy" / "model.safetensors").stat().st_size
+    optimizer = (checkpoint / "optimizer.safetensors").stat().st_size
+    assert optimizer > 1.5 * weights
+    return root / "cache", weights, optimizer
+
+
+def _one_line(done: subprocess.CompletedProcess) -> str:
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    return lines[-1]
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(sizes, tmp_path):
+    cache, weights, optimizer = sizes
+    run = tmp_path / "run"
+    done = _train(run, cache, "train.steps=3", "train.checkpoint_every=1", limit=(weights + optimizer) // 2)
+    line = _one_line(done)
+    assert line.startswith("error: training stopped at step 1:") and "File too large" in line, line
+    assert "optimizer.safetensors" in line, line
+    assert not (run / "checkpoints" / "step-000001").exists()  # no checkpoint half written
+
+
+def test_a_warm_start_cache_that_cannot_be_written_is_one_line_and_no_run(sizes, tmp_path):
+    _, weights, _ = sizes
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    done = _train(run, cache, "train.steps=2", limit=weights // 2)
+    line = _one_line(done)
+    assert "warm-start cache" in line and "File too large" in line and "SDP_CACHE_DIR" in line, line
+    assert not run.exists()
+    assert not [p for p in cache.rglob("*") if p.is_file()], "a cache entry was left half written"
+
+
+@pytest.mark.parametrize(
+    "message,kept",
+    [
+        ("cannot write the warm-start cache entry E (File too large); free space there", False),
+        ("the vllm server did not start; full log in {logs}/vllm.log", True),
+        ("sdp's engine process stopped answering; see local_engine.log in the run's logs directory", True),
+        (None, False),
+    ],
+)
+def test_a_failed_start_keeps_its_logs_only_when_its_error_points_to_one(tmp_path, message, kept):
+    """The rollout process writes logs/rollout.log from the run's first second: a start that
+    failed for another reason (the warm start, the disk) left the directory with it and the lock,
+    although the docs promise a failed setup removes what it made."""
+    from types import SimpleNamespace
+
+    from sdp_cli.train.session.recovery import make_run_dir
+
+    parent = tmp_path / "runs"
+    owned = make_run_dir(SimpleNamespace(run=SimpleNamespace(dir=str(parent / "run"))))
+    logs = owned.run_dir.logs
+    logs.mkdir()
+    for name in ("rollout.log", "vllm.log", "local_engine.log"):
+        (logs / name).write_text("sdp rollout process 1: the engine's scratch directory is /dev/shm/x\n")
+    (owned.run_dir.path / "config.yaml").write_text("seed: 1\n")
+    owned.remove(RuntimeError(message.format(logs=logs)) if message is not None else None)
+    if kept:
+        assert sorted(p.name for p in owned.run_dir.path.iterdir()) == [".lock", "logs"]
+    else:
+        assert not parent.exists()  # the run directory and the parent made for it
