@@ -439,18 +439,26 @@ _SAFETENSORS_IO_ERROR = re.compile(r"I/O error: (?P<what>.+?) \(os error (?P<err
 
 
 @contextlib.contextmanager
-def write_errors_as_os_errors(path: str | os.PathLike[str]) -> Iterator[None]:
-    """For a write made by safetensors (``save_file``, ``save_pretrained``): a failed write (a
-    full disk) comes out of it as its own ``SafetensorError``, which every handler of write
-    errors, built for OSError, would let through as a traceback. Re-raised here as the OSError
-    it was, naming ``path``."""
+def written_by_safetensors(where: str | os.PathLike[str], *, shown_as: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Around a write that safetensors makes (``save_file``, ``save_pretrained``) of the file
+    ``where``, or into the directory ``where``, two things it does unlike every other writer:
+
+    - a failed write (a full disk) comes out as its own ``SafetensorError``, which every handler
+      of write errors, built for OSError, would let through as a traceback: it is re-raised as
+      the OSError it was, naming ``shown_as`` (default ``where``);
+    - its files are created owner-only (0600) whatever the umask: they get the mode a new file
+      gets here (``default_file_mode``), as the config and tokenizer files beside them have.
+    """
     try:
         yield
     except Exception as err:
         found = _SAFETENSORS_IO_ERROR.search(str(err)) if type(err).__name__ == "SafetensorError" else None
         if found is None:
             raise
-        raise OSError(int(found["errno"]), found["what"], os.fspath(path)) from err
+        raise OSError(int(found["errno"]), found["what"], os.fspath(shown_as or where)) from err
+    path = Path(where)
+    for file in [path] if path.is_file() else path.rglob("*.safetensors"):
+        file.chmod(default_file_mode())
 
 
 @contextlib.contextmanager

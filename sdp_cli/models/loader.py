@@ -22,7 +22,7 @@ import torch
 
 from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError
-from sdp_cli.fileio import write_errors_as_os_errors
+from sdp_cli.fileio import written_by_safetensors
 from sdp_cli.models.context import TINY_CONTEXT
 from sdp_cli.models.gguf import is_gguf, load_gguf
 from sdp_cli.models.model_dir import is_hub_id, resolve_model_dir
@@ -271,7 +271,7 @@ def save_policy(policy: Policy, directory: str | Path, *, dtype: torch.dtype | N
         raise UserError(f"cannot create {target} ({err.strerror}); choose a writable directory") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        with write_errors_as_os_errors(target):
+        with written_by_safetensors(tmp, shown_as=target):
             _save_model(policy.model, tmp, dtype)
         policy.tokenizer.save_pretrained(tmp)
         for item in sorted(tmp.iterdir()):

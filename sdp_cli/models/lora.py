@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from sdp_cli.errors import UserError
-from sdp_cli.fileio import write_errors_as_os_errors
+from sdp_cli.fileio import written_by_safetensors
 
 EXTRA_HINT = "pip install 'sdp-cli[lora]'"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -135,7 +135,7 @@ def save_adapters(model: torch.nn.Module, directory: str | Path) -> Path:
     try:
         model.peft_config[ADAPTER_NAME].save_pretrained(str(tmp))
         tensors = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-        with write_errors_as_os_errors(tmp / ADAPTER_WEIGHTS):
+        with written_by_safetensors(tmp / ADAPTER_WEIGHTS):
             save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         for item in sorted(tmp.iterdir()):
             os.replace(item, target / item.name)

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.errors import UserError
-from sdp_cli.fileio import fsync_directory, write_errors_as_os_errors
+from sdp_cli.fileio import fsync_directory, written_by_safetensors
 from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model
@@ -411,7 +411,7 @@ def warm_start(
         raise UserError(_cannot_write(entry, err)) from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
-        with write_errors_as_os_errors(entry):
+        with written_by_safetensors(tmp, shown_as=entry):
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         # transformers writes the weights only on rank 0 once torch.distributed is initialised;

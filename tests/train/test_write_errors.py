@@ -106,3 +106,26 @@ def test_a_failed_start_keeps_its_logs_only_when_its_error_points_to_one(tmp_pat
         assert sorted(p.name for p in owned.run_dir.path.iterdir()) == [".lock", "logs"]
     else:
         assert not parent.exists()  # the run directory and the parent made for it
+
+
+def test_the_files_safetensors_writes_get_the_modes_of_every_other_file(sizes, tmp_path):
+    """safetensors creates its files owner-only (0600) whatever the umask, so a checkpoint's
+    weights, an export a colleague's vLLM should read, and the warm-start cache that is meant to be
+    shared were unreadable to anyone else, beside a config.json that was 0644. Now every file sdp
+    writes there has the mode a new file gets: 0666 minus the umask."""
+    from sdp_cli.fileio import default_file_mode
+
+    cache, _, _ = sizes
+    run = tmp_path / "run"
+    done = _train(run, cache, "train.steps=1", "train.checkpoint_every=1")
+    assert done.returncode == 0, done.stderr
+    exported = tmp_path / "exported"
+    env = {**os.environ, "SDP_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    export = subprocess.run([sys.executable, "-m", "sdp_cli", "export", str(run), str(exported)],
+                            capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    written = [*run.joinpath("checkpoints").rglob("*.safetensors"), *exported.glob("*"), *cache.rglob("*.safetensors")]
+    assert len([p for p in written if p.suffix == ".safetensors"]) >= 4
+    modes = {str(p.relative_to(tmp_path) if tmp_path in p.parents else p): oct(p.stat().st_mode & 0o777)
+             for p in written if p.is_file()}  # fmt: skip
+    assert set(modes.values()) == {oct(default_file_mode())}, modes

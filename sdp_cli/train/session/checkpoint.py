@@ -37,7 +37,7 @@ import torch
 
 from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
-from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory, write_errors_as_os_errors
+from sdp_cli.fileio import atomic_write_text, default_dir_mode, fsync_directory, written_by_safetensors
 from sdp_cli.rundir import LATEST, STEP_GLOB, parse_step_name, step_dirs, step_name
 
 MANIFEST = "manifest.json"
@@ -152,7 +152,7 @@ def write_checkpoint(
         opt_rest = None
         if optimizer_state is not None:
             tensors, opt_rest = flatten_optimizer_state(optimizer_state)
-            with write_errors_as_os_errors(tmp / "optimizer.safetensors"):
+            with written_by_safetensors(tmp / "optimizer.safetensors"):
                 save_file(tensors, str(tmp / "optimizer.safetensors"), metadata={"format": FORMAT})
         fault_point("checkpoint.optimizer")
         payload = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "optimizer": opt_rest, **state}
