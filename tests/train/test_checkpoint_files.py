@@ -112,3 +112,26 @@ def test_a_manifest_naming_files_outside_its_checkpoint_is_not_followed(tmp_path
     (written / "manifest.json").write_text(json.dumps(manifest))
     assert not ckpt.hold_checkpoint(written, tmp_path / "held")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held", "run", "secret.txt"]
+
+
+def test_find_latest_looks_again_when_a_live_run_prunes_the_checkpoint_it_was_checking(tmp_path, monkeypatch):
+    """The listing showed step 2 only; while it was being checked, the run wrote step 3 and
+    pruned step 2 (keep=1). There was a complete checkpoint at every moment, so the answer is
+    step 3, not None ("has no complete checkpoint", which failed `sdp export` of a live run)."""
+    root = tmp_path / "checkpoints"
+    _write(root, 2, keep=1)
+    real_is_valid = ckpt._is_valid
+    pruned = []
+
+    def the_run_moves_on(path):
+        if not pruned:
+            pruned.append(path)
+            _write(root, 3, keep=1)  # renamed into place, then step 2 pruned
+        return real_is_valid(path)
+
+    monkeypatch.setattr(ckpt, "_is_valid", the_run_moves_on)
+    latest = ckpt.find_latest(root)
+    assert pruned and not pruned[0].exists()
+    assert latest is not None and latest.name == "step-000003"
+    monkeypatch.setattr(ckpt, "_is_valid", real_is_valid)
+    assert ckpt.find_latest(tmp_path / "empty") is None

@@ -230,12 +230,26 @@ def find_latest(root: Path) -> Path | None:
     """The valid checkpoint of the highest step under ``root``, or None.
 
     ``latest`` is not trusted: a process killed between renaming a checkpoint into place and
-    updating ``latest`` leaves it naming the previous one.
+    updating ``latest`` leaves it naming the previous one. A live run (read by ``sdp export``)
+    may write a newer checkpoint and prune (remove in place) the ones listed while they are
+    checked: when none listed was complete and the listing has changed meanwhile, it is checked
+    again (a live run always has one complete checkpoint).
     """
-    for _, path in reversed(step_dirs(root)):
-        if _is_valid(path):
-            return path
+    listed = step_dirs(root)
+    for _ in range(_LISTINGS):
+        for _, path in reversed(listed):
+            if _is_valid(path):
+                return path
+        again = step_dirs(root)
+        if again == listed:
+            return None
+        listed = again
     return None
+
+
+#: listings ``find_latest`` makes while checkpoints go as it checks them (each check is
+#: milliseconds; a run writes a checkpoint in no less)
+_LISTINGS = 20
 
 
 def step_of(path: Path) -> int:
