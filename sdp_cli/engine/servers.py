@@ -217,6 +217,18 @@ class ManagedServer:
                 f"cannot start the {spec.label} ({self._redacted(spec.command[:1])}: not found, or not executable); "
                 "set engine.python to the server virtualenv's python"
             )
+        prestarted, self._prestarted = self._prestarted, None  # the first start only
+        if not self._launch(env, prestarted):
+            self._launch(env, None)
+        return self
+
+    def _launch(self, env: dict[str, str], prestarted: Prestarted | None) -> bool:
+        """Start the process (the one ``prestarted`` hands over, where it does) and wait until it
+        answers. False, with the log saying so, when the process started ahead ended as it took
+        the launch (killed between the check that it lives and the handover): the caller then
+        starts a new process, as it would have without one."""
+        spec = self.spec
+        env = dict(env)
         # the log is in the run directory: never written through a link (sdp_cli/fileio.py)
         with open_in_place(spec.log_path, "ab") as log:
             command, scratch = spec.command, None
@@ -228,7 +240,6 @@ class ManagedServer:
                     "--parent-pid", str(os.getpid()), "--scratch", str(scratch),
                     "--grace-s", repr(spec.stop_grace_s), "--", *command,
                 ]  # fmt: skip
-            prestarted, self._prestarted = self._prestarted, None  # the first start only
             process = prestarted(spec, env) if prestarted is not None and scratch is None else None
             handed = process
             try:
@@ -255,29 +266,18 @@ class ManagedServer:
         try:
             self._wait_ready(process)
         except EngineUnavailable:
-            if process is not handed or process.poll() is None:
-                self._end_failed(process)
-                raise
-            # The process started ahead ended as it was handed the launch (killed between the
-            # check that it lives and the handover): a new process starts, as it would have.
+            ended_itself = process.poll() is not None
             self._end_failed(process)
+            if process is not handed or not ended_itself:
+                raise
             with open_in_place(spec.log_path, "ab") as log:
                 log.write(f"sdp: the process {process.pid} started ahead ended with code {process.returncode} "
                           "as it took the launch; a new process starts\n".encode())  # fmt: skip
-                log.flush()
-                self._process = process = subprocess.Popen(
-                    spec.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                    start_new_session=True,
-                )  # fmt: skip
-            try:
-                self._wait_ready(process)
-            except BaseException:
-                self._end_failed(process)
-                raise
+            return False
         except BaseException:
             self._end_failed(process)
             raise
-        return self
+        return True
 
     def _end_failed(self, process: subprocess.Popen[bytes]) -> None:
         """End a process whose start failed and forget it."""
