@@ -1,5 +1,7 @@
 """Errors a user can cause and fix. The CLI prints them as one line and exits with code 2."""
 
+import errno
+
 
 class UserError(Exception):
     """Bad input (file, config value, CLI argument, unreachable server).
@@ -36,9 +38,31 @@ class Interrupted(Exception):
         self.exit_code = exit_code
 
 
+#: what to do about a write that failed, by its cause
+_WRITE_FIXES = {
+    errno.ENOSPC: "free space there",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    errno.EROFS: "remount it read-write",
+    errno.EACCES: "make it writable",
+    errno.EPERM: "make it writable",
+    errno.ENOENT: "check that its directory exists",
+}
+
+
+def write_fix(err: OSError) -> str:
+    """The remedy for a failed write: ``free space there`` for a full disk, ``make it writable``
+    for a permission error; a hint at both when the cause is neither."""
+    return _WRITE_FIXES.get(err.errno or 0, "check disk space and permissions")
+
+
 def describe_os_error(err: OSError) -> str:
-    """One line for a failed file operation: ``cannot write <file>: No space left on device``."""
+    """One line for a failed file operation and its remedy:
+    ``cannot write <file>: No space left on device (free space there)``."""
     what = err.strerror or str(err)
+    fix = _WRITE_FIXES.get(err.errno or 0)
+    if fix:
+        what = f"{what} ({fix})"
     return f"cannot write {err.filename}: {what}" if err.filename else what
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, write_fix
 
 # read once at import: os.umask can only be queried by setting it, which is not thread-safe later
 _UMASK = os.umask(0o022)
@@ -78,7 +78,7 @@ def stage_bytes(path: Path, data: bytes) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=f".{_short(path.name)}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
         raise UserError(
-            f"{path}: cannot create a file in {path.parent} ({err.strerror}); check that it exists and is writable"
+            f"{path}: cannot create a file in {path.parent} ({err.strerror}); {write_fix(err)}"
         ) from None
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -95,7 +95,7 @@ def stage_bytes(path: Path, data: bytes) -> Path:
             os.unlink(tmp)
         if isinstance(err, OSError):
             raise UserError(
-                f"{path}: cannot be written ({err.strerror or err}); check disk space and permissions"
+                f"{path}: cannot be written ({err.strerror or err}); {write_fix(err)}"
             ) from None
         raise
     return Path(tmp)
@@ -390,7 +390,8 @@ class OutputPlan:
         except OSError as err:
             _roll_back(published, staged, created)
             raise UserError(
-                f"{current.path if current else '?'}: cannot be written ({err.strerror or err}); nothing was written"
+                f"{current.path if current else '?'}: cannot be written ({err.strerror or err}); nothing was written; "
+                f"{write_fix(err)}"
             ) from None
         except BaseException:
             _roll_back(published, staged, created)

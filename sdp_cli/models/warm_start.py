@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, write_fix
 from sdp_cli.fileio import fsync_directory, written_by_safetensors
 from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
@@ -281,8 +281,8 @@ def _set_aside(entry: Path) -> None:
 
 def _cannot_write(entry: Path, err: OSError) -> str:
     return (
-        f"cannot write the warm-start cache entry {entry} ({err.strerror or err}); free space there "
-        "or set SDP_CACHE_DIR to a directory with room (nothing was written)"
+        f"cannot write the warm-start cache entry {entry} ({err.strerror or err}); {write_fix(err)} "
+        "or set SDP_CACHE_DIR to another directory (nothing was written)"
     )
 
 

@@ -1,5 +1,6 @@
 """Warm start: SFT batch layout and loss, learning on arith1, on-disk cache (hit, miss, races, damage)."""
 
+import errno
 import json
 import logging
 import os
@@ -302,3 +303,27 @@ def test_the_warm_start_never_trains_on_a_sequence_longer_than_the_context(tmp_p
     assert info["skipped_records"] == 1
     assert widths and max(widths) <= 32 and len(widths) == 3
     assert info["validation_n"] == 3
+
+
+@pytest.mark.parametrize(
+    "code,fix",
+    [
+        (errno.ENOSPC, "free space there"),
+        (errno.EROFS, "remount it read-write"),
+        (errno.EACCES, "make it writable"),
+        (errno.EFBIG, "raise the file-size limit (ulimit -f)"),
+    ],
+)
+def test_a_cache_entry_that_cannot_be_written_names_the_fix_for_its_cause(tmp_path, monkeypatch, code, fix):
+    """The line used to say "free space there" whatever the cause: a read-only cache said to
+    free space on it."""
+
+    def failing_publish(tmp, entry, info):
+        raise OSError(code, os.strerror(code), str(tmp / "model.safetensors"))
+
+    monkeypatch.setattr(ws, "_publish", failing_publish)
+    with pytest.raises(UserError) as caught:
+        ws.warm_start(build_task("arith1"), cache_dir=tmp_path, eval_n=8, **_settings())
+    line = str(caught.value)
+    assert f"({os.strerror(code)}); {fix} or set SDP_CACHE_DIR" in line, line
+    assert "nothing was written" in line and [p.name for p in (tmp_path / "warm_start").iterdir()] == [], line

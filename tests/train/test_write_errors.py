@@ -63,7 +63,9 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_in_one_line(sizes, tmp
     done = _train(run, cache, "train.steps=3", "train.checkpoint_every=1", limit=(weights + optimizer) // 2)
     line = _one_line(done)
     assert line.startswith("error: training stopped at step 1:") and "File too large" in line, line
-    assert "optimizer.safetensors" in line, line
+    assert "optimizer.safetensors" in line and "(raise the file-size limit (ulimit -f))" in line, line
+    # the stop's own checkpoint fails on the same limit: said once, not the cause twice over
+    assert line.count("File too large") == 1 and "could not be written for the same reason" in line, line
     assert not (run / "checkpoints" / "step-000001").exists()  # no checkpoint half written
 
 
@@ -80,7 +82,7 @@ def test_a_warm_start_cache_that_cannot_be_written_is_one_line_and_no_run(sizes,
 @pytest.mark.parametrize(
     "message,kept",
     [
-        ("cannot write the warm-start cache entry E (File too large); free space there", False),
+        ("cannot write the warm-start cache entry E (File too large); raise the file-size limit (ulimit -f)", False),
         ("the vllm server did not start; full log in {logs}/vllm.log", True),
         ("sdp's engine process stopped answering; see local_engine.log in the run's logs directory", True),
         (None, False),

@@ -112,7 +112,9 @@ class SessionEnd:
         last = self._last_complete_step()
         where = f"; resume with: {self.resume_command()}" if last is not None or step else ""
         if problem:
-            where = f"; its checkpoint could not be written ({problem}){where} (from step {last or 0})"
+            same = isinstance(exc, OSError) and isinstance(saved, OSError) and exc.errno == saved.errno
+            why = "for the same reason" if same else f"({problem})"
+            where = f"; its checkpoint could not be written {why}{where} (from step {last or 0})"
         error = UserError(f"training stopped at step {step}: {reason}{where}")
         error.__cause__ = exc
         return error
