@@ -56,6 +56,24 @@ def write_fix(err: OSError) -> str:
     return _WRITE_FIXES.get(err.errno or 0, "check disk space and permissions")
 
 
+#: causes of a failed write that every later write to the same place meets too
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+def no_room_behind(err: BaseException) -> OSError | None:
+    """The failed write behind ``err`` (itself, its cause, or the error it was raised while
+    handling) when it failed for want of room (a full disk, a quota, the file-size limit) or on
+    a read-only file system; None for any other error."""
+    seen: set[int] = set()
+    found: BaseException | None = err
+    while found is not None and id(found) not in seen:
+        if isinstance(found, OSError) and found.errno in _NO_ROOM:
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
 def describe_os_error(err: OSError) -> str:
     """One line for a failed file operation and its remedy:
     ``cannot write <file>: No space left on device (free space there)``."""

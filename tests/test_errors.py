@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from sdp_cli.errors import describe_os_error, write_fix
+from sdp_cli.errors import UserError, describe_os_error, no_room_behind, write_fix
 
 
 @pytest.mark.parametrize(
@@ -31,3 +31,40 @@ def test_a_failed_write_names_file_cause_and_remedy():
     # a cause without a known remedy is named alone, and an error without a file by its text
     assert describe_os_error(OSError(errno.EIO, "Input/output error", "/x")) == "cannot write /x: Input/output error"
     assert describe_os_error(OSError("odd")) == "odd"
+
+
+def _raised(make):
+    try:
+        make()
+    except Exception as err:  # noqa: BLE001 - the test inspects what was raised
+        return err
+    raise AssertionError("nothing raised")
+
+
+def test_no_room_behind_finds_the_failed_write_under_a_users_error():
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/a/x")
+
+    def from_none():
+        try:
+            raise full
+        except OSError:
+            raise UserError("cannot write the warm-start cache entry E") from None
+
+    def with_cause():
+        raise UserError("training stopped at step 3") from full
+
+    assert no_room_behind(_raised(from_none)) is full  # a line raised "from None" still has its context
+    assert no_room_behind(_raised(with_cause)) is full
+    assert no_room_behind(OSError(errno.EROFS, "Read-only file system")).errno == errno.EROFS
+    # a cause a later write elsewhere would not meet: a missing file, a permission, a bad value
+    assert no_room_behind(OSError(errno.ENOENT, "No such file or directory")) is None
+    assert no_room_behind(_raised(lambda: _raise_chained(OSError(errno.EACCES, "Permission denied")))) is None
+    assert no_room_behind(UserError("task.path: no such file")) is None
+    looped = UserError("a")
+    looped.__context__ = UserError("b")
+    looped.__context__.__context__ = looped
+    assert no_room_behind(looped) is None
+
+
+def _raise_chained(cause):
+    raise UserError("cannot write") from cause

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.compose import ConfigSource
-from sdp_cli.errors import Interrupted, UserError
+from sdp_cli.errors import Interrupted, UserError, no_room_behind
 from sdp_cli.fileio import atomic_write_text, check_tree, open_fd_in_place
 from sdp_cli.rundir import WANDB, RunDir
 
@@ -463,6 +463,14 @@ def run_job(sweep_dir: Path, overrides: Sequence[str], source: ConfigSource = Co
             run_training(cfg, raw, overrides=train, source=source, stop=stop)
     except UserError as err:
         print(f"ablate: {name}: failed: {err}", file=sys.stderr, flush=True)
+        if no_room_behind(err) is not None:  # every run after it would fail the same way
+            with suppress(OSError):  # a disk too full for an empty file: the next runs fail alone
+                os.close(open_fd_in_place(Path(sweep_dir) / STOP_MARKER, os.O_WRONLY | os.O_CREAT))
+            print(
+                "ablate: the sweep starts no further runs (each would fail on the same write); fix "
+                "the cause as the line above says and re-run the same command (finished runs are kept)",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
         return f"failed: {err}"
     except Interrupted as err:  # the sweep's stop marker keeps the next jobs from starting
         # returned, not raised: a pool launcher (joblib) would kill the other jobs mid-step

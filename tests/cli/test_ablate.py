@@ -12,7 +12,9 @@ sweep directory and run in file order; the resume test, which changes it, comes 
 import csv
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -348,6 +350,34 @@ def test_a_failing_run_does_not_stop_the_sweep_and_ends_in_exit_2(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 2 of 2 runs did not finish (bypass-eta0-")
     assert last.endswith("fix the cause and re-run the same command (finished runs are kept)")
+
+
+def test_a_run_stopped_by_a_failed_write_stops_the_sweep_from_starting_more(tmp_path):
+    """A write that fails for want of room (a full disk, a quota, the file-size limit) or on a
+    read-only file system fails every run after it too: the sweep used to start each of them,
+    and each trained until its first write failed. Now the next ones are not started. Here a
+    real file-size limit (EFBIG) fails the warm start's write of the policy in the first run."""
+    env = {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache")}
+    argv = ["ablate", "smoke", "--dir", str(tmp_path / "sweep"), "--no-study", "hydra/launcher=basic"]
+    argv += ["+preset=bypass", "seed=0,1,2", "rollout.max_head_offpolicyness=0"]
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # the policy's weights are larger
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdp_cli", *argv], capture_output=True, text=True, env=env, timeout=300,
+        preexec_fn=limit_files,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines() + proc.stderr.splitlines()
+    failed = [line for line in lines if ": failed: " in line]
+    assert len(failed) == 1 and "File too large" in failed[0], lines[-20:]
+    assert any("the sweep starts no further runs" in line for line in lines), lines[-20:]
+    assert sum(line.endswith("not started, the sweep is stopping") for line in lines) == 2, lines[-20:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 3 of 3 runs did not finish"), last
+    assert not (tmp_path / "sweep" / ".stopping").exists()  # a re-run starts them
 
 
 def _finished_state(smoke):
