@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from _results import write_results
 
-from sdp_cli.engine.process import scratch_root
+from sdp_cli.processes import scratch_root
 from sdp_cli.engine.weight_file import PackedWeights, WeightSlots
 
 #: SmolLM2-135M-Instruct's shape (its config.json): a Llama of 30 layers, 576 wide, tied embeddings

@@ -28,6 +28,21 @@ class EngineUnavailable(EngineError):
     """The engine (or its server) cannot be reached."""
 
 
+class WriteFailed(UserError, OSError):
+    """A write that failed, said in one line (a UserError, as a command prints it) and still the
+    OSError it was (``errno``, ``strerror``, ``filename``): code that ends cleanly on a failed
+    write, a training session stopping at its step with a checkpoint and a resume line, treats it
+    as one. A helper that turned the OSError into a plain UserError hid it from that handling."""
+
+    def __init__(self, message: str, cause: OSError, path: object = None):
+        UserError.__init__(self, message)
+        self.errno, self.strerror = cause.errno, cause.strerror or str(cause)
+        self.filename = cause.filename or (None if path is None else str(path))
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class Interrupted(Exception):
     """A run stopped on a signal (SIGINT, SIGTERM). Not an error: the CLI prints the message as
     it is (``stopped at step N (SIGINT); resume with: ...``) and exits with ``exit_code``

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from sdp_cli.errors import UserError, write_fix
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 
 # read once at import: os.umask can only be queried by setting it, which is not thread-safe later
 _UMASK = os.umask(0o022)
@@ -77,9 +77,7 @@ def stage_bytes(path: Path, data: bytes) -> Path:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{_short(path.name)}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
-        raise UserError(
-            f"{path}: cannot create a file in {path.parent} ({err.strerror}); {write_fix(err)}"
-        ) from None
+        raise WriteFailed(f"{path}: cannot create a file in {path.parent} ({err.strerror}); {write_fix(err)}", err, path) from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -94,9 +92,7 @@ def stage_bytes(path: Path, data: bytes) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(err, OSError):
-            raise UserError(
-                f"{path}: cannot be written ({err.strerror or err}); {write_fix(err)}"
-            ) from None
+            raise WriteFailed(f"{path}: cannot be written ({err.strerror or err}); {write_fix(err)}", err, path) from None
         raise
     return Path(tmp)
 
@@ -110,7 +106,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     except OSError as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise UserError(f"{path}: cannot replace it ({err.strerror}); check permissions") from None
+        raise WriteFailed(f"{path}: cannot replace it ({err.strerror}); {write_fix(err)}", err, path) from None
     fsync_directory(path.parent)
     return path
 
@@ -386,12 +382,14 @@ class OutputPlan:
                     raise
         except UserError as err:  # already names the file and the problem
             _roll_back(published, staged, created)
+            if isinstance(err, WriteFailed):
+                raise WriteFailed(f"{err}; nothing was written", err) from None
             raise UserError(f"{err}; nothing was written") from None
         except OSError as err:
             _roll_back(published, staged, created)
-            raise UserError(
-                f"{current.path if current else '?'}: cannot be written ({err.strerror or err}); nothing was written; "
-                f"{write_fix(err)}"
+            where = current.path if current else "?"
+            raise WriteFailed(
+                f"{where}: cannot be written ({err.strerror or err}); nothing was written; {write_fix(err)}", err, where
             ) from None
         except BaseException:
             _roll_back(published, staged, created)
@@ -431,7 +429,7 @@ def _make_dirs(directory: Path, created: list[Path]) -> None:
         try:
             path.mkdir()
         except OSError as err:
-            raise UserError(f"{path}: cannot create the directory ({err.strerror})") from None
+            raise WriteFailed(f"{path}: cannot create the directory ({err.strerror}); {write_fix(err)}", err, path) from None
         created.append(path)
 
 

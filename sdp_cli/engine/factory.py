@@ -62,8 +62,10 @@ def prepare_local(
     rollout process's directory, when given), and what ``start_local`` needs of the policy, as
     plain data."""
     from sdp_cli.engine.process import ProcessEngine
+    from sdp_cli.models.precision import DTYPES
 
-    scratch, attn = ProcessEngine.prepare(policy, scratch)
+    push_dtype = DTYPES[engine_kind(cfg.engine.kind).weight_dtype(cfg)]
+    scratch, attn = ProcessEngine.prepare(policy, scratch, push_dtype=push_dtype)
     return {
         "scratch": str(scratch),
         "attn_implementation": attn,

@@ -40,6 +40,7 @@ from sdp_cli.engine.process_server import TOKEN_ENV
 from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, ServerLaunch, free_port
+from sdp_cli.errors import UserError
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
@@ -50,10 +51,8 @@ from sdp_cli.engine.wire import (
 )
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import open_in_place
-from sdp_cli.processes import sdp_pythonpath
+from sdp_cli.processes import SCRATCH_ENV, make_scratch, sdp_pythonpath
 
-#: scratch directories live here when it is a writable tmpfs (files in memory, no disk writes)
-SHM = Path("/dev/shm")
 LOG_NAME = "local_engine.log"
 #: the file a weight push writes (the layout ``_local_weights.read_safetensors_dir`` reads)
 WEIGHTS_FILE = "model.safetensors"
@@ -92,14 +91,26 @@ def local_http_options(request_timeout_s: float) -> HttpOptions:
     )
 
 
-def scratch_root() -> Path:
-    """Where weight files go: ``/dev/shm`` when it is a writable directory, else the temp dir."""
-    return SHM if SHM.is_dir() and os.access(SHM, os.W_OK) else Path(tempfile.gettempdir())
+def check_scratch_room(scratch: Path, policy: Any, push_dtype: Any = None) -> None:
+    """One line before anything is written when the file system of ``scratch`` cannot hold the
+    copies of the weights a run keeps there (``weight_file.bytes_kept``): a container's /dev/shm
+    is 64 MB unless it is given more, and a full one fails the first push."""
+    from sdp_cli.engine.weight_file import WeightSlots, bytes_kept
 
-
-def make_scratch() -> Path:
-    """A new, empty scratch directory for an engine's process (under ``scratch_root``)."""
-    return Path(tempfile.mkdtemp(prefix="sdp-engine-", dir=scratch_root()))
+    need = bytes_kept(policy.model.state_dict(), push_dtype)
+    try:
+        found = os.statvfs(scratch)
+    except OSError:
+        return  # (a file system that cannot say: the writes will)
+    free = found.f_bavail * found.f_frsize
+    if free < need:
+        mb = 1 << 20
+        raise UserError(
+            f"the local engine's weight files need {-(-need // mb)} MB in {scratch.parent} (the start's "
+            f"and {WeightSlots.SLOTS} pushes'), which has {free // mb} MB free; make room there (a container: "
+            f"--shm-size), set {SCRATCH_ENV} to a directory with room, or train with engine.in_process=true "
+            "(no weight files)"
+        )
 
 
 def process_env(threads: int | None) -> dict[str, str]:
@@ -282,17 +293,19 @@ class ProcessEngine(RemoteEngine):
         super().__init__(base_urls, options, version=version, managed=managed)
 
     @staticmethod
-    def prepare(policy: Any, scratch: Path | None = None) -> tuple[Path, str | None]:
+    def prepare(policy: Any, scratch: Path | None = None, *, push_dtype: Any = None) -> tuple[Path, str | None]:
         """The scratch directory holding ``policy`` as ``launch/``, the weights the process starts
         on, and the policy's attention implementation (the process builds the same model).
         ``launch_prepared`` starts the process on it, here or in another process. ``scratch``:
         an empty directory another process owns (the rollout process: it removes it when it
-        ends); None: a new one, removed here if this fails."""
+        ends); None: a new one, removed here if this fails. ``push_dtype``: the torch dtype
+        pushes are written in (None: the weights' own), for ``check_scratch_room``."""
         from sdp_cli.models.loader import save_policy
 
         owned = scratch is None
         scratch = make_scratch() if scratch is None else scratch
         try:
+            check_scratch_room(scratch, policy, push_dtype)
             save_policy(policy, scratch / LAUNCH_DIR)
             fault_point("local.start_weights_written")
         except BaseException:

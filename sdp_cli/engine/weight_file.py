@@ -32,6 +32,7 @@ and then write).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import mmap
@@ -201,6 +202,20 @@ def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:
         view = view[f.write(view) :]
 
 
+def bytes_kept(state_dict: Mapping[str, torch.Tensor], push_dtype: torch.dtype | None) -> int:
+    """Bytes of weight files a run on the local engine's process keeps in its scratch directory
+    at most: the start's (the weights as they are, tied tensors once) and one push in each of
+    ``WeightSlots.SLOTS`` (floating tensors in ``push_dtype``). A process's own pushes
+    (``PackedWeights``) keep fewer."""
+    unique = {tensor.untyped_storage().data_ptr(): tensor for tensor in state_dict.values()}
+    start = pushed = 0
+    for tensor in unique.values():
+        start += tensor.numel() * tensor.element_size()
+        cast = push_dtype is not None and tensor.is_floating_point()
+        pushed += tensor.numel() * (push_dtype.itemsize if cast else tensor.element_size())
+    return start + WeightSlots.SLOTS * pushed
+
+
 class WeightSlots:
     """Safetensors files that pushes are packed straight into, one slot per push in turn
     (``version % SLOTS``), each file kept mapped: a push writes the trainer's weights once, into
@@ -264,7 +279,15 @@ class WeightSlots:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             os.ftruncate(fd, size)
+            # the file's room is taken now: a write through the mapping into pages its file
+            # system cannot give (a full tmpfs) is a SIGBUS that kills the process, where this
+            # is an OSError (ENOSPC) the run stops on
+            os.posix_fallocate(fd, 0, size)
             self._maps[slot] = mmap.mmap(fd, size)
+        except BaseException:
+            with contextlib.suppress(OSError):  # no slot is left that a later push maps without its room
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         return self._maps[slot]

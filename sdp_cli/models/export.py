@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sdp_cli.errors import UserError, write_fix
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import missing_dirs_made
 from sdp_cli.models.loader import save_policy
 from sdp_cli.models.policy import Policy
@@ -43,7 +43,7 @@ def export_policy(policy: Policy, out: str | Path, *, dtype: torch.dtype | None 
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
         except OSError as err:
-            raise UserError(f"cannot write next to {target} ({err.strerror}); {write_fix(err)} or choose another place") from None
+            raise WriteFailed(f"cannot write next to {target} ({err.strerror}); {write_fix(err)} or choose another place", err, target) from None
         try:
             written = save_policy(policy, tmp / "model", dtype=dtype)
             try:
@@ -53,7 +53,7 @@ def export_policy(policy: Policy, out: str | Path, *, dtype: torch.dtype | None 
             except OSError as err:
                 raise UserError(f"cannot move the export into {target} ({err.strerror}); pass a new directory") from None
         except OSError as err:
-            raise UserError(f"cannot write {target} ({err.strerror or err}); nothing was written; {write_fix(err)}") from None
+            raise WriteFailed(f"cannot write {target} ({err.strerror or err}); nothing was written; {write_fix(err)}", err, target) from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

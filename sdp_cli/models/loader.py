@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.choices import MODEL_KINDS
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import written_by_safetensors
 from sdp_cli.models.context import TINY_CONTEXT
 from sdp_cli.models.gguf import is_gguf, load_gguf
@@ -268,7 +268,7 @@ def save_policy(policy: Policy, directory: str | Path, *, dtype: torch.dtype | N
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"cannot create {target} ({err.strerror}); choose a writable directory") from None
+        raise WriteFailed(f"cannot create {target} ({err.strerror}); {write_fix(err)} or choose another directory", err, target) from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         with written_by_safetensors(tmp, shown_as=target):

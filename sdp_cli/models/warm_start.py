@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import torch
 
-from sdp_cli.errors import UserError, write_fix
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import fsync_directory, written_by_safetensors
 from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
@@ -279,10 +279,12 @@ def _set_aside(entry: Path) -> None:
         graveyard.unlink(missing_ok=True)
 
 
-def _cannot_write(entry: Path, err: OSError) -> str:
-    return (
+def _cannot_write(entry: Path, err: OSError) -> WriteFailed:
+    return WriteFailed(
         f"cannot write the warm-start cache entry {entry} ({err.strerror or err}); {write_fix(err)} "
-        "or set SDP_CACHE_DIR to another directory (nothing was written)"
+        "or set SDP_CACHE_DIR to another directory (nothing was written)",
+        err,
+        entry,
     )
 
 
@@ -408,7 +410,7 @@ def warm_start(
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
     except OSError as err:
-        raise UserError(_cannot_write(entry, err)) from None
+        raise _cannot_write(entry, err) from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
         with written_by_safetensors(tmp, shown_as=entry):
@@ -421,7 +423,7 @@ def warm_start(
         )
         _publish(tmp, entry, info)
     except OSError as err:  # a full disk: the run cannot start without its warm start
-        raise UserError(_cannot_write(entry, err)) from None
+        raise _cannot_write(entry, err) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     published, problem = verified_info(entry)

@@ -383,7 +383,7 @@ def _start_with(cfg, policy, run_dir: Path, warm_threads: int | None, *, threads
     process started ahead with ``warm_threads`` (None: none), the policy written, the launch.
     Returns (engine, the pid of the process started ahead or None)."""
     from sdp_cli.engine.factory import prepare_local, start_local, warm_local
-    from sdp_cli.engine.process import make_scratch
+    from sdp_cli.processes import make_scratch
     from sdp_cli.rundir import RunDir
 
     scratch = make_scratch()

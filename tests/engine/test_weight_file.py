@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import weakref
 
 import pytest
@@ -18,6 +19,8 @@ from safetensors.torch import load_file
 from sdp_cli.engine import weight_file
 from sdp_cli.engine.weight_file import DTYPE_NAMES, PackedWeights, WeightSlots
 from sdp_cli.safetensors_layout import check_file
+
+from ..small_tmpfs import run_with_tmpfs
 
 DTYPES = list(DTYPE_NAMES)
 
@@ -318,3 +321,32 @@ def test_a_view_of_the_same_storage_taken_differently_is_written_as_it_reads_now
         assert torch.equal(load_file(path)["w"], after)
     finally:
         slots.close()
+
+
+def test_a_slot_that_does_not_fit_its_file_system_is_an_oserror_not_a_bus_error(tmp_path):
+    """A slot's file was sized with ftruncate and written through its mapping: on a tmpfs without
+    room for it (a container's 64 MB /dev/shm and a real model) the write faulted in pages the
+    file system could not give, and the kernel killed the trainer with SIGBUS, no line and no
+    checkpoint. Its room is now taken before it is mapped: ENOSPC, which a run stops on."""
+    code = (
+        "import errno, sys, torch\n"
+        "from pathlib import Path\n"
+        "from sdp_cli.engine.weight_file import WeightSlots\n"
+        "slots = WeightSlots(Path(sys.argv[1]), 'model.safetensors')\n"
+        "try:\n"
+        "    slots.write(0, {'w': torch.ones(100_000)}, None)\n"  # 400 KB into a 128 KB file system
+        "except OSError as err:\n"
+        "    print('raised', errno.errorcode[err.errno])\n"
+    )
+    done = run_with_tmpfs("128k", tmp_path, [sys.executable, "-c", code, str(tmp_path)], timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.strip() == "raised ENOSPC", done.stdout
+
+
+def test_bytes_kept_counts_the_start_once_and_each_slot_in_the_push_dtype():
+    weight = torch.zeros(10)  # 40 bytes in float32
+    state = {"embed": weight, "lm_head": weight, "steps": torch.zeros(3, dtype=torch.int64)}  # tied: once
+    # start: 40 + 24; a push in bfloat16: 20 + 24 (integers keep their dtype); three slots
+    assert weight_file.bytes_kept(state, torch.bfloat16) == 64 + 3 * 44
+    assert weight_file.bytes_kept(state, None) == 64 + 3 * 64
+    assert WeightSlots.SLOTS == 3

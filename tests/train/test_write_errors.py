@@ -7,6 +7,7 @@ ended `sdp train` in a traceback. Each case is one line naming the file and the 
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -15,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ..small_tmpfs import run_with_tmpfs
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
@@ -77,6 +80,61 @@ def test_a_warm_start_cache_that_cannot_be_written_is_one_line_and_no_run(sizes,
     assert "warm-start cache" in line and "File too large" in line and "SDP_CACHE_DIR" in line, line
     assert not run.exists()
     assert not [p for p in cache.rglob("*") if p.is_file()], "a cache entry was left half written"
+
+
+def test_a_batch_file_that_cannot_be_written_stops_the_run_at_its_step_with_a_resume_line(sizes, tmp_path):
+    """sdp's own atomic writes (a saved batch, the checkpoints' pointer, the summary) said a
+    failed write as a plain one-line error, which the session did not take for a failed write: a
+    full disk at a saved batch ended the run with that line alone, no `stopped` event, no attempt
+    at a checkpoint and no resume command. Now it stops as any failed write does."""
+    cache, _, _ = sizes
+    run = tmp_path / "run"
+    # room for the run's config (the largest file written before the first batch, which is
+    # about 7 KB), and engine.in_process: no weight files for an engine process
+    limit = (cache.parent / "run" / "config.yaml").stat().st_size + 1_000
+    done = _train(
+        run, cache, "train.steps=3", "train.save_batches=true", "train.checkpoint_every=0",
+        "engine.in_process=true", limit=limit,
+    )  # fmt: skip
+    line = _one_line(done)
+    batch = run / "batches" / "step-000001.safetensors"
+    assert line.startswith(f"error: training stopped at step 1: cannot write {batch}: File too large"), line
+    assert f"resume with: sdp train resume={run}" in line, line
+    events = [json.loads(text) for text in (run / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stopped" and "File too large" in events[-1]["reason"], events[-1]
+    assert not batch.exists() and not list(run.glob("batches/.*")), "a batch file was left half written"
+
+
+def test_a_dev_shm_without_room_for_the_engines_weights_is_one_line_before_anything_is_written(sizes, tmp_path):
+    """A container's /dev/shm is 64 MB unless it is given more. A push into a slot file there
+    that the tmpfs had no room for killed sdp with SIGBUS: exit 135, no line, no event. The room
+    the weight files take is now checked before the first is written (the tmpfs here holds the
+    start's weights and half a push: before, the first push was that SIGBUS)."""
+    cache, weights, _ = sizes
+    size = f"{weights * 3 // 2 // 1024}k"
+    run = tmp_path / "run"
+    env = {**os.environ, "SDP_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "sdp_cli", "train", "+debug=fast", f"run.dir={run}", "train.steps=2"]
+    done = run_with_tmpfs(size, Path("/dev/shm"), command, env=env, timeout=300)
+    line = _one_line(done)
+    assert line.startswith("error: the local engine's weight files need ") and "in /dev/shm" in line, line
+    assert "SDP_SCRATCH_DIR" in line and "engine.in_process=true" in line, line
+    assert not run.exists()
+    # pointed elsewhere, the same run trains
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    done = run_with_tmpfs(size, Path("/dev/shm"), command, env={**env, "SDP_SCRATCH_DIR": str(scratch)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(scratch.iterdir()) == []  # the rollout process removed its directory
+
+
+def test_a_scratch_dir_that_is_no_writable_directory_is_one_line(tmp_path):
+    env = {**os.environ, "SDP_CACHE_DIR": str(tmp_path / "cache"), "SDP_SCRATCH_DIR": str(tmp_path / "none")}
+    command = [sys.executable, "-m", "sdp_cli", "train", "+debug=fast", f"run.dir={tmp_path / 'run'}"]
+    done = subprocess.run(command, capture_output=True, text=True, env={**env, "PYTHONPATH": str(REPO)}, timeout=300)
+    line = _one_line(done)
+    assert line == f"error: SDP_SCRATCH_DIR={tmp_path / 'none'} is not a writable directory; point it at one (the local engine's weight files go there) or unset it", line
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ from sdp_cli.engines import engine_kind
 from sdp_cli.fileio import open_in_place, redirect_output
 from sdp_cli.models.model_dir import model_type_hint
 from sdp_cli.rundir import RunDir
-from sdp_cli.processes import pin_process, sdp_pythonpath
+from sdp_cli.processes import pin_process, scratch_root, sdp_pythonpath
 from sdp_cli.train.session.placement import thread_counts
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class RolloutProcessStart:
         #: has been copied into the run's log
         self._early: IO[bytes] | None = None
         self._copied = 0
+        scratch_root()  # a $SDP_SCRATCH_DIR that is no writable directory: one line here, not a dead process
         ours, theirs = socket.socketpair()
         try:
             env = {
@@ -329,7 +330,7 @@ def _end_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from sdp_cli.engine.process import make_scratch
+    from sdp_cli.processes import make_scratch
     from sdp_cli.engine.process_server import leave_with_parent
 
     parser = argparse.ArgumentParser(description="sdp's rollout process (started by sdp train)")
