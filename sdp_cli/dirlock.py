@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import open_fd_in_place
 
 LOCK_NAME = ".lock"
@@ -46,7 +46,7 @@ class DirectoryLock:
         try:
             fd = open_fd_in_place(path, os.O_RDWR | os.O_CREAT)
         except OSError as err:
-            raise UserError(f"{what} {directory}: cannot create its lock file ({err.strerror})") from None
+            raise WriteFailed(f"{what} {directory}: cannot create its lock file ({err.strerror}); {write_fix(err)}", err, path) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -58,8 +58,12 @@ class DirectoryLock:
                 f"{what} {directory} is in use by another sdp process (pid {holder}); "
                 "wait for it to end or stop it, then try again"
             ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as err:  # a full disk: said here, before anything else is tried
+            os.close(fd)
+            raise WriteFailed(f"{what} {directory}: cannot write its lock file ({err.strerror}); {write_fix(err)}", err, path) from None
         return cls(path, fd)
 
     def release(self) -> None:

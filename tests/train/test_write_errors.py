@@ -13,6 +13,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,50 @@ def test_a_scratch_dir_that_is_no_writable_directory_is_one_line(tmp_path):
     line = _one_line(done)
     assert line == f"error: SDP_SCRATCH_DIR={tmp_path / 'none'} is not a writable directory; point it at one (the local engine's weight files go there) or unset it", line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_on_a_full_disk_is_one_line(sizes, tmp_path):
+    """Taking the run's lock writes sdp's PID into the lock file: on a full disk that write
+    failed with a traceback, before anything else could say so."""
+    cache, _, _ = sizes
+    full = tmp_path / "full"
+    full.mkdir()
+    script = (
+        'cp -r "$1" "$2/run" && rm -f "$2/run/.lock" && (dd if=/dev/zero of="$2/filler" bs=4k 2>/dev/null; true) '
+        '&& exec "$3" -m sdp_cli train resume="$2/run" train.steps=3'
+    )
+    env = {**os.environ, "SDP_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    command = ["sh", "-c", script, "sh", str(cache.parent / "run"), str(full), sys.executable]
+    done = run_with_tmpfs("4m", full, command, env=env, timeout=300)
+    line = _one_line(done)
+    assert line == f"error: run directory {full}/run: cannot write its lock file (No space left on device); free space there", line
+
+
+def test_a_resume_whose_run_files_cannot_be_written_ends_the_engine_it_set_up(tmp_path, monkeypatch):
+    """A resume rewrites the run's config files once its setup is done; a full disk there ended
+    the session in one line but left the rollout process and its engine running: in `sdp train`
+    until the process ended, in a sweep's worker (which trains its next job in the same process)
+    for good."""
+    import errno
+
+    from sdp_cli.errors import UserError, WriteFailed
+    from sdp_cli.train.session import run as run_module
+
+    from ..fast_run import train_run
+    from .test_rollout_process import _children_of
+
+    run = train_run(tmp_path, ["+debug=fast", "train.steps=1"])
+
+    def full_disk(path, text):
+        raise WriteFailed(f"{path}: cannot be written (No space left on device); free space there", OSError(errno.ENOSPC, "No space left on device"), path)
+
+    monkeypatch.setattr(run_module, "atomic_write_text", full_disk)
+    with pytest.raises(UserError, match="overrides.json: cannot be written"):
+        train_run(tmp_path, [f"resume={run}", "train.steps=2"])
+    deadline = time.monotonic() + 10
+    while _children_of(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _children_of(os.getpid()) == [], "the run's rollout process outlived its session"
 
 
 @pytest.mark.parametrize(

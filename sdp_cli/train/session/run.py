@@ -652,15 +652,15 @@ def _train(
         )
         try:
             run.setup()
+            if coordinator.is_main:  # (a full disk here: the engine set up is closed too)
+                for path, text in start.deferred:
+                    atomic_write_text(path, text)
         except BaseException as exc:
             run.close(abort=True)
             if owned is not None and owned.created:
                 owned.remove(exc)  # nothing was trained: a failed start leaves nothing behind
                 run = None
             raise
-        if coordinator.is_main:
-            for path, text in start.deferred:
-                atomic_write_text(path, text)
         if not coordinator.is_main:
             coordinator.end_follower(run.follow())
         summary = run.run()
