@@ -182,6 +182,27 @@ def test_a_resume_whose_run_files_cannot_be_written_ends_the_engine_it_set_up(tm
     assert _children_of(os.getpid()) == [], "the run's rollout process outlived its session"
 
 
+@pytest.mark.parametrize("into", ["a/b", "empty"])
+def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_nothing(sizes, tmp_path, into):
+    """The run directory was made and locked before anything told the disk was full: the lock's
+    PID failed to write with a traceback, and after that fix the line still left the directories
+    it made (and the lock file in an empty directory given)."""
+    cache, _, _ = sizes
+    full = tmp_path / "full"
+    full.mkdir()
+    # what the tmpfs holds after sdp is listed inside its namespace, where it exists
+    script = (
+        'mkdir "$1/empty" && (dd if=/dev/zero of="$1/filler" bs=1k 2>/dev/null; true) '
+        '&& { "$2" -m sdp_cli train +debug=fast run.dir="$1/$3"; rc=$?; '
+        'echo "left:" $(cd "$1" && find . -mindepth 1 | sort); exit $rc; }'
+    )
+    env = {**os.environ, "SDP_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    done = run_with_tmpfs("256k", full, ["sh", "-c", script, "sh", str(full), sys.executable, into], env=env, timeout=300)
+    line = _one_line(done)
+    assert line == f"error: run directory {full}/{into}: cannot write its lock file (No space left on device); free space there", line
+    assert done.stdout.splitlines()[-1] == "left: ./empty ./filler", done.stdout
+
+
 @pytest.mark.parametrize(
     "message,kept",
     [

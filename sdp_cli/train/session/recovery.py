@@ -24,7 +24,7 @@ from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import WANDB, RunDir, step_dirs
@@ -105,15 +105,26 @@ def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
                 f"run directory {path} already exists and is not empty; pass run.name=... or resume={path}"
             )
         made = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
+    except UserError:  # (a WriteFailed is an OSError too: said as it is)
+        raise
+    except OSError as err:
+        raise WriteFailed(f"{key}: cannot create the run directory {path} ({err.strerror}); {write_fix(err)}", err, path) from None
+    try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".write-test"  # a read-only file system or directory fails here, not later
         os.close(open_fd_in_place(probe, os.O_WRONLY | os.O_CREAT))
         probe.unlink()
-    except OSError as err:
-        raise UserError(
-            f"{key}: cannot create the run directory {path} ({err.strerror}); choose a writable place"
-        ) from None
-    return OwnedRunDir(RunDir(path), DirectoryLock.acquire(path, "run directory"), created=True, made=made)
+        lock = DirectoryLock.acquire(path, "run directory")
+    except (OSError, UserError) as err:  # (a full disk at the lock file's PID: a WriteFailed)
+        # a failed start leaves nothing: the directories made, or the lock file written
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        elif isinstance(err, WriteFailed) and err.filename == str(path / LOCK_NAME):
+            (path / LOCK_NAME).unlink(missing_ok=True)
+        if isinstance(err, UserError):
+            raise
+        raise WriteFailed(f"{key}: cannot create the run directory {path} ({err.strerror}); {write_fix(err)}", err, path) from None
+    return OwnedRunDir(RunDir(path), lock, created=True, made=made)
 
 
 def read_overrides(path: Path) -> list[str]:
