@@ -203,6 +203,49 @@ def test_a_new_run_on_a_full_disk_is_one_line_and_leaves_nothing(sizes, tmp_path
     assert done.stdout.splitlines()[-1] == "left: ./empty ./filler", done.stdout
 
 
+def test_a_metrics_log_that_cannot_grow_stops_the_run_in_one_line_naming_it(sizes, tmp_path):
+    """A failed append to metrics.jsonl stopped the run, and then closing the log flushed the
+    line it held again: a traceback after the stop, whose reason named no file."""
+    cache, _, _ = sizes
+    run = tmp_path / "run"
+    limit = (cache.parent / "run" / "config.yaml").stat().st_size + 4_000  # a step's line is ~3 KB
+    done = _train(run, cache, "train.steps=50", "train.checkpoint_every=0", "engine.in_process=true", limit=limit)
+    line = _one_line(done)
+    assert line.startswith("error: training stopped at step ") and f"cannot write {run}/metrics.jsonl: File too large" in line, line
+    events = [json.loads(text) for text in (run / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stopped" and "metrics.jsonl" in events[-1]["reason"], events[-1]
+
+
+def test_a_ledger_append_that_fails_leaves_the_file_and_its_mark_in_agreement(tmp_path):
+    """The ledger's length and sha256 go into every checkpoint. A failed append (a full disk)
+    left its line in the write buffer, and the length a checkpoint took counted those bytes,
+    which the file and the sha256 did not have: a resume from that checkpoint would find the
+    ledger damaged. Now a failed append leaves no trace, names the file, and closing is quiet."""
+    code = (
+        "import hashlib, resource, signal, sys\n"
+        "from pathlib import Path\n"
+        "from sdp_cli.train.asyncloop.ledger import LedgerLog\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))\n"
+        "path = Path(sys.argv[1])\n"
+        "ledger = LedgerLog(path)\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        ledger.write('consumed', [i], note='x' * 30)\n"
+        "except OSError as err:\n"
+        "    print('failed', err.filename == str(path))\n"
+        "mark = ledger.mark()\n"
+        "data = path.read_bytes()\n"
+        "print(mark['ledger_offset'] == len(data) == ledger.offset(), mark['ledger_sha256'] == hashlib.sha256(data).hexdigest())\n"
+        "print(data.endswith(b'\\n'))\n"
+        "ledger.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ledger.jsonl")], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["failed", "True", "True", "True", "True"], done.stdout
+
+
 @pytest.mark.parametrize(
     "message,kept",
     [

@@ -28,6 +28,7 @@ consumed twice). It also checks the staleness manager's counters against the fat
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,7 +55,9 @@ class LedgerLog:
         if truncate_to is not None and self._fh.seek(0, os.SEEK_END) > truncate_to:
             self._fh.truncate(truncate_to)
         self._fh.seek(0)
-        self._digest = hashlib.sha256(self._fh.read())  # the file as it is kept (one read at start)
+        kept = self._fh.read()  # the file as it is kept (one read at start)
+        self._digest = hashlib.sha256(kept)
+        self._size = len(kept)
 
     def write(self, event: str, groups: list[int], **fields: Any) -> None:
         assert event in EVENTS, f"unknown ledger event {event!r}"
@@ -62,20 +65,31 @@ class LedgerLog:
             {"event": event, "time": time.time(), "groups": [int(g) for g in groups], **fields}
         ).encode() + b"\n"
         with self._lock:
-            self._fh.write(line)
-            self._fh.flush()
+            # Written past the file object's buffer, whole or not at all: a failed write (a full
+            # disk) left its line in the buffer, counted in the length a checkpoint records but
+            # not in the file or its sha256, and flushed again later
+            fd = self._fh.fileno()
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]  # (the file is opened to append)
+            except OSError as err:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, self._size)  # no torn line
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
+            self._size += len(line)
             self._digest.update(line)
 
     def offset(self) -> int:
         """Bytes written so far."""
         with self._lock:
-            return self._fh.tell()
+            return self._size
 
     def mark(self) -> dict[str, Any]:
         """What a checkpoint records (``ledger_offset``, ``ledger_sha256``): the length and the
         sha256 of the ledger, read together."""
         with self._lock:
-            return {"ledger_offset": self._fh.tell(), "ledger_sha256": self._digest.hexdigest()}
+            return {"ledger_offset": self._size, "ledger_sha256": self._digest.hexdigest()}
 
     def sync(self) -> None:
         """Make the ledger durable (before a checkpoint that records its length)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.rundir import RunDir, run_part
 
 SOURCE_FIX = "pass a run directory, one of its checkpoints/step-NNNNNN or one of its versions/vNNNNNN"
@@ -85,7 +85,7 @@ def held(saved: SavedPolicy, near: Path) -> Iterator[SavedPolicy]:
     try:
         root = Path(tempfile.mkdtemp(prefix=".sdp-hold-", dir=existing))
     except OSError as err:
-        raise UserError(f"cannot write in {existing} ({err.strerror}); choose a writable place") from None
+        raise WriteFailed(f"cannot write in {existing} ({err.strerror}); {write_fix(err)} or choose another place", err, existing) from None
     try:
         checkpoint = saved.checkpoint
         for attempt in range(HOLD_ATTEMPTS):
