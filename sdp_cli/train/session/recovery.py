@@ -13,6 +13,7 @@ symbolic link or a special file, a hard-linked log, and logs damaged before thei
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,14 +118,30 @@ def make_run_dir(cfg: SdpConfig) -> OwnedRunDir:
         lock = DirectoryLock.acquire(path, "run directory")
     except (OSError, UserError) as err:  # (a full disk at the lock file's PID: a WriteFailed)
         # a failed start leaves nothing: the directories made, or the lock file written
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
-        elif isinstance(err, WriteFailed) and err.filename == str(path / LOCK_NAME):
-            (path / LOCK_NAME).unlink(missing_ok=True)
+        if made is not None or (isinstance(err, WriteFailed) and err.filename == str(path / LOCK_NAME)):
+            _remove_made(path, made)
         if isinstance(err, UserError):
             raise
         raise WriteFailed(f"{key}: cannot create the run directory {path} ({err.strerror}); {write_fix(err)}", err, path) from None
     return OwnedRunDir(RunDir(path), lock, created=True, made=made)
+
+
+def _remove_made(path: Path, made: Path | None) -> None:
+    """Undo a failed ``make_run_dir``: the probe and the lock file it wrote into ``path``, and
+    the directories from ``path`` up to ``made`` (the outermost it made; None: it made none),
+    each only while it is empty (nothing of anyone else's goes)."""
+    for written in (path / ".write-test", path / LOCK_NAME):
+        with contextlib.suppress(OSError):
+            written.unlink(missing_ok=True)
+    if made is None:
+        return
+    for directory in [path, *path.parents]:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+        if directory == made:
+            return
 
 
 def read_overrides(path: Path) -> list[str]:
