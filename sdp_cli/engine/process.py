@@ -40,7 +40,6 @@ from sdp_cli.engine.process_server import TOKEN_ENV
 from sdp_cli.engine.remote import RemoteEngine, RemoteOptions
 from sdp_cli.engine.remote_server import RemoteServer
 from sdp_cli.engine.servers import LaunchSpec, ManagedServer, ServerLaunch, free_port
-from sdp_cli.errors import UserError
 from sdp_cli.engine.wire import (
     Segment,
     SegmentRequest,
@@ -49,6 +48,7 @@ from sdp_cli.engine.wire import (
     expand_spans,
     malformed,
 )
+from sdp_cli.errors import UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.fileio import open_in_place
 from sdp_cli.processes import SCRATCH_ENV, make_scratch, sdp_pythonpath
