@@ -62,6 +62,14 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write ``data`` to the descriptor ``fd``: a write may take part of it, so write until all
+    of it is out (an OSError says the rest was not)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _short(name: str, limit: int = 200) -> str:
     """``name`` cut to at most ``limit`` UTF-8 bytes, so that a temporary name built from a
     255-byte name still fits the file system's name limit."""

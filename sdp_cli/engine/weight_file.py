@@ -33,7 +33,6 @@ and then write).
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import mmap
 import os
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from sdp_cli.fileio import write_all
 
 #: safetensors' name of each dtype a policy's weights come in
 DTYPE_NAMES = {
@@ -189,17 +190,10 @@ class PackedWeights(Mapping[str, torch.Tensor]):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         with open(tmp, "wb", buffering=0) as f:
-            _write_all(f, len(self._header).to_bytes(8, "little") + self._header)
-            _write_all(f, memoryview(self._data.numpy()))
+            write_all(f.fileno(), len(self._header).to_bytes(8, "little") + self._header)
+            write_all(f.fileno(), memoryview(self._data.numpy()))
         os.replace(tmp, path)
         return path
-
-
-def _write_all(f: io.FileIO, data: bytes | memoryview) -> None:
-    """An unbuffered write may take part of ``data``: write until all of it is out."""
-    view = memoryview(data)
-    while view:
-        view = view[f.write(view) :]
 
 
 def bytes_kept(state_dict: Mapping[str, torch.Tensor], push_dtype: torch.dtype | None) -> int:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sdp_cli.fileio import fsync_directory, open_in_place
+from sdp_cli.fileio import fsync_directory, open_in_place, write_all
 
 EVENTS = ("consumed", "dropped", "rejected", "abandoned")
 
@@ -70,9 +70,7 @@ class LedgerLog:
             # not in the file or its sha256, and flushed again later
             fd = self._fh.fileno()
             try:
-                view = memoryview(line)
-                while view:
-                    view = view[os.write(fd, view) :]  # (the file is opened to append)
+                write_all(fd, line)  # (the file is opened to append)
             except OSError as err:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, self._size)  # no torn line
