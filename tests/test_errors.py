@@ -8,19 +8,21 @@ import pytest
 from sdp_cli.errors import UserError, describe_os_error, no_room_behind, write_fix
 
 
-@pytest.mark.parametrize(
-    "code,fix",
-    [
-        (errno.ENOSPC, "free space there"),
-        (errno.EDQUOT, "free space within your disk quota"),
-        (errno.EFBIG, "raise the file-size limit (ulimit -f)"),
-        (errno.EROFS, "remount it read-write"),
-        (errno.EACCES, "make it writable"),
-        (errno.EPERM, "make it writable"),
-        (errno.ENOENT, "check that its directory exists"),
-        (errno.EIO, "check disk space and permissions"),
-    ],
-)
+#: each cause of a failed write and the remedy its line names (the lines that use them test
+#: against this table too: tests/models/test_warm_start.py)
+FIX_BY_CAUSE = [
+    (errno.ENOSPC, "free space there"),
+    (errno.EDQUOT, "free space within your disk quota"),
+    (errno.EFBIG, "raise the file-size limit (ulimit -f)"),
+    (errno.EROFS, "remount it read-write"),
+    (errno.EACCES, "make it writable"),
+    (errno.EPERM, "make it writable"),
+    (errno.ENOENT, "check that its directory exists"),
+    (errno.EIO, "check disk space and permissions"),
+]
+
+
+@pytest.mark.parametrize("code,fix", FIX_BY_CAUSE)
 def test_write_fix_follows_the_cause(code, fix):
     assert write_fix(OSError(code, os.strerror(code))) == fix
 

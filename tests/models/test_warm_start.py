@@ -1,6 +1,5 @@
 """Warm start: SFT batch layout and loss, learning on arith1, on-disk cache (hit, miss, races, damage)."""
 
-import errno
 import json
 import logging
 import os
@@ -18,6 +17,8 @@ from sdp_cli.models.tiny import build_tiny_model, tiny_arch
 from sdp_cli.models.tokenizer import build_tokenizer
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import TaskItem
+
+from ..test_errors import FIX_BY_CAUSE
 
 # A smaller model than the default keeps these tests to a few seconds each on 2 cores.
 SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=256)
@@ -305,15 +306,7 @@ def test_the_warm_start_never_trains_on_a_sequence_longer_than_the_context(tmp_p
     assert info["validation_n"] == 3
 
 
-@pytest.mark.parametrize(
-    "code,fix",
-    [
-        (errno.ENOSPC, "free space there"),
-        (errno.EROFS, "remount it read-write"),
-        (errno.EACCES, "make it writable"),
-        (errno.EFBIG, "raise the file-size limit (ulimit -f)"),
-    ],
-)
+@pytest.mark.parametrize("code,fix", FIX_BY_CAUSE)
 def test_a_cache_entry_that_cannot_be_written_names_the_fix_for_its_cause(tmp_path, monkeypatch, code, fix):
     """The line used to say "free space there" whatever the cause: a read-only cache said to
     free space on it."""
