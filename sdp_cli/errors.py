@@ -28,6 +28,16 @@ class EngineUnavailable(EngineError):
     """The engine (or its server) cannot be reached."""
 
 
+class UserCodeError(UserError):
+    """Your code (a reward function, a correction mode) raised or returned something unusable:
+    one line naming it, and ``details``, its traceback, which a run keeps in its ``stopped``
+    event (the line says where; the traceback says how)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        self.details = details
+
+
 class WriteFailed(UserError, OSError):
     """A write that failed, said in one line (a UserError, as a command prints it) and still the
     OSError it was (``errno``, ``strerror``, ``filename``): code that ends cleanly on a failed

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sdp_cli.errors import UserError
-from sdp_cli.user_code import canonical, file_target, is_code_spec, load_function
+from sdp_cli.errors import UserCodeError, UserError, describe_exception
+from sdp_cli.stopsignals import Abort
+from sdp_cli.user_code import canonical, file_target, is_code_spec, load_function, where_in
 
 #: the log-probs a mode's weight may read besides π_behav
 INPUTS = ("proximal_logprobs", "proximal_logprobs_t")
@@ -81,11 +83,18 @@ class Mode:
     def log_ratio(self, old: Any, proximal: Any, proximal_t: Any, mask: Any, **params: Any) -> Any:
         """The detached log ratio of this mode's weight ([B, T], or None for no weight). Inputs are
         detached here; the result of a mode of yours is checked (shape, finite where ``mask``,
-        no gradient) and refused in one line naming its source."""
+        no gradient), and a bad one or a raise is a ``UserCodeError``: one line naming its
+        source, its traceback kept."""
         detached = [None if x is None else x.detach() for x in (old, proximal, proximal_t)]
-        result = self.function()(*detached, mask, **params)
-        if self.source is not None:
-            _check_result(self, result, old, mask)
+        if self.source is None:
+            return self.function()(*detached, mask, **params)
+        try:
+            result = self.function()(*detached, mask, **params)
+        except Abort:  # a second Ctrl-C
+            raise
+        except BaseException as err:  # your code (its sys.exit too): one line, its traceback kept
+            raise _failed(self, err) from err
+        _check_result(self, result, old, mask)
         return result
 
 
@@ -281,15 +290,17 @@ def _try_on_a_small_batch(user_mode: Mode) -> None:
     mask = torch.tensor([[True, True, True], [True, True, False]])
     try:
         user_mode.log_ratio(old, old - 0.1, old + 0.1, mask)
-    except UserError:
-        raise
-    except Exception as err:
-        from sdp_cli.user_code import where_in
+    except UserCodeError as err:
+        raise UserError(f"{err} (on a small batch, before the run)") from None
 
-        raise UserError(
-            f"{where_in(err, file_target(user_mode.source or ''))}: {type(err).__name__}: {err} "
-            f"when loss.mode={user_mode.source} was called on a small batch; fix the function"
-        ) from None
+
+def _failed(user_mode: Mode, err: BaseException) -> UserCodeError:
+    """The one line of a mode of yours that raised ``err``: where in your file, and what."""
+    return UserCodeError(
+        f"{where_in(err, file_target(user_mode.source or ''))}: {describe_exception(err)} "
+        f"in loss.mode={user_mode.source}; fix the function",
+        "".join(traceback.format_exception(err)),
+    )
 
 
 def _check_result(user_mode: Mode, result: Any, old: Any, mask: Any) -> None:
@@ -297,17 +308,17 @@ def _check_result(user_mode: Mode, result: Any, old: Any, mask: Any) -> None:
     where = f"loss.mode={user_mode.source}"
     if result is None:
         if user_mode.has_weight:
-            raise UserError(f"{where} returned None although it declares needs={user_mode.needs}; return a tensor")
+            raise UserCodeError(f"{where} returned None although it declares needs={user_mode.needs}; return a tensor")
         return
     shape = getattr(result, "shape", None)
     if shape is None or tuple(shape) != tuple(old.shape) or not result.is_floating_point():
-        raise UserError(
+        raise UserCodeError(
             f"{where} returned {type(result).__name__} of shape {None if shape is None else tuple(shape)}; "
             f"return a float tensor of the log-probs' shape {tuple(old.shape)}"
         )
     if result.requires_grad:
-        raise UserError(f"{where} returned a tensor that requires a gradient; the weight is a fixed number: detach it")
+        raise UserCodeError(f"{where} returned a tensor that requires a gradient; the weight is a fixed number: detach it")
     valid = result[mask.bool()] if mask is not None else result
     if valid.numel() and not bool(valid.isfinite().all()):
         bad = float(valid[~valid.isfinite()][0])
-        raise UserError(f"{where} returned {bad} at a valid token; return a finite log ratio (0 = weight 1)")
+        raise UserCodeError(f"{where} returned {bad} at a valid token; return a finite log ratio (0 = weight 1)")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from sdp_cli.errors import UserError
+from sdp_cli.errors import UserCodeError, UserError
 
 #: this module's command; sdp_cli.cli.main adds it to the root app
 app = typer.Typer()
@@ -126,10 +126,8 @@ def _start(
 
 def _details(err: BaseException) -> str:
     """The traceback behind a one-line error (``run.debug=true``): the user code's own for a
-    reward function, else the first non-UserError cause's."""
+    reward function or a correction mode, else the first non-UserError cause's."""
     import traceback
-
-    from sdp_cli.tasks.plugins import RewardError
 
     chain: list[BaseException] = []
     cur: BaseException | None = err
@@ -137,7 +135,7 @@ def _details(err: BaseException) -> str:
         chain.append(cur)
         cur = cur.__cause__
     for cause in chain:
-        if isinstance(cause, RewardError) and cause.details:
+        if isinstance(cause, UserCodeError) and cause.details:
             return cause.details.rstrip()
     bug = next((c for c in chain if not isinstance(c, UserError)), err)
     return "".join(traceback.format_exception(bug)).rstrip()

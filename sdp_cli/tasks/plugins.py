@@ -23,19 +23,18 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from sdp_cli.errors import UserError, describe_exception
+from sdp_cli.errors import UserCodeError, UserError, describe_exception
 from sdp_cli.stopsignals import Abort
 from sdp_cli.tasks.rewards import BUILTINS, NEEDS_ANSWER
 from sdp_cli.user_code import canonical, file_target, is_code_spec, load_function
 
 
-class RewardError(UserError):
+class RewardError(UserCodeError):
     """User reward code failed or returned something unusable; ``details`` holds the traceback
     and ``key`` tells distinct errors apart (the message names the record, which varies)."""
 
     def __init__(self, message: str, details: str = "", *, key: str | None = None):
-        super().__init__(message)
-        self.details = details
+        super().__init__(message, details)
         self.key = key or str(self)
 
     def __reduce__(self) -> tuple[Any, ...]:  # keep ``details`` and ``key`` across a process pool

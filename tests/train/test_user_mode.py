@@ -99,7 +99,7 @@ def test_a_batch_names_a_mode_of_yours_without_importing_it(tmp_path, capsys, fo
         ),
         (
             "@mode(needs=('proximal_logprobs',))\ndef weight(old, proximal, proximal_t, mask):\n    return 1 / 0\n",
-            "ZeroDivisionError: division by zero when loss.mode=",
+            "ZeroDivisionError: division by zero in loss.mode=",
         ),
         ("@mode(needs=('pi_theta',))\ndef weight(old, proximal, proximal_t, mask):\n    return old\n", "is not valid"),
         (

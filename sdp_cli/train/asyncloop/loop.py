@@ -98,6 +98,10 @@ class AsyncLoop:
         self.should_stop = should_stop
         #: training steps done (a resumed run continues from its checkpoint's)
         self.step = 0
+        #: whether the loop stopped inside a step: its batch taken, the step not counted. The
+        #: trainer may hold the next version's weights then, and the batch is out of the rollout
+        #: side's hands, so the state is no step's: a stop writes no checkpoint of it.
+        self.inside_step = False
         self.times = StepTimes()
         self._started = False
         self._reward_errors: tuple[int, list[RewardError]] = (0, [])
@@ -138,6 +142,7 @@ class AsyncLoop:
         """Take one batch, train on it and hand the new weights to the rollout side."""
         t0 = time.perf_counter()
         groups = self._take_batch()
+        self.inside_step = True
         if self.on_batch is not None:
             self.on_batch(groups)  # other training processes train on the same batch
         if self.cfg.rollout.max_head_offpolicyness > 0 and self.step + 1 < self.cfg.train.steps:
@@ -161,6 +166,7 @@ class AsyncLoop:
         self.times.train_seconds += t2 - t1
         self.times.push_seconds += t3 - t2
         self.step += 1
+        self.inside_step = False
         self._reward_errors = (report.reward_errors_failed, report.reward_errors_first)
         metrics = dict(output.metrics)
         metrics.update(extra_means([s.meta.get(EXTRAS) for g in groups for s in g.samples]))

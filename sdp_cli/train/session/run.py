@@ -22,7 +22,7 @@ import torch
 
 from sdp_cli.config.compose import ConfigSource
 from sdp_cli.config.schema import SdpConfig, tracks_proximal_t
-from sdp_cli.engine.base import EngineError, WeightUpdate
+from sdp_cli.engine.base import WeightUpdate
 from sdp_cli.engine.factory import build_engine
 from sdp_cli.engines import engine_kind
 from sdp_cli.errors import Interrupted, UserError
@@ -35,7 +35,6 @@ from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
-from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.models.policy import PromptCodec
 from sdp_cli.train.asyncloop.ledger import LedgerLog
@@ -446,7 +445,7 @@ class TrainingRun:
         t0 = time.perf_counter()
         try:
             self.loop.run()
-        except (LoopStopped, EngineError, RewardError, OSError) as exc:  # RewardError: of an evaluation
+        except (LoopStopped, UserError, OSError) as exc:  # an engine fault, a reward, your mode, a full disk
             stopped = exc
         except BaseException:  # an abort (a second Ctrl-C) or a bug: no collective, no waiting; the
             self.close()  # logs stay open for the aborted event (_train)
@@ -556,15 +555,20 @@ class TrainingRun:
             return err
 
     def _stopped(self, exc: BaseException) -> Interrupted | UserError:
-        """The end of a session stopped at a step boundary: by a signal (``LoopInterrupted``: that
-        step is checkpointed), or by an engine fault, a failed producer or reward, a full disk
-        (checkpointed if it trained a step)."""
+        """The end of a session stopped: by a signal (``LoopInterrupted``, at a step boundary:
+        that step is checkpointed), or by an error you can fix, an engine fault, a failed producer
+        or reward, a full disk (checkpointed if it trained a step, unless it came inside one:
+        ``AsyncLoop.inside_step``)."""
         step = self.loop.step
         self._end_evaluation()
         signal = isinstance(exc, LoopInterrupted)
-        saved = self._checkpoint_at_stop(step) if signal or step > self.start_step else None
+        inside = self.loop.inside_step  # (a signal stops the loop between steps only)
+        saved = self._checkpoint_at_stop(step) if not inside and (signal or step > self.start_step) else None
         self._reward_errors(step)
-        end = self.end.interrupted(step, self.stop_request, saved) if signal else self.end.stopped(step, exc, saved)
+        if signal:
+            end = self.end.interrupted(step, self.stop_request, saved)
+        else:
+            end = self.end.stopped(step, exc, saved, inside_step=inside)
         self._close_logs(ok=False)
         return end
 

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from sdp_cli.config.schema import SdpConfig
-from sdp_cli.errors import Interrupted, UserError, describe_os_error
+from sdp_cli.errors import Interrupted, UserCodeError, UserError, describe_os_error
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rundir import RunDir
 from sdp_cli.stopsignals import StopRequest, signal_name
-from sdp_cli.tasks.plugins import RewardError
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.session.reporting import EventLog
 from sdp_cli.train.session.start import PROGRAM_KEYS
@@ -97,21 +96,28 @@ class SessionEnd:
             where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
         return Interrupted(f"stopped at step {step} ({stop.name}); {where}", 128 + int(stop.signum))
 
-    def stopped(self, step: int, exc: BaseException, saved: SavedAtStop) -> UserError:
-        """The end of a session stopped at ``step`` by ``exc`` (an engine fault, a failed producer
-        or reward, a full disk): its ``stopped`` event, and the line to end on."""
+    def stopped(self, step: int, exc: BaseException, saved: SavedAtStop, *, inside_step: bool = False) -> UserError:
+        """The end of a session stopped at ``step`` by ``exc`` (an error you can fix, an engine
+        fault, a failed producer or reward, a full disk): its ``stopped`` event, and the line to
+        end on. ``inside_step``: it came inside the next step, which left no checkpoint to write
+        (``saved`` is None): the last complete one is the resume point."""
         path, problem = _checkpoint_fields(saved)
-        cause = exc if isinstance(exc, RewardError) else exc.__cause__
+        cause = exc if isinstance(exc, UserCodeError) else exc.__cause__
         detail: dict[str, Any] = {}
-        if isinstance(cause, RewardError):  # user code: its own traceback
-            detail["traceback"] = cause.details
+        if isinstance(cause, UserCodeError):  # your code: its own traceback
+            if cause.details:
+                detail["traceback"] = cause.details
         elif cause is not None and not isinstance(cause, (UserError, OSError)):  # a bug: keep its trace
             detail["traceback"] = "".join(traceback.format_exception(cause))
         reason = describe_os_error(exc) if isinstance(exc, OSError) else str(exc)
-        self.event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
         last = self._last_complete_step()
+        if inside_step:
+            detail["resume_step"] = last
+        self.event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
         where = f"; resume with: {self.resume_command()}" if last is not None or step else ""
-        if problem:
+        if inside_step:
+            where = f"; resume with: {self.resume_command()} ({self._resume_point(last)})"
+        elif problem:
             same = isinstance(exc, OSError) and isinstance(saved, OSError) and exc.errno == saved.errno
             why = "for the same reason" if same else f"({problem})"
             where = f"; its checkpoint could not be written {why}{where} (from step {last or 0})"
