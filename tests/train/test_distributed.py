@@ -91,3 +91,31 @@ def test_sharded_accelerate_launches_are_refused_in_one_line(name):
     message = str(err.value)
     assert "\n" not in message and "torchrun --nproc_per_node N" in message and "train.parallel=fsdp" in message
     check_launch({name: "false", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1"})
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun not installed")
+def test_a_mode_of_yours_failing_in_a_two_process_run_stops_both_ranks_at_the_step_in_one_line(tmp_path):
+    # every rank weighs the whole batch and meets the failure alike; rank 0 stops the run (its
+    # event, its line), the other follows it to the end. Before, the other rank exited on its own
+    # error and rank 0's stop met a dead peer: a gloo traceback, no stopped event.
+    mode_file = tmp_path / "my_mode.py"
+    mode_file.write_text(
+        "from sdp_cli.modes import mode\nSEEN = set()\n\n@mode(needs=('proximal_logprobs',))\n"
+        "def weight(old, proximal, proximal_t, mask):\n    SEEN.add(round(float(old.sum()), 4))\n"
+        "    return (proximal - old) * (float('nan') if len(SEEN) > 3 else 1.0)\n"
+    )
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, SDP_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    cmd = [torchrun, "--nproc_per_node", "2", "--log-dir", str(tmp_path / "torchrun"), "-m", "sdp_cli", "train",
+           *FAST, "train.steps=4", "train.threads=1", "train.checkpoint_every=1", f"run.dir={run_dir}",
+           f"loss.mode={mode_file}:weight"]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: training stopped at step 2: loss.mode="), done.stderr[-3000:]
+    assert "returned nan at a valid token" in lines[0] and lines[0].endswith("(from step 2, the last complete checkpoint)")
+    assert "[rank0]: Traceback" not in done.stderr and "[rank1]: Traceback" not in done.stderr, done.stderr[-3000:]
+    # torchrun reports each rank's exit: both 2, neither killed by it
+    assert done.stderr.count("exitcode  : 2") + done.stderr.count("exitcode: 2") >= 1 and "SIGTERM" not in done.stderr
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stopped" and events[-1]["checkpoint"] is None and events[-1]["resume_step"] == 2

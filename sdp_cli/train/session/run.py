@@ -32,6 +32,7 @@ from sdp_cli.fileio import atomic_write_text
 from sdp_cli.models.gguf import dequantised_note, is_gguf
 from sdp_cli.models.warm_start import warm_start_note
 from sdp_cli.modes import resolve_mode
+from sdp_cli.rollout.records import RolloutGroup
 from sdp_cli.rundir import RunDir, older_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
@@ -494,8 +495,17 @@ class TrainingRun:
         """Ranks other than 0: train on each batch rank 0 sends and join the collectives it asks
         for, until it ends the run; returns the exit status it sent."""
         pad, scale = int(self.policy.pad_token_id), self.cfg.loss.scale_adv_by_std
-        return self.coordinator.serve(lambda groups: self.trainer.step(assemble_batch(
-            groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)))
+
+        def train(groups: list[RolloutGroup]) -> None:
+            batch = assemble_batch(groups, pad_token_id=pad, trainer_version=self.trainer.version, scale_adv_by_std=scale)
+            try:
+                self.trainer.step(batch)
+            except UserError:
+                # your correction mode failed on this batch before any update: on every rank, each
+                # weighing the whole batch. Rank 0 stops the run there; this rank follows it to the end.
+                pass
+
+        return self.coordinator.serve(train)
 
     # -- end (what it records and says: self.end, sdp_cli/train/session/session_end.py) -----------------
     def _end_session(self, code: int) -> None:
