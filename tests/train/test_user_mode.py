@@ -208,3 +208,16 @@ def test_a_resume_never_imports_a_mode_file_that_only_the_runs_files_name(tmp_pa
     # named again on the command line, the resume runs it
     code, _, err = run_main(["train", f"resume={run}", "train.steps=2", f"loss.mode={path}:marking"], capsys)
     assert code == 0, err
+
+
+def test_a_mode_of_yours_that_raises_on_a_saved_batch_is_one_line_naming_its_line(tmp_path, capsys, forget_user_modes):
+    # the check before use passes (first call); the call on the batch raises: inspect-weights
+    # says where in your file, as a run does, instead of a traceback
+    spec = _write(
+        tmp_path,
+        "CALLS = []\n\n@mode(needs=('proximal_logprobs',))\ndef weight(old, proximal, proximal_t, mask):\n"
+        "    CALLS.append(1)\n    if len(CALLS) > 1:\n        raise KeyError('k')\n    return proximal - old\n",
+    ) + ":weight"
+    code, _, err = run_main(["inspect-weights", "--example", "--mode", spec], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip() == f"error: {tmp_path / 'my_mode.py'}:10: KeyError: 'k' in loss.mode={spec}; fix the function", err
