@@ -203,3 +203,42 @@ def test_a_full_disk_between_the_two_optimizer_steps_of_a_step_writes_no_half_tr
     )
     assert done.returncode == 0, done.stderr
     assert _checkpoint_versions(run) == {2: 2, 4: 4}
+
+
+@pytest.mark.parametrize("where", ["start", "final"])
+def test_a_reward_failing_in_the_start_or_final_evaluation_ends_the_session_as_a_stop(tmp_path, capsys, monkeypatch, where):
+    # Outside the loop, before: the line alone, no stopped event (the next resume then recorded
+    # a crash), and after the final evaluation no resume line although the run needs one to finish.
+    from sdp_cli.tasks.plugins import reward_failure
+    from sdp_cli.train.session.run import TrainingRun
+
+    real = TrainingRun._evaluate
+    failing_step = 0 if where == "start" else 2
+
+    def failing(self, step, progress=None):
+        if step == failing_step:
+            try:
+                raise RuntimeError("reward broke")
+            except RuntimeError as err:
+                raise reward_failure("rw.py:fn", "record 3 (data.jsonl:4)", err) from None
+        return real(self, step, progress)
+
+    monkeypatch.setattr(TrainingRun, "_evaluate", failing)
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", "train.eval_samples=4", f"run.dir={run}"], capsys)
+    line = _one_line(code, err)
+    reason = "reward function rw.py:fn failed on record 3 (data.jsonl:4): RuntimeError: reward broke"
+    if where == "start":
+        assert line == f"error: training stopped at step 0: {reason}", line
+    else:
+        assert line == f"error: training stopped at step 2: {reason}; resume with: sdp train resume={run}", line
+    stopped = _events(run)[-1]
+    assert stopped["event"] == "stopped" and stopped["step"] == failing_step, stopped
+    assert "RuntimeError: reward broke" in stopped["traceback"]
+    if where == "final":
+        assert stopped["checkpoint"].endswith("step-000002")
+        monkeypatch.setattr(TrainingRun, "_evaluate", real)
+        code, _, err = run_main(["train", f"resume={run}"], capsys)
+        assert code == 0, err
+        names = [e["event"] for e in _events(run)]
+        assert names[-1] == "finished" and "crashed" not in names, names

@@ -423,11 +423,16 @@ class TrainingRun:
 
     # -- main ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Train to ``train.steps``; a stop (signal, engine fault, full disk) ends the session at a
-        step boundary with a checkpoint of that step and raises ``Interrupted`` or ``UserError``."""
+        """Evaluate, train to ``train.steps``, evaluate; a stop (a signal, an engine fault, a
+        reward of yours failing, a full disk) ends the session with a checkpoint of the step it
+        reached (none inside a step) and raises ``Interrupted`` or ``UserError``."""
         cfg = self.cfg
         title = start_evaluation_title(self.start_step)
-        acc_start = self._shown_evaluation(title, self.start_step) if cfg.train.eval_samples else None
+        try:
+            acc_start = self._shown_evaluation(title, self.start_step) if cfg.train.eval_samples else None
+        except (UserError, OSError) as exc:  # a reward of yours failing on a held-out problem, a full disk
+            self.close()
+            raise self._stop(exc)
         self.progress = Progress(cfg.train.steps, start=self.start_step, enabled=cfg.run.progress)
         # Counters are checkpointed: a resumed session's rates use only what it did itself.
         session_start = self.loop.counters()
@@ -463,24 +468,25 @@ class TrainingRun:
             self._end_session(error.exit_code)
             raise error
         if stopped is not None:
-            end = self._stopped(stopped)
-            self._end_session(end.exit_code)
-            raise end
-        acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
-        self._end_evaluation()
+            raise self._stop(stopped)
+        try:  # the run is trained: what fails now stops it at its last step, checkpointed
+            acc_end = self._shown_evaluation("final evaluation", cfg.train.steps) if cfg.train.eval_samples else None
+            self._end_evaluation()
+            summary = self.end.summary(
+                self.loop.step,
+                self.loop.counters(),
+                self.loop.filtered_groups(),
+                start_step=self.start_step,
+                wall=wall,
+                acc_start=acc_start,
+                acc_end=acc_end,
+                session_start=session_start,
+            )
+            atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
+            self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+        except (UserError, OSError) as exc:
+            raise self._stop(exc)
         self._end_session(0)
-        summary = self.end.summary(
-            self.loop.step,
-            self.loop.counters(),
-            self.loop.filtered_groups(),
-            start_step=self.start_step,
-            wall=wall,
-            acc_start=acc_start,
-            acc_end=acc_end,
-            session_start=session_start,
-        )
-        atomic_write_text(self.run_dir.summary, json.dumps(summary, indent=2) + "\n")
-        self.events.write("finished", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
         self._close_logs()
         return summary
 
@@ -580,6 +586,12 @@ class TrainingRun:
         else:
             end = self.end.stopped(step, exc, saved, inside_step=inside)
         self._close_logs(ok=False)
+        return end
+
+    def _stop(self, exc: BaseException) -> Interrupted | UserError:
+        """``_stopped``, the other ranks released with its exit status: the error to raise."""
+        end = self._stopped(exc)
+        self._end_session(end.exit_code)
         return end
 
     def aborted(self, signum: int) -> Interrupted:
