@@ -242,3 +242,30 @@ def test_a_reward_failing_in_the_start_or_final_evaluation_ends_the_session_as_a
         assert code == 0, err
         names = [e["event"] for e in _events(run)]
         assert names[-1] == "finished" and "crashed" not in names, names
+
+
+def test_a_resume_whose_setup_fails_once_accepted_records_a_stop_not_a_crash(tmp_path, capsys, monkeypatch):
+    # A resume accepted (its checks passed, the model loaded: it may write) whose setup then
+    # fails in one line (here a tracker that cannot start) ended with no event of its own: the
+    # next resume recorded it as a crash.
+    from sdp_cli.errors import UserError
+    from sdp_cli.train.session import run as run_module
+
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", "train.checkpoint_every=2", f"run.dir={run}"], capsys)
+    assert code == 0, err
+
+    def cannot_start(*args, **kwargs):
+        raise UserError("run.trackers: wandb could not start (no API key); log in with `wandb login`")
+
+    monkeypatch.setattr(run_module, "open_trackers", cannot_start)
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=4"], capsys)
+    assert _one_line(code, err) == "error: run.trackers: wandb could not start (no API key); log in with `wandb login`"
+    stopped = _events(run)[-1]
+    assert stopped["event"] == "stopped" and stopped["step"] == 2 and stopped["checkpoint"] is None, stopped
+    assert stopped["reason"].startswith("run.trackers: wandb could not start")
+    monkeypatch.undo()
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=4"], capsys)
+    assert code == 0, err
+    names = [e["event"] for e in _events(run)]
+    assert "crashed" not in names and names[-1] == "finished", names

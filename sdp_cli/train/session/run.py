@@ -112,6 +112,8 @@ class TrainingRun:
         self.events = EventLog(run_dir.events) if coordinator.is_main else None
         #: what the session's end records and says
         self.end = SessionEnd(cfg, run_dir, self.events)
+        #: a resume past its checks, which may write into the run (its end is then an event)
+        self.resume_accepted = False
         self.display = display or StartDisplay(enabled=False)
 
     # -- setup --------------------------------------------------------------
@@ -183,6 +185,7 @@ class TrainingRun:
             # the model loaded: from here on the resume is accepted and may tidy the directory
             ckpt.remove_stale_temporaries(self.run_dir.checkpoints)
             recover_after_crash(self.run_dir, self.events)
+            self.resume_accepted = True
         if faults_enabled():  # test-only (sdp_cli/faults.py): a crash between optimizer steps
             optimizer = getattr(self.trainer.placed.optimizer, "optimizer", self.trainer.placed.optimizer)
             optimizer.register_step_post_hook(lambda *_: fault_point("trainer.optimizer_step"))
@@ -682,6 +685,8 @@ def _train(
                 for path, text in start.deferred:
                     atomic_write_text(path, text)
         except BaseException as exc:
+            if isinstance(exc, UserError) and run.resume_accepted:  # the next resume finds no crash
+                run.end.event("stopped", step=run.start_step, reason=str(exc), checkpoint=None)
             run.close(abort=True)
             if owned is not None and owned.created:
                 owned.remove(exc)  # nothing was trained: a failed start leaves nothing behind
