@@ -269,3 +269,26 @@ def test_a_resume_whose_setup_fails_once_accepted_records_a_stop_not_a_crash(tmp
     assert code == 0, err
     names = [e["event"] for e in _events(run)]
     assert "crashed" not in names and names[-1] == "finished", names
+
+
+def test_a_resume_aborted_by_a_second_ctrl_c_while_its_engine_starts_records_the_abort(tmp_path, capsys, monkeypatch):
+    # the second Ctrl-C's Abort, raised where the engine starts (after the resume was accepted):
+    # its aborted event was written into logs already closed, so none was recorded
+    import signal
+
+    from sdp_cli.stopsignals import Abort
+    from sdp_cli.train.session.run import TrainingRun
+
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", "train.checkpoint_every=2", f"run.dir={run}"], capsys)
+    assert code == 0, err
+
+    def aborted(*args, **kwargs):
+        raise Abort(signal.SIGINT)
+
+    monkeypatch.setattr(TrainingRun, "_start_rollout", aborted)
+    code, _, err = run_main(["train", f"resume={run}", "train.steps=4"], capsys)
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("aborted at step 2 (second SIGINT); resume with:"), err
+    last = _events(run)[-1]
+    assert last["event"] == "aborted" and last["step"] == 2 and last["resume_step"] == 2, last

@@ -685,7 +685,10 @@ def _train(
                 for path, text in start.deferred:
                     atomic_write_text(path, text)
         except BaseException as exc:
-            if isinstance(exc, UserError) and run.resume_accepted:  # the next resume finds no crash
+            # a resume accepted records its end, so that the next one finds no crash
+            if run.resume_accepted and isinstance(exc, Abort):
+                raise  # its aborted event, then the close (below: run.aborted)
+            if run.resume_accepted and isinstance(exc, UserError):
                 run.end.event("stopped", step=run.start_step, reason=str(exc), checkpoint=None)
             run.close(abort=True)
             if owned is not None and owned.created:
