@@ -104,6 +104,9 @@ def test_a_batch_file_that_cannot_be_written_stops_the_run_at_its_step_with_a_re
     events = [json.loads(text) for text in (run / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "stopped" and "File too large" in events[-1]["reason"], events[-1]
     assert not batch.exists() and not list(run.glob("batches/.*")), "a batch file was left half written"
+    # the step's row is written before its batch: a stop there keeps it (it had none)
+    rows = [json.loads(text) for text in (run / "metrics.jsonl").read_text().splitlines() if text]
+    assert [row["step"] for row in rows if "loss/pg_loss" in row] == [1], rows
 
 
 def test_a_dev_shm_without_room_for_the_engines_weights_is_one_line_before_anything_is_written(sizes, tmp_path):

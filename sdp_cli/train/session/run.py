@@ -353,12 +353,14 @@ class TrainingRun:
         metrics = dict(record.metrics)
         metrics["version"] = float(record.version)
         metrics.update(self._reward_errors(record.step))
-        if cfg.train.save_batches:
-            self._save_batch(record)
         self.metrics.write(record.step, metrics)
         fault_point("run.metrics_written")
         self.trackers.log(record.step, metrics)
         self.progress.update(record.step, metrics)
+        # after the step's row: a batch file too large for the disk stops the run at this step,
+        # which its row then records (a resume goes on from the next: the row could not come later)
+        if cfg.train.save_batches:
+            self._save_batch(record)
         every = cfg.train.checkpoint_every
         if (every and record.step % every == 0) or record.step == cfg.train.steps:
             self.checkpoint(record.step)
