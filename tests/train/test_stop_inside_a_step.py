@@ -20,19 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sdp_cli.modes import MODES, unregister
-
 from ..cli.run_main import run_main
 from .conftest import FAST
-
-
-@pytest.fixture
-def forget_user_modes():
-    """The registry is process-wide: leave it as the test found it."""
-    before = set(MODES)
-    yield
-    for name in set(MODES) - before:
-        unregister(name)
 
 
 def _events(run: Path) -> list[dict]:

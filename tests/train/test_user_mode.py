@@ -22,15 +22,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_mode" / "tempe
 SPEC = f"{EXAMPLE}:tempered_decoupled"
 
 
-@pytest.fixture
-def forget_user_modes():
-    """The registry is process-wide: leave it as the test found it."""
-    before = set(MODES)
-    yield
-    for name in set(MODES) - before:
-        unregister(name)
-
-
 def _write(tmp_path: Path, body: str) -> str:
     path = tmp_path / "my_mode.py"
     path.write_text("from sdp_cli.modes import mode\nimport torch\n\n" + body)
