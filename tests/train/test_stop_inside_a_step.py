@@ -217,8 +217,11 @@ def test_a_reward_failing_in_the_start_or_final_evaluation_ends_the_session_as_a
     code, _, err = run_main(["train", *FAST, "train.steps=2", "train.eval_samples=4", f"run.dir={run}"], capsys)
     line = _one_line(code, err)
     reason = "reward function rw.py:fn failed on record 3 (data.jsonl:4): RuntimeError: reward broke"
-    if where == "start":
-        assert line == f"error: training stopped at step 0: {reason}", line
+    if where == "start":  # nothing to resume from: the command starts the run over, and says so
+        assert line == (
+            f"error: training stopped at step 0: {reason}; resume with: sdp train resume={run} "
+            "(it starts over: no checkpoint yet)"
+        ), line
     else:
         assert line == f"error: training stopped at step 2: {reason}; resume with: sdp train resume={run}", line
     stopped = _events(run)[-1]
@@ -226,11 +229,11 @@ def test_a_reward_failing_in_the_start_or_final_evaluation_ends_the_session_as_a
     assert "RuntimeError: reward broke" in stopped["traceback"]
     if where == "final":
         assert stopped["checkpoint"].endswith("step-000002")
-        monkeypatch.setattr(TrainingRun, "_evaluate", real)
-        code, _, err = run_main(["train", f"resume={run}"], capsys)
-        assert code == 0, err
-        names = [e["event"] for e in _events(run)]
-        assert names[-1] == "finished" and "crashed" not in names, names
+    monkeypatch.setattr(TrainingRun, "_evaluate", real)
+    code, _, err = run_main(["train", f"resume={run}"], capsys)
+    assert code == 0, err
+    names = [e["event"] for e in _events(run)]
+    assert names[-1] == "finished" and "crashed" not in names, names
 
 
 def test_a_resume_whose_setup_fails_once_accepted_records_a_stop_not_a_crash(tmp_path, capsys, monkeypatch):
@@ -281,3 +284,57 @@ def test_a_resume_aborted_by_a_second_ctrl_c_while_its_engine_starts_records_the
     assert err.strip().splitlines()[-1].startswith("aborted at step 2 (second SIGINT); resume with:"), err
     last = _events(run)[-1]
     assert last["event"] == "aborted" and last["step"] == 2 and last["resume_step"] == 2, last
+
+
+def test_a_stop_whose_first_checkpoint_cannot_be_written_says_the_run_starts_over(tmp_path, capsys, monkeypatch):
+    # The first checkpoint (step 1) fails to write, and the one the stop tries fails alike: there
+    # is no checkpoint to go on from. The line said "(from step 0)", a checkpoint that does not
+    # exist; the resume starts the run over, and the line must say so.
+    from sdp_cli.train.session.run import TrainingRun
+
+    def full_disk(self, step):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.run_dir.checkpoints))
+
+    monkeypatch.setattr(TrainingRun, "checkpoint", full_disk)
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", "train.checkpoint_every=1", f"run.dir={run}"], capsys)
+    line = _one_line(code, err)
+    assert line.startswith("error: training stopped at step 1: cannot write"), line
+    assert line.endswith(
+        f"its checkpoint could not be written for the same reason; resume with: sdp train resume={run} "
+        "(it starts over: no checkpoint yet)"
+    ), line
+    monkeypatch.undo()
+    code, _, err = run_main(["train", f"resume={run}"], capsys)
+    assert code == 0, err
+    assert _checkpoint_versions(run) == {1: 1, 2: 2}
+
+
+def test_a_signal_before_the_first_step_says_the_run_starts_over(tmp_path, capsys, monkeypatch):
+    # A Ctrl-C during the start's evaluation stops the run at step 0, with no checkpoint (there is
+    # nothing trained to keep): the line's resume command starts it over, and it must say so.
+    import signal
+
+    from sdp_cli.train.session.run import TrainingRun
+
+    real = TrainingRun._evaluate
+
+    def interrupted(self, step, progress=None):
+        result = real(self, step, progress)
+        if step == 0:
+            self.stop_request(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(TrainingRun, "_evaluate", interrupted)
+    run = tmp_path / "run"
+    code, _, err = run_main(["train", *FAST, "train.steps=2", "train.eval_samples=4", f"run.dir={run}"], capsys)
+    assert code == 130 and "Traceback" not in err, err
+    line = [line for line in err.splitlines() if line.strip()][-1]
+    assert line == (
+        f"stopped at step 0 (SIGINT); resume with: sdp train resume={run} (it starts over: no checkpoint yet)"
+    ), line
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    monkeypatch.undo()
+    code, _, err = run_main(["train", f"resume={run}"], capsys)
+    assert code == 0, err
+    assert _checkpoint_versions(run) == {2: 2}

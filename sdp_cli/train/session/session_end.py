@@ -92,8 +92,9 @@ class SessionEnd:
         self.event("interrupted", step=step, signal=stop.name, checkpoint=str(path) if path else None, error=problem)
         where = f"resume with: {self.resume_command()}"
         if problem:
-            last = self._last_complete_step()
-            where = f"its checkpoint could not be written ({problem}); {where} (from step {last or 0})"
+            where = f"its checkpoint could not be written ({problem}); {where}"
+        if path is None:  # the resume goes on from an older checkpoint, or starts over
+            where += f" ({self._resume_point(self._last_complete_step())})"
         return Interrupted(f"stopped at step {step} ({stop.name}); {where}", 128 + int(stop.signum))
 
     def stopped(self, step: int, exc: BaseException, saved: SavedAtStop, *, inside_step: bool = False) -> UserError:
@@ -114,13 +115,14 @@ class SessionEnd:
         if inside_step:
             detail["resume_step"] = last
         self.event("stopped", step=step, reason=reason, checkpoint=str(path) if path else None, error=problem, **detail)
-        where = f"; resume with: {self.resume_command()}" if last is not None or step else ""
-        if inside_step:
-            where = f"; resume with: {self.resume_command()} ({self._resume_point(last)})"
-        elif problem:
+        where = f"; resume with: {self.resume_command()}"
+        if problem:
             same = isinstance(exc, OSError) and isinstance(saved, OSError) and exc.errno == saved.errno
             why = "for the same reason" if same else f"({problem})"
-            where = f"; its checkpoint could not be written {why}{where} (from step {last or 0})"
+            where = f"; its checkpoint could not be written {why}{where}"
+        if path is None and (inside_step or problem or last != step):
+            # the resume goes on from an older checkpoint, or starts over
+            where += f" ({self._resume_point(last)})"
         error = UserError(f"training stopped at step {step}: {reason}{where}")
         error.__cause__ = exc
         return error
