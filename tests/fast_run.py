@@ -7,6 +7,8 @@ Test modules import it relatively (``from ..fast_run import FAST``): pytest runs
 
 from __future__ import annotations
 
+import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +27,19 @@ FAST = ["+debug=fast", "engine.in_process=true"]
 #: the same fast debug run on a server engine (engine=vllm, engine=sglang), which refuses the local
 #: engine's engine.in_process (sdp_cli/config/scopes.py)
 FAST_SERVER = ["+debug=fast"]
+
+
+#: what a stop's line may say after its command: where the resume goes on from, when not from the
+#: step it stopped at (sdp_cli/train/session/session_end.py)
+_RESUME_NOTE = re.compile(r" \((from step \d+, the last complete checkpoint|it starts over: no checkpoint yet)\)$")
+
+
+def printed_command(line: str, marker: str = "resume with: ") -> list[str]:
+    """The `sdp train` command ``line`` prints after ``marker``, split as a shell would: what a
+    user pastes (a resume line's note on where it goes on from is not part of it)."""
+    command = shlex.split(_RESUME_NOTE.sub("", line.split(marker, 1)[1]))
+    assert command[:2] == ["sdp", "train"], line
+    return command
 
 
 def fast_with(overrides: Sequence[str]) -> list[str]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sdp_cli.config.schema import SdpConfig
 
+from ..fast_run import printed_command
 from .run_main import run_main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_task"
@@ -238,12 +239,9 @@ def _sdp_env(tmp_path) -> dict[str, str]:
 
 def _pasted(line: str, marker: str) -> list[str]:
     """The command a line prints after ``marker``, split as a shell would, as `python -m sdp_cli`."""
-    import shlex
     import sys
 
-    command = shlex.split(line.split(marker, 1)[1].split(" (from step", 1)[0])
-    assert command[:2] == ["sdp", "train"], line
-    return [sys.executable, "-m", "sdp_cli", *command[1:]]
+    return [sys.executable, "-m", "sdp_cli", *printed_command(line, marker)[1:]]
 
 
 def test_the_resume_command_printed_at_ctrl_c_pasted_verbatim_finishes_the_run(workdir, tmp_path):
@@ -299,8 +297,7 @@ def test_the_resume_command_of_a_stop_by_error_pasted_verbatim_finishes_the_run(
     assert line.endswith(f"; resume with: sdp train {shlex.quote(f'resume={run}')} task.reward=reward.py:flaky"), line
     (workdir / "reward.py").write_text(reward + "\n\ndef flaky(prompt, completion, record):\n"
                                                 "    return larger(prompt, completion, record)\n")  # fmt: skip
-    command = shlex.split(line.split("resume with: ", 1)[1])
-    code, out, err = run_main(command[1:], capsys)
+    code, out, err = run_main(printed_command(line)[1:], capsys)
     assert code == 0, err
     assert json.loads((run / "summary.json").read_text())["steps"] == 6
 

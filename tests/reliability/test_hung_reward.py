@@ -15,7 +15,6 @@ under `task.reward_timeout_s` and `task.reward_errors=zero`, is scored 0 and the
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import signal
 import subprocess
@@ -30,6 +29,7 @@ from sdp_cli.errors import UserError
 from sdp_cli.rundir import RunDir
 from sdp_cli.train.session import checkpoint as ckpt
 
+from ..fast_run import printed_command
 from . import report
 from .harness import FAST, check_finished_run, events, first_step_time_after, metrics, sdp_env, wait_for
 
@@ -132,7 +132,7 @@ def _wait_exit(proc: subprocess.Popen, seconds: float) -> bool:
 def _resume_and_finish(work: Path, run_dir: Path, line: str, env: dict[str, str], label: str, exited_at: float,
                        stopped_at: int) -> None:  # fmt: skip
     (work / "hang").unlink()
-    command = shlex.split(line.split("resume with: ", 1)[1].split(" (from step", 1)[0])
+    command = printed_command(line)
     assert command[:2] == ["sdp", "train"] and "task.reward=reward.py:larger" in command, line
     done = subprocess.run([sys.executable, "-m", "sdp_cli", *command[1:]], cwd=work, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -7,7 +7,6 @@ import fcntl
 import os
 import pty
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from sdp_cli.rundir import RunDir
 from sdp_cli.train.session import checkpoint as ckpt
 
+from ..fast_run import printed_command
 from . import report
 from .harness import FAST, check_finished_run, events, first_step_time_after, metrics, run_sdp, sdp_env, wait_for
 
@@ -145,7 +145,7 @@ def test_a_crash_says_how_to_resume_under_its_traceback(tmp_path, sdp_cache):
     # before: nothing after the traceback
     assert lines[-1] == (f"sdp train stopped at step 3 on this error; resume with: sdp train resume={run_dir} "
                          "(from step 2, the last complete checkpoint)"), lines[-1]  # fmt: skip
-    command = shlex.split(lines[-1].split("resume with: ", 1)[1].split(" (from step", 1)[0])
+    command = printed_command(lines[-1])
     done = run_sdp(command[1:], sdp_env(sdp_cache))
     assert done.returncode == 0, done.stderr[-3000:]
     check_finished_run(run_dir, steps)
