@@ -134,6 +134,29 @@ def running_in_session(sid: int) -> list[int]:
     return found
 
 
+def shared_memory_of(pids: list[int]) -> set[Path]:
+    """The files under /dev/shm that processes ``pids`` have mapped: POSIX shared memory and named
+    semaphores, which a process's clean exit removes and a kill -9 leaves behind. Matched by
+    inode: a semaphore is mapped under the temporary name glibc made it with, since deleted."""
+    inodes = set()
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for parts in (line.split(maxsplit=5) for line in lines):
+            if len(parts) == 6 and parts[5].startswith("/dev/shm/"):  # the sixth field: the file
+                inodes.add(int(parts[4]))
+    found = set()
+    for path in Path("/dev/shm").iterdir():
+        try:
+            if path.stat().st_ino in inodes:
+                found.add(path)
+        except FileNotFoundError:
+            continue
+    return found
+
+
 def processes_whose_command_has(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
