@@ -40,7 +40,7 @@ def convert(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "float32
         raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     check_gguf_file(gguf_file, label=str(gguf_file))
     check_export_target(out_dir)
-    policy = load_hf_policy(gguf_file)
+    policy = load_hf_policy(gguf_file, gguf_cache=False)  # the output is the copy: none in the cache
     return export_policy(policy, out_dir, dtype=getattr(torch, dtype))
 
 

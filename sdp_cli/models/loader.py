@@ -24,7 +24,8 @@ from sdp_cli.choices import MODEL_KINDS
 from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import written_by_safetensors
 from sdp_cli.models.context import TINY_CONTEXT
-from sdp_cli.models.gguf import is_gguf, load_gguf
+from sdp_cli.models.gguf import dequantised_note, is_gguf
+from sdp_cli.models.gguf_cache import load_gguf_cached
 from sdp_cli.models.model_dir import is_hub_id, resolve_model_dir
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.precision import DTYPES, cast_weights
@@ -61,6 +62,7 @@ def load_policy(
     device: str = "cpu",
     progress: Callable[[str], None] | None = None,
     tokenizer: Any = None,
+    gguf_cache: bool = True,
 ) -> Policy:
     """The policy of ``kind``.
 
@@ -71,15 +73,17 @@ def load_policy(
     already perfect. ``hf``: needs ``path``, a local model directory; the tiny and
     warm-start arguments are ignored. ``dtype`` and ``device`` apply to both kinds; ``dtype="auto"``
     keeps the dtype the weights were saved in. ``progress`` gets a short line at each step of a warm
-    start that is not cached yet. ``tokenizer``: for ``hf``, the tokenizer of ``path`` if the
-    caller has loaded it already (``load_hf_policy``).
+    start that is not cached yet, and while a GGUF file is converted. ``tokenizer``: for ``hf``, the
+    tokenizer of ``path`` if the caller has loaded it already (``load_hf_policy``).
+    ``gguf_cache``: a GGUF file's dequantised copy is read from and written to sdp's cache
+    (``sdp_cli.models.gguf_cache``).
     """
     if dtype not in DTYPES and dtype != "auto":
         raise UserError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)} or auto")
     if kind == "hf":
         if path is None:
             raise UserError("model kind 'hf' needs a path; set model.path to a model directory or a hub id (org/name)")
-        policy = load_hf_policy(path, tokenizer=tokenizer)
+        policy = load_hf_policy(path, tokenizer=tokenizer, gguf_cache=gguf_cache, progress=progress)
     elif kind == "tiny":
         if task is None:
             raise UserError("model kind 'tiny' needs a task to warm start on; set task (e.g. arith1)")
@@ -217,17 +221,22 @@ def check_hf_model_dir(path: str | Path) -> Path:
     return directory
 
 
-def load_hf_policy(path: str | Path, *, tokenizer: Any = None) -> Policy:
+def load_hf_policy(
+    path: str | Path, *, tokenizer: Any = None, gguf_cache: bool = True, progress: Callable[[str], None] | None = None
+) -> Policy:
     """A Hugging Face causal LM with its tokenizer (safetensors weights only) from a local
     directory or a hub id (``resolve_model_dir``), or from a GGUF file (``sdp_cli.models.gguf``,
-    dequantised to float32). ``tokenizer``: the one of ``path``, already loaded (task setup
-    loads it to render prompts), else it is loaded here."""
+    dequantised to float32; ``gguf_cache``: through its copy in sdp's cache,
+    ``sdp_cli.models.gguf_cache``, ``progress`` following its conversion). ``tokenizer``: the one
+    of ``path``, already loaded (task setup loads it to render prompts), else it is loaded here."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     if is_gguf(path):
-        model, tokenizer = load_gguf(path, tokenizer=tokenizer)
-        return _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
+        model, tokenizer, cached = load_gguf_cached(path, tokenizer=tokenizer, cache=gguf_cache, progress=progress)
+        policy = _policy(model, tokenizer, Path(path).expanduser(), str(Path(path).expanduser().resolve()))
+        policy.load_note = dequantised_note(path) + (f"; {cached}" if cached else "")
+        return policy
     directory = check_hf_model_dir(path)
     hub = is_hub_id(path)
     try:

@@ -24,6 +24,8 @@ class Policy:
         name: identifies the policy in batch metadata and logs (a path or a warm-start key).
         warm_start_accuracy: a warm-started tiny model's greedy accuracy and the number of
             validation problems it was measured on; None for any other policy.
+        load_note: the line ``sdp train`` prints on how the weights were read (a GGUF file's:
+            dequantised, and from or into its cached copy); None where there is nothing to say.
     """
 
     model: "PreTrainedModel"
@@ -33,6 +35,7 @@ class Policy:
     bos_token_id: int | None
     name: str
     warm_start_accuracy: tuple[float, int] | None = None
+    load_note: str | None = None
 
     def encode_prompt(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)

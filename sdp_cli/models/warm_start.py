@@ -18,11 +18,10 @@ The result is cached under ``$SDP_CACHE_DIR`` (default ``~/.cache/sdp``) in
 and ``warm_start.json`` with the key inputs, the greedy accuracy on the validation problems
 (``validation_accuracy``, on ``validation_n`` problems) and the size and sha256 of every other file. The key is a hash of everything that changes the weights (architecture,
 charset, task and its parameters, steps, learning rate, batch size, target, seed,
-``FORMAT_VERSION``). An entry is built in a temporary directory, every file and the directory
-fsynced, and renamed into place, so a reader sees a complete entry or none; two processes that
-train the same key at once both succeed and one of the two identical results is kept. An entry
-is verified against its checksums before every use; a damaged one (truncated or altered files,
-unreadable or missing ``warm_start.json``, written without checksums by an older sdp) is
+``FORMAT_VERSION``). An entry appears whole or not at all and is verified against its checksums
+before every use (sdp_cli/models/cache_entry.py); two processes that train the same key at once
+both succeed and one of the two identical results is kept. A damaged entry (truncated or altered
+files, unreadable or missing ``warm_start.json``, written without checksums by an older sdp) is
 rebuilt with a one-line warning instead of failing every later run.
 """
 
@@ -31,12 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -44,7 +40,8 @@ from typing import Any, Callable
 import torch
 
 from sdp_cli.errors import UserError, WriteFailed, write_fix
-from sdp_cli.fileio import fsync_directory, written_by_safetensors
+from sdp_cli.fileio import written_by_safetensors
+from sdp_cli.models.cache_entry import cache_root, publish, set_aside, staging_dir, verified_info
 from sdp_cli.models.evaluate import accuracy_on
 from sdp_cli.models.policy import Policy
 from sdp_cli.models.tiny import build_tiny_model
@@ -114,14 +111,6 @@ def check_interval(steps: int) -> int:
 def default_settings(task_name: str) -> WarmStartSettings:
     """The recipe used when the caller does not override it."""
     return DEFAULT_SETTINGS.get(task_name, _FALLBACK_SETTINGS)
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """``cache_dir``, else ``$SDP_CACHE_DIR``, else ``~/.cache/sdp``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("SDP_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sdp"
 
 
 def cache_key(
@@ -226,59 +215,6 @@ def train_sft(
     return losses
 
 
-def _digest(path: Path) -> tuple[int, str]:
-    """(size, sha256 hex) of a file."""
-    sha = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-            size += len(chunk)
-    return size, sha.hexdigest()
-
-
-def verified_info(entry: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the ``warm_start.json`` of ``entry``, None) when every file it lists has its recorded
-    size and sha256, else (None, what is wrong) in a few words."""
-    try:
-        info = json.loads((entry / INFO_FILE).read_text())
-    except FileNotFoundError:
-        return None, f"has no {INFO_FILE}"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"has an unreadable {INFO_FILE} ({' '.join(str(err).split())})"
-    files = info.get("files") if isinstance(info, dict) else None
-    if not isinstance(files, dict) or not files:
-        return None, "has no checksums (written by an older sdp)"
-    for name, expected in sorted(files.items()):
-        if not isinstance(expected, dict) or Path(name).name != name or name == INFO_FILE:
-            return None, f"has a malformed checksum entry for {name!r}"
-        try:
-            size, digest = _digest(entry / name)
-        except OSError:
-            return None, f"lacks {name}"
-        if (size, digest) != (expected.get("size"), expected.get("sha256")):
-            return None, f"has a {name} that does not match its checksum"
-    return info, None
-
-
-def _set_aside(entry: Path) -> None:
-    """Remove a damaged entry: renamed away first (one atomic step, so no reader sees it half
-    deleted), then deleted. Another process may have done it already."""
-    graveyard = entry.parent / f".{entry.name}.damaged-{uuid.uuid4().hex[:8]}"
-    try:
-        os.rename(entry, graveyard)
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        raise UserError(
-            f"warm-start cache entry {entry} is damaged and cannot be removed ({err.strerror}); delete it by hand"
-        ) from None
-    if graveyard.is_dir():
-        shutil.rmtree(graveyard, ignore_errors=True)
-    else:
-        graveyard.unlink(missing_ok=True)
-
-
 def _cannot_write(entry: Path, err: OSError) -> WriteFailed:
     return WriteFailed(
         f"cannot write the warm-start cache entry {entry} ({err.strerror or err}); {write_fix(err)} "
@@ -286,29 +222,6 @@ def _cannot_write(entry: Path, err: OSError) -> WriteFailed:
         err,
         entry,
     )
-
-
-def _publish(tmp: Path, entry: Path, info: dict[str, Any]) -> None:
-    """Checksum and fsync every file of ``tmp``, write ``warm_start.json`` last, fsync the
-    directory and rename it to ``entry``."""
-    files = {}
-    for path in sorted(tmp.iterdir()):
-        size, digest = _digest(path)
-        files[path.name] = {"size": size, "sha256": digest}
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    with open(tmp / INFO_FILE, "w") as f:
-        f.write(json.dumps({**info, "files": files}, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_directory(tmp)
-    try:
-        os.rename(tmp, entry)
-    except OSError:
-        # Another process finished the same key first; its entry is equivalent to ours.
-        if not (entry / INFO_FILE).is_file():
-            raise
-    fsync_directory(entry.parent)
 
 
 def warm_start(
@@ -341,12 +254,12 @@ def warm_start(
     root = cache_root(cache_dir) / "warm_start"
     entry = root / key
     if entry.exists():
-        info, problem = verified_info(entry)
+        info, problem = verified_info(entry, INFO_FILE)
         if info is not None:
             log.info("warm start: using cached %s", entry)
             return entry, info
         log.warning("warm-start cache entry %s %s; rebuilding it", entry, problem)
-        _set_aside(entry)
+        set_aside(entry, "warm-start cache entry")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -408,11 +321,10 @@ def warm_start(
     )
 
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        tmp = staging_dir(entry)
     except OSError as err:
         raise _cannot_write(entry, err) from None
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the entry is meant to be shared like the cache
         with written_by_safetensors(tmp, shown_as=entry):
             model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -421,12 +333,12 @@ def warm_start(
         assert (tmp / "config.json").is_file() and any(tmp.glob("*.safetensors")), (
             f"warm start saved no model files into {tmp}: build the policy on rank 0 first"
         )
-        _publish(tmp, entry, info)
+        publish(tmp, entry, info, INFO_FILE)
     except OSError as err:  # a full disk: the run cannot start without its warm start
         raise _cannot_write(entry, err) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    published, problem = verified_info(entry)
+    published, problem = verified_info(entry, INFO_FILE)
     if published is None:
         raise UserError(
             f"warm-start cache entry {entry} {problem} right after it was written; "

@@ -27,6 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf extra")
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Every test converts its files: no GGUF copy cached by another test (or an earlier run)
+    is read (tests/models/test_gguf_cache.py tests the cache)."""
+    monkeypatch.setenv("SDP_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def reference():
     return tiny_llama(seed=3)
@@ -152,21 +159,33 @@ def test_the_policy_takes_the_tokenizer_task_setup_loaded(files, tmp_path):
 
 def test_sdp_train_on_a_gguf_file(files, tmp_path):
     """Two steps of `sdp train model=hf model.path=FILE.gguf` on the embedded engine; the run
-    says the weights were dequantised and its checkpoint is a plain Hugging Face model."""
-    run = tmp_path / "run"
+    says the weights were dequantised and where their copy is cached, and its checkpoint is a
+    plain Hugging Face model. A second run reads the copy, and trains from the same weights."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "SDP_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "sdp_cli", "train", "model=hf", f"model.path={files['Q8_0']}", "train.steps=2",
-         "rollout.batch_groups=2", "rollout.group_size=2", "rollout.groups_per_request=2", "train.eval_samples=2",
-         "run.progress=false", "run.trackers=[]", f"run.dir={run}"],  # fmt: skip
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    notes = [line for line in proc.stderr.splitlines() if "GGUF" in line]
-    assert notes == [dequantised_note(files["Q8_0"])], proc.stderr
-    assert "de-quantizing" not in proc.stderr  # transformers' own tqdm bar stays quiet
-    config = json.loads((run / "checkpoints" / "step-000002" / "policy" / "config.json").read_text())
+
+    def train(run: Path) -> list[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "sdp_cli", "train", "model=hf", f"model.path={files['Q8_0']}", "train.steps=2",
+             "rollout.batch_groups=2", "rollout.group_size=2", "rollout.groups_per_request=2", "train.eval_samples=2",
+             "run.progress=false", "run.trackers=[]", "train.keep_version_checkpoints=true", f"run.dir={run}"],  # fmt: skip
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "de-quantizing" not in proc.stderr  # transformers' own tqdm bar stays quiet
+        return [line for line in proc.stderr.splitlines() if "GGUF" in line]
+
+    first = train(tmp_path / "run")
+    (entry,) = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(first) == 1 and first[0].startswith(f"{dequantised_note(files['Q8_0'])}; the dequantised copy is cached in {entry} ")
+    config = json.loads((tmp_path / "run" / "checkpoints" / "step-000002" / "policy" / "config.json").read_text())
     assert "quantization_config" not in config
+    second = train(tmp_path / "again")
+    assert second == [f"{dequantised_note(files['Q8_0'])}; read from the dequantised copy cached in {entry}"]
+    # both runs started from the same weights: version 0, as the engine was given it
+    from safetensors.torch import load_file
+
+    starts = [load_file(next((run / "versions" / "v000000").glob("*.safetensors"))) for run in (tmp_path / "run", tmp_path / "again")]
+    assert starts[0].keys() == starts[1].keys() and all(torch.equal(starts[0][k], starts[1][k]) for k in starts[0])
 
 
 def test_gguf_to_hf_script(files, tmp_path):

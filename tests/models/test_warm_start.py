@@ -311,10 +311,10 @@ def test_a_cache_entry_that_cannot_be_written_names_the_fix_for_its_cause(tmp_pa
     """The line used to say "free space there" whatever the cause: a read-only cache said to
     free space on it."""
 
-    def failing_publish(tmp, entry, info):
+    def failing_publish(tmp, entry, info, info_file):
         raise OSError(code, os.strerror(code), str(tmp / "model.safetensors"))
 
-    monkeypatch.setattr(ws, "_publish", failing_publish)
+    monkeypatch.setattr(ws, "publish", failing_publish)
     with pytest.raises(UserError) as caught:
         ws.warm_start(build_task("arith1"), cache_dir=tmp_path, eval_n=8, **_settings())
     line = str(caught.value)

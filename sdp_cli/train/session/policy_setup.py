@@ -179,14 +179,15 @@ def load_policy_from(
     cfg: SdpConfig, task: Task, *, path: Path | None = None, progress: Callable[[str], None] | None = None
 ) -> Any:
     """The policy of the config, or the one saved at ``path`` (a checkpoint's policy dir);
-    ``progress`` follows a warm start that is not cached yet."""
+    ``progress`` follows a warm start that is not cached yet, or a GGUF file's conversion."""
     from sdp_cli.models import load_policy
 
     if path is not None:
         return load_policy("hf", path=str(path))
     if cfg.model.kind == "hf":
         # the model's tokenizer that task setup loaded to render the prompts, not read again
-        return load_policy("hf", path=cfg.model.path, tokenizer=task.tokenizer if isinstance(task, DatasetTask) else None)
+        tokenizer = task.tokenizer if isinstance(task, DatasetTask) else None
+        return load_policy("hf", path=cfg.model.path, tokenizer=tokenizer, gguf_cache=cfg.model.gguf_cache, progress=progress)
     m = cfg.model
     return load_policy(
         "tiny",

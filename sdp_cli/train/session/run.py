@@ -29,7 +29,6 @@ from sdp_cli.errors import Interrupted, UserError
 from sdp_cli.faults import fault_point
 from sdp_cli.faults import enabled as faults_enabled
 from sdp_cli.fileio import atomic_write_text
-from sdp_cli.models.gguf import dequantised_note, is_gguf
 from sdp_cli.models.warm_start import warm_start_note
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rollout.records import RolloutGroup
@@ -153,8 +152,8 @@ class TrainingRun:
                 )
             )
             phase.result = describe_policy(self.policy)
-        if checkpoint is None and cfg.model.kind == "hf" and is_gguf(cfg.model.path) and self.coordinator.is_main:
-            print(dequantised_note(cfg.model.path), file=sys.stderr)
+        if checkpoint is None and self.policy.load_note and self.coordinator.is_main:
+            print(self.policy.load_note, file=sys.stderr)
         note = bf16_note(cfg, self.coordinator.accelerator.device)
         if note is not None and self.coordinator.is_main:
             print(note, file=sys.stderr)

@@ -16,7 +16,8 @@ from typing import Any
 from sdp_cli.config.schema import SdpConfig
 from sdp_cli.errors import UserError
 from sdp_cli.models.context import TINY_CONTEXT, model_context
-from sdp_cli.models.gguf import is_gguf, load_gguf_tokenizer
+from sdp_cli.models.gguf import is_gguf
+from sdp_cli.models.gguf_cache import load_gguf_tokenizer_cached
 from sdp_cli.tasks import DATA_TASKS, DatasetTask, Task, build_task, task_parameters
 from sdp_cli.tasks.base import Context
 
@@ -41,7 +42,7 @@ def build_task_from(cfg: SdpConfig) -> Task:
 def load_tokenizer(cfg: SdpConfig, task: Task) -> Any:
     """The policy's tokenizer without its weights: a local or hub model's, or the tiny model's."""
     if cfg.model.kind == "hf" and is_gguf(cfg.model.path):
-        return load_gguf_tokenizer(cfg.model.path)
+        return load_gguf_tokenizer_cached(cfg.model.path, cache=cfg.model.gguf_cache)
     if cfg.model.kind == "hf":
         from sdp_cli.models.tokenizer import load_tokenizer as load_saved_tokenizer
         from sdp_cli.models.model_dir import resolve_model_dir
