@@ -95,7 +95,7 @@ def _discard(entry: Path) -> None:
 def load_gguf_tokenizer_cached(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None) -> Any:
     """The tokenizer of a GGUF file: from its cached copy when there is one (``cache``), else
     read from the file."""
-    from sdp_cli.models.tokenizer import load_tokenizer
+    from sdp_cli.models.tokenizer import load_tokenizer  # transformers: only when it is used
 
     file = check_gguf_file(path)
     if cache:
