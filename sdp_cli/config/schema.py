@@ -285,7 +285,7 @@ class ModelConfig:
     """hf: the model directory (tokenizer included), a hub id (org/name), or a .gguf file
     (dequantised to float32; install the gguf extra)."""
     gguf_cache: bool = True
-    """hf + .gguf: keep the dequantised model in $SDP_CACHE_DIR/gguf (4 bytes a parameter) so later starts skip the conversion; false: convert at every start."""
+    """hf: a .gguf file's dequantised model kept in $SDP_CACHE_DIR/gguf (4 bytes a parameter) so later starts skip its conversion; false: convert at every start."""
     hidden_size: int = 128
     """tiny: hidden size."""
     num_layers: int = 4

@@ -38,6 +38,8 @@ def _refused(overrides: list[str], **kwargs) -> str:
     [
         (["model.path=/models/mine"],
          "model.path applies to model.kind=hf, not model.kind=tiny; add model=hf to train the model it names, or remove it"),
+        (["model.gguf_cache=false"],
+         "model.gguf_cache applies to model.kind=hf, not model.kind=tiny; add model=hf to train the model it names, or remove it"),
         (["model=hf", "model.path=/m", "model.hidden_size=256"],
          "model.hidden_size applies to model.kind=tiny, not model.kind=hf; remove it"),
         (["model=hf", "model.path=/m", "model.warm_start_steps=5"],
@@ -141,7 +143,7 @@ def test_every_scoped_key_is_where_its_help_text_says():
         "tiny": {f"model.{k}" for k in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
                                         "charset", "warm_start_steps", "warm_start_lr", "warm_start_batch",
                                         "warm_start_target")},
-        "hf": {"model.path"},
+        "hf": {"model.path", "model.gguf_cache"},
         "LoRA": {"model.lora.alpha", "model.lora.dropout", "model.lora.target_modules"},
         "local engine": {"engine.in_process", "engine.max_batch_size"},
         "remote engines": {"engine.urls", "engine.launch", "engine.retries", "engine.api_key_env",
