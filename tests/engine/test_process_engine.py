@@ -32,6 +32,7 @@ from sdp_cli.engine.servers import free_port
 from sdp_cli.models.precision import DTYPES, cast_weights
 from sdp_cli.rollout.records import RolloutSample
 
+from ..reliability.harness import gone
 from .test_local_segments import WAIT_S, check_versions_and_proximal, perturb_, snapshot, start_generate
 from .tiny_qwen import EOS, PAD, prompts, reference_logprobs, tiny_model
 
@@ -391,6 +392,12 @@ def _start_with(cfg, policy, run_dir: Path, warm_threads: int | None, *, threads
     warm_pid = None if warm is None else warm.pid
     if kill_warm:
         os.kill(warm_pid, signal.SIGKILL)
+        # a kill lands when the process next runs: on a busy machine it may still be alive at the
+        # launch, the case of test_a_process_started_ahead_that_ends_as_it_takes_the_launch_is_replaced
+        deadline = time.monotonic() + 30
+        while not gone(warm_pid):
+            assert time.monotonic() < deadline, f"the process {warm_pid} started ahead outlived its kill -9 by 30 s"
+            time.sleep(0.01)
     recipe = prepare_local(cfg, policy, RunDir(run_dir), device="cpu", threads=threads, scratch=scratch)
     return start_local(cfg, recipe, RunDir(run_dir), warm=warm), warm_pid
 
