@@ -24,7 +24,6 @@ import json
 import logging
 import shutil
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,8 @@ def gguf_cache_key(file: Path) -> tuple[str, dict[str, Any]]:
 
 
 def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version  # 30 ms: not at task setup's import
+
     try:
         return version(package)
     except PackageNotFoundError:
