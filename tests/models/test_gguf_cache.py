@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -240,7 +241,9 @@ def test_a_copy_that_cannot_be_written_costs_one_warning_line_and_nothing_else(
 
 def test_two_loads_writing_the_same_copy_at_once_both_succeed_and_one_entry_stays(files, cache, monkeypatch):
     """Both stage a complete entry before either publishes: one rename wins, the other finds
-    the equivalent entry in place and removes its own."""
+    the equivalent entry in place and removes its own. (Two runs are two processes; here two
+    threads, the second started once the first waits to publish: transformers' loading is not
+    thread-safe, its meta-device patch of torch.nn.Module can outlive two loads at once.)"""
     real = gguf_cache.publish
     both_staged = threading.Barrier(2, timeout=60)
 
@@ -258,8 +261,12 @@ def test_two_loads_writing_the_same_copy_at_once_both_succeed_and_one_entry_stay
             errors.append(err)
 
     threads = [threading.Thread(target=load) for _ in range(2)]
-    for thread in threads:
-        thread.start()
+    threads[0].start()
+    deadline = time.monotonic() + 60
+    while both_staged.n_waiting < 1:  # the first has converted and staged its entry
+        assert time.monotonic() < deadline and threads[0].is_alive(), errors
+        time.sleep(0.01)
+    threads[1].start()
     for thread in threads:
         thread.join(120)
     assert not errors and len(results) == 2, errors
