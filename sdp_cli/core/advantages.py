@@ -35,12 +35,15 @@ def group_advantages(
     n_groups = int(group.max()) + 1 if group.numel() else 0
     per_group = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
     count = per_group.index_add(0, group, torch.ones_like(rewards))
-    centred = rewards - (per_group.index_add(0, group, rewards) / count)[group]
+    least = per_group.scatter_reduce(0, group, rewards, "amin", include_self=False)
+    # Centred on the group's least reward first: r − least is exact for rewards within a factor
+    # of 2 of each other (Sterbenz), so rewards an ulp apart keep a mean that centres them, where
+    # the rounded mean of r itself can land on one of them.
+    shifted = rewards - least[group]
+    centred = shifted - (per_group.index_add(0, group, shifted) / count)[group]
     # A group whose rewards are all equal (a singleton included) has no signal: advantage 0.
     # Decided on max == min, since the rounded mean of equal values can miss them by an ulp.
-    spread = per_group.scatter_reduce(
-        0, group, rewards, "amax", include_self=False
-    ) - per_group.scatter_reduce(0, group, rewards, "amin", include_self=False)
+    spread = per_group.scatter_reduce(0, group, rewards, "amax", include_self=False) - least
     if scale_by_std:
         # Two-pass variance (sum of squared deviations) avoids E[r²] − E[r]² cancellation.
         std = (per_group.index_add(0, group, centred.square()) / (count - 1).clamp_min(1)).sqrt()

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdp_cli.core.advantages import group_advantages
@@ -59,6 +59,20 @@ def test_empty_batch():
     assert group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
 
 
+def test_rewards_an_ulp_apart_are_centred_exactly():
+    # found by hypothesis: the float mean of 10 and the float below it rounds to 10, so r − mean
+    # was [0, −1 ulp] and the std's scaling made that [0, −1], a group that no longer sums to 0.
+    # Centred on the group's least reward first, both deviations are exact: ±ulp/2, ±1/√2.
+    below = math.nextafter(10.0, 0.0)
+    rewards = torch.tensor([10.0, below], dtype=torch.float64)
+    groups = torch.zeros(2, dtype=torch.long)
+    half_ulp = (10.0 - below) / 2
+    assert group_advantages(rewards, groups, scale_by_std=False).tolist() == [half_ulp, -half_ulp]
+    assert group_advantages(rewards, groups, eps=0.0).tolist() == pytest.approx(
+        [1 / math.sqrt(2), -1 / math.sqrt(2)], rel=1e-12
+    )
+
+
 @given(
     st.lists(
         st.tuples(st.integers(0, 4), st.floats(-10, 10, allow_nan=False)),
@@ -66,6 +80,7 @@ def test_empty_batch():
         max_size=30,
     )
 )
+@example([(0, 10.0), (0, 9.999999999999998)])
 def test_each_group_is_centred_and_scaled(samples):
     groups = torch.tensor([g for g, _ in samples])
     rewards = torch.tensor([r for _, r in samples], dtype=torch.float64)
