@@ -37,17 +37,16 @@ def group_advantages(
     count = per_group.index_add(0, group, torch.ones_like(rewards))
     least = per_group.scatter_reduce(0, group, rewards, "amin", include_self=False)
     # Centred on the group's least reward first: r − least is exact for rewards within a factor
-    # of 2 of each other (Sterbenz), so rewards an ulp apart keep a mean that centres them, where
-    # the rounded mean of r itself can land on one of them.
+    # of 2 of each other (Sterbenz). So a group whose rewards are all equal (a singleton
+    # included: no signal) gets exactly 0, and rewards an ulp apart keep a mean that centres
+    # them; the rounded mean of r itself can miss equal values by an ulp, or land on one of two.
     shifted = rewards - least[group]
     centred = shifted - (per_group.index_add(0, group, shifted) / count)[group]
-    # A group whose rewards are all equal (a singleton included) has no signal: advantage 0.
-    # Decided on max == min, since the rounded mean of equal values can miss them by an ulp.
-    spread = per_group.scatter_reduce(0, group, rewards, "amax", include_self=False) - least
     if scale_by_std:
         # Two-pass variance (sum of squared deviations) avoids E[r²] − E[r]² cancellation.
         std = (per_group.index_add(0, group, centred.square()) / (count - 1).clamp_min(1)).sqrt()
         denom = std[group] + eps
-        # With eps = 0 the std of a tiny spread can underflow to 0: no resolvable signal, 0.
+        # With eps = 0 an equal group's std is 0 and a tiny spread's can underflow to 0: no
+        # resolvable signal, 0 (not 0/0).
         centred = torch.where(denom > 0, centred / denom, 0.0)
-    return torch.where(spread[group] > 0, centred, 0.0)
+    return centred

@@ -25,6 +25,8 @@ def test_every_case_at_trainer_version_4_by_hand():
     v = torch.tensor([[v for v, _ in cases]])
     pv = torch.tensor([[pv for _, pv in cases]])
     assert token_status(v, pv, 4).tolist() == [list(cases.values())]
+    assert token_status(v, pv, 4).dtype == torch.int64  # an integer tensor, whatever the rule's arithmetic
+    assert type(token_status(3, 3, 4)) is int
     mask = torch.tensor([[True] * 8 + [False]])
     assert token_status(v, pv, 4, mask).tolist() == [[*list(cases.values())[:8], OK]]
     assert lacks_next_version(token_status(v, pv, 4)).tolist() == [[s in (FILL, UNCORRECTABLE) for s in cases.values()]]
