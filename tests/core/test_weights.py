@@ -211,6 +211,13 @@ def test_single_token_std_is_zero():
     assert m["rollout_is_std"] == 0.0 and m["rollout_is_eff_sample_size"] == pytest.approx(1.0)
 
 
+def test_a_floor_equal_to_the_cap_is_accepted_and_pins_every_weight():
+    # floor ≤ cap is the rule, so floor = cap is allowed: every weight truncated to that value
+    w, m = importance_weights(t64([[LN(0.5), LN(1.0), LN(3.0)]]), t64([[1, 1, 1]]), cap=1.2, floor=1.2)
+    assert w[0].tolist() == pytest.approx([1.2, 1.2, 1.2])
+    assert m["rollout_is_max"] == pytest.approx(1.2) and m["rollout_is_min"] == pytest.approx(1.2)
+
+
 # --- rejection_mask -----------------------------------------------------------------------
 
 
@@ -300,3 +307,17 @@ def test_rejection_of_empty_mask_is_defined():
     )
     assert torch.equal(new, t64([[0, 0]]))
     assert all(v == 0.0 for v in m.values()), m
+
+
+def test_a_lower_bound_equal_to_the_upper_keeps_only_that_ratio():
+    # lower ≤ upper is the rule, so lower = upper is allowed: only a ratio of exactly that value stays
+    lr = t64([[0.0, LN(1.5), LN(0.5)]])
+    new, _ = rejection_mask(lr, t64([[1, 1, 1]]), level="token", upper=1.0, lower=1.0)
+    assert torch.equal(new, t64([[1, 0, 0]]))
+
+
+def test_rows_without_tokens_at_level_max_give_no_nan():
+    # no column at all: a row's largest divergence is 0 (every estimate is ≥ 0), so nothing is dropped
+    new, m = rejection_mask(torch.zeros(2, 0, dtype=torch.float64), torch.zeros(2, 0), level="max", upper=0.1, metric="k2")
+    assert new.shape == (2, 0)
+    assert not any(math.isnan(v) for v in m.values()), m
