@@ -289,6 +289,15 @@ def test_opsm_drops_the_negative_advantage_sequence_that_drifted_more_than_delta
     assert torch.equal(keep, MASK)
 
 
+def test_opsm_keeps_a_zero_advantage_sequence_however_far_it_drifted():
+    # a group whose rewards are all equal has advantage exactly 0: not negative, so OPSM keeps it
+    # (and its masked fraction says so) though D_1 = 0.6 > δ
+    zero = t64([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    keep, m = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, zero, MASK, 0.5)
+    assert torch.equal(keep, MASK)
+    assert m["masked_fraction"] == 0.0 and m["seq_masked_fraction"] == 0.0
+
+
 @pytest.mark.parametrize(("agg", "loss_value", "slope"), [("token-mean", -0.6, -0.2), ("seq-mean-token-mean", -0.5, -1 / 6)])
 def test_opsm_keeps_the_dropped_tokens_in_the_denominator(agg, loss_value, slope):
     # a 0 weight: PPO at r = 1 gives ℓ = row 0 [−1, −1, −1], row 1 [0, 0]. TRL dapo (token-mean):
