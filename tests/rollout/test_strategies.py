@@ -286,6 +286,17 @@ def test_the_cache_filter_remembering_settled_groups_judges_as_the_rule(h):
                 assert not any(pass_targets(s.versions, s.proximal_t_versions, c + 1) for s in g.samples)
 
 
+def test_a_settled_groups_head_is_its_oldest_sample_and_ages_out_by_it():
+    # two settled samples whose oldest tokens are versions 3 and 1: the group's head is 1, so at
+    # η = 3 the remembered group is dropped at c = 5 (5 − 1 > 3), not kept until c = 7 by the other
+    group = RolloutGroup(0, [make([3, 3], [4, 4]), make([1, 2], [2, 3])])
+    assert settled_head(group, 4) == 1
+    strategy, cache = SegmentWiseStrategy(max_head_offpolicyness=3), RolloutCache()
+    cache.add(group)
+    assert strategy.filter_stale_from_cache(cache, 4) == 0 and strategy.settled(group)
+    assert strategy.filter_stale_from_cache(cache, 5) == 1 and cache.get_all() == []
+
+
 def test_a_settled_group_is_not_judged_again_until_its_head_lags_past_eta():
     judged = []
 
