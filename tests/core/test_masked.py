@@ -82,3 +82,14 @@ def test_zero_size_batches_give_zero_statistics(shape):
     metrics = offpolicy_metrics(x, x, mask)
     assert metrics["log_ppl_diff_min"] == 0.0 and metrics["log_ppl_diff_max"] == 0.0
     assert policy_loss(x, x, x, mask)[0].item() == 0.0
+
+
+def test_row_means_leave_out_the_empty_rows():
+    # rows 0 and 2 hold tokens, row 1 none: a row's mean is over its own tokens (0 when it has none),
+    # the mean over rows is over the non-empty rows alone, whatever value an empty row carries
+    mk = masked(torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]), torch.zeros(3, 3), "values")
+    values = torch.tensor([[1.0, 3.0, 0.0], [0.0, 0.0, 0.0], [4.0, 0.0, 0.0]])
+    assert mk.row_mean(values).tolist() == [2.0, 0.0, 4.0]
+    assert mk.rows_mean(torch.tensor([2.0, 7.0, 4.0])).item() == 3.0
+    empty = masked(torch.zeros(2, 2), torch.zeros(2, 2), "values")
+    assert empty.rows_mean(torch.tensor([5.0, -1.0])).item() == 0.0
