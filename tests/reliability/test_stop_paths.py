@@ -28,8 +28,8 @@ pytestmark = pytest.mark.reliability
 
 def test_a_second_ctrl_c_during_the_first_checkpoint_writes_the_aborted_event(tmp_path, sdp_cache):
     run_dir, steps = tmp_path / "run", 9
-    # the run's first checkpoint (step 3, written by the step itself) stalls 3 s at checkpoint.policy
-    env = sdp_env(sdp_cache, SDP_TEST_FAULTS="stall:checkpoint.policy@1")
+    # the run's first checkpoint (step 3, written by the step itself) stalls 10 s at checkpoint.policy
+    env = sdp_env(sdp_cache, SDP_TEST_FAULTS="stall:checkpoint.policy@1", SDP_TEST_STALL_S="10")
     args = ["train", *FAST, f"run.dir={run_dir}", f"train.steps={steps}", "train.checkpoint_every=3"]
     proc = subprocess.Popen([sys.executable, "-m", "sdp_cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -37,7 +37,9 @@ def test_a_second_ctrl_c_during_the_first_checkpoint_writes_the_aborted_event(tm
     wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith(".tmp-step-") for p in checkpoints.iterdir()),
              300, "the first checkpoint to start", proc)  # fmt: skip
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    # 1 s for the first to reach sdp's handler: two SIGINTs pending at once reach it once (Python
+    # keeps one flag per signal), and the run would then only stop (test_signals.py says more)
+    time.sleep(1.0)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     exited_at = time.time()
