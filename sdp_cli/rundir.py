@@ -20,7 +20,7 @@
     versions/v000012/           the policy of every version (train.keep_version_checkpoints=true;
                                 under LoRA its adapters)
     versions/base/              under LoRA: the base model the adapters of versions/ belong to
-    weights/v000012/            what a server loads at a weight update (the newest two)
+    weights/v000012/            what a server loads at a weight update (the version pushed and the one before)
     weights/launch/             what a launched server starts from
 
 Training writes these paths and ``sdp recompute``, ``sdp ablate`` and the tests read them, all
@@ -40,6 +40,8 @@ from sdp_cli.dirlock import LOCK_NAME
 LATEST = "latest"
 #: glob of the checkpoint directories (and of the saved batches, plus their suffix)
 STEP_GLOB = "step-*"
+#: the suffix of a saved batch's file name (``step-000050.safetensors``)
+BATCH_SUFFIX = ".safetensors"
 #: glob of the version directories in ``versions/`` and ``weights/``
 VERSION_GLOB = "v*"
 #: the directory in ``versions/`` that holds the base model of LoRA adapter versions
@@ -153,7 +155,7 @@ class RunDir:
         return self.checkpoints / step_name(step)
 
     def batch(self, step: int) -> Path:
-        return self.batches / f"{step_name(step)}.safetensors"
+        return self.batches / f"{step_name(step)}{BATCH_SUFFIX}"
 
     def version(self, version: int) -> Path:
         return self.versions / version_name(version)
@@ -198,10 +200,18 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((step, p) for step, p in found if step is not None and p.is_dir())
 
 
-def older_versions(root: Path, keep: int) -> list[Path]:
-    """The version directories under ``root`` other than the newest ``keep``, by number."""
-    numbered = sorted((version, p) for version, paths in version_dirs(root).items() for p in paths)
-    return [p for _, p in numbered[: max(0, len(numbered) - keep)]]
+def superseded_versions(root: Path, current: int) -> list[Path]:
+    """The version directories under ``root`` other than ``current`` and the one before it.
+    Relative to ``current``, not "all but the newest two": after a resume the directories
+    numbered above it are a crashed session's, and the newest by number are not this run's."""
+    return [p for version, paths in version_dirs(root).items() if version not in (current - 1, current) for p in paths]
+
+
+def saved_batches(root: Path) -> list[tuple[int, Path]]:
+    """(step, file) of every ``step-N.safetensors`` batch file under ``root``, by step."""
+    files = root.glob(f"{STEP_GLOB}{BATCH_SUFFIX}") if root.is_dir() else []
+    found = [(parse_step_name(p.name.removesuffix(BATCH_SUFFIX)), p) for p in files]
+    return sorted((step, p) for step, p in found if step is not None and p.is_file())
 
 
 def version_dirs(root: Path) -> dict[int, list[Path]]:

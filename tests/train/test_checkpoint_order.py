@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sdp_cli.rundir import older_versions, step_dirs, version_dirs
+from sdp_cli.rundir import saved_batches, step_dirs, superseded_versions, version_dirs
 from sdp_cli.train.session import checkpoint as ckpt
 
 
@@ -55,8 +55,28 @@ def test_version_directories_are_listed_by_number(tmp_path):
     assert list(version_dirs(tmp_path)) == [2, 999_999, 1_000_000]
 
 
-def test_the_weights_a_server_may_still_load_are_the_newest_by_number(tmp_path):
-    # the run keeps the newest two weight directories of weights/; "launch" is not a version
+def test_the_weights_a_server_may_still_load_are_the_current_and_the_one_before_by_number(tmp_path):
+    # the run keeps the weight directories of the version it pushes and the one before; "launch"
+    # is not a version
     for name in ("v999998", "v999999", "v1000000", "launch"):
         (tmp_path / name).mkdir()
-    assert older_versions(tmp_path, keep=2) == [tmp_path / "v999998"]
+    assert superseded_versions(tmp_path, 1_000_000) == [tmp_path / "v999998"]
+
+
+def test_weight_directories_numbered_above_the_pushed_version_are_superseded(tmp_path):
+    # a crashed session's v5 and v6 beside the resumed run's v3 and v4: the newest by number are
+    # not the run's (tests/train/test_resume_leftovers.py)
+    for name in ("v000003", "v000004", "v000005", "v000006", "launch"):
+        (tmp_path / name).mkdir()
+    assert superseded_versions(tmp_path, 4) == [tmp_path / "v000005", tmp_path / "v000006"]
+    assert superseded_versions(tmp_path, 1) == [tmp_path / n for n in ("v000003", "v000004", "v000005", "v000006")]
+
+
+def test_saved_batches_are_listed_by_number(tmp_path):
+    for name in ("step-1000000.safetensors", "step-999999.safetensors", "step-000002.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    for name in ("step-000003.safetensors.tmp", ".step-000004.safetensors.x", "step-00000a.safetensors", "notes.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "step-000005.safetensors").mkdir()
+    assert [n for n, _ in saved_batches(tmp_path)] == [2, 999_999, 1_000_000]
+    assert saved_batches(tmp_path / "absent") == []

@@ -4,7 +4,9 @@ A crash can leave a JSON-lines log (metrics, events, ledger) with a torn last li
 event, and weight directories whose writing was killed (``.v*`` temporaries). Before a resume,
 ``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
 deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
-(sdp_cli/train/session/checkpoint.py).
+(sdp_cli/train/session/checkpoint.py). Once the trainer holds the checkpoint's state,
+``discard_past`` deletes the batches, version checkpoints and weights the crashed session wrote
+past it.
 
 Before a resume writes anything, ``check_run_files`` refuses a run directory that holds a
 symbolic link or a special file, a hard-linked log, and logs damaged before their torn tail
@@ -28,7 +30,7 @@ from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
 from sdp_cli.modes import resolve_mode
-from sdp_cli.rundir import WANDB, RunDir, step_dirs
+from sdp_cli.rundir import WANDB, RunDir, saved_batches, step_dirs, version_dirs
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.session.reporting import EventLog
 from sdp_cli.train.session.trackers import saved_ids
@@ -236,6 +238,36 @@ def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     for parent in (run_dir.weights, run_dir.versions):
         for tmp in parent.glob(".v*") if parent.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def discard_past(run_dir: RunDir, step: int, version: int) -> list[str]:
+    """Delete the files a crashed session wrote past the point a resume goes on from (``step``,
+    the trainer at ``version``; 0 and 0 when it starts over): the saved batches of later steps,
+    the version checkpoints of later versions and every weight directory a server loads at an
+    update (this session writes its own). They are not the resumed run's: a batch the crashed
+    session trained at step 6 holds tokens of its versions, which ``sdp recompute`` would score
+    under the resumed session's, and its weights/v000006 outranks the resumed run's v000004 by
+    number. The metrics log and TensorBoard are cut back to ``step`` elsewhere, the ledger to its
+    checkpoint's length. Returns the batches and version checkpoints removed, relative to the run."""
+    removed = []
+    for saved, path in saved_batches(run_dir.batches):
+        if saved > step:
+            path.unlink()
+            removed.append(f"{run_dir.batches.name}/{path.name}")
+    for number, paths in version_dirs(run_dir.versions).items():
+        for path in paths if number > version else ():
+            shutil.rmtree(path)
+            removed.append(f"{run_dir.versions.name}/{path.name}")
+    for paths in version_dirs(run_dir.weights).values():
+        for path in paths:
+            shutil.rmtree(path)
+    return removed
+
+
+def past_resume_note(discarded: list[str], step: int) -> str:
+    """The line a resume prints when :func:`discard_past` removed batches or version checkpoints."""
+    shown = ", ".join(discarded[:4]) + (f" and {len(discarded) - 4} more" if len(discarded) > 4 else "")
+    return f"note: removed what an earlier session wrote past step {step}, which this run goes on without: {shown}"
 
 
 def started_here(run_dir: RunDir) -> bool:

@@ -32,7 +32,7 @@ from sdp_cli.fileio import atomic_write_text
 from sdp_cli.models.warm_start import warm_start_note
 from sdp_cli.modes import resolve_mode
 from sdp_cli.rollout.records import RolloutGroup
-from sdp_cli.rundir import RunDir, older_versions
+from sdp_cli.rundir import RunDir, superseded_versions
 from sdp_cli.stopsignals import Abort, StopRequest, handling, signal_name
 from sdp_cli.tasks import Task
 from sdp_cli.train.session import checkpoint as ckpt
@@ -54,7 +54,7 @@ from sdp_cli.train.session.policy_setup import (
     save_checkpoint_policy,
     save_version,
 )
-from sdp_cli.train.session.recovery import recover_after_crash
+from sdp_cli.train.session.recovery import discard_past, past_resume_note, recover_after_crash
 from sdp_cli.train.session.rollout_process import LOG_NAME as ROLLOUT_LOG, RolloutProcessStart
 from sdp_cli.train.session.resume_check import STAMP, read_identity, stamp
 from sdp_cli.train.session.display import Progress, StartDisplay, start_evaluation_title
@@ -198,6 +198,11 @@ class TrainingRun:
                     file=sys.stderr,
                 )
             self.start_step = checkpoint.step
+        discarded = []
+        if self.resuming and self.coordinator.is_main:
+            discarded = discard_past(self.run_dir, self.start_step, self.trainer.version)
+            if discarded:
+                print(past_resume_note(discarded, self.start_step), file=sys.stderr)
         self.stamp = stamp(read_identity(self.run_dir), config_dict(self.raw))
         if not self.coordinator.is_main:
             return
@@ -238,6 +243,7 @@ class TrainingRun:
                 version=self.trainer.version,
                 checkpoint=str(checkpoint.path),
                 optimizer_restarted=checkpoint.state["optimizer"] is None,
+                **({"discarded": discarded} if discarded else {}),
             )
         else:
             self.events.write(
@@ -246,6 +252,7 @@ class TrainingRun:
                 processes=self.coordinator.num_processes,
                 task=self.task.summary(),
                 **({"note": "no complete checkpoint: started over"} if over else {}),
+                **({"discarded": discarded} if discarded else {}),
             )
             if cfg.train.keep_version_checkpoints:
                 self._save_version(0)
@@ -334,7 +341,7 @@ class TrainingRun:
             return WeightUpdate(version=version, state_dict=self.whole.weights())
         target = self.run_dir.weights_of(version)
         self._save_policy(target)
-        for old in older_versions(self.run_dir.weights, keep=2):
+        for old in superseded_versions(self.run_dir.weights, version):
             shutil.rmtree(old, ignore_errors=True)
         return WeightUpdate(version=version, path=target)
 
