@@ -18,6 +18,7 @@ so the push goes through ``weights/vN`` without a vLLM.
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 
@@ -26,6 +27,7 @@ import torch
 
 from sdp_cli.config.compose import compose_config
 from sdp_cli.engine.local import LocalEngine
+from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.rundir import RunDir, parse_step_name, version_dirs
 from sdp_cli.train.session.run import run_training
@@ -130,3 +132,24 @@ def test_a_resume_after_a_stop_removes_nothing(tmp_path, capsys):
     assert "note: removed" not in capsys.readouterr().err
     resumed = [e for e in map(json.loads, run.events.read_text().splitlines()) if e["event"] == "resumed"]
     assert "discarded" not in resumed[-1]
+
+
+def test_a_leftover_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+    run = RunDir(train_run(tmp_path, RUN))
+    crash_after_last_metrics(run, keep_checkpoints=1)
+    stuck = run.batch(5)
+    unlink = type(stuck).unlink
+
+    def refuse(path, *args, **kwargs):
+        if path == stuck:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(stuck), "unlink", refuse)
+    with pytest.raises(UserError) as caught:
+        resume(run.path, "train.steps=4")
+    assert str(caught.value) == (
+        f"cannot remove {stuck}, which an earlier session wrote past step 3 (Permission denied); "
+        "make it writable, then resume again"
+    )
+    assert stuck.is_file()

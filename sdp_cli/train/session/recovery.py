@@ -252,16 +252,28 @@ def discard_past(run_dir: RunDir, step: int, version: int) -> list[str]:
     removed = []
     for saved, path in saved_batches(run_dir.batches):
         if saved > step:
-            path.unlink()
+            _remove_past(path, step)
             removed.append(f"{run_dir.batches.name}/{path.name}")
     for number, paths in version_dirs(run_dir.versions).items():
         for path in paths if number > version else ():
-            shutil.rmtree(path)
+            _remove_past(path, step)
             removed.append(f"{run_dir.versions.name}/{path.name}")
     for paths in version_dirs(run_dir.weights).values():
         for path in paths:
-            shutil.rmtree(path)
+            _remove_past(path, step)
     return removed
+
+
+def _remove_past(path: Path, step: int) -> None:
+    try:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    except OSError as err:
+        raise WriteFailed(
+            f"cannot remove {path}, which an earlier session wrote past step {step} ({err.strerror}); "
+            f"{write_fix(err)}, then resume again",
+            err,
+            path,
+        ) from None
 
 
 def past_resume_note(discarded: list[str], step: int) -> str:
