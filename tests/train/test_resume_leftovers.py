@@ -106,9 +106,13 @@ def test_what_the_crashed_session_saved_past_the_checkpoint_is_removed_and_said(
     # version checkpoints of steps 4 to 6 are what is left past the checkpoint
     run = RunDir(train_run(tmp_path, RUN))
     crash_after_last_metrics(run, keep_checkpoints=1)
+    torn = run.batches / ".step-000007.safetensors.k2x9.tmp"  # killed while it wrote step 7's batch
+    torn.write_bytes(b"\0" * 64)
     capsys.readouterr()
 
     resume(run.path, "train.steps=4")
+
+    assert not torn.exists()
 
     assert batch_steps(run) == [1, 2, 3, 4]
     assert sorted(version_dirs(run.versions)) == [0, 1, 2, 3, 4]

@@ -30,7 +30,7 @@ from sdp_cli.dirlock import LOCK_NAME, DirectoryLock
 from sdp_cli.errors import UserError, WriteFailed, write_fix
 from sdp_cli.fileio import check_tree, open_fd_in_place, open_in_place, refuse_in_place
 from sdp_cli.modes import resolve_mode
-from sdp_cli.rundir import WANDB, RunDir, saved_batches, step_dirs, version_dirs
+from sdp_cli.rundir import STEP_GLOB, WANDB, RunDir, saved_batches, step_dirs, version_dirs
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.session.reporting import EventLog
 from sdp_cli.train.session.trackers import saved_ids
@@ -227,7 +227,7 @@ def _last_event(path: Path) -> dict[str, Any] | None:
 
 def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     """Before a resume: cut lines a crash tore, say in the events that the last session
-    crashed, and delete weight directories whose writing was killed. The ledger's tail is cut
+    crashed, and delete weight directories and batch files whose writing was killed. The ledger's tail is cut
     only past the prefix its checkpoint recorded, which ``sdp_cli.train.session.resume_check`` found
     whole (the resume then truncates it to that prefix, sdp_cli/train/asyncloop/ledger.py)."""
     for log in (run_dir.events, run_dir.metrics, run_dir.ledger):
@@ -238,6 +238,8 @@ def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     for parent in (run_dir.weights, run_dir.versions):
         for tmp in parent.glob(".v*") if parent.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in run_dir.batches.glob(f".{STEP_GLOB}.tmp") if run_dir.batches.is_dir() else []:
+        tmp.unlink(missing_ok=True)  # a batch file whose writing was killed (sdp_cli.fileio.stage_bytes)
 
 
 def discard_past(run_dir: RunDir, step: int, version: int) -> list[str]:
