@@ -60,3 +60,15 @@ def train_run(root: Path, overrides: list[str]) -> Path:
         run_training(cfg, raw, overrides=overrides)
     torch.set_num_threads(threads)
     return root / "run"
+
+
+def resume_run(run_dir: Path, *extra: str) -> dict:
+    """Resumes ``run_dir`` (`sdp train resume=RUN_DIR *extra`) in this process and returns its
+    summary; torch's thread count is restored afterwards, also when the resume is refused."""
+    overrides = [f"resume={run_dir}", *extra]
+    threads = torch.get_num_threads()
+    try:
+        cfg, raw = compose_config(overrides)
+        return run_training(cfg, raw, overrides=overrides)
+    finally:
+        torch.set_num_threads(threads)

@@ -23,16 +23,13 @@ import json
 import shutil
 
 import pytest
-import torch
 
-from sdp_cli.config.compose import compose_config
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import read_batch
 from sdp_cli.rundir import RunDir, parse_step_name, version_dirs
-from sdp_cli.train.session.run import run_training
 
-from ..fast_run import FAST, train_run
+from ..fast_run import FAST, resume_run as resume, train_run
 
 RUN = [
     *FAST,
@@ -46,16 +43,6 @@ RUN = [
 @pytest.fixture
 def weights_through_disk(monkeypatch):
     monkeypatch.setattr(LocalEngine, "accepts_state_dict", False)
-
-
-def resume(run_dir, *extra):
-    overrides = [f"resume={run_dir}", *extra]
-    threads = torch.get_num_threads()
-    try:
-        cfg, raw = compose_config(overrides)
-        return run_training(cfg, raw, overrides=overrides)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def crash_after_last_metrics(run: RunDir, *, keep_checkpoints: int) -> None:

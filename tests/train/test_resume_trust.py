@@ -12,17 +12,14 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 from sdp_cli.models import load_policy, save_policy
 from sdp_cli.rundir import RunDir
 from sdp_cli.train.session import checkpoint as ckpt
 from sdp_cli.train.asyncloop.ledger import audit
-from sdp_cli.train.session.run import run_training
 
-from ..fast_run import FAST, train_run
+from ..fast_run import FAST, resume_run as resume, train_run
 
 #: a run of two steps with a checkpoint after each (step-000001, step-000002)
 RUN = [*FAST, "train.steps=2", "train.checkpoint_every=1"]
@@ -44,16 +41,6 @@ def _copy(run, tmp_path):
     target = tmp_path / "run"
     shutil.copytree(run, target)
     return target
-
-
-def resume(run_dir, *extra):
-    overrides = [f"resume={run_dir}", *extra]
-    threads = torch.get_num_threads()
-    try:
-        cfg, raw = compose_config(overrides)
-        return run_training(cfg, raw, overrides=overrides)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def snapshot(run_dir):
