@@ -1,7 +1,8 @@
 """Creating a run directory, reading back its recipe, and tidying it after a crash.
 
 A crash can leave a JSON-lines log (metrics, events, ledger) with a torn last line, a session that never wrote its end
-event, and weight directories whose writing was killed (``.v*`` temporaries). Before a resume,
+event, and weight directories and batch files whose writing was killed (``.v*`` and
+``.step-*.tmp`` temporaries). Before a resume,
 ``recover_after_crash`` repairs the first, records the second as a ``crashed`` event and
 deletes the third (docs/reliability.md "Crash recovery"); checkpoints are validated separately
 (sdp_cli/train/session/checkpoint.py). Once the trainer holds the checkpoint's state,
@@ -227,9 +228,10 @@ def _last_event(path: Path) -> dict[str, Any] | None:
 
 def recover_after_crash(run_dir: RunDir, events: EventLog) -> None:
     """Before a resume: cut lines a crash tore, say in the events that the last session
-    crashed, and delete weight directories and batch files whose writing was killed. The ledger's tail is cut
-    only past the prefix its checkpoint recorded, which ``sdp_cli.train.session.resume_check`` found
-    whole (the resume then truncates it to that prefix, sdp_cli/train/asyncloop/ledger.py)."""
+    crashed, and delete weight directories and batch files whose writing was killed. The
+    ledger's tail is cut only past the prefix its checkpoint recorded, which
+    ``sdp_cli.train.session.resume_check`` found whole (the resume then truncates it to that
+    prefix, sdp_cli/train/asyncloop/ledger.py)."""
     for log in (run_dir.events, run_dir.metrics, run_dir.ledger):
         _drop_torn_line(log)
     last = _last_event(run_dir.events)
