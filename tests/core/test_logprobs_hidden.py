@@ -148,3 +148,15 @@ def test_online_logsumexp_across_blocks_with_extreme_logits(block_size):
     torch.testing.assert_close(ent, ref_ent, rtol=1e-12, atol=1e-12)
     # by hand: p(1000) = 1/(1 + e^−1), p(999) = e^−1/(1 + e^−1), the rest ≈ 0
     assert lp[2].item() == pytest.approx(-math.log1p(math.exp(-1)), rel=1e-12)
+
+
+def test_one_position_is_that_row_of_a_batch():
+    # hidden [..., H] includes no leading dimension at all: [H] with a 0-d target (a mutation that
+    # refused a 1-D hidden survived every other test)
+    hidden, weight = torch.randn(3, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    targets = torch.randint(0, 11, (3,))
+    lp, ent = logprobs_from_hidden(hidden, weight, targets, return_entropy=True)
+    one_lp, one_ent = logprobs_from_hidden(hidden[1], weight, targets[1], return_entropy=True)
+    assert one_lp.shape == one_ent.shape == ()
+    torch.testing.assert_close(one_lp, lp[1], rtol=0, atol=1e-12)
+    torch.testing.assert_close(one_ent, ent[1], rtol=0, atol=1e-12)
