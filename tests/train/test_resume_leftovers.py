@@ -27,7 +27,7 @@ import pytest
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.errors import UserError
 from sdp_cli.rollout.batch_file import read_batch
-from sdp_cli.rundir import RunDir, parse_step_name, version_dirs
+from sdp_cli.rundir import RunDir, parse_step_name, step_dirs, version_dirs
 
 from ..fast_run import FAST, resume_run as resume, train_run
 
@@ -48,7 +48,7 @@ def weights_through_disk(monkeypatch):
 def crash_after_last_metrics(run: RunDir, *, keep_checkpoints: int) -> None:
     """Leave ``run`` as a kill -9 after its last step's metrics line leaves it: that step's
     checkpoint (and any later) not written, no summary, no final event."""
-    for step_dir in sorted(run.checkpoints.glob("step-*"))[keep_checkpoints:]:
+    for _, step_dir in step_dirs(run.checkpoints)[keep_checkpoints:]:
         shutil.rmtree(step_dir)
     run.summary.unlink()
     lines = run.events.read_text().splitlines(keepends=True)
@@ -56,6 +56,7 @@ def crash_after_last_metrics(run: RunDir, *, keep_checkpoints: int) -> None:
 
 
 def batch_steps(run: RunDir) -> list[int]:
+    # listed apart from rundir.saved_batches, which the resume removes by: an oracle of its own
     return sorted(parse_step_name(p.name.removesuffix(".safetensors")) for p in run.batches.glob("step-*"))
 
 
@@ -100,7 +101,6 @@ def test_what_the_crashed_session_saved_past_the_checkpoint_is_removed_and_said(
     resume(run.path, "train.steps=4")
 
     assert not torn.exists()
-
     assert batch_steps(run) == [1, 2, 3, 4]
     assert sorted(version_dirs(run.versions)) == [0, 1, 2, 3, 4]
     gone = [*(f"batches/step-00000{s}.safetensors" for s in (4, 5, 6)), *(f"versions/v00000{v}" for v in (4, 5, 6))]
@@ -144,3 +144,24 @@ def test_a_leftover_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
         "make it writable, then resume again"
     )
     assert stuck.is_file()
+
+
+def test_a_weight_directory_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch, weights_through_disk):
+    run = RunDir(train_run(tmp_path, RUN))
+    crash_after_last_metrics(run, keep_checkpoints=1)
+    stuck = run.weights_of(5)
+    rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        if path == stuck:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    with pytest.raises(UserError) as caught:
+        resume(run.path, "train.steps=4")
+    assert str(caught.value) == (
+        f"cannot remove {stuck}, which an earlier session wrote for its server to load (Permission denied); "
+        "make it writable, then resume again"
+    )
+    assert stuck.is_dir()

@@ -256,24 +256,25 @@ def discard_past(run_dir: RunDir, step: int, version: int) -> list[str]:
     removed = []
     for saved, path in saved_batches(run_dir.batches):
         if saved > step:
-            _remove_past(path, step)
+            _remove_left(path, f"wrote past step {step}")
             removed.append(f"{run_dir.batches.name}/{path.name}")
     for number, paths in version_dirs(run_dir.versions).items():
         for path in paths if number > version else ():
-            _remove_past(path, step)
+            _remove_left(path, f"wrote past step {step}")
             removed.append(f"{run_dir.versions.name}/{path.name}")
     for paths in version_dirs(run_dir.weights).values():
         for path in paths:
-            _remove_past(path, step)
+            _remove_left(path, "wrote for its server to load")
     return removed
 
 
-def _remove_past(path: Path, step: int) -> None:
+def _remove_left(path: Path, why: str) -> None:
+    """Remove ``path``, which an earlier session ``why``; one line when it cannot be."""
     try:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     except OSError as err:
         raise WriteFailed(
-            f"cannot remove {path}, which an earlier session wrote past step {step} ({err.strerror}); "
+            f"cannot remove {path}, which an earlier session {why} ({err.strerror}); "
             f"{write_fix(err)}, then resume again",
             err,
             path,
