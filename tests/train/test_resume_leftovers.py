@@ -125,43 +125,30 @@ def test_a_resume_after_a_stop_removes_nothing(tmp_path, capsys):
     assert "discarded" not in resumed[-1]
 
 
-def test_a_leftover_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("leftover", "remover", "why"),
+    [
+        (lambda run: run.batch(5), "unlink", "wrote past step 3"),
+        (lambda run: run.weights_of(5), "rmtree", "wrote for its server to load"),
+    ],
+    ids=["batch", "weights"],
+)
+def test_a_leftover_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch, weights_through_disk, leftover, remover, why):
     run = RunDir(train_run(tmp_path, RUN))
     crash_after_last_metrics(run, keep_checkpoints=1)
-    stuck = run.batch(5)
-    unlink = type(stuck).unlink
+    stuck = leftover(run)
+    owner = type(stuck) if remover == "unlink" else shutil
+    remove = getattr(owner, remover)
 
     def refuse(path, *args, **kwargs):
         if path == stuck:
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return unlink(path, *args, **kwargs)
+        return remove(path, *args, **kwargs)
 
-    monkeypatch.setattr(type(stuck), "unlink", refuse)
+    monkeypatch.setattr(owner, remover, refuse)
     with pytest.raises(UserError) as caught:
         resume(run.path, "train.steps=4")
     assert str(caught.value) == (
-        f"cannot remove {stuck}, which an earlier session wrote past step 3 (Permission denied); "
-        "make it writable, then resume again"
+        f"cannot remove {stuck}, which an earlier session {why} (Permission denied); make it writable, then resume again"
     )
-    assert stuck.is_file()
-
-
-def test_a_weight_directory_that_cannot_be_removed_is_one_line(tmp_path, monkeypatch, weights_through_disk):
-    run = RunDir(train_run(tmp_path, RUN))
-    crash_after_last_metrics(run, keep_checkpoints=1)
-    stuck = run.weights_of(5)
-    rmtree = shutil.rmtree
-
-    def refuse(path, *args, **kwargs):
-        if path == stuck:
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        return rmtree(path, *args, **kwargs)
-
-    monkeypatch.setattr(shutil, "rmtree", refuse)
-    with pytest.raises(UserError) as caught:
-        resume(run.path, "train.steps=4")
-    assert str(caught.value) == (
-        f"cannot remove {stuck}, which an earlier session wrote for its server to load (Permission denied); "
-        "make it writable, then resume again"
-    )
-    assert stuck.is_dir()
+    assert stuck.exists()
