@@ -254,6 +254,58 @@ def test_rejected_tokens_leave_the_denominator():
     assert loss == pytest.approx(0.183707, abs=1e-6)
 
 
+def test_dppo_where_the_log_ratio_clamp_binds_only_the_penalty_has_a_gradient():
+    # Row 0 (A = +1): t0 log π_θ = −25 against −50, Δ = 25, r = e^20 (clamped), π − μ ≈ 1.4e-11: kept;
+    # t1 −0.1 against −30, Δ = 29.9, π − μ ≈ 0.905 > ε_high: dropped; t2 Δ = 0. Row 1 (A = −1): Δ = 0.
+    # ℓ = −keep·A·r + κΔ² = [−e^20 + 625κ, 894.01κ, −1 | 1, 1]; ∂ℓ/∂log π = [50κ, 59.8κ, −1 | 1, 1]:
+    # where the clamp binds the ratio passes no gradient, kept or dropped, and nothing is NaN.
+    anchor = t64([[-50.0, -30.0, -1.0], [-1.0, -1.0, 0.0]])
+    theta = t64([[-25.0, -0.1, -1.0], [-1.0, -1.0, 0.0]])
+    for kl in (0.0, 1e-3):
+        loss, grad, m = _grad(lambda lp: policy_loss(lp, anchor, ADV, MASK, loss_type="dppo", dppo_kl_coef=kl), theta)
+        assert loss == pytest.approx((-math.exp(20) + 625 * kl + 894.01 * kl - 1 + 1 + 1) / 5, rel=1e-12)
+        assert torch.allclose(grad, t64([[50 * kl, 59.8 * kl, -1.0], [1.0, 1.0, 0.0]]) / 5, rtol=0, atol=1e-15)
+        assert (m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((1 / 5, 0.0))
+
+
+def test_dppo_counts_a_zero_advantage_with_the_negative_ones():
+    # keep = 0 where A > 0 and π − μ > ε_high, or A ≤ 0 and π − μ < −ε: a token of A = 0 (a group
+    # whose rewards are all equal) is judged by the lower bound. Row 0 A = 0 with π − μ = e^−0.1 − e^−3
+    # = 0.855 (> ε_high, yet kept), row 1 A = 0 with π − μ = e^−3 − e^−0.1 = −0.855 (< −ε: dropped, low).
+    # Every loss is 0 (A = 0).
+    anchor = t64([[-3.0, -1.0, -1.0], [-0.1, -1.0, 0.0]])
+    theta = t64([[-0.1, -1.0, -1.0], [-3.0, -1.0, 0.0]])
+    loss, grad, m = _grad(lambda lp: policy_loss(lp, anchor, torch.zeros_like(ADV), MASK, loss_type="dppo"), theta)
+    assert loss == 0.0 and not grad.any()
+    assert (m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((1 / 5, 0.0, 1 / 5))
+
+
+def test_dppo_keeps_a_probability_difference_on_the_trust_regions_edge():
+    # keep = 0 only where π − μ > ε_high (A > 0) or π − μ < −ε (A ≤ 0): on the edge the token stays.
+    # ε = ε_high = 0.25; π − μ = 0.5 − 0.25 = +0.25 (row 0 t0) and 0.25 − 0.5 = −0.25 (row 1 t0), exact in
+    # float64 (exp(ln 0.5) = 0.5, exp(ln 0.25) = 0.25); the other tokens have π = μ.
+    half, quarter = math.log(0.5), math.log(0.25)
+    anchor = t64([[quarter, -1.0, -1.0], [half, -1.0, 0.0]])
+    theta = t64([[half, -1.0, -1.0], [quarter, -1.0, 0.0]])
+    _, grad, m = _grad(lambda lp: policy_loss(lp, anchor, ADV, MASK, loss_type="dppo", clip=0.25), theta)
+    assert m["pg_clipfrac"] == 0.0
+    # ∂ℓ/∂log π = −A·r/5, r = [2, 1, 1 | 0.5, 1]
+    assert torch.allclose(grad, t64([[-2.0, -1.0, -1.0], [0.5, 1.0, 0.0]]) / 5, rtol=0, atol=1e-15)
+
+
+def test_cispo_ratios_on_the_band_edges_are_not_counted_clipped():
+    # clip(r, 1 − ε, 1 + ε_high) leaves r = 1 + ε_high and r = 1 − ε as they are, so neither is counted;
+    # exp(ln 2) = 2 and exp(ln 0.5) = 0.5 exactly in float64. ε = 0.5, ε_high = 1: r = [2, 0.5, 1 | 2.5, 1].
+    anchor = t64([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    theta = t64([[math.log(2.0), math.log(0.5), 0.0], [math.log(2.5), 0.0, 0.0]])
+    loss, grad, m = _grad(
+        lambda lp: policy_loss(lp, anchor, ADV, MASK, loss_type="cispo", clip=0.5, clip_high=1.0), theta
+    )
+    assert (m["pg_clipfrac"], m["pg_clipfrac_high"], m["pg_clipfrac_low"]) == pytest.approx((1 / 5, 1 / 5, 0.0))
+    # ∂ℓ/∂log π = −ŵ·A/5 with ŵ = [2, 0.5, 1 | 2 (clipped from 2.5), 1]
+    assert torch.allclose(grad, t64([[-2.0, -0.5, -1.0], [2.0, 1.0, 0.0]]) / 5, rtol=0, atol=1e-15)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -286,6 +338,10 @@ def test_opsm_drops_the_negative_advantage_sequence_that_drifted_more_than_delta
     assert m["seq_kl_mean"] == pytest.approx((0.833333 + 0.6) / 2, abs=1e-6)
     # δ = 0.7 ≥ D_1: nothing is dropped
     keep, _ = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, ADV, MASK, 0.7)
+    assert torch.equal(keep, MASK)
+    # "exceeds δ" is strict: δ = D_1 keeps row 1 (its drifts are 1.0 and 0.2, so D_1 is (1.0 + 0.2)/2
+    # in float64 too)
+    keep, _ = off_policy_sequence_mask(THETA_OPSM, BEHAV_OPSM, ADV, MASK, (1.0 + 0.2) / 2)
     assert torch.equal(keep, MASK)
 
 

@@ -218,6 +218,22 @@ def test_a_floor_equal_to_the_cap_is_accepted_and_pins_every_weight():
     assert m["rollout_is_max"] == pytest.approx(1.2) and m["rollout_is_min"] == pytest.approx(1.2)
 
 
+def test_mask_action_keeps_the_bounds_themselves():
+    # [floor, cap] is closed (docs/math.md §2): w̃ = 2 = cap and w̃ = 0.5 = floor stay, only 3 is
+    # masked; floor = cap = 1 (verl's rollout_is: null, the decoupled_k3_rs preset) keeps w̃ = 1.
+    # exp(ln 2) and exp(ln 0.5) are exactly 2 and 0.5 in float64, so the bounds are hit exactly.
+    w, m = importance_weights(
+        t64([[0.0, LN(2.0), LN(0.5), LN(3.0)]]), t64([[1, 1, 1, 1]]), cap=2.0, floor=0.5, action="mask"
+    )
+    assert w[0].tolist() == [1.0, 2.0, 0.5, 0.0]
+    assert m["rollout_is_ratio_fraction_high"] == 0.25 and m["rollout_is_ratio_fraction_low"] == 0.0
+    w, m = importance_weights(t64([[0.0, 0.0]]), t64([[1, 1]]), cap=1.0, floor=1.0, action="mask")
+    assert w[0].tolist() == [1.0, 1.0] and m["rollout_is_masked_fraction"] == 0.0
+    # a row's mean raw weight on a bound is neither above the cap nor below the floor
+    _, m = importance_weights(t64([[LN(2.0), NAN], [LN(0.5), NAN]]), t64([[1, 0], [1, 0]]), cap=2.0, floor=0.5)
+    assert m["rollout_is_seq_fraction_high"] == 0.0 and m["rollout_is_seq_fraction_low"] == 0.0
+
+
 # --- rejection_mask -----------------------------------------------------------------------
 
 
@@ -233,6 +249,23 @@ def test_token_rejection_keeps_ratios_inside_bounds():
     assert (
         m["rollout_rs_veto_fraction"] == 0.0 and m["rollout_rs_catastrophic_token_fraction"] == 0.0
     )
+
+
+def test_rejection_keeps_statistics_on_the_bounds_and_vetoes_only_below_the_threshold():
+    # [lower, upper] is closed (docs/math.md §3): ratios 2 = upper and 0.5 = lower are kept, 2.5 is not.
+    # The veto drops a row holding lr < log(veto), strictly: lr = ln 0.25 = log(veto) stays.
+    lr = t64([[LN(2.0), LN(0.5), LN(2.5)]])
+    new, _ = rejection_mask(lr, t64([[1, 1, 1]]), level="token", upper=2.0, lower=0.5)
+    assert torch.equal(new, t64([[1, 1, 0]]))
+    for level in ("sequence", "geometric"):  # rows of one token: statistic = that ratio
+        new, _ = rejection_mask(t64([[LN(2.0)], [LN(0.5)]]), t64([[1], [1]]), level=level, upper=2.0, lower=0.5)
+        assert torch.equal(new, t64([[1], [1]])), level
+    # a divergence is kept where ≤ upper: k2 = ½·1² = 0.5 = upper stays, ½·2² = 2 does not
+    new, _ = rejection_mask(t64([[1.0, 2.0]]), t64([[1, 1]]), level="token", upper=0.5, metric="k2")
+    assert torch.equal(new, t64([[1, 0]]))
+    new, m = rejection_mask(t64([[LN(0.25), 0.0], [LN(0.2), 0.0]]), t64([[1, 1], [1, 1]]), veto=0.25)
+    assert torch.equal(new, t64([[1, 1], [0, 0]]))
+    assert m["rollout_rs_catastrophic_token_fraction"] == 0.25
 
 
 def test_explicit_asymmetric_lower_bound():
