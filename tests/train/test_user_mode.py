@@ -153,6 +153,35 @@ def test_an_edited_file_is_loaded_again_and_replaces_the_old_version(tmp_path, f
     assert torch.equal(second.log_ratio(old, prox, None, mask), torch.full((1, 2), 2.0))
 
 
+def test_a_mode_from_an_importable_module_trains(tmp_path, capsys, monkeypatch, forget_user_modes):
+    # the other spec form docs/design.md names: package.module:function, found on sys.path (no file
+    # to stamp, so it is imported once per process)
+    import torch
+
+    package = tmp_path / "lab_modes"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "halved.py").write_text(
+        "from sdp_cli.modes import mode\n\n"
+        "@mode(needs=('proximal_logprobs',), name='halved_decoupled')\n"
+        "def halved(old, proximal, proximal_t, mask):\n    return 0.5 * (proximal - old)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = load_user_mode("lab_modes.halved:halved")
+    assert own.name == "halved_decoupled" and MODES["halved_decoupled"] is own
+    assert load_user_mode("lab_modes.halved:halved") is own
+    old = torch.tensor([[-1.0, -2.0]])
+    assert torch.equal(own.log_ratio(old, old + 1.0, None, torch.ones(1, 2, dtype=torch.bool)), torch.full((1, 2), 0.5))
+    root = tmp_path / "runs"
+    code, _, err = run_main(
+        ["train", *FAST, "train.steps=1", f"run.root={root}", "loss.mode=lab_modes.halved:halved"], capsys
+    )
+    assert code == 0, err
+    (run,) = root.iterdir()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("shadow/halved_decoupled/rollout_is_mean" in row for row in rows)
+
+
 def test_recompute_takes_a_mode_of_yours_from_the_command_line(tmp_path, capsys, forget_user_modes):
     code, _, err = run_main(["recompute", tmp_path, "--checkpoints", tmp_path, "--mode", SPEC], capsys)
     # the mode is accepted; what fails is the empty batch directory, named in one line
