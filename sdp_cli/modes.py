@@ -136,7 +136,7 @@ def unregister(name: str) -> None:
 
 register(Mode(
     "bypass", (), "behav", "sdp_cli.core.weights:bypass_log_ratio",
-    doc="no behavioural weight; the PPO ratio is anchored at π_behav",
+    doc="no behavioural weight, the PPO ratio taken against π_behav",
 ))
 register(Mode(
     "decoupled", ("proximal_logprobs",), "proximal", "sdp_cli.core.weights:decoupled_log_ratio",
@@ -145,7 +145,7 @@ register(Mode(
 register(Mode(
     "segment_wise", ("proximal_logprobs_t",), "proximal", "sdp_cli.core.weights:segment_wise_log_ratio",
     params=("drift_clip",),
-    doc="w = π_{v+1}/π_v; with drift_clip κ, times the drift factor π_prox/π_{v+1} clipped into [1/κ, κ]",
+    doc="w = π_{v+1}/π_v, the one-step weight (with drift_clip κ, times the drift factor π_prox/π_{v+1} clipped into [1/κ, κ])",
 ))
 
 

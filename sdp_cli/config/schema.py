@@ -47,8 +47,8 @@ class LossConfig:
     """Off-policy correction and the policy loss (docs/design.md §4)."""
 
     mode: str = "decoupled"
-    """bypass | decoupled | segment_wise | path/to/file.py:function (your own, docs/design.md "Adding a
-    mode"): which behavioural weight multiplies the PPO loss."""
+    """which behavioural weight multiplies the PPO loss: a registered mode (sdp_cli/modes.py) or
+    path/to/file.py:function, your own (docs/design.md "Adding a mode")."""
     is_level: str = "token"
     """token | sequence | geometric aggregation of the behavioural weight (group `is_agg`)."""
     weight_cap: float | None = 5.0
@@ -211,7 +211,7 @@ class EngineConfig:
     """The inference engine (group `engine`)."""
 
     kind: str = "local"
-    """a registered engine (sdp_cli/engines.py): local (sdp's own, in its own process) | vllm | sglang."""
+    """the inference engine: a registered engine (sdp_cli/engines.py)."""
     in_process: bool = False
     """local engine: run it in sdp's own process instead of its own (no start-up cost; tests, debugging)."""
     max_batch_size: int = 256
@@ -459,8 +459,22 @@ def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, 
         if is_dataclass(value):
             rows.extend(field_docs(type(value), prefix=f"{key}."))
         else:
-            rows.append((key, yaml_literal(value), docs.get(f.name, "")))
+            rows.append((key, yaml_literal(value), docs.get(f.name, "") + _registered(key)))
     return rows
+
+
+def _registered(key: str) -> str:
+    """For a key whose values a registry holds, each registered name with its meaning, read from
+    the registry (so a mode or engine registered by code is listed too); "" for other keys."""
+    from sdp_cli.engines import ENGINES
+    from sdp_cli.modes import MODES
+
+    registry = {"loss.mode": MODES, "engine.kind": ENGINES}.get(key)
+    if not registry:
+        return ""
+    # a docstring's first paragraph, on one line (a mode registered by code documents itself so)
+    meanings = {name: " ".join(entry.doc.split("\n\n")[0].split()).rstrip(".") for name, entry in registry.items()}
+    return " Registered: " + "; ".join(f"{name} — {doc}" if doc else name for name, doc in meanings.items()) + "."
 
 
 def yaml_literal(value: Any) -> str:

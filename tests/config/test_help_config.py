@@ -73,7 +73,7 @@ def test_meanings_are_one_paragraph_each():
     # a docstring wrapped in the source keeps its line breaks and indentation; the table would
     # print them (loss.mode's second source line, indented, on a line of its own)
     docs = {key: doc for key, _, doc in field_docs()}
-    assert docs["loss.mode"].endswith('docs/design.md "Adding a mode"): which behavioural weight multiplies the PPO loss.')
+    assert 'your own (docs/design.md "Adding a mode"). Registered: bypass — no behavioural weight' in docs["loss.mode"]
     assert {k: d for k, d in docs.items() if "\n" in d or "  " in d or d != d.strip()} == {}
 
 
@@ -104,3 +104,31 @@ def test_a_key_and_its_default_share_a_line_at_any_width(capsys, monkeypatch):
         out = _help_config_at(width, capsys, monkeypatch)
         line = next(line for line in out.splitlines() if line.split()[:1] == ["run.trackers"])
         assert line.split()[1] == "[tensorboard]", (width, line)
+
+
+def test_the_registered_modes_and_engines_are_listed_from_their_registries():
+    # the list is the registry's: a mode registered by code appears with the first paragraph of its
+    # docstring on one line, and is gone once unregistered
+    from sdp_cli.engines import ENGINES
+    from sdp_cli.modes import MODES, register_mode, unregister
+
+    docs = {key: doc for key, _, doc in field_docs()}
+    for name, mode in MODES.items():
+        assert f"{name} — {mode.doc}" in docs["loss.mode"]
+    for name, engine in ENGINES.items():
+        assert f"{name} — {engine.doc}" in docs["engine.kind"]
+
+    @register_mode("cubed_decoupled", needs=("proximal_logprobs",), anchor="proximal")
+    def cubed(old, proximal, proximal_t, mask):
+        """w = (π_prox/π_behav)³,
+        a toy.
+
+        Not shown: a second paragraph."""
+        return 3 * (proximal - old)
+
+    try:
+        doc = {key: doc for key, _, doc in field_docs()}["loss.mode"]
+        assert doc.endswith("; cubed_decoupled — w = (π_prox/π_behav)³, a toy.")
+    finally:
+        unregister("cubed_decoupled")
+    assert "cubed_decoupled" not in {key: doc for key, _, doc in field_docs()}["loss.mode"]
