@@ -123,6 +123,10 @@ def test_verdicts():
     assert verdict(1, 0.5, None, None, 0.05) == INCONCLUSIVE
     # the threshold is strict: p = α is not significant
     assert verdict(5, 0.05, 0.05, None, 0.05) == INCONCLUSIVE
+    assert verdict(5, 0.01, 0.2, 0.05, 0.05) == INCONCLUSIVE  # and so for the equivalence test
+    # two pairs already make a test (one degree of freedom)
+    assert verdict(2, -0.5, 0.01, None, 0.05) == WORSE
+    assert verdict(2, 0.0, 0.9, 0.01, 0.05) == EQUIVALENT
 
 
 def test_bit_identical_runs_are_equivalent_not_a_038_wide_interval():

@@ -235,6 +235,17 @@ def test_welch_by_hand():
     assert half == pytest.approx(2.2652, abs=1e-3)  # t_{0.975, 6.98} ≈ 2.366
 
 
+def test_welch_bootstrap_and_tost_refuse_what_they_cannot_compute():
+    for first, second in (([], [1.0]), ([1.0], []), ([], [])):
+        with pytest.raises(ValueError, match="at least one value in each group"):
+            welch(first, second)
+    with pytest.raises(AssertionError, match="at least one difference"):
+        bootstrap_interval([], 0.95)
+    assert bootstrap_interval([0.25], 0.95) == (0.25, 0.25)  # one difference: every resample is it
+    with pytest.raises(AssertionError, match="must be positive"):
+        tost_p(paired_t([0.5, 0.7], 0.05), 0.0)
+
+
 def test_welch_without_spread_or_with_single_runs():
     assert welch([1.0, 1.0], [1.0, 1.0]).standard_error == 0.0
     single = welch([0.3], [0.2, 0.4])
