@@ -42,8 +42,6 @@ LATEST = "latest"
 STEP_GLOB = "step-*"
 #: the suffix of a saved batch's file name (``step-000050.safetensors``)
 BATCH_SUFFIX = ".safetensors"
-#: glob of the version directories in ``versions/`` and ``weights/``
-VERSION_GLOB = "v*"
 #: the directory in ``versions/`` that holds the base model of LoRA adapter versions
 VERSION_BASE = "base"
 #: the directory W&B writes in a run: its files, links among them, are W&B's own

@@ -38,15 +38,6 @@ def has_field(record: Mapping[str, Any], key: str) -> bool:
     return field(record, key) is not _MISSING
 
 
-def placeholders(template: str) -> list[str]:
-    """The field names a template uses, in order of first use."""
-    names: list[str] = []
-    for match in _PLACEHOLDER.finditer(template):
-        if match.group(1) and match.group(1) not in names:
-            names.append(match.group(1))
-    return names
-
-
 def render(template: str, record: Mapping[str, Any], where: str) -> str:
     """The template with each ``{name}`` replaced by the record's field (str() of non-strings)."""
 
