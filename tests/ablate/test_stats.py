@@ -41,6 +41,13 @@ def test_t_distribution_is_symmetric_and_cauchy_at_one_degree():
     assert student_t_quantile(0.025, 4) == pytest.approx(-student_t_quantile(0.975, 4))
 
 
+@pytest.mark.parametrize("p", [0.0, 1.0, -0.1, 1.5])
+def test_a_quantile_outside_the_open_unit_interval_is_refused(p):
+    # ±∞ is not a number a search can return (at p = 1 it would double its bound for ever)
+    with pytest.raises(ValueError, match=r"p must be in \(0, 1\)"):
+        student_t_quantile(p, 4)
+
+
 @given(st.floats(0.01, 0.99), st.floats(1.0, 200.0))
 def test_quantile_inverts_the_cdf(p, dof):
     assert student_t_cdf(student_t_quantile(p, dof), dof) == pytest.approx(p, abs=1e-9)
