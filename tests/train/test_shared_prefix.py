@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from sdp_cli.config.schema import LossConfig, OptimConfig
 from sdp_cli.models.kv_cache import CACHE_NAME
 from sdp_cli.models.packed import packing_saves
+from sdp_cli.models.tiny import build_tiny_model
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 from sdp_cli.train.step.batch import assemble_batch
 from sdp_cli.train.session.policy_setup import enable_gradient_checkpointing
@@ -108,9 +109,11 @@ def grpo_batches(draw):
     its prompt; its window then ends before its sequence does)."""
     vocab = cases.VOCAB
     n_groups = draw(st.integers(1, 4))
-    prompts = [[1, *draw(st.lists(st.integers(3, vocab - 1), min_size=0, max_size=6))] for _ in range(n_groups)]
+    # any id, the padding id 0 too: a real vocabulary's id 0 is a token like any other (Qwen's "!"),
+    # so padding is known from the attention mask, never from the id
+    prompts = [[1, *draw(st.lists(st.integers(0, vocab - 1), min_size=0, max_size=6))] for _ in range(n_groups)]
     responses = [
-        draw(st.lists(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=6), min_size=2, max_size=5))
+        draw(st.lists(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=6), min_size=2, max_size=5))
         for _ in range(n_groups)
     ]
     batch = assemble_batch(_groups(prompts, responses), pad_token_id=0, trainer_version=0)
@@ -126,8 +129,14 @@ def grpo_batches(draw):
 
 
 def _model(kind: str) -> torch.nn.Module:
-    """The full-attention tiny model, or one whose window (4 tokens) is shorter than most rows."""
-    return cases.tiny_model(seed=3) if kind == "full" else sliding_model(kind, vocab=cases.VOCAB, seed=3)
+    """A full-attention tiny model, or one whose window (4 tokens) is shorter than most rows. Both
+    have 2 layers: with one, the first layer's output is also the last one's, so reading the wrong
+    hidden state of a packed forward would pass unseen."""
+    if kind == "full":
+        return build_tiny_model(
+            cases.VOCAB, seed=3, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64
+        )
+    return sliding_model(kind, vocab=cases.VOCAB, seed=3)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
