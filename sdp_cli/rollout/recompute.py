@@ -11,7 +11,6 @@ engine's sampling temperature (``InferenceEngine.score``), packed many sequences
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -58,7 +57,6 @@ class RecomputeStats:
         tokens_recomputed: tokens whose π_prox_t was written.
         score_calls: ``engine.score`` calls made.
         mean_abs_delta: mean |new − previous π_prox_t| over the rescored tokens (0 if none).
-        wall_time_s: seconds spent in the pass.
     """
 
     version: int
@@ -67,7 +65,6 @@ class RecomputeStats:
     tokens_recomputed: int = 0
     score_calls: int = 0
     mean_abs_delta: float = 0.0
-    wall_time_s: float = 0.0
 
 
 @dataclass
@@ -96,7 +93,6 @@ class RecomputePlan:
     version: int
     jobs: list[_Job]
     samples_seen: int
-    started: float
 
 
 def pass_targets(versions: Sequence[Any], prox_versions: Sequence[Any], current: int) -> list[int]:
@@ -169,7 +165,6 @@ class ProximalRecomputer:
     ) -> RecomputePlan:
         """The version c − 1 tokens of the held samples that lack π_prox_t from the loaded
         version c. Reads the samples: call it where nobody else writes them."""
-        started = time.perf_counter()
         current = self.engine.get_version()
         items: list[Item] = []
         if queue is not None:
@@ -201,7 +196,7 @@ class ProximalRecomputer:
                         sample.prompt_ids, sample.output_ids, targets, previous, write, due, sample
                     )
                 )
-        return RecomputePlan(current, jobs, len(seen), started)
+        return RecomputePlan(current, jobs, len(seen))
 
     def score(self, plan: RecomputePlan) -> list[list[float]]:
         """Engine scores of every job of ``plan`` (packed into calls); writes nothing, so it may
@@ -257,5 +252,4 @@ class ProximalRecomputer:
             self.writes += 1
             if self._on_write is not None:
                 self._on_write()
-        stats.wall_time_s = time.perf_counter() - plan.started
         return stats
