@@ -1,6 +1,7 @@
 """ProximalRecomputer: only version c−1 tokens are rescored, by absolute index, packed per call."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError
 from sdp_cli.rollout.buffers import RolloutCache, RolloutQueue
-from sdp_cli.rollout.recompute import ProximalRecomputer
+from sdp_cli.rollout.recompute import ProximalRecomputer, token_packs
 from sdp_cli.rollout.records import RolloutGroup, RolloutSample
 
 
@@ -179,3 +180,11 @@ def test_timeline_with_a_pass_at_every_update_gives_each_token_pi_v_plus_1(
             assert s.proximal_t_versions[t] == (v + 1 if v < final else final)
             if v == final:
                 assert s.proximal_logprobs_t[t] == s.old_logprobs[t]
+
+
+def test_token_packs_fill_up_to_the_limit_and_a_longer_sequence_goes_alone():
+    jobs = [SimpleNamespace(sequence=[0] * n) for n in (3, 2, 4, 1, 7, 2)]
+    packs = [[len(job.sequence) for job in pack] for pack in token_packs(jobs, max_tokens=5)]
+    # 3 + 2 = 5 and 4 + 1 = 5 are packs of exactly the limit; 7 > 5 is scored alone
+    assert packs == [[3, 2], [4, 1], [7], [2]]
+    assert list(token_packs([], max_tokens=5)) == []
