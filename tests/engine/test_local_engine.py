@@ -258,6 +258,37 @@ def test_generate_rejects_bad_samples():
     # reader (tests/rollout/test_batch_file.py) refuse one outside [0.01, 100]
 
 
+# -------------------------------------------------------------- abort
+def test_aborting_some_samples_of_a_call_leaves_the_others_generating_exactly():
+    # abort(ids) ends those samples at the next token boundary, unfinished; the call's other rows
+    # decode on to their end with exact log-probs (2 of 4 rows aborted: the batch is compacted and
+    # its KV cache cut to the live rows). Ids that are not in flight are ignored.
+    model = tiny_model()
+    samples = prompts([3, 6, 2, 5], seed=7)
+    aborted = {samples[0].sample_id, samples[2].sample_id}
+    steps = []
+
+    def after_step():
+        steps.append(len(steps) + 1)
+        if len(steps) == 3:
+            engine.abort([*aborted, 10**9])
+
+    engine = LocalEngine(
+        model, temperature=0.8, eos_token_id=EOS, pad_token_id=PAD, seed=2, step_callback=after_step
+    )
+    engine.generate(samples, SamplingParams(max_new_tokens=10))
+    for s in samples:
+        if s.sample_id in aborted:
+            assert not s.is_finished and s.output_len == 3, (s.output_len, s.finish_reason)
+        else:
+            assert s.is_finished
+        ref = reference_logprobs(model, s.input_ids, s.prompt_len, 0.8)
+        assert max(abs(a - b) for a, b in zip(s.old_logprobs, ref, strict=True)) <= 1e-5
+    assert max(s.output_len for s in samples if s.sample_id not in aborted) > 4, "the seed must decode past the abort"
+    assert engine.inflight_samples() == []
+    assert engine.abort([samples[1].sample_id]) is None and engine._aborted == set()  # noqa: SLF001
+
+
 # -------------------------------------------------------------- weights
 def perturbed_state(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """A copy of the model's weights plus noise; tied tensors stay one tensor."""
