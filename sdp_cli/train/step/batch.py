@@ -42,10 +42,6 @@ class TrainBatch:
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.mask.sum().item())
-
     def rows(self, index: torch.Tensor) -> "TrainBatch":
         """The sub-batch of the given rows (for minibatches and data-parallel shards)."""
         picked = [self.samples[i] for i in index.tolist()] if self.samples else []
