@@ -4,7 +4,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sdp_cli.core.token_status import FILL, INVALID, OK, UNCORRECTABLE, lacks_next_version, token_status
+from sdp_cli.core.token_status import (
+    FILL,
+    INVALID,
+    OK,
+    UNCORRECTABLE,
+    covered_tokens,
+    lacks_next_version,
+    token_status,
+)
 
 
 def test_every_case_at_trainer_version_4_by_hand():
@@ -30,6 +38,15 @@ def test_every_case_at_trainer_version_4_by_hand():
     mask = torch.tensor([[True] * 8 + [False]])
     assert token_status(v, pv, 4, mask).tolist() == [[*list(cases.values())[:8], OK]]
     assert lacks_next_version(token_status(v, pv, 4)).tolist() == [[s in (FILL, UNCORRECTABLE) for s in cases.values()]]
+
+
+def test_only_a_weight_that_reads_prox_t_leaves_out_the_tokens_without_the_next_version():
+    # at c = 4: OK, FILL, UNCORRECTABLE, OK (padding); decoupled and bypass cover every valid token
+    status = torch.tensor([[OK, FILL, UNCORRECTABLE, OK]])
+    valid = torch.tensor([[True, True, True, False]])
+    assert covered_tokens(valid, status, reads_proximal_t=True).tolist() == [[True, False, False, False]]
+    assert covered_tokens(valid, status, reads_proximal_t=False).tolist() == valid.tolist()
+    assert covered_tokens(valid, None, reads_proximal_t=True) is valid  # π_prox_t not tracked
 
 
 @given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 9)), min_size=1, max_size=30), st.integers(0, 8))
