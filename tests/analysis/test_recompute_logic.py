@@ -20,6 +20,7 @@ from sdp_cli.analysis.recompute_plan import (
     chain_versions,
     make_plan,
     missing_spans,
+    reads_proximal,
     token_requests,
 )
 import sdp_cli.analysis.scorers as scorers
@@ -133,6 +134,19 @@ def test_token_requests_exact_chain_and_proximal():
     assert got == {1: [2, 3], 2: [2, 3, 4, 13], 3: [2, 3, 4, 5, 6, 8, 9, 13, 14]}
 
 
+def test_which_weights_need_pi_prox_and_so_a_pi_prox_pass():
+    # decoupled reads π_prox; segment_wise reads π_prox_t only, but its drift-clipped weight multiplies
+    # by π_prox/π_prox_t, so `--mode segment_wise_drift` must compute π_prox too
+    assert [reads_proximal(w) for w in ("bypass", "decoupled", "segment_wise", "segment_wise_drift")] == [
+        False, True, False, True
+    ]
+    assert RecomputeOptions(modes=("segment_wise_drift",)).proximal_choice == ProximalChoice()
+    assert RecomputeOptions(modes=("segment_wise",)).proximal_choice is None
+    assert RecomputeOptions(max_tokens_per_call=1).max_tokens_per_call == 1  # one token a call is allowed
+    with pytest.raises(ValueError, match="max_tokens_per_call must be >= 1"):
+        RecomputeOptions(max_tokens_per_call=0)
+
+
 def test_plan_jobs_cover_each_sequence_once_per_version():
     batch = make_batch(3, SEQS)
     plan = make_plan([(Path("b"), batch)], RecomputeOptions(), range(0, 4))
@@ -183,7 +197,21 @@ def test_recompute_writes_the_next_version_logprob_and_tag(hand):
     # most, |−3.005 − (−0.55)| = 2.455; the six |Δ| are .752 .653 1.554 2.455 .653 1.554
     assert result.outcomes[0].proximal_t.max_abs == pytest.approx(2.455, abs=1e-5)
     assert result.outcomes[0].proximal_t.mean_abs == pytest.approx(7.621 / 6, abs=1e-5)
-    assert result.work[1].version == 2 and result.work[1].proximal_t_tokens == 2
+    # the per-version work `sdp recompute` prints, by hand from the jobs above: (version, tokens scored,
+    # π_prox_t tokens, π_prox tokens, sequences prefilled); checkpoint 3 also scores tokens 6, 8, 9
+    assert _work(result) == [(1, 2, 2, 0, 1), (2, 2, 2, 0, 2), (3, 5, 2, 0, 3)]
+
+
+def _work(result):
+    return [(w.version, w.tokens, w.proximal_t_tokens, w.proximal_tokens, w.sequences) for w in result.work]
+
+
+def test_the_work_per_version_counts_the_proximal_tokens_under_their_checkpoint(hand):
+    # π_prox under c = 3 scores every output token there (2–6, 8, 9, 13, 14); the other checkpoints
+    # are as without it
+    path, run = hand
+    result = rc.recompute([path], run, lambda batches: FakeScorer(), RecomputeOptions(proximal=ProximalChoice()))
+    assert _work(result) == [(1, 2, 2, 0, 1), (2, 2, 2, 0, 2), (3, 9, 2, 9, 3)]
 
 
 def test_on_policy_tokens_are_reset_to_the_behaviour_logprob(tmp_path):
