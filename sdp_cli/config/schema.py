@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
-from sdp_cli.engines import engine_kind
-from sdp_cli.modes import resolve_mode
+from sdp_cli.engines import ENGINES, engine_kind
+from sdp_cli.modes import MODES, resolve_mode
 
 #: the linear layers of Qwen2 / Llama-style decoder blocks (attention and MLP)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -466,9 +466,6 @@ def field_docs(cls: type = SdpConfig, prefix: str = "") -> list[tuple[str, str, 
 def _registered(key: str) -> str:
     """For a key whose values a registry holds, each registered name with its meaning, read from
     the registry (so a mode or engine registered by code is listed too); "" for other keys."""
-    from sdp_cli.engines import ENGINES
-    from sdp_cli.modes import MODES
-
     registry = {"loss.mode": MODES, "engine.kind": ENGINES}.get(key)
     if not registry:
         return ""
