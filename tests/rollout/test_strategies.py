@@ -58,7 +58,11 @@ def test_hand_computed_segment_wise_cases():
     assert not SEG.is_sample_too_stale(make([4, 5], [5, 5]), c)
     assert not SEG.is_sample_too_stale(make([3, 4, 5], [4, 5, 5]), c)  # lag 5 − 3 = 2 ≤ η = 2
     # token of version 3 ≤ c−2 whose π_prox_t is still from version 3: window closed
-    assert "gone" in segment_wise_stale_reason(make([3, 4, 5], [3, 5, 5]), c, 2)
+    gone = make([3, 4, 5], [3, 5, 5])
+    assert segment_wise_stale_reason(gone, c, 2) == (
+        f"sample {gone.sample_id} token 0: version 3 has π_prox_t from version 3, not 4, "
+        "and the weights of version 4 are gone"
+    )
     # head lag 5 − 2 = 3 > η = 2, even with a complete π_prox_t chain
     assert "lags 3" in segment_wise_stale_reason(make([2, 3, 4], [3, 4, 4]), c, 2)
     # η = 1 drops the lag-2 chain that η = 2 keeps
@@ -71,8 +75,11 @@ def test_hand_computed_segment_wise_cases():
     bad = make([5])
     bad.proximal_logprobs_t[0] = -0.25
     assert "π_prox_t ≠ π_behav" in segment_wise_stale_reason(bad, c, 2)
-    # c−1 token with π_prox_t from a version outside {c−1, c}
-    assert SEG.is_sample_too_stale(make([4], [6]), c)
+    # c−1 token with π_prox_t from a version outside {c−1, c}: its next version's weights are the
+    # ones loaded, so the reason does not call them gone
+    foreign = make([4], [6])
+    reason = segment_wise_stale_reason(foreign, c, 2)
+    assert reason == f"sample {foreign.sample_id} token 0: version 4 has π_prox_t from version 6"
     # negative version on an output token
     assert SEG.is_sample_too_stale(make([-1, 5]), c)
     # an empty sample has nothing stale
@@ -284,6 +291,14 @@ def test_the_cache_filter_remembering_settled_groups_judges_as_the_rule(h):
             if remembering.settled(g):
                 assert settled_head(g, c) is not None
                 assert not any(pass_targets(s.versions, s.proximal_t_versions, c + 1) for s in g.samples)
+
+
+def test_a_group_of_version_0_tokens_can_be_settled():
+    # version 0 is the first policy's: tokens of it holding π_1 settle like any others (only a
+    # negative version is refused), so the first batches can be set aside ahead of their take
+    assert settled_head(RolloutGroup(0, [make([0, 0], [1, 1]), make([0, 1], [1, 2])]), 2) == 0
+    assert settled_head(RolloutGroup(0, [make([-1, 0], [0, 1])]), 2) is None
+    assert settled_head(RolloutGroup(0, [make([0, 1], [1, 1])]), 2) is None  # token 1 lacks π_2
 
 
 def test_a_settled_groups_head_is_its_oldest_sample_and_ages_out_by_it():
