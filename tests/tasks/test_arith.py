@@ -1,5 +1,6 @@
 """Addition tasks: sampling ranges, determinism, exact-match-with-EOS reward."""
 
+import hashlib
 import random
 
 import pytest
@@ -46,6 +47,29 @@ def test_draws_are_those_of_the_hash_rule(seed, name):
         if not is_held_out(a, b):
             expected.append(f"{a}+{b}=")
     assert [item.prompt for item in task.sample(random.Random(seed), 40)] == expected
+
+
+def _first_byte(text):
+    return hashlib.sha256(text.encode()).digest()[0]
+
+
+def test_the_split_holds_out_a_first_byte_below_51_and_not_51_itself():
+    # the rule is part of the task's definition (the same split in every run and version of sdp):
+    # a pair whose hash starts with byte 50 is held out, one starting with 51 is trained on
+    pairs = [(a, b) for a in range(100) for b in range(100)]
+    at_50 = next(p for p in pairs if _first_byte(f"{p[0]}+{p[1]}") == 50)
+    at_51 = next(p for p in pairs if _first_byte(f"{p[0]}+{p[1]}") == 51)
+    assert is_held_out(*at_50) and not is_held_out(*at_51)
+
+
+@pytest.mark.parametrize(("name", "low", "high"), [("arith1", 0, 9), ("arith2", 10, 99)])
+def test_the_summary_counts_both_sides_of_the_split(name, low, high):
+    task = build_task(name)
+    held = sum(is_held_out(a, b) for a in range(low, high + 1) for b in range(low, high + 1))
+    total = (high - low + 1) ** 2
+    assert task.summary() == f"task {name}: {total - held} training problems, {held} held out for evaluation"
+    if name == "arith1":
+        assert (total - held, held) == (79, 21)  # as the module's docstring and the docs say
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,10 @@ def test_last_boxed(text, content):
         ("1,000", "1000", True),
         (r"10\%", "10", True),
         (r"5\text{ cm}", "5", True),  # a unit in \text{} after a number is dropped
+        (r"5\text{ cm}", "5 cm", True),  # one side a number, the other not: compared as text
+        (r"\frac{a}{2}", r"\frac{a}{2}", True),  # not a number (a symbol over a number): as text
+        ("a/b", "a/b", True),
+        ("a/2", "b/2", False),
         (r"\text{five}", "five", True),  # no number: \text{} content compared as text
         (r"\left(1,2\right)", "(1,2)", True),  # \left/\right dropped, compared as text
         ("x = 3", "3", True),

@@ -1,6 +1,7 @@
 """Running sums (task=runsum): answers, the partial-credit reward, the length knob, the held-out
 split and exact-match greedy accuracy (docs/tasks.md "Running sums")."""
 
+import hashlib
 import random
 from types import SimpleNamespace
 
@@ -85,6 +86,18 @@ def test_split_is_disjoint(digits, train_seed, eval_seed):
     assert not any(is_held_out(tuple(item.meta["digits"])) for item in trained)
     assert all(is_held_out(tuple(item.meta["digits"])) for item in held)
     assert not {item.prompt for item in trained} & {item.prompt for item in held}
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_sample_draws_exactly_n(n):
+    assert len(build_task("runsum").sample(random.Random(n), n)) == n
+
+
+def test_the_split_holds_out_a_first_byte_below_51_and_not_51_itself():
+    sequences = [tuple(int(c) for c in f"{k:04d}") for k in range(10_000)]
+    first = {d: hashlib.sha256("".join(map(str, d)).encode()).digest()[0] for d in sequences}
+    assert is_held_out(next(d for d in sequences if first[d] == 50))
+    assert not is_held_out(next(d for d in sequences if first[d] == 51))
 
 
 @pytest.mark.parametrize("digits", [2, 6])
