@@ -589,6 +589,54 @@ def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedu
             )
 
 
+class ScriptedEngine(MemoryEngine):
+    """A memory engine whose answers follow ``script``: ``"lost"`` is one token labelled
+    ``default`` (a server restarted with its start-up weights, which sdp discards and restores),
+    ``"abort"`` one good token aborted without a pause, ``"finish"`` the rest of the budget. More
+    requests than the script holds is an error (a test must not hang on a loop)."""
+
+    def __init__(self, weight_dirs, script):
+        super().__init__(weight_dirs, [])
+        self.script = list(script)
+
+    def _server_generate(self, server, request, refresh_id):
+        if not self.script:
+            raise EngineError("the script ran out: more requests than it allows")
+        kind = self.script.pop(0)
+        k = request.max_new_tokens if kind == "finish" else 1
+        tokens, start = [5] * k, len(request.input_ids)
+        return Segment(
+            token_ids=tokens,
+            logprobs=tiny_lm.score(self.weights[self.loaded], [*request.input_ids, *tokens], start),
+            finish_reason="length" if kind == "finish" else "abort",
+            token_versions=["default" if kind == "lost" else self.label] * k,
+        )
+
+
+def test_a_server_losing_sdps_weights_is_restored_three_times_in_a_row_then_the_sample_fails(version_dirs):
+    # each lost answer is discarded and the server restored (relabelled: no weights pushed yet);
+    # the fourth restore in a row, with no good answer between, fails the sample in one line
+    engine = ScriptedEngine(version_dirs, ["lost"] * 4 + ["finish"])
+    sample = RolloutSample(prompt_ids=[3, 1, 4])
+    with engine, pytest.raises(EngineError, match="lost sdp's weights or stopped answering 3 times in a row"):
+        engine.generate([sample], SamplingParams(max_new_tokens=4, seed=1))
+    assert engine.stats()["restores"] == 3 and engine.script == ["finish"]
+
+
+def test_a_good_answer_between_restores_starts_the_count_again_and_the_counters_add_up(version_dirs):
+    engine = ScriptedEngine(version_dirs, ["lost"] * 3 + ["abort"] + ["lost"] * 3 + ["finish"])
+    sample = RolloutSample(prompt_ids=[3, 1, 4])
+    with engine:
+        engine.generate([sample], SamplingParams(max_new_tokens=4, seed=1))
+        stats = engine.stats()
+    assert sample.output_len == 4 and sample.finish_reason == "length" and engine.script == []
+    # two good answers (the abort, the finish); every request after the first good token is a
+    # resubmission (3 lost, the finish); the lost answers count only as restores
+    assert stats["segments"] == 2 and stats["aborted_segments"] == 1
+    assert stats["resubmissions"] == 4 and stats["restores"] == 6 and stats["restore_checks"] == 6
+    assert sample.versions == [0] * 4
+
+
 def test_request_ids_are_unique_across_threads_and_a_forked_child_and_never_prefix_one_another():
     import os
 
