@@ -458,6 +458,9 @@ class MemoryEngine(RemoteEngine):
     """
 
     engine_name = "memory"
+    #: False: the prefill's answer carries no version label of its own (the tokens' labels say
+    #: which weights ran; a dialect need not repeat it)
+    label_prefill = True
 
     def __init__(self, weight_dirs, schedule):
         self.weight_dirs = weight_dirs
@@ -519,7 +522,7 @@ class MemoryEngine(RemoteEngine):
             finish_reason="length" if finished else "abort",
             token_versions=[label] * k,
             prefill_logprobs=prefill,
-            prefill_version=label if prefill is not None else None,
+            prefill_version=label if prefill is not None and self.label_prefill else None,
         )
 
     def _trainer_cycle(self):
@@ -587,6 +590,22 @@ def test_proximal_logprobs_are_right_for_any_abort_schedule(version_dirs, schedu
                 v,
                 sample.old_logprobs[t],
             )
+
+
+def test_a_prefill_answered_without_its_own_version_label_still_gives_pi_prox_t(version_dirs):
+    # two tokens of version 0, aborted by a pause (which scores nothing: the pass covers only
+    # version loaded − 1), then the resubmission's prefill under version 1 gives their π_prox_t
+    engine = MemoryEngine(version_dirs, [(2, True)])
+    engine.label_prefill = False
+    sample = RolloutSample(prompt_ids=[3, 1, 4])
+    with engine:
+        engine.generate([sample], SamplingParams(max_new_tokens=4, seed=1))
+        for thread in engine.trainer_threads:
+            thread.join(30)
+    assert sample.versions == [0, 0, 1, 1]
+    direct = tiny_lm.score(engine.weights[1], sample.input_ids, 3)
+    assert sample.proximal_t_versions[:2] == [1, 1]
+    assert sample.proximal_logprobs_t[:2] == pytest.approx(direct[:2], abs=1e-12)
 
 
 class ScriptedEngine(MemoryEngine):
