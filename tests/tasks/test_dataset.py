@@ -12,6 +12,7 @@ from sdp_cli.models.tokenizer import build_tokenizer
 from sdp_cli.tasks import build_task
 from sdp_cli.tasks.base import Context
 from sdp_cli.tasks.dataset import SPLIT_SEED
+from sdp_cli.tasks.templates import as_messages
 
 
 def _data(tmp_path, records, name="d.jsonl"):
@@ -159,6 +160,59 @@ def test_chat_template_with_system_prompt_and_message_records(tmp_path):
     # the template's "<s>" is dropped because encoding adds the BOS id itself: exactly one BOS
     assert first.prompt == "<|system|>Be brief.\n<|user|>2+2?\n<|assistant|>"
     assert second.prompt == "<|system|>own\n<|user|>3+3?\n<|assistant|>"  # a record's own system message wins
+
+
+class NoBosEncoder(ChatTokenizer):
+    """Its template writes "<s>" but encoding adds no BOS: the template's is the prompt's only one."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+
+class NoBosTemplate(ChatTokenizer):
+    """Its template writes no BOS (encoding adds one)."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return super().apply_chat_template(messages, tokenize, add_generation_prompt).removeprefix("<s>")
+
+
+class NoBosToken(ChatTokenizer):
+    bos_token, bos_token_id = None, None
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "prompt"),
+    [
+        (NoBosEncoder(), "<s><|user|>2+2?\n<|assistant|>"),  # kept: encoding would not add it
+        (NoBosTemplate(), "<|user|>2+2?\n<|assistant|>"),
+        (NoBosToken(), "<s><|user|>2+2?\n<|assistant|>"),  # no BOS token: the text is the template's
+    ],
+)
+def test_the_templates_bos_is_dropped_only_where_encoding_adds_it(tmp_path, tokenizer, prompt):
+    task = _task(tmp_path, [{"prompt": "2+2?", "answer": "4"}], chat_template=True, shuffle=False)
+    task.prepare(tokenizer)
+    assert task.items[0].prompt == prompt
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"role": "user", "content": "hi"},  # one message, not a list of them
+        [],
+        [{"role": "user"}],
+        [{"role": "user", "content": 3}],
+        [{"role": "user", "content": "hi"}, "and more"],
+    ],
+)
+def test_a_prompt_field_that_is_neither_text_nor_chat_messages_is_one_line(value):
+    with pytest.raises(UserError, match=r"^data.jsonl line 2: field 'prompt' must be a string or a list of chat messages"):
+        as_messages(value, "data.jsonl line 2", "prompt")
+
+
+def test_chat_messages_keep_only_their_role_and_content():
+    messages = [{"role": "user", "content": "hi", "name": "x"}]
+    assert as_messages(messages, "here", "prompt") == [{"role": "user", "content": "hi"}]
+    assert as_messages("plain text", "here", "prompt") is None
 
 
 def test_chat_template_needs_a_tokenizer_with_one(tmp_path):
