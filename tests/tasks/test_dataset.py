@@ -106,9 +106,26 @@ def test_epochs_visit_every_prompt_once_in_a_seeded_order(tmp_path):
     assert [i.prompt for i in epochs[0]] != [i.prompt for i in epochs[1]]  # reshuffled per epoch
     # the same positions give the same prompts, whatever the chunking and the producer rng
     assert task.stream(random.Random(9), 13, 4) == stream[13:17]
+    # a fresh task (a resumed run) whose first request starts inside epoch 1
+    assert _task(tmp_path, NUMBERS, seed=3).stream(random.Random(0), 13, 4) == stream[13:17]
     assert [i.prompt for i in _task(tmp_path, NUMBERS, seed=4).stream(random.Random(0), 0, 10)] != [
         i.prompt for i in epochs[0]
     ]
+
+
+@pytest.mark.parametrize(
+    ("options", "needs"),
+    [({}, False), ({"chat_template": True}, True), ({"max_prompt_tokens": 6}, True)],
+)
+def test_a_task_needs_the_tokenizer_for_a_chat_template_or_a_length_limit(tmp_path, options, needs):
+    assert _task(tmp_path, NUMBERS, **options).needs_tokenizer is needs
+
+
+def test_the_summary_names_where_the_held_out_prompts_come_from(tmp_path):
+    by_path = _task(tmp_path, NUMBERS, eval_path=_data(tmp_path, [{"prompt": "a", "answer": "1"}], "e.jsonl"))
+    assert f"1 held out for evaluation ({tmp_path / 'e.jsonl'})" in by_path.summary()
+    by_fraction = _task(tmp_path, NUMBERS, eval_fraction=0.2)
+    assert "2 held out for evaluation (task.eval_fraction=0.2)" in by_fraction.summary()
 
 
 def test_shuffle_false_walks_the_file_in_order(tmp_path):
@@ -129,10 +146,10 @@ def test_max_prompt_tokens_drops_long_prompts_and_counts_them(tmp_path):
 
 
 def test_all_prompts_too_long_is_one_line(tmp_path):
-    task = _task(tmp_path, [{"prompt": "xxxx", "answer": "1"}], max_prompt_tokens=2)
+    task = _task(tmp_path, [{"prompt": "xxxxxxx", "answer": "1"}, {"prompt": "xxxx", "answer": "1"}], max_prompt_tokens=2)
     with pytest.raises(UserError) as err:
         task.prepare(build_tokenizer("ascii"))
-    assert "the shortest has 5 tokens" in _one_line(err)
+    assert "the shortest has 5 tokens" in _one_line(err)  # "xxxx" and the BOS
 
 
 class ChatTokenizer:
@@ -316,13 +333,16 @@ def test_every_prompt_too_long_for_the_context_is_one_line(tmp_path):
 
 
 def test_the_warm_start_skips_and_counts_records_whose_prompt_and_answer_exceed_the_context(tmp_path):
-    records = [{"prompt": "x" * 4, "answer": "1" * n} for n in (1, 5, 7, 30)]
+    records = [{"prompt": "x" * 4, "answer": "1" * n} for n in (1, 6, 7, 30)]
     task = _task(tmp_path, records)
     task.prepare(build_tokenizer("ascii"), context=Context(tokens=12, budget=2, budget_key="rollout.max_new_tokens=2"))
     assert task.fit_warm_start(build_tokenizer("ascii"), 12) == 2
-    # prompt 4 + BOS = 5 tokens, answer n, EOS 1: 5 + n + 1 <= 12 keeps n = 1 and 5, skips 7 and 30
+    # prompt 4 + BOS = 5 tokens, answer n, EOS 1: 5 + n + 1 <= 12 keeps n = 1 and 6 (12 tokens
+    # exactly), skips 7 and 30
     pool = {item.answer for item in task.sft_sample(random.Random(0), 50)}
-    assert pool == {"1", "1" * 5}
+    assert pool == {"1", "1" * 6}
+    for seed in range(10):  # as many as there are: each once
+        assert sorted(item.answer for item in task.sft_sample(random.Random(seed), 2)) == ["1", "1" * 6]
     assert {item.answer for item in task.validation_items(10, 0)} == pool
     assert "the warm start skips 2 training records whose prompt + answer + EOS exceed the model's context of 12 tokens" in task.summary()
     with pytest.raises(UserError) as err:
