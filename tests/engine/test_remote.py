@@ -648,6 +648,8 @@ def test_a_good_answer_between_restores_starts_the_count_again_and_the_counters_
     with engine:
         engine.generate([sample], SamplingParams(max_new_tokens=4, seed=1))
         stats = engine.stats()
+        # every restore has ended: a pause has nothing to wait for
+        assert [(s.restoring, s.busy) for s in engine.servers] == [(0, False)]
     assert sample.output_len == 4 and sample.finish_reason == "length" and engine.script == []
     # two good answers (the abort, the finish); every request after the first good token is a
     # resubmission (3 lost, the finish); the lost answers count only as restores
