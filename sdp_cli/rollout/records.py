@@ -111,12 +111,6 @@ class RolloutSample:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def min_version(self) -> int | None:
-        return min(self.versions) if self.versions else None
-
-    def max_version(self) -> int | None:
-        return max(self.versions) if self.versions else None
-
     def check_consistent(self) -> None:
         """Raise ``ValueError`` if the per-token lists disagree in length or hold non-finite values."""
         n = len(self.output_ids)
@@ -182,10 +176,6 @@ class RolloutGroup:
 
     def __len__(self) -> int:
         return len(self.samples)
-
-    def min_version(self) -> int | None:
-        found = [v for s in self.samples if (v := s.min_version()) is not None]
-        return min(found) if found else None
 
     def to_dict(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "samples": [s.to_dict() for s in self.samples]}
