@@ -12,7 +12,7 @@ import pytest
 from sdp_cli.engine.base import EngineError
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.faults import _parse, _stall_seconds
-from sdp_cli.train.asyncloop.ledger import LedgerLog, audit
+from sdp_cli.train.asyncloop.ledger import Audit, LedgerLog, audit, parse_events, record_fate
 
 pytestmark = pytest.mark.reliability
 
@@ -70,6 +70,52 @@ def test_events_after_the_checkpoint_offset_are_not_part_of_its_lineage(tmp_path
     resumed = LedgerLog(log.path, truncate_to=snap["ledger_offset"])  # what a resume does
     assert resumed.offset() == snap["ledger_offset"]
     assert audit(resumed.path, snap, group_size=4).ok
+
+
+def test_an_abandoned_group_gave_its_capacity_back_like_a_rejected_one(tmp_path):
+    # a resumed run: group 7 was in flight when its checkpoint was taken; the resume abandons it
+    # and the manager counts it rejected (its capacity came back)
+    log = _ledger(tmp_path)
+    log.write("abandoned", [7], checkpoint_step=1)
+    snap = _snapshot(log, rejected=2, running=0)
+    snap["in_flight_group_ids"] = []
+    result = audit(log.path, snap, group_size=4)
+    assert result.ok and result.fates["abandoned"] == 1
+    snap["manager"]["stats"]["rejected"] = 1
+    assert audit(log.path, snap, group_size=4).counter_mismatches == ["rejected: 1 vs 2"]
+
+
+def test_every_step_up_to_the_snapshots_consumes_once(tmp_path):
+    log = _ledger(tmp_path)
+    log.write("consumed", [6], step=1, samples=[4])  # step 1 twice
+    snap = _snapshot(log, accepted=6)
+    snap["queue"] = []
+    assert audit(log.path, snap, group_size=4).counter_mismatches == ["consumed steps [1] vs 1..1 once each"]
+    (tmp_path / "gap").mkdir()
+    log = _ledger(tmp_path / "gap")
+    snap = _snapshot(log)
+    snap["step"] = 2  # step 2 never consumed
+    assert audit(log.path, snap, group_size=4).counter_mismatches == ["consumed steps [1] vs 1..2 once each"]
+
+
+def test_a_fate_of_no_groups_or_without_a_ledger_writes_nothing(tmp_path):
+    log = LedgerLog(tmp_path / "ledger.jsonl")
+    record_fate(log, "dropped", [], version=1, where="cache")
+    record_fate(None, "dropped", [3], version=1, where="cache")
+    assert log.offset() == 0 and log.path.read_bytes() == b""
+
+
+@pytest.mark.parametrize("samples", ["3", "4", '["4"]', "[4, -1]", "null"])
+def test_a_consumed_event_whose_samples_are_not_counts_is_refused(samples):
+    line = f'{{"event": "consumed", "time": 1.0, "groups": [0, 1], "step": 1, "samples": {samples}}}\n'
+    with pytest.raises(ValueError, match="^line 1: samples is not a list of sample counts$"):
+        parse_events(line.encode())
+
+
+def test_problems_show_five_groups_then_an_ellipsis():
+    assert Audit(group_size=4, lost=[4, 3, 2, 1, 0]).problems() == "groups 0, 1, 2, 3, 4 lost"
+    assert Audit(group_size=4, lost=[5, 4, 3, 2, 1, 0]).problems() == "groups 0, 1, 2, 3, 4, ... lost"
+    assert Audit(group_size=4, duplicated=[6]).problems() == "group 6 duplicated"
 
 
 def test_fault_specs_are_parsed_and_typos_refused():
