@@ -62,6 +62,13 @@ def test_a_group_with_no_fate_is_lost_and_one_with_two_is_duplicated(tmp_path):
     assert "running: 1 vs 0" in result.counter_mismatches
 
 
+def test_a_fate_of_a_group_never_handed_out_is_a_duplicate(tmp_path):
+    # ids 0-7 were handed out (next_group_id = 8): a fate of group 8 cannot be its first
+    log = _ledger(tmp_path)
+    log.write("dropped", [8], version=1, where="queue")
+    assert audit(log.path, _snapshot(log), group_size=4).duplicated == [8]
+
+
 def test_events_after_the_checkpoint_offset_are_not_part_of_its_lineage(tmp_path):
     log = _ledger(tmp_path)
     snap = _snapshot(log)
