@@ -326,6 +326,11 @@ MALFORMED = {
         raw(overrides=mutated("loss_mask", set_at(2, 2))),
         "loss_mask of token 2 (sequence 0) is 2, must be 0 or 1",
     ),
+    # token 2 is a valid 1 before it: the error names the first value that is not 0/1
+    "loss_mask not 0/1 after a valid 1": (
+        raw(overrides=mutated("loss_mask", set_at(3, 2))),
+        "loss_mask of token 3 (sequence 0) is 2, must be 0 or 1",
+    ),
     "offsets inconsistent": (None, "data_offsets"),
 }
 
