@@ -525,6 +525,26 @@ def test_a_valid_batch_whose_header_length_looks_like_a_pickle_is_read(tmp_path,
     assert read_batch(path).model.startswith("m")
 
 
+@given(
+    protocol=st.integers(2, 5),
+    length_bytes=st.binary(min_size=6, max_size=6),
+    ninth=st.sampled_from([b"{", b"}", b"\x95"]),
+    tail=st.binary(max_size=64),
+)
+def test_a_pickle_is_named_unless_its_whole_header_is_plausible(tmp_path_factory, protocol, length_bytes, ninth, tail):
+    """A file with a pickle's first two bytes is called a pickle unless all of the safetensors
+    structure holds at once (a header length that fits the file and is followed by "{"): one
+    part alone — a "{" ninth byte — does not make it a batch."""
+    data = bytes([0x80, protocol]) + length_bytes + ninth + tail
+    header_len = int.from_bytes(data[:8], "little")
+    plausible = 2 <= header_len <= batch_header.MAX_HEADER_BYTES and 8 + header_len <= len(data) and ninth == b"{"
+    path = tmp_path_factory.mktemp("p") / "b.safetensors"
+    path.write_bytes(data)
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    assert ("is a Python pickle" in str(err.value)) is not plausible, str(err.value)
+
+
 def test_a_batch_rewritten_in_place_while_it_is_read_is_never_a_crash(tmp_path):
     """Another process rewrites a 6.6 MB batch in place (the same inode), cutting it to half its
     length at random moments, while it is read at least 100 times: each read gives the batch or
