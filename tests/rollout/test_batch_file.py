@@ -366,6 +366,42 @@ def metadata_not_string(path):
     path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
 
 
+def header_edited(edit):
+    """A batch whose header JSON ``edit`` changes in place (tensor data kept as written)."""
+
+    def make(path):
+        data = write_raw(path).read_bytes()
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        edit(header)
+        new = json.dumps(header).encode()
+        new += b" " * (-len(new) % 8)
+        path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
+
+    return make
+
+
+def set_entry(name, key, value):
+    return header_edited(lambda header: header[name].__setitem__(key, value))
+
+
+# the header's entries are checked before any tensor is read: a shape or offsets that are not
+# what a 1-D tensor has get one line, never a TypeError from looking inside them
+MALFORMED["shape not a list"] = (set_entry("rewards", "shape", 2), "tensor rewards has shape 2, expected 1-D")
+MALFORMED["shape negative"] = (set_entry("rewards", "shape", [-2]), "tensor rewards has shape [-2], expected 1-D")
+MALFORMED["shape not an int"] = (set_entry("rewards", "shape", [2.0]), "tensor rewards has shape [2.0], expected 1-D")
+MALFORMED["offsets not a pair"] = (
+    set_entry("rewards", "data_offsets", 8),
+    "tensor rewards has malformed data_offsets 8",
+)
+MALFORMED["offsets not ints"] = (
+    set_entry("rewards", "data_offsets", ["0", "8"]),
+    "tensor rewards has malformed data_offsets ['0', '8']",
+)
+MALFORMED["entry not an object"] = (
+    header_edited(lambda header: header.__setitem__("rewards", [1, 2])),
+    "header entry of tensor rewards is not an object",
+)
 MALFORMED["trailing bytes"] = (trailing_garbage, "safetensors cannot load it (")
 MALFORMED["metadata not a string"] = (
     metadata_not_string,
@@ -654,6 +690,40 @@ def test_not_enough_memory_to_read_a_batch_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_header, "read_whole", starved)
     with pytest.raises(BatchFormatError, match="not enough memory to read its"):
         read_batch(path)
+
+
+def test_a_batch_that_grows_while_it_is_read_is_one_line(tmp_path, monkeypatch):
+    """A writer appends while sdp reads: the bytes read differ from the size seen first."""
+    path = tmp_path / "b.safetensors"
+    write_batch(path, good_batch())
+
+    def grown(f, size):
+        return f.read(size) + b"\0"
+
+    monkeypatch.setattr(batch_header, "read_whole", grown)
+    size = path.stat().st_size
+    with pytest.raises(BatchFormatError, match=rf"changed while it was read \({size} bytes, then {size + 1}\)"):
+        read_batch(path)
+
+
+def test_a_directory_given_as_a_batch_is_one_line(tmp_path):
+    (tmp_path / "d.safetensors").mkdir()
+    with pytest.raises(BatchFormatError, match="d.safetensors: is not a regular file; pass the path of a batch file"):
+        read_batch(tmp_path / "d.safetensors")
+
+
+def test_an_io_error_while_reading_names_the_os_reason(tmp_path, monkeypatch):
+    """The OS's reason, not Python's whole exception text with its errno."""
+    path = tmp_path / "b.safetensors"
+    write_batch(path, good_batch())
+
+    def failing_disk(f, size):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(batch_header, "read_whole", failing_disk)
+    with pytest.raises(BatchFormatError) as err:
+        read_batch(path)
+    assert str(err.value) == f"{path}: cannot be read (Input/output error); check the file"
 
 
 def lopsided_batch(sequences: int, longest: int) -> SavedBatch:
