@@ -331,39 +331,7 @@ MALFORMED = {
         raw(overrides=mutated("loss_mask", set_at(3, 2))),
         "loss_mask of token 3 (sequence 0) is 2, must be 0 or 1",
     ),
-    "offsets inconsistent": (None, "data_offsets"),
 }
-
-
-def offsets_inconsistent(path):
-    """Edit the header so that a tensor claims more bytes than its shape."""
-    data = write_raw(path).read_bytes()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8 : 8 + n])
-    header["rewards"]["shape"] = [3]
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
-
-
-MALFORMED["offsets inconsistent"] = (offsets_inconsistent, "tensor rewards has data_offsets")
-
-
-def trailing_garbage(path):
-    """Valid header and tensors, then 8 stray bytes: only safetensors itself notices."""
-    write_raw(path)
-    with open(path, "ab") as f:
-        f.write(b"\0" * 8)
-
-
-def metadata_not_string(path):
-    data = write_raw(path).read_bytes()
-    n = struct.unpack("<Q", data[:8])[0]
-    header = json.loads(data[8 : 8 + n])
-    header["__metadata__"]["trainer_version"] = 1
-    new = json.dumps(header).encode()
-    new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n :])
 
 
 def header_edited(edit):
@@ -385,6 +353,10 @@ def set_entry(name, key, value):
     return header_edited(lambda header: header[name].__setitem__(key, value))
 
 
+# a tensor that claims more bytes than its shape
+MALFORMED["offsets inconsistent"] = (set_entry("rewards", "shape", [3]), "tensor rewards has data_offsets")
+
+
 # the header's entries are checked before any tensor is read: a shape or offsets that are not
 # what a 1-D tensor has get one line, never a TypeError from looking inside them
 MALFORMED["shape not a list"] = (set_entry("rewards", "shape", 2), "tensor rewards has shape 2, expected 1-D")
@@ -402,9 +374,16 @@ MALFORMED["entry not an object"] = (
     header_edited(lambda header: header.__setitem__("rewards", [1, 2])),
     "header entry of tensor rewards is not an object",
 )
+def trailing_garbage(path):
+    """Valid header and tensors, then 8 stray bytes: only safetensors itself notices."""
+    write_raw(path)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 8)
+
+
 MALFORMED["trailing bytes"] = (trailing_garbage, "safetensors cannot load it (")
 MALFORMED["metadata not a string"] = (
-    metadata_not_string,
+    set_entry("__metadata__", "trainer_version", 1),
     "metadata value of 'trainer_version' is not a string",
 )
 
