@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -374,3 +376,28 @@ def test_a_worker_process_dropped_by_many_threads_at_once_is_dropped_once():
             thread.join(30)
         assert errors == []
         assert runner.process.exitcode is not None and runner not in rewarding._ProcessRunner.live
+
+
+def test_process_pool_calls_a_worker_cannot_load_are_each_an_error(judge):
+    """Reward calls whose function lives in a module only this process has (a worker is spawned,
+    not forked): every call of the batch is that one error, and the worker goes on to score the
+    next batch."""
+    module = types.ModuleType("sdp_module_only_in_the_parent")
+    exec("def score():\n    return 1.0\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    reports = Reports()
+    pool = RewardPool(kind="process", name="of task t", rules=RewardRules(errors="zero", max_error_rate=1.0))
+    try:
+        pool.submit([module.score, module.score, module.score], ["a", "b", "c"], reports)
+        pool.submit([judge("ok", score=0.5)], ["d"], reports)
+        got = reports.wait(2)
+    finally:
+        pool.close()
+        del sys.modules[module.__name__]
+    assert got == [([(0.0, {})] * 3, None), ([(0.5, {})], None)]
+    count, (first,) = pool.take_errors()
+    assert count == 3
+    assert str(first).startswith(
+        "a reward worker process could not load the reward calls (ModuleNotFoundError: No module named "
+        "'sdp_module_only_in_the_parent'); give task.reward as package.module:function"
+    ), first
