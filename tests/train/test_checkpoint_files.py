@@ -4,8 +4,10 @@ complete checkpoint, and checkpoints without optimizer state."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
+from sdp_cli.errors import UserError
 from sdp_cli.train.session import checkpoint as ckpt
 
 
@@ -135,3 +137,64 @@ def test_find_latest_looks_again_when_a_live_run_prunes_the_checkpoint_it_was_ch
     assert latest is not None and latest.name == "step-000003"
     monkeypatch.setattr(ckpt, "_is_valid", real_is_valid)
     assert ckpt.find_latest(tmp_path / "empty") is None
+
+
+def _edit_state(path: Path, edit) -> None:
+    """Rewrite ``state.json`` and its manifest entry, as a writer other than this sdp would."""
+    state_file = path / "state.json"
+    state = json.loads(state_file.read_text())
+    edit(state)
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["state.json"] = {"size": state_file.stat().st_size, "sha256": ckpt._sha256(state_file)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_of_another_format_is_not_a_checkpoint(tmp_path):
+    written = _write(tmp_path, 10, keep=1)
+    manifest = json.loads((written / "manifest.json").read_text())
+    manifest["format"] = "other-tool"
+    (written / "manifest.json").write_text(json.dumps(manifest))
+    assert ckpt.find_latest(tmp_path) is None
+    with pytest.raises(UserError, match="checkpoint is incomplete or corrupted; resume from an earlier one"):
+        ckpt.read_checkpoint(written)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda s: s.update(format="other-tool"), "(ValueError: state.json is not an sdp checkpoint state)"),
+        (lambda s: s.pop("loop"), "(ValueError: state.json is not an sdp checkpoint state)"),
+        (lambda s: s.pop("format_version"), "(ValueError: state.json has no integer format_version)"),
+        (lambda s: s.update(format_version="1"), "(ValueError: state.json has no integer format_version)"),
+        (lambda s: s.update(format_version=0), "(ValueError: state.json has format_version 0, which no sdp wrote)"),
+    ],
+)
+def test_a_state_sdp_did_not_write_is_one_line(tmp_path, edit, expected):
+    written = _write(tmp_path, 10, keep=1)
+    _edit_state(written, edit)
+    with pytest.raises(UserError) as err:
+        ckpt.read_checkpoint(written)
+    assert str(err.value) == (
+        f"{written}: checkpoint cannot be read {expected}; move it away to resume from an earlier one"
+    )
+
+
+def test_a_checkpoint_of_a_newer_sdp_says_to_upgrade(tmp_path):
+    written = _write(tmp_path, 10, keep=1)
+    _edit_state(written, lambda s: s.update(format_version=ckpt.FORMAT_VERSION + 1))
+    with pytest.raises(UserError) as err:
+        ckpt.read_checkpoint(written)
+    assert str(err.value) == (
+        f"{written}: checkpoint format version {ckpt.FORMAT_VERSION + 1} is newer than this sdp reads "
+        f"({ckpt.FORMAT_VERSION}); upgrade sdp to resume from it"
+    )
+
+
+def test_stale_temporaries_of_killed_writes_are_removed(tmp_path):
+    _write(tmp_path, 10, keep=1)
+    for name in (".tmp-step-000020-abc", ".tmp-step-000030-def"):
+        (tmp_path / name / "policy").mkdir(parents=True)
+    ckpt.remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000010"]
+    ckpt.remove_stale_temporaries(tmp_path / "absent")  # a run that never wrote one

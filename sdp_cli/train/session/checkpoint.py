@@ -269,14 +269,25 @@ def read_checkpoint(path: Path) -> Checkpoint:
         state = json.loads((path / "state.json").read_text())
         if state.get("format") != FORMAT or not {"trainer", "loop", "optimizer"} <= set(state):
             raise ValueError("state.json is not an sdp checkpoint state")
-        tensors = load_file(str(path / "optimizer.safetensors")) if state["optimizer"] is not None else {}
-        return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
+        version = state.get("format_version")
+        if type(version) is not int:
+            raise ValueError("state.json has no integer format_version")
+        if version < FORMAT_VERSION:
+            raise ValueError(f"state.json has format_version {version}, which no sdp wrote")
+        if version == FORMAT_VERSION:
+            tensors = load_file(str(path / "optimizer.safetensors")) if state["optimizer"] is not None else {}
+            return Checkpoint(path=path, step=int(state["step"]), state=state, optimizer_tensors=tensors)
     except Exception as err:  # files that match their manifest but were written by something else
         problem = " ".join(str(err).split())[:200]
         raise UserError(
             f"{path}: checkpoint cannot be read ({type(err).__name__}: {problem}); "
             "move it away to resume from an earlier one"
         ) from None
+    # a later sdp's layout may differ in ways this one cannot see, so it is not guessed at
+    raise UserError(
+        f"{path}: checkpoint format version {version} is newer than this sdp reads ({FORMAT_VERSION}); "
+        "upgrade sdp to resume from it"
+    )
 
 
 def hold_checkpoint(checkpoint: Path, into: Path) -> bool:
@@ -308,10 +319,7 @@ def _hold_file(source: Path, target: Path) -> None:
         shutil.copyfile(source, target, follow_symlinks=False)
 
 
-def remove_stale_temporaries(root: Path) -> int:
-    """Delete leftovers of checkpoint writes that were killed midway; returns how many."""
-    removed = 0
+def remove_stale_temporaries(root: Path) -> None:
+    """Delete leftovers of checkpoint writes that were killed midway."""
     for tmp in root.glob(f".tmp-{STEP_GLOB}") if root.is_dir() else []:
         shutil.rmtree(tmp, ignore_errors=True)
-        removed += 1
-    return removed
