@@ -300,3 +300,25 @@ def test_missing_dirs_made_are_removed_when_the_block_fails_and_kept_when_it_suc
     with fileio.missing_dirs_made(deep):
         pass
     assert deep.is_dir()
+
+
+def test_a_path_of_path_max_bytes_is_refused_and_one_byte_less_is_not(tmp_path):
+    """PATH_MAX counts the terminating NUL: a path of exactly that many bytes cannot be opened."""
+    _, path_max = fileio._limits(tmp_path)
+
+    def path_of(length):
+        left = length - len(os.fsencode(tmp_path)) - 1
+        parts = []
+        while left > 0:
+            part = min(left, 200)
+            if left - part == 1:  # a part of 0 bytes after the separator cannot be
+                part -= 1
+            parts.append("d" * part)
+            left -= part + 1
+        path = tmp_path.joinpath(*parts)
+        assert len(os.fsencode(path)) == length
+        return path
+
+    with pytest.raises(UserError, match=f"path is longer than the {path_max} bytes the system allows"):
+        fileio.OutputPlan(make_dirs=True).add(path_of(path_max), "--plot")
+    fileio.OutputPlan(make_dirs=True).add(path_of(path_max - 1), "--plot")
