@@ -264,3 +264,44 @@ def test_debug_fast_is_the_documented_small_run_and_key_overrides_win():
 def test_groups_per_request_resolves_null_by_staleness_and_recompute(overrides, expected):
     cfg, _ = compose_config(overrides)
     assert groups_per_request(cfg) == expected
+
+
+# Each pair: the edge value a rule allows, and the first one past it, with its one line.
+EDGES = [
+    (["optim.minibatches=128"], ["optim.minibatches=129"], "optim.minibatches=129 exceeds the batch size (16·8 samples)"),
+    (
+        ["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=2"],
+        ["loss.rejection.level=token", "loss.rejection.upper=2", "loss.rejection.lower=2.0001"],
+        "loss.rejection.lower=2.0001 is above loss.rejection.upper=2.0",
+    ),
+    (
+        ["train.batch_timeout_s=2592000"],
+        ["train.batch_timeout_s=2592000.5"],
+        "train.batch_timeout_s=2592000.5 is longer than 30 days (2592000 s); choose a shorter timeout",
+    ),
+    (
+        ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl"],
+        ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl", "task.eval_fraction=0.1"],
+        "set one of task.eval_path and task.eval_fraction, not both",
+    ),
+]
+
+
+@pytest.mark.parametrize(("allowed", "refused", "message"), EDGES, ids=lambda v: v if isinstance(v, str) else None)
+def test_a_rule_allows_its_edge_and_refuses_past_it(allowed, refused, message):
+    compose_config(allowed)
+    with pytest.raises(UserError) as err:
+        compose_config(refused)
+    assert str(err.value) == message
+
+
+def test_a_dataset_task_takes_a_held_out_fraction_alone():
+    cfg, _ = compose_config(["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_fraction=0.1"])
+    assert cfg.task.eval_fraction == 0.1 and cfg.task.eval_path is None
+
+
+@pytest.mark.parametrize("spec", [":score", "my_modes.py:", "my_modes:not-a-name", "my_modes.py:2x"])
+def test_a_mode_of_yours_needs_a_module_and_a_function_name(spec):
+    with pytest.raises(UserError) as err:
+        compose_config([f"loss.mode={spec}"])
+    assert str(err.value) == f"loss.mode={spec}: expected package.module:function or path/to/file.py:function"
