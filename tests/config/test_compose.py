@@ -284,6 +284,18 @@ EDGES = [
         ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl", "task.eval_fraction=0.1"],
         "set one of task.eval_path and task.eval_fraction, not both",
     ),
+    # what only one policy loss has: allowed with it, refused with another
+    (
+        ["loss.dual_clip=3"],
+        ["loss.dual_clip=3", "loss.loss_type=dppo"],
+        "loss.dual_clip bounds the PPO clip's loss, which loss.loss_type=dppo does not have; "
+        "set loss.dual_clip=null or loss.loss_type=ppo_clip",
+    ),
+    (
+        ["loss.dppo_kl_coef=0.1", "loss.loss_type=dppo"],
+        ["loss.dppo_kl_coef=0.1"],
+        "loss.dppo_kl_coef=0.1 is DPPO's penalty; set loss.loss_type=dppo or loss.dppo_kl_coef=0",
+    ),
 ]
 
 
