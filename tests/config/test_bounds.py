@@ -106,6 +106,21 @@ def test_the_kv_cache_must_fit_the_machines_memory(two_cpus_8_gib):
     assert _refused(["engine.cpu_kv_cache_gib=1000"]).startswith(
         "engine.cpu_kv_cache_gib=1000.0 is more than this machine's memory (8 GiB)"
     )
+    vllm = ["engine=vllm", "model=hf", "model.path=org/name"]
+    compose_config([*vllm, "engine.cpu_kv_cache_gib=8"])  # all of it: the edge the rule allows
+    assert _refused([*vllm, "engine.cpu_kv_cache_gib=8.01"]).startswith("engine.cpu_kv_cache_gib=8.01 is more than")
+
+
+def test_the_tiny_model_may_need_exactly_the_machines_memory(two_cpus_8_gib, monkeypatch):
+    """The rule is "more than the memory": a model that needs all of it is allowed, one byte less
+    memory is not (8 layers of width 1024: about 2 GiB to train, above the KV cache's 1 GiB)."""
+    model = ["model.num_layers=8", "model.hidden_size=1024", "model.intermediate_size=4096"]
+    cfg, _ = compose_config(model)
+    need = validation._tiny_model_parameters(cfg.model) * validation.TRAIN_BYTES_PER_PARAMETER
+    monkeypatch.setattr(validation, "machine_memory_bytes", lambda: need)
+    compose_config(model)
+    monkeypatch.setattr(validation, "machine_memory_bytes", lambda: need - 1)
+    assert _refused(model).startswith("the tiny model (model.hidden_size=1024, model.num_layers=8")
 
 
 def _int_keys(cls: type = SdpConfig, prefix: str = "") -> list[str]:

@@ -284,6 +284,12 @@ EDGES = [
         ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl", "task.eval_fraction=0.1"],
         "set one of task.eval_path and task.eval_fraction, not both",
     ),
+    (["seed=4611686018427387904"], ["seed=4611686018427387905"],
+     "seed=4611686018427387905 must be an integer between -4611686018427387904 and 4611686018427387904 (2**62)"),
+    (["seed=-4611686018427387904"], ["seed=-4611686018427387905"],
+     "seed=-4611686018427387905 must be an integer between -4611686018427387904 and 4611686018427387904 (2**62)"),
+    (["rollout.temperature=0.01"], ["rollout.temperature=0.0099"], "rollout.temperature=0.0099 is outside [0.01, 100]"),
+    (["rollout.temperature=100"], ["rollout.temperature=100.5"], "rollout.temperature=100.5 is outside [0.01, 100]"),
     # what only one policy loss has: allowed with it, refused with another
     (
         ["loss.dual_clip=3"],
