@@ -290,6 +290,12 @@ EDGES = [
      "seed=-4611686018427387905 must be an integer between -4611686018427387904 and 4611686018427387904 (2**62)"),
     (["rollout.temperature=0.01"], ["rollout.temperature=0.0099"], "rollout.temperature=0.0099 is outside [0.01, 100]"),
     (["rollout.temperature=100"], ["rollout.temperature=100.5"], "rollout.temperature=100.5 is outside [0.01, 100]"),
+    (
+        ["train.parallel=fsdp"],
+        ["train.parallel=fsdp", "model.lora.r=8"],
+        "train.parallel=fsdp with LoRA (model.lora.r > 0) is not supported; train LoRA adapters with "
+        "train.parallel=ddp (the base is frozen, only the adapters train)",
+    ),
     # what only one policy loss has: allowed with it, refused with another
     (
         ["loss.dual_clip=3"],
