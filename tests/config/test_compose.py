@@ -296,6 +296,25 @@ EDGES = [
         "train.parallel=fsdp with LoRA (model.lora.r > 0) is not supported; train LoRA adapters with "
         "train.parallel=ddp (the base is frozen, only the adapters train)",
     ),
+    (["train.eval_every=2147483647"], ["train.eval_every=2147483648"],
+     "train.eval_every=2147483648 is more than 2147483647 (2**31 - 1) in size; choose a smaller number"),
+    (["engine=vllm", "model=hf", "model.path=org/x", "engine.retries=100"],
+     ["engine=vllm", "model=hf", "model.path=org/x", "engine.retries=101"],
+     "engine.retries=101 is more than 100, the most sdp takes; choose a smaller number"),
+    (["engine=vllm", "model=hf", "model.path=org/x", "engine.port=65535"],
+     ["engine=vllm", "model=hf", "model.path=org/x", "engine.port=65536"],
+     "engine.port=65536 must be in 0..65535"),
+    (["task.reward_errors=zero", "task.reward_max_error_rate=1"],
+     ["task.reward_errors=zero", "task.reward_max_error_rate=1.01"],
+     "task.reward_max_error_rate=1.01 must be in [0, 1] (1: never stop for reward errors)"),
+    (["task.reward_errors=zero", "task.reward_max_error_rate=0"],
+     ["task.reward_errors=zero", "task.reward_max_error_rate=-0.01"],
+     "task.reward_max_error_rate=-0.01 must be in [0, 1] (1: never stop for reward errors)"),
+    (["task=runsum", "task.digits=12"], ["task.digits=12"], "task.digits applies to task=runsum, not task=arith1; remove it"),
+    # A-3PO's π_prox is made inside the step: a rejection veto alone reads the batch's π_prox too
+    (["loss.rejection.veto=1e-4"], ["loss.proximal_source=loglinear", "loss.rejection.veto=1e-4"],
+     "loss.rejection reads the batch's π_prox before the update, which loss.proximal_source=loglinear (A-3PO) "
+     "never computes; turn it off or use loss.proximal_source=forward"),
     # what only one policy loss has: allowed with it, refused with another
     (
         ["loss.dual_clip=3"],
