@@ -315,6 +315,9 @@ EDGES = [
     (["loss.rejection.veto=1e-4"], ["loss.proximal_source=loglinear", "loss.rejection.veto=1e-4"],
      "loss.rejection reads the batch's π_prox before the update, which loss.proximal_source=loglinear (A-3PO) "
      "never computes; turn it off or use loss.proximal_source=forward"),
+    (["loss.mode=segment_wise", "loss.drift_clip=1"], ["loss.mode=segment_wise", "loss.drift_clip=0.99"],
+     "loss.drift_clip=0.99 must be >= 1 (1 = segment-wise, inf = decoupled)"),
+    (["loss.dual_clip=1.01"], ["loss.dual_clip=1"], "loss.dual_clip=1.0 must be > 1 (or null to turn it off)"),
     # what only one policy loss has: allowed with it, refused with another
     (
         ["loss.dual_clip=3"],
