@@ -318,6 +318,7 @@ EDGES = [
     (["loss.mode=segment_wise", "loss.drift_clip=1"], ["loss.mode=segment_wise", "loss.drift_clip=0.99"],
      "loss.drift_clip=0.99 must be >= 1 (1 = segment-wise, inf = decoupled)"),
     (["loss.dual_clip=1.01"], ["loss.dual_clip=1"], "loss.dual_clip=1.0 must be > 1 (or null to turn it off)"),
+    (["loss.dual_clip=1e9"], ["loss.dual_clip=inf"], "loss.dual_clip=inf must be > 1 (or null to turn it off)"),
     (["optim.beta1=0"], ["optim.beta1=-0.01"], "optim.beta1=-0.01 must be in [0, 1)"),
     (["optim.beta2=0.999999"], ["optim.beta2=1"], "optim.beta2=1.0 must be in [0, 1)"),
     (["model.warm_start_target=1"], ["model.warm_start_target=1.01"], "model.warm_start_target=1.01 must be in (0, 1]"),
