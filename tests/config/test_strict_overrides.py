@@ -115,3 +115,24 @@ def test_a_quoted_comma_is_a_value_not_a_sweep():
 def test_every_schema_leaf_is_its_own_nearest_key():
     for key in schema_keys():
         assert nearest_key(key) == key
+
+
+def test_the_command_line_limits_allow_their_edge_and_refuse_past_it():
+    """check_override_sizes: at most MAX_OVERRIDES overrides, MAX_OVERRIDE_CHARS characters each,
+    MAX_OVERRIDE_ITEMS list or mapping items in all (``a=[x,y]`` counts 2: its "[" and ","),
+    each refused one past its limit in one line."""
+    from sdp_cli.config import limits
+
+    limits.check_override_sizes(["seed=1"] * limits.MAX_OVERRIDES)
+    with pytest.raises(UserError, match=r"^1001 overrides; sdp takes at most 1000; put them in a config file"):
+        limits.check_override_sizes(["seed=1"] * (limits.MAX_OVERRIDES + 1))
+    longest = "run.name=" + "x" * (limits.MAX_OVERRIDE_CHARS - len("run.name="))
+    limits.check_override_sizes([longest])
+    with pytest.raises(UserError, match=r"^override 'run.name=x{31}…' is longer than 65536 characters"):
+        limits.check_override_sizes([longest + "x"])
+    assert limits.override_items("a=[x,y]") == 2 and limits.override_items("a='[x,y]'") == 0
+    at_limit = "a=[" + ",".join("x" * limits.MAX_OVERRIDE_ITEMS) + "]"  # 1 "[" and 999 ","
+    assert limits.override_items(at_limit) == limits.MAX_OVERRIDE_ITEMS
+    limits.check_override_sizes([at_limit])
+    with pytest.raises(UserError, match=r"the overrides have more than 1000 list or mapping items"):
+        limits.check_override_sizes([at_limit, "b=[y]"])
