@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load, save
 
-from sdp_cli.analysis.inspect import MISSING_PROXIMAL_FIX, WeightOptions, analyse_batches, dump_tensors
+from sdp_cli.analysis.inspect import MISSING_PROXIMAL_FIX, MaskOptions, WeightOptions, analyse_batches, dump_tensors
 from sdp_cli.rollout.batch_file import SavedBatch
 from sdp_cli.rollout.records import RolloutSample
 
@@ -128,6 +128,8 @@ def test_bypass_is_the_reference():
         assert [stats[k] for k in ("mean", "std", "min", "max", "ess")] == [1, 0, 1, 1, 1], level
         assert stats["frac_high"] == 0.0
     assert r.modes["bypass"].divergence == {"kl": 0.0, "k3_kl": 0.0, "chi2_token": 0.0, "chi2_seq": 0.0}
+    # shown as 0, never as −0 (the mean of an all-zero log ratio negated)
+    assert all(math.copysign(1.0, v) == 1.0 for v in r.modes["bypass"].divergence.values())
 
 
 def test_divergences_by_hand():
@@ -214,10 +216,16 @@ def test_drift_clipped_row_by_hand():
     # κ = 4 keeps every dropped factor here (2 and 0.25 are inside [0.25, 4]): the decoupled weights
     wide = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=4.0))
     assert wide.modes["segment_wise_drift"].weights == wide.modes["decoupled"].weights
+    # its target is no stored input but π_behav·w, here π_prox: the divergences are decoupled's
+    # (whose log ratios are symmetric about 0, so the κ = 1 check below is the one a sign flip fails)
+    for name, value in wide.modes["decoupled"].divergence.items():
+        assert wide.modes["segment_wise_drift"].divergence[name] == approx(value), name
     assert all(row.drift_clipped == 0.0 for row in wide.lags)
     # κ = 1 is the segment-wise row
     narrow = analyse_batches([hand_batch()], ["hand"], WeightOptions(drift_clip=1.0))
     assert narrow.modes["segment_wise_drift"].weights == narrow.modes["segment_wise"].weights
+    for name, value in narrow.modes["segment_wise"].divergence.items():  # kl = −ln 2 / 5, as by hand above
+        assert narrow.modes["segment_wise_drift"].divergence[name] == approx(value), name
     # without π_prox there is no drift factor
     assert not analyse_batches([hand_batch(with_prox=False)], ["h"]).modes["segment_wise_drift"].available
 
@@ -249,6 +257,23 @@ def test_missing_proximal_logprobs_makes_decoupled_unavailable():
     assert r.modes["segment_wise"].weights == with_prox.modes["segment_wise"].weights
     d = r.to_dict()["modes"]["decoupled"]
     assert d["available"] is False and d["weights"] is None
+
+
+def test_the_missing_proximal_reason_names_the_first_file_and_counts_the_rest():
+    batches = [hand_batch(with_prox=False)] * 3
+    r = analyse_batches(batches, ["a.safetensors", "b.safetensors", "c.safetensors"])
+    assert r.modes["decoupled"].reason.startswith("a.safetensors (and 2 more) has no proximal_logprobs (π_prox); ")
+    one = analyse_batches([hand_batch(), hand_batch(with_prox=False)], ["a.safetensors", "b.safetensors"])
+    assert one.modes["decoupled"].reason.startswith("b.safetensors has no proximal_logprobs")
+
+
+def test_opsm_needs_advantages_and_reads_none_without_them():
+    """OPSM masks on the advantage's sign: a batch saved without advantages has no OPSM column
+    (None), never an error; one mask alone turns the masks' table on."""
+    r = analyse_batches([hand_batch()], ["hand"], masks=MaskOptions(opsm_delta=0.0))
+    assert r.mask_options.any and r.modes["decoupled"].masks == {"opsm": None}
+    assert MaskOptions(m2_threshold=0.1).any and MaskOptions(rejection_level="token").any
+    assert not MaskOptions().any
 
 
 def test_several_batches_keep_their_own_trainer_version():
