@@ -259,3 +259,43 @@ def test_a_primary_that_does_not_build_on_sdps_config_says_so(tmp_path, override
     assert _refused(overrides, tmp_path, "exp") == (
         f"{tmp_path / 'exp.yaml'} does not build on sdp's config; make its first defaults entry `- config`"
     )
+
+
+def test_a_config_file_of_exactly_the_limit_is_read_and_one_byte_more_is_not(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_bytes(b"#" * (limits.MAX_YAML_BYTES - 1) + b"\n")
+    assert len(limits.read_yaml_file(path)) == limits.MAX_YAML_BYTES
+    path.write_bytes(b"#" * limits.MAX_YAML_BYTES + b"\n")
+    with pytest.raises(UserError, match=rf"big.yaml: {limits.MAX_YAML_BYTES + 1} bytes; a config file may have at most"):
+        limits.read_yaml_file(path)
+
+
+class _Mark:
+    def __init__(self, line):
+        self.line, self.name = line, "<unicode string>"
+
+
+class _YamlError(Exception):
+    """What PyYAML's MarkedYAMLError carries, set by hand."""
+
+    def __init__(self, text, problem=None, problem_mark=None, context=None, context_mark=None):
+        super().__init__(text)
+        self.problem, self.problem_mark, self.context, self.context_mark = problem, problem_mark, context, context_mark
+
+
+@pytest.mark.parametrize(
+    ("err", "line"),
+    [
+        (_YamlError("x", "found a tab", _Mark(2)), "f.yaml:3: not valid YAML (found a tab); fix the file"),
+        (
+            _YamlError("x", "expected ']'", _Mark(4), "while parsing a flow sequence", _Mark(1)),
+            "f.yaml:5: not valid YAML (expected ']', while parsing a flow sequence at line 2); fix the file",
+        ),
+        # a context mark without a context says nothing more
+        (_YamlError("x", "expected ']'", _Mark(4), None, _Mark(1)), "f.yaml:5: not valid YAML (expected ']'); fix the file"),
+        # no problem attribute: the first non-empty line of the error's text
+        (_YamlError("\n  unacceptable character #x0007\nmore"), "f.yaml: not valid YAML (  unacceptable character #x0007); fix the file"),
+    ],
+)
+def test_a_yaml_error_is_one_line_with_its_place(err, line):
+    assert limits.yaml_error_line(err, "f.yaml") == line
