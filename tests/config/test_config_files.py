@@ -299,3 +299,31 @@ class _YamlError(Exception):
 )
 def test_a_yaml_error_is_one_line_with_its_place(err, line):
     assert limits.yaml_error_line(err, "f.yaml") == line
+
+
+def test_yaml_nesting_and_interpolation_chains_at_their_limits():
+    """64 levels below the top are allowed, 65 refused; a chain of 64 interpolating values is
+    allowed, 65 refused (MAX_YAML_DEPTH bounds both)."""
+    def nested(n):  # the scalar sits n + 1 levels below the top mapping
+        return "a: " + "{b: " * n + "1" + "}" * n + "\n"
+
+    limits.load_yaml_text(nested(limits.MAX_YAML_DEPTH - 1), "f.yaml")
+    with pytest.raises(UserError, match=r"^f.yaml:1: nests deeper than 64 levels; flatten it$"):
+        limits.load_yaml_text(nested(limits.MAX_YAML_DEPTH), "f.yaml")
+
+    def chain(n):  # k0 → k1 → … → k{n-1} → "x": n values that interpolate
+        values = {f"k{i}": "${k%d}" % (i + 1) for i in range(n)}
+        return {**values, f"k{n}": "x"}
+
+    limits.check_interpolations(chain(limits.MAX_YAML_DEPTH))
+    with pytest.raises(UserError, match=r"^k64: its interpolations chain more than 64 values deep; write the value out$"):
+        limits.check_interpolations(chain(limits.MAX_YAML_DEPTH + 1))
+
+
+def test_a_config_dir_may_hold_1000_yaml_files_and_not_1001(tmp_path):
+    for i in range(limits.MAX_CONFIG_FILES):
+        (tmp_path / f"c{i:04d}.yaml").write_text("a: 1\n")
+    assert len(limits.config_files(tmp_path)) == limits.MAX_CONFIG_FILES
+    (tmp_path / "one_more.yaml").write_text("a: 1\n")
+    with pytest.raises(UserError, match=r"more than 1000 YAML files under it; pass the directory that holds only your configs"):
+        limits.config_files(tmp_path)
