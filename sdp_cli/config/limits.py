@@ -108,12 +108,15 @@ def _check_expansion(root: Any) -> None:
     node (memo: size and height), refused past ``MAX_YAML_NODES`` or ``MAX_YAML_DEPTH``."""
     done: dict[int, tuple[int, int]] = {}
     active: set[int] = set()
+    aliased = False  # a node met twice: its size counts each time (what the message blames)
 
     def visit(node: Any, depth: int) -> tuple[int, int]:
+        nonlocal aliased
         if depth > MAX_YAML_DEPTH:
             raise _Refused(node, f"nests deeper than {MAX_YAML_DEPTH} levels; flatten it")
         key = id(node)
         if key in done:
+            aliased = True
             size, height = done[key]
             if depth + height > MAX_YAML_DEPTH:
                 raise _Refused(node, f"nests deeper than {MAX_YAML_DEPTH} levels; flatten it")
@@ -127,7 +130,10 @@ def _check_expansion(root: Any) -> None:
             size, height = size + child_size, max(height, child_height + 1)
             if size > MAX_YAML_NODES:
                 raise _Refused(
-                    node, f"aliases expand it to more than {MAX_YAML_NODES} nodes; write the values out or use fewer aliases"
+                    node,
+                    f"aliases expand it to more than {MAX_YAML_NODES} nodes; write the values out or use fewer aliases"
+                    if aliased
+                    else f"has more than {MAX_YAML_NODES} nodes, the most a config file may have; split it",
                 )
         active.discard(key)
         done[key] = (size, height)

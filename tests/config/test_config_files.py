@@ -327,3 +327,39 @@ def test_a_config_dir_may_hold_1000_yaml_files_and_not_1001(tmp_path):
     (tmp_path / "one_more.yaml").write_text("a: 1\n")
     with pytest.raises(UserError, match=r"more than 1000 YAML files under it; pass the directory that holds only your configs"):
         limits.config_files(tmp_path)
+
+
+def test_a_config_of_10000_nodes_is_read_and_one_more_is_refused_naming_what_grew():
+    """Nodes counted: the top mapping, its key, the sequence and its items (k + 3)."""
+    def listing(k):
+        return "a: [" + ",".join(["1"] * k) + "]\n"
+
+    limits.load_yaml_text(listing(limits.MAX_YAML_NODES - 3), "f.yaml")
+    with pytest.raises(UserError) as err:
+        limits.load_yaml_text(listing(limits.MAX_YAML_NODES - 2), "f.yaml")
+    # no alias in it: the message does not blame aliases
+    assert str(err.value) == "f.yaml:1: has more than 10000 nodes, the most a config file may have; split it"
+
+
+def test_an_alias_reused_deep_may_reach_the_depth_limit_and_not_pass_it():
+    """&A is 4 levels tall (3 mappings and a scalar); reused under m mappings below "deep" its
+    scalar sits m + 4 levels below the top: 64 allowed, 65 refused, though A was first met shallow."""
+    def document(m):
+        return "base: &A " + "{b: " * 3 + "1" + "}" * 3 + "\ndeep: " + "{c: " * m + "*A" + "}" * m + "\n"
+
+    limits.load_yaml_text(document(60), "f.yaml")
+    with pytest.raises(UserError, match=r"nests deeper than 64 levels"):
+        limits.load_yaml_text(document(61), "f.yaml")
+
+
+def test_relative_interpolations_name_their_target():
+    assert limits._target("a.b.c", ".x") == "a.b.x"  # a sibling
+    assert limits._target("a.b.c", "..x") == "a.x"  # a sibling of the parent
+    assert limits._target("a.b.c", "..") == "a"
+    assert limits._target("a.b.c", " x[0] ") == "x.0"
+
+
+def test_a_value_may_interpolate_1000_references_and_not_1001():
+    limits.check_interpolations({"x": "1", "k": "${x}" * limits.MAX_INTERPOLATION_REFS})
+    with pytest.raises(UserError, match=r"^k: its interpolations expand to more than 1000 references"):
+        limits.check_interpolations({"x": "1", "k": "${x}" * (limits.MAX_INTERPOLATION_REFS + 1)})
