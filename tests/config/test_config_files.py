@@ -363,3 +363,11 @@ def test_a_value_may_interpolate_1000_references_and_not_1001():
     limits.check_interpolations({"x": "1", "k": "${x}" * limits.MAX_INTERPOLATION_REFS})
     with pytest.raises(UserError, match=r"^k: its interpolations expand to more than 1000 references"):
         limits.check_interpolations({"x": "1", "k": "${x}" * (limits.MAX_INTERPOLATION_REFS + 1)})
+
+
+def test_a_value_may_resolve_to_1_mib_of_characters_and_not_one_more():
+    """Counted: the value's own characters outside interpolations plus what each resolves to."""
+    filler = "y" * (limits.MAX_RESOLVED_CHARS - 1)
+    limits.check_interpolations({"x": "1", "k": "${x}" + filler})
+    with pytest.raises(UserError, match=r"^k: its interpolations resolve to more than 1048576 characters"):
+        limits.check_interpolations({"x": "12", "k": "${x}" + filler})
