@@ -371,3 +371,16 @@ def test_a_value_may_resolve_to_1_mib_of_characters_and_not_one_more():
     limits.check_interpolations({"x": "1", "k": "${x}" + filler})
     with pytest.raises(UserError, match=r"^k: its interpolations resolve to more than 1048576 characters"):
         limits.check_interpolations({"x": "12", "k": "${x}" + filler})
+
+
+def test_a_config_file_that_cannot_be_read_names_the_os_reason(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("a: 1\n")
+
+    def failing_disk(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(limits, "open", failing_disk, raising=False)  # the module's name for the builtin
+    with pytest.raises(UserError) as err:
+        limits.read_yaml_file(path)
+    assert str(err.value) == f"{path}: cannot be read (Input/output error); check the file"
