@@ -267,6 +267,9 @@ def test_groups_per_request_resolves_null_by_staleness_and_recompute(overrides, 
 
 
 # Each pair: the edge value a rule allows, and the first one past it, with its one line.
+VLLM = ["engine=vllm", "model=hf", "model.path=org/x"]
+DATA = ["task=dataset", "task.path=x.jsonl", "task.reward=final_number"]
+ZERO = ["task.reward_errors=zero"]
 EDGES = [
     (["optim.minibatches=128"], ["optim.minibatches=129"], "optim.minibatches=129 exceeds the batch size (16·8 samples)"),
     (
@@ -280,8 +283,8 @@ EDGES = [
         "train.batch_timeout_s=2592000.5 is longer than 30 days (2592000 s); choose a shorter timeout",
     ),
     (
-        ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl"],
-        ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_path=y.jsonl", "task.eval_fraction=0.1"],
+        [*DATA, "task.eval_path=y.jsonl"],
+        [*DATA, "task.eval_path=y.jsonl", "task.eval_fraction=0.1"],
         "set one of task.eval_path and task.eval_fraction, not both",
     ),
     (["seed=4611686018427387904"], ["seed=4611686018427387905"],
@@ -298,17 +301,17 @@ EDGES = [
     ),
     (["train.eval_every=2147483647"], ["train.eval_every=2147483648"],
      "train.eval_every=2147483648 is more than 2147483647 (2**31 - 1) in size; choose a smaller number"),
-    (["engine=vllm", "model=hf", "model.path=org/x", "engine.retries=100"],
-     ["engine=vllm", "model=hf", "model.path=org/x", "engine.retries=101"],
+    ([*VLLM, "engine.retries=100"],
+     [*VLLM, "engine.retries=101"],
      "engine.retries=101 is more than 100, the most sdp takes; choose a smaller number"),
-    (["engine=vllm", "model=hf", "model.path=org/x", "engine.port=65535"],
-     ["engine=vllm", "model=hf", "model.path=org/x", "engine.port=65536"],
+    ([*VLLM, "engine.port=65535"],
+     [*VLLM, "engine.port=65536"],
      "engine.port=65536 must be in 0..65535"),
-    (["task.reward_errors=zero", "task.reward_max_error_rate=1"],
-     ["task.reward_errors=zero", "task.reward_max_error_rate=1.01"],
+    ([*ZERO, "task.reward_max_error_rate=1"],
+     [*ZERO, "task.reward_max_error_rate=1.01"],
      "task.reward_max_error_rate=1.01 must be in [0, 1] (1: never stop for reward errors)"),
-    (["task.reward_errors=zero", "task.reward_max_error_rate=0"],
-     ["task.reward_errors=zero", "task.reward_max_error_rate=-0.01"],
+    ([*ZERO, "task.reward_max_error_rate=0"],
+     [*ZERO, "task.reward_max_error_rate=-0.01"],
      "task.reward_max_error_rate=-0.01 must be in [0, 1] (1: never stop for reward errors)"),
     (["task=runsum", "task.digits=12"], ["task.digits=12"], "task.digits applies to task=runsum, not task=arith1; remove it"),
     # A-3PO's π_prox is made inside the step: a rejection veto alone reads the batch's π_prox too
@@ -325,13 +328,13 @@ EDGES = [
     (["model.warm_start_target=0.01"], ["model.warm_start_target=0"], "model.warm_start_target=0.0 must be in (0, 1]"),
     (["task=runsum", "task.digits=2"], ["task=runsum", "task.digits=1"], "task.digits=1 must be in [2, 12]"),
     (["task=runsum", "task.digits=12"], ["task=runsum", "task.digits=13"], "task.digits=13 must be in [2, 12]"),
-    (["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_fraction=0.001"],
-     ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_fraction=0"],
+    ([*DATA, "task.eval_fraction=0.001"],
+     [*DATA, "task.eval_fraction=0"],
      "task.eval_fraction=0.0 must be in (0, 1)"),
-    (["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_fraction=0.999"],
-     ["task=dataset", "task.path=x.jsonl", "task.reward=final_number", "task.eval_fraction=1"],
+    ([*DATA, "task.eval_fraction=0.999"],
+     [*DATA, "task.eval_fraction=1"],
      "task.eval_fraction=1.0 must be in (0, 1)"),
-    (["task=dataset", "task.path=x.jsonl", "task.reward=final_number"], ["task=dataset", "task.path=x.jsonl"],
+    (DATA, ["task=dataset", "task.path=x.jsonl"],
      "task=dataset needs task.reward=final_number|boxed|regex|package.module:function|path/to/file.py:function"),
     # what only one policy loss has: allowed with it, refused with another
     (
