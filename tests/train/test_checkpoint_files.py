@@ -187,7 +187,7 @@ def test_a_checkpoint_of_a_newer_sdp_says_to_upgrade(tmp_path):
         ckpt.read_checkpoint(written)
     assert str(err.value) == (
         f"{written}: checkpoint format version {ckpt.FORMAT_VERSION + 1} is newer than this sdp reads "
-        f"({ckpt.FORMAT_VERSION}); upgrade sdp to resume from it"
+        f"({ckpt.FORMAT_VERSION}); upgrade sdp to resume from it, or move it away to resume from an earlier one"
     )
 
 

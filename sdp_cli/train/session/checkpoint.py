@@ -286,7 +286,7 @@ def read_checkpoint(path: Path) -> Checkpoint:
     # a later sdp's layout may differ in ways this one cannot see, so it is not guessed at
     raise UserError(
         f"{path}: checkpoint format version {version} is newer than this sdp reads ({FORMAT_VERSION}); "
-        "upgrade sdp to resume from it"
+        "upgrade sdp to resume from it, or move it away to resume from an earlier one"
     )
 
 
