@@ -32,6 +32,7 @@ from . import report
 from .conftest import API_KEY_ENV
 from .harness import (
     FAST,
+    _stat,
     FAST_SERVER,
     GROUP_SIZE,
     check_finished_run,
@@ -414,10 +415,10 @@ def _still_running(pids: set[int]) -> str:
     found = []
     for pid in sorted(pids):
         try:
-            if gone(pid):
+            state = _stat(pid)[0]
+            if state == "Z":  # as harness.gone counts it
                 continue
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         found.append(f"{pid} [{state}] {command[:200]}")

@@ -10,6 +10,8 @@ import torch
 from sdp_cli.errors import UserError
 from sdp_cli.train.session import checkpoint as ckpt
 
+from .test_resume_trust import resign
+
 
 _OPTIMIZER = object()
 
@@ -140,14 +142,11 @@ def test_find_latest_looks_again_when_a_live_run_prunes_the_checkpoint_it_was_ch
 
 
 def _edit_state(path: Path, edit) -> None:
-    """Rewrite ``state.json`` and its manifest entry, as a writer other than this sdp would."""
-    state_file = path / "state.json"
-    state = json.loads(state_file.read_text())
+    """Rewrite ``state.json`` and re-sign the manifest, as a writer other than this sdp would."""
+    state = json.loads((path / "state.json").read_text())
     edit(state)
-    state_file.write_text(json.dumps(state))
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["files"]["state.json"] = {"size": state_file.stat().st_size, "sha256": ckpt._sha256(state_file)}
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    (path / "state.json").write_text(json.dumps(state))
+    resign(path)
 
 
 def test_a_manifest_of_another_format_is_not_a_checkpoint(tmp_path):
