@@ -10,8 +10,8 @@ On a GPU, with a Qwen2.5-0.5B-shaped model, randomly initialised (tests/gpu/qwen
              engine/trainer bf16 mismatch against the engine's own scores, a one-process FSDP2 step;
   engine     tokens/s of the embedded engine (bf16) at two batch sizes;
   fsdp       `torchrun --nproc_per_node 1 -m sdp_cli train ... train.parallel=fsdp`, 3 steps;
-  async      the train part's run again at η = 0: what asynchrony buys when generation has its
-             own hardware (one run each: an indication, not a benchmark).
+  async      the train part's run again at η = 0: what asynchrony buys when the engine and the
+             trainer share one GPU (one run each: an indication, not a benchmark).
 
 Each part is a child process with its own time limit, inside a total budget; the GPU's memory is
 polled (nvidia-smi) while it runs. OUT/gpu_check.json and the table OUT/gpu_check.md are written
@@ -23,7 +23,7 @@ model's groups rewards that differ, so advantages and updates are not all zero.
 work before a GPU is lent. The CUDA tests then run on the CPU too (SDP_GPU_TEST_DEVICE=cpu), and
 what exists only on a GPU (CUDA memory, nvidia-smi, NCCL) is marked "skipped (no CUDA)".
 
-    python bench/gpu.py --out gpu_check_out [--dry-run] [--parts train,engine] [--budget 420]
+    python bench/gpu.py --out gpu_check_out [--dry-run] [--parts train,engine] [--budget 450]
 """
 
 from __future__ import annotations
@@ -332,6 +332,18 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def second_half_step_s(rows: list[dict[str, Any]]) -> float | None:
+    """The median time from one training step's row to the next over the run's second half.
+
+    A run's steps per second (summary.json) counts its first steps too: CUDA's first kernels,
+    the first batch's generation and, at η > 0, the steps that use the batches generated ahead
+    meanwhile. On the H200 of 2026-12-04 the first step took 6 s of a 20-step run's 42 s.
+    """
+    times = [float(r["time"]) for r in rows if r.get("time") is not None]
+    gaps = [times[i] - times[i - 1] for i in range(max(len(times) // 2, 1), len(times))]
+    return statistics.median(gaps) if gaps else None
+
+
 def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], dict[str, bool]]:
     """What a run's metrics.jsonl and summary.json say, and the checks on them."""
     rows = _rows(run_dir)
@@ -369,6 +381,7 @@ def train_metrics(run_dir: Path, steps: int, eta: int) -> tuple[dict[str, Any], 
         "push_s_mean": _mean(col("time/push_s")),
         "push_async_s_mean": _mean(col("time/push_async_s")),
         "wait_s_mean": _mean(col("time/wait_s")),
+        "step_s_second_half_median": second_half_step_s(rows),
         # the behavioural weights' spread per lag: decoupled's carries the engine/trainer
         # mismatch, segment-wise's only the policy change (docs/engines.md "Engine dtype")
         "weight_std_by_lag": {
@@ -545,7 +558,10 @@ def part_async(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
     out: dict[str, Any] = {
         **result, "seconds": seconds, "gpu_peak_gib": peak, "checks": checks,
         "command": "python -m sdp_cli train " + " ".join(overrides),
-        "eta0": {k: found[k] for k in ("steps", "steps_per_second", "wall_seconds", "train_s_mean", "push_s_mean", "wait_s_mean")},
+        "eta0": {k: found[k] for k in (
+            "steps", "steps_per_second", "wall_seconds", "train_s_mean", "push_s_mean", "wait_s_mean",
+            "step_s_second_half_median",
+        )},
     }  # fmt: skip
     if out["status"] != "timeout":
         out["status"] = status_of(checks)
@@ -554,11 +570,20 @@ def part_async(args: argparse.Namespace, plan: Plan, timeout: float) -> dict[str
     eta0 = found["steps_per_second"]
     out["eta2_steps_per_second"] = eta2
     out["speedup"] = eta2 / eta0 if eta2 and eta0 else None
+    step0, step2 = found["step_s_second_half_median"], second_half_step_s(_rows(args.work / TRAIN_RUN))
+    out["eta2_step_s_second_half_median"] = step2
+    out["second_half_speedup"] = step0 / step2 if step0 and step2 else None
     out["summary"] = (
         f"η = 0: {'n/a' if eta0 is None else f'{eta0:.3f}'} steps/s (per step: training "
         f"{_fmt_s(found['train_s_mean'])}, push {_fmt_s(found['push_s_mean'])}, waiting for generation "
         f"{_fmt_s(found['wait_s_mean'])}); η = 2 (train part): {'n/a' if eta2 is None else f'{eta2:.3f}'} steps/s"
         + ("" if out["speedup"] is None else f": {out['speedup']:.2f}× (one run each)")
+        + (
+            ""
+            if out["second_half_speedup"] is None
+            else f"; the second half's median step: η = 0 {_fmt_s(step0)}, η = 2 {_fmt_s(step2)}: "
+            f"{out['second_half_speedup']:.2f}×"
+        )
     )
     return out
 
@@ -664,7 +689,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="scratch directory (model, runs); default: a new one under $TMPDIR")
     parser.add_argument("--dry-run", action="store_true", help="the tiny shape on the CPU, CUDA-only parts skipped")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (model always runs)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for all parts (default 420; dry run 600)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for all parts (default 450; dry run 600)")
     parser.add_argument("--wheels", type=Path, default=None, help="the wheels scripts/gpu_check.sh installed (recorded)")
     parser.add_argument("--site", type=Path, default=None, help="where it installed them (recorded)")
     parser.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -695,7 +720,7 @@ def main() -> None:
     report.set("install", installed(args))
     if plan.device == "cpu":
         report.set("gpu_memory", {"status": "skipped", "reason": NO_CUDA})
-    budget = args.budget or (600.0 if args.dry_run else 420.0)
+    budget = args.budget or (600.0 if args.dry_run else 450.0)
     deadline = time.monotonic() + budget
     run = {
         "model": part_model, "train": part_train, "gpu_tests": part_gpu_tests, "engine": part_engine,

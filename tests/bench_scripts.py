@@ -31,6 +31,7 @@ def load_bench(script: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}_under_test", BENCH / script)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass looks its module up there while it is made
         spec.loader.exec_module(module)
         return module
     finally:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .bench_scripts import load_bench
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
@@ -137,7 +139,22 @@ def test_the_whole_dry_run_passes_with_sane_numbers(tmp_path):
     assert timing["eta0"]["steps"] == 4 and all(timing["checks"].values())
     assert timing["speedup"] == pytest.approx(timing["eta2_steps_per_second"] / timing["eta0"]["steps_per_second"])
     assert timing["eta2_steps_per_second"] == train["steps_per_second"]
+    step0, step2 = timing["eta0"]["step_s_second_half_median"], timing["eta2_step_s_second_half_median"]
+    assert step0 > 0 and step2 == train["step_s_second_half_median"] > 0
+    assert timing["second_half_speedup"] == pytest.approx(step0 / step2)
     # what comes back from a lent machine: at most 8 files, none of them the model
     assert sorted(p.name for p in out.iterdir()) == [
         "gpu_check.json", "gpu_check.log", "gpu_check.md", "gpu_tests.xml", "train_metrics.jsonl",
     ]  # fmt: skip
+
+
+def test_the_second_half_step_is_the_median_gap_between_the_later_rows():
+    gpu = load_bench("gpu.py")
+    # steps 1..6 at these times: the gaps into steps 4, 5 and 6 are 2, 5 and 3 (the first
+    # steps' 10 s of warm-up left out); a row without a time is skipped
+    rows = [{"step": k, "time": t} for k, t in enumerate([100.0, 110.0, 111.0, 113.0, 118.0, 121.0], start=1)]
+    assert gpu.second_half_step_s(rows) == 3.0
+    assert gpu.second_half_step_s(rows[:2]) == 10.0  # two rows: their one gap
+    assert gpu.second_half_step_s(rows[:1]) is None and gpu.second_half_step_s([]) is None
+    # step 2 without a time: five timed rows, the gaps into the last three are 2, 5 and 3
+    assert gpu.second_half_step_s([rows[0], {"step": 2}, *rows[2:]]) == 3.0
