@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import json
+import logging
 import os
 import re
 import shutil
@@ -62,6 +63,30 @@ def test_backoff_doubles_up_to_the_cap_and_retries_are_bounded():
         server.post("/generate", {"x": 1})
     # 0.5 · 2^k for k = 0, 1, 2, 3, capped at 2.0: 0.5, 1.0, 2.0, 2.0
     assert delays == [0.5, 1.0, 2.0, 2.0] and len(calls) == 5
+
+
+def test_each_retry_is_logged_with_its_number_and_delay(caplog):
+    server, _ = _server(lambda request: httpx.Response(503, text="busy"), max_retries=2, backoff_initial_s=0.5)
+    with caplog.at_level(logging.INFO, logger="sdp_cli.engine.http"), pytest.raises(EngineError):
+        server.post("/generate", {"x": 1})
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert retries == [
+        "POST http://test.invalid:1/generate failed (HTTP 503: busy); retry 1/2 in 0.5 s",
+        "POST http://test.invalid:1/generate failed (HTTP 503: busy); retry 2/2 in 1.0 s",
+    ]
+
+
+def test_a_long_error_answer_is_cut_to_300_characters_on_one_line():
+    whole = "x" * 298 + "\n" + "y"  # 300 characters once its whitespace is one space
+    server, _ = _server(lambda request: httpx.Response(400, text=whole), max_retries=0)
+    with pytest.raises(EngineError) as err:
+        server.post("/generate", {})
+    assert str(err.value).endswith(": " + "x" * 298 + " y")
+    longer = "z" * 400
+    server, _ = _server(lambda request: httpx.Response(400, text=longer), max_retries=0)
+    with pytest.raises(EngineError) as err:
+        server.post("/generate", {})
+    assert str(err.value).endswith(": " + "z" * 300 + "…")
 
 
 def test_a_retry_gets_a_fresh_body_and_success_ends_the_loop():
@@ -159,6 +184,11 @@ def test_the_api_key_goes_in_the_header_only():
 def test_http_options_are_validated(bad):
     with pytest.raises(ValueError):
         HttpOptions(**bad)
+
+
+def test_backoff_may_start_at_zero_or_at_its_cap():
+    assert HttpOptions(backoff_initial_s=0, backoff_max_s=0).backoff(3) == 0
+    assert HttpOptions(backoff_initial_s=2, backoff_max_s=2).backoff(0) == 2
 
 
 # ------------------------------------------------------------------------------ parsing
