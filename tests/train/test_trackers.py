@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +101,62 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on():
     assert bad.rows == [(1, {"loss": 1.0})] and bad.closed is None  # dropped at step 2
     lines = err.getvalue().splitlines()
     assert len(lines) == 1 and "bad failed while logging (ConnectionError: server went away)" in lines[0]
+
+
+@pytest.mark.parametrize("text", ['["abc"]', '{"wandb": 3}', '"abc"'])
+def test_saved_run_ids_that_are_not_an_object_of_strings_are_one_line(tmp_path, text):
+    path = tmp_path / "trackers.json"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        trackers_mod.saved_ids(path)
+    assert str(err.value) == f"{path} is not a JSON object of run ids; delete it to start new tracker runs"
+
+
+def test_a_tracker_failing_to_start_without_a_message_is_named_by_its_type(tmp_path, monkeypatch):
+    class Silent:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError()
+
+    monkeypatch.setattr(trackers_mod, "WandbTracker", Silent)
+    with pytest.raises(UserError) as err:
+        trackers_mod.open_trackers(["wandb"], RunDir(tmp_path / "run"), project="p", config={})
+    assert str(err.value).startswith("run.trackers: wandb could not start (RuntimeError: RuntimeError); log in")
+
+
+def test_a_resumed_wandb_run_gets_no_step_below_its_last(tmp_path, monkeypatch):
+    """W&B refuses a step below a resumed run's last one, with a warning per call: sdp drops
+    those rows itself (a resume that restarts from an earlier checkpoint repeats steps)."""
+    logged = []
+
+    class Run:
+        id, step = "r1", 5
+
+        def log(self, metrics, step):
+            logged.append(step)
+
+    class Settings:
+        def __init__(self, **kwargs):
+            pass
+
+    fake = type(sys)("wandb")
+    fake.init, fake.Settings = (lambda **kwargs: Run()), Settings
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    tracker = trackers_mod.WandbTracker(RunDir(tmp_path), project="p", config={}, run_id="r1")
+    for step in (3, 4, 5, 6):
+        tracker.log(step, {"loss": 1.0})
+    assert logged == [5, 6]
+
+
+def test_mlflow_stamps_each_metric_in_milliseconds(tmp_path, offline_trackers):
+    from mlflow import MlflowClient
+
+    tracker = trackers_mod.MlflowTracker(RunDir(tmp_path / "run"), project="p", config={"a": 1}, run_id=None)
+    before = time.time() * 1000
+    tracker.log(7, {"loss": 0.5})
+    after = time.time() * 1000
+    tracker.close(ok=True)
+    (entry,) = MlflowClient().get_metric_history(tracker.run_id, "loss")
+    assert entry.step == 7 and entry.value == 0.5 and before - 1 <= entry.timestamp <= after + 1
 
 
 # ------------------------------------------------------------ end to end
