@@ -96,6 +96,10 @@ def test_a_registered_mode_with_one_yaml_trains_and_the_ablate_report_has_its_co
     assert group["w_half_decoupled_std_mean"] and group["w_half_decoupled_ess_mean"]
     # the columns of weights this run could not measure exist and are empty, as for built-ins
     assert group["w_half_segment_wise_std_mean"] == group["w_segment_wise_std_mean"] == ""
+    # a registered mode that takes a drift clip has a drift-clipped weight, with its own
+    # κ-clipped share beside the built-in one's (named "drift_clipped")
+    assert group["half_segment_wise_drift_clipped_mean"] == group["drift_clipped_mean"] == ""
+    assert "w_half_segment_wise_drift_std_mean" in group
     markdown = written["summary.md"].read_text()
     assert " std half_decoupled |" in markdown
     assert "pooled std of the half_decoupled weight" in markdown
