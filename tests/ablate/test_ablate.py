@@ -652,6 +652,20 @@ def test_report_of_a_directory_that_is_no_sweep(tmp_path):
     (tmp_path / "runs" / "x" / "overrides.json").write_text("{not json")
     with pytest.raises(UserError, match="overrides.json: cannot read"):
         load_sweep(tmp_path)
+    for text in ('{"+preset": "decoupled"}', '["seed=0", 3]'):
+        (tmp_path / "runs" / "x" / "overrides.json").write_text(text)
+        with pytest.raises(UserError) as err:
+            load_sweep(tmp_path)
+        assert str(err.value) == f"{tmp_path / 'runs' / 'x'}/overrides.json: expected a list of strings; not a run of sdp ablate"
+
+
+def test_a_sweep_skips_what_under_runs_is_no_run(fake_sweep):
+    runs = fake_sweep / "runs"
+    names = [r.name for r in load_sweep(fake_sweep).records]
+    (runs / "notes.txt").write_text("a file beside the runs\n")
+    (runs / "started-not-written").mkdir()  # a run directory sdp train had not filled yet
+    (runs / "started-not-written" / "config.yaml").write_text("seed: 0\n")
+    assert [r.name for r in load_sweep(fake_sweep).records] == names
 
 
 def test_a_run_is_labelled_by_the_correction_it_trains_with():
