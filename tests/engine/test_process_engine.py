@@ -505,3 +505,26 @@ def test_the_process_started_ahead_leaves_at_the_end_of_its_input_or_when_discar
             warm.discard()
             assert process.returncode is not None
         assert warm.pid is None
+
+
+def test_the_scratch_room_check_lets_exactly_enough_through(tmp_path, monkeypatch):
+    """The start's weights and one push in each slot: a file system with exactly that much free
+    is enough, one byte less is the one line (in MB, rounded up for the need)."""
+    import types
+
+    from sdp_cli.engine import process
+    from sdp_cli.errors import UserError
+
+    policy = types.SimpleNamespace(model=torch.nn.Linear(4, 4))  # 20 float32: 80 bytes
+    need = 80 + 3 * 40  # the start's, and three bfloat16 pushes
+
+    def room(free: int) -> None:
+        monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free, f_frsize=1))
+        process.check_scratch_room(tmp_path / "scratch", policy, torch.bfloat16)
+
+    room(need)
+    with pytest.raises(UserError) as err:
+        room(need - 1)
+    assert str(err.value).startswith(
+        f"the local engine's weight files need 1 MB in {tmp_path} (the start's and 3 pushes'), which has 0 MB free;"
+    )
