@@ -528,3 +528,97 @@ def test_the_scratch_room_check_lets_exactly_enough_through(tmp_path, monkeypatc
     assert str(err.value).startswith(
         f"the local engine's weight files need 1 MB in {tmp_path} (the start's and 3 pushes'), which has 0 MB free;"
     )
+
+
+@pytest.mark.parametrize("owned", [True, False], ids=["its own scratch", "the rollout process's scratch"])
+def test_a_failed_prepare_removes_what_it_wrote_and_nothing_it_does_not_own(owned, tmp_path, monkeypatch):
+    """A start whose weights fail to write half way: a scratch directory prepare made goes
+    whole; one another process owns (the rollout process's) keeps everything but launch/."""
+    import types
+
+    from sdp_cli.models import loader
+    from sdp_cli.processes import SCRATCH_ENV
+
+    def half_written(policy, path):
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loader, "save_policy", half_written)
+    monkeypatch.setenv(SCRATCH_ENV, str(tmp_path))
+    theirs = None
+    if not owned:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        (theirs / "kept").write_text("the owner's")
+    with pytest.raises(OSError, match="No space left"):
+        ProcessEngine.prepare(types.SimpleNamespace(model=torch.nn.Linear(2, 2)), theirs)
+    if owned:
+        assert list(tmp_path.iterdir()) == []
+    else:
+        assert sorted(p.name for p in theirs.iterdir()) == ["kept"]
+
+
+def _answering(tmp_path, monkeypatch, answers):
+    """A ProcessEngine whose one server answers each route with ``answers[route]`` (JSON; the
+    connection's /health and version set with {})."""
+    from sdp_cli.engine import remote
+    from sdp_cli.engine.http import HttpOptions, HttpServer
+
+    def answer(request):
+        if request.method == "POST" and request.url.path == "/weight_version":
+            return httpx.Response(200, json={})
+        return httpx.Response(200, json={"/health": {}, **answers}[request.url.path])
+
+    def mocked(url, options, *, loopback=False, **kwargs):
+        return HttpServer(url, options, transport=httpx.MockTransport(answer), **kwargs)
+
+    monkeypatch.setattr(remote, "HttpServer", mocked)
+    engine = ProcessEngine(["http://127.0.0.1:9"], RemoteOptions(http=HttpOptions(max_retries=0)), scratch=tmp_path)
+    return engine, engine.servers[0]
+
+
+@pytest.mark.parametrize(
+    "route, answer, problem",
+    [
+        ("/generate", {"segments": []}, "expected 2 segments"),
+        ("/generate", {"segments": "two"}, "expected 2 segments"),
+        ("/generate", [], "expected 2 segments"),
+        ("/score", {"logprobs": [[-1.0]], "weight_version": "3"}, "expected 2 rows of logprobs and a weight_version"),
+        ("/score", {"logprobs": [[-1.0], [-2.0]]}, "expected 2 rows of logprobs and a weight_version"),
+        ("/score", {"logprobs": [[-1.0], [-2.0]], "weight_version": 3}, "expected 2 rows of logprobs and a weight_version"),
+        ("/score", {"logprobs": "rows", "weight_version": "3"}, "expected 2 rows of logprobs and a weight_version"),
+        ("/weight_version", {}, "no weight_version string"),
+        ("/weight_version", {"weight_version": 3}, "no weight_version string"),
+        ("/weight_version", ["3"], "no weight_version string"),
+    ],
+)  # fmt: skip
+def test_a_malformed_answer_of_the_engines_process_is_one_engine_error(route, answer, problem, tmp_path, monkeypatch):
+    from sdp_cli.engine.base import EngineError
+    from sdp_cli.engine.wire import SegmentRequest
+
+    engine, server = _answering(tmp_path, monkeypatch, {route: answer})
+    try:
+        with pytest.raises(EngineError) as err:
+            if route == "/generate":
+                requests = [SegmentRequest(f"r{k}", [1, 2], 4, (EOS,), seed=k) for k in range(2)]
+                engine._server_generate_batch(server, requests, lambda: ["r0", "r1"])
+            elif route == "/score":
+                engine._server_score_batch(server, [[1, 2, 3], [1, 2]], [1, 1])
+            else:
+                engine._server_get_version(server)
+        assert str(err.value) == f"http://127.0.0.1:9{route} answered a malformed response ({problem}); the sample is not used"
+    finally:
+        engine.close()
+
+
+def test_a_well_formed_score_and_version_are_read(tmp_path, monkeypatch):
+    engine, server = _answering(tmp_path, monkeypatch, {
+        "/score": {"logprobs": [[-1.0, -0.5], [-2.0]], "weight_version": "3"},
+        "/weight_version": {"weight_version": "4"},
+    })  # fmt: skip
+    try:
+        assert engine._server_score_batch(server, [[1, 2, 3], [1, 2]], [1, 1]) == [([-1.0, -0.5], "3"), ([-2.0], "3")]
+        assert engine._server_get_version(server) == "4"
+    finally:
+        engine.close()
