@@ -184,12 +184,77 @@ def test_bad_files_are_one_line_exit_2_and_nothing_is_written(tmp_path, capsys):
         (["--example", "--rejection-level", "token", "--rejection-metric", "k1"], "--rejection-metric 'k1' is not one of"),
         (["--example", "--m2-threshold", "0"], "--m2-threshold 0.0 must be a finite number > 0"),
         (["--example", "--opsm-delta", "nan"], "--opsm-delta nan must be a finite number >= 0"),
+        (["--example", "--opsm-delta", "inf"], "--opsm-delta inf must be a finite number >= 0"),
+        (["--example", "--opsm-delta", "-1"], "--opsm-delta -1.0 must be a finite number >= 0"),
+        (["--example", "--rejection-level", "token", "--rejection-upper", "inf"], "--rejection-upper inf must be a finite number > 0"),
+        (["--example", "--rejection-level", "token", "--rejection-upper", "0"], "--rejection-upper 0.0 must be a finite number > 0"),
+        (
+            ["--example", "--rejection-level", "token", "--rejection-metric", "k3", "--rejection-lower", "0.5"],
+            "--rejection-lower bounds a ratio, but --rejection-metric k3 is a divergence; drop it",
+        ),
+        (
+            ["--example", "--rejection-level", "token", "--rejection-lower", "3", "--rejection-upper", "2"],
+            "--rejection-lower 3.0 must be a finite number in [0, --rejection-upper]",
+        ),
     ],
-)
+)  # fmt: skip
 def test_bad_options_are_one_line_exit_2(argv, message, capsys):
     code, _, err = run_main(["inspect-weights", *argv], capsys)
     assert code == 2
     assert message in one_error_line(err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["--floor", "2", "--cap", "2"], "bounds: [2, 2], truncate"),  # a floor at the cap
+        (["--cap", "5"], "bounds: [0, 5], truncate"),  # a cap alone
+        (["--floor", "0.5"], "bounds: [0.5, ∞], truncate"),  # a floor alone
+        (["--rejection-level", "token"], "mode tokens rejection"),  # the default metric, ratio
+        (["--rejection-level", "token", "--rejection-lower", "0.5"], "mode tokens rejection"),
+        (["--rejection-level", "max", "--rejection-metric", "k3"], "mode tokens rejection"),
+        (["--opsm-delta", "0"], "mode tokens opsm"),
+    ],
+)  # fmt: skip
+def test_options_at_their_edges_are_accepted(argv, shown, capsys):
+    code, out, err = run_main(["inspect-weights", "--example", *argv], capsys)
+    assert code == 0 and err == "", err
+    assert shown in " ".join(out.split()), out
+
+
+def test_version_ranges_show_up_to_three_runs_one_by_one():
+    from sdp_cli.cli.inspect_weights import MAX_VERSION_RUNS, version_ranges
+
+    assert MAX_VERSION_RUNS == 3
+    assert version_ranges([7, 1, 2, 4, 5, 2]) == "1–2, 4–5, 7"
+    assert version_ranges([1, 2, 4, 5, 7, 9]) == "1–9 (6 versions, with gaps)"
+    assert version_ranges([3]) == "3" and version_ranges([3, 4]) == "3–4"
+
+
+def _render_table(width: int, *rows: tuple[str, ...]) -> str:
+    import io
+
+    from rich.console import Console
+
+    from sdp_cli.cli.inspect_weights import _Table
+
+    table = _Table("t", ["name", "note", "tokens"], [["weight"]], number_labels=1, spill=1)
+    for row in rows:
+        table.add_row(*row)
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    table.print(console)
+    return console.file.getvalue()
+
+
+def test_a_table_right_aligns_its_number_labels_and_spills_only_what_does_not_fit():
+    wide = _render_table(200, ("a", "n", "7", "1.5"))
+    header, row = [line for line in wide.splitlines() if "tokens" in line or " 7 " in line][:2]
+    assert row.index("7") == header.index("tokens") + len("tokens") - 1  # a number label: right
+    assert row.index("a") == header.index("name") and row.index("n") == header.index("note")  # labels: left
+    fits = max(len(line) for line in wide.splitlines())  # the table with its padding
+    assert "note: a = n" not in _render_table(fits, ("a", "n", "7", "1.5"))  # exactly fits: whole
+    narrow = _render_table(fits - 1, ("a", "n", "7", "1.5"))
+    assert "note: a = n" in narrow and "note " not in narrow.splitlines()[1]  # one less: the legend
 
 
 def test_masks_are_measured_per_mode_as_the_trainer_would_apply_them(capsys):
