@@ -134,6 +134,24 @@ def test_missing_proximal_logprobs_is_reported_not_an_error(without_prox, capsys
     assert all(row["w_dec"] is None and row["dropped"] is None for row in doc["lags"])
 
 
+def test_tokens_without_their_next_version_leave_the_segment_wise_columns_n_a(tmp_path, capsys, monkeypatch):
+    """Every stale token of the example batch marked as never scored under π_{v+1}: no
+    segment-wise weight is measured at any lag, and the lags table says n/a and counts them."""
+    batch = read_batch(EXAMPLE_BATCH)
+    batch.proximal_t_versions = batch.versions.clone()  # at lag ≥ 2, ≠ v + 1: uncorrectable
+    path = write_batch(tmp_path / "uncorrectable.safetensors", batch)
+    monkeypatch.setenv("COLUMNS", "120")  # the width the tables below are split at
+    code, out, err = run_main(["inspect-weights", str(path)], capsys)
+    assert code == 0 and err == "", err
+    assert "1 batch: 64 sequences, 247 response tokens, trainer version 11, lag 3–4" in out  # one of each
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["3"], ["4"])]
+    # the lags table in two parts at this width: the weights, then the count without π_{v+1}
+    assert [r[:2] + r[5:] for r in rows[:2]] == [["3", "174", *["n/a"] * 6], ["4", "73", *["n/a"] * 6]], out
+    assert rows[2:] == [["3", "174", "174"], ["4", "73", "73"]], out
+    code, out, _ = run_main(["inspect-weights", str(path), "--json"], capsys)
+    assert all(row["w_segment_wise"] is None for row in json.loads(out)["lags"])
+
+
 def bad_files(tmp_path):
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
@@ -210,6 +228,7 @@ def test_bad_options_are_one_line_exit_2(argv, message, capsys):
         (["--floor", "2", "--cap", "2"], "bounds: [2, 2], truncate"),  # a floor at the cap
         (["--cap", "5"], "bounds: [0, 5], truncate"),  # a cap alone
         (["--floor", "0.5"], "bounds: [0.5, ∞], truncate"),  # a floor alone
+        (["--floor", "0"], "bounds: [0, ∞], truncate"),  # the lowest floor
         (["--rejection-level", "token"], "mode tokens rejection"),  # the default metric, ratio
         (["--rejection-level", "token", "--rejection-lower", "0.5"], "mode tokens rejection"),
         (["--rejection-level", "max", "--rejection-metric", "k3"], "mode tokens rejection"),
