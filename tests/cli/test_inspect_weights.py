@@ -231,6 +231,8 @@ def test_bad_options_are_one_line_exit_2(argv, message, capsys):
         (["--floor", "0"], "bounds: [0, ∞], truncate"),  # the lowest floor
         (["--rejection-level", "token"], "mode tokens rejection"),  # the default metric, ratio
         (["--rejection-level", "token", "--rejection-lower", "0.5"], "mode tokens rejection"),
+        (["--rejection-level", "token", "--rejection-lower", "0"], "mode tokens rejection"),
+        (["--rejection-level", "token", "--rejection-lower", "2", "--rejection-upper", "2"], "mode tokens rejection"),
         (["--rejection-level", "max", "--rejection-metric", "k3"], "mode tokens rejection"),
         (["--opsm-delta", "0"], "mode tokens opsm"),
     ],
@@ -239,6 +241,17 @@ def test_options_at_their_edges_are_accepted(argv, shown, capsys):
     code, out, err = run_main(["inspect-weights", "--example", *argv], capsys)
     assert code == 0 and err == "", err
     assert shown in " ".join(out.split()), out
+
+
+@pytest.mark.parametrize(("action", "bypass_share"), [("truncate", "0.0%"), ("mask", "n/a")])
+def test_the_bounded_share_column_is_what_the_action_did(action, bypass_share, capsys):
+    """Truncate: the share of weights outside the bounds (bypass's w ≡ 1 has none); mask: the
+    share of tokens masked, which bypass does not define."""
+    code, out, _ = run_main(["inspect-weights", "--example", "--cap", "2", "--action", action], capsys)
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["mode", "agg"])
+    bypass = next(line for line in out.splitlines() if line.split()[:1] == ["bypass"])
+    assert code == 0 and header.split()[-1] == ("truncated" if action == "truncate" else "masked")
+    assert bypass.split()[-1] == bypass_share
 
 
 def test_version_ranges_show_up_to_three_runs_one_by_one():
