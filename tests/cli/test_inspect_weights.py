@@ -254,6 +254,16 @@ def test_the_bounded_share_column_is_what_the_action_did(action, bypass_share, c
     assert bypass.split()[-1] == bypass_share
 
 
+def test_the_truncated_share_counts_weights_above_and_below(capsys):
+    code, out, _ = run_main(["inspect-weights", "--example", "--floor", "0.5", "--cap", "2", "--json"], capsys)
+    sequence = json.loads(out)["modes"]["decoupled"]["weights"]["sequence"]
+    assert code == 0 and sequence["frac_high"] > 0 and sequence["frac_low"] > 0  # both bounds bind here
+    code, out, _ = run_main(["inspect-weights", "--example", "--floor", "0.5", "--cap", "2"], capsys)
+    lines = out.splitlines()
+    row = lines[next(i for i, line in enumerate(lines) if line.split()[:2] == ["decoupled", "token"]) + 1]
+    assert row.split()[0] == "sequence" and row.split()[-1] == f"{sequence['frac_high'] + sequence['frac_low']:.1%}"
+
+
 def test_version_ranges_show_up_to_three_runs_one_by_one():
     from sdp_cli.cli.inspect_weights import MAX_VERSION_RUNS, version_ranges
 
