@@ -264,6 +264,22 @@ def test_the_truncated_share_counts_weights_above_and_below(capsys):
     assert row.split()[0] == "sequence" and row.split()[-1] == f"{sequence['frac_high'] + sequence['frac_low']:.1%}"
 
 
+def test_the_weights_table_gives_a_modes_tokens_once_and_a_section_per_mode(capsys):
+    code, out, _ = run_main(["inspect-weights", "--example"], capsys)
+    lines = out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.split()[:2] == ["decoupled", "token"])
+    assert code == 0 and lines[first].split()[2] == "247"
+    assert [lines[first + k].split()[0] for k in (1, 2)] == ["sequence", "geometric"]
+    assert [len(lines[first + k].split()) for k in (1, 2)] == [6, 6]  # the level and 5 statistics
+    assert lines[first + 3].strip() == "" and lines[first + 4].split()[:2] == ["segment_wise", "token"]
+
+
+def test_an_unavailable_mode_keeps_its_row_when_the_weights_are_bounded(without_prox, capsys):
+    code, out, err = run_main(["inspect-weights", str(without_prox), "--cap", "2"], capsys)
+    assert code == 0 and err == "", err
+    assert any(line.split() == ["decoupled", "–", "unavailable"] for line in out.splitlines()), out
+
+
 def test_version_ranges_show_up_to_three_runs_one_by_one():
     from sdp_cli.cli.inspect_weights import MAX_VERSION_RUNS, version_ranges
 
