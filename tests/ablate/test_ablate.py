@@ -409,6 +409,30 @@ def test_aggregate_by_hand(fake_sweep):
     assert bypass.mean["ppo_kl"] is None and bypass.count["ppo_kl"] == 0
 
 
+def _one_run_values(tmp_path, rows, summary):
+    _fake_run(tmp_path, "decoupled-eta2-seed0", mode="decoupled", eta=2, seed=0, rows=rows, summary=summary)
+    (run,) = run_values(load_sweep(tmp_path).records)
+    return run.values
+
+
+def test_throughput_counts_the_recompute_ahead_and_is_none_without_timings(tmp_path):
+    timed = [{**_row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0), "time/recompute_ahead_s": 0.5} for _ in range(2)]
+    values = _one_run_values(tmp_path / "timed", timed, _summary(0.5, 0, 10))
+    # 2 × (0.25 s at the take + 0.5 s ahead) of 2 × 2 s in the loop
+    assert values["recompute_share"] == pytest.approx(0.375) and values["filtered"] == 0.0
+    untimed = [
+        {k: v for k, v in _row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0).items() if not k.startswith(("time/", "throughput/"))}
+        for _ in range(2)
+    ]
+    values = _one_run_values(tmp_path / "untimed", untimed, _summary(0.5, None, 10))
+    assert [values[k] for k in ("wall_s", "tokens_per_s", "steps_per_s", "recompute_share", "filtered")] == [None] * 5
+    # time logged but no token counter: the rates that need it are None, the others are not
+    no_tokens = [{k: v for k, v in row.items() if not k.startswith("throughput/")} for row in timed]
+    values = _one_run_values(tmp_path / "no-tokens", no_tokens, _summary(0.5, 3, 0))
+    assert (values["wall_s"], values["tokens_per_s"], values["steps_per_s"]) == (pytest.approx(4.0), None, pytest.approx(0.5))
+    assert values["filtered"] is None  # no groups generated: no share
+
+
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
     groups = aggregate(run_values(load_sweep(fake_sweep).records))
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
