@@ -433,6 +433,14 @@ def test_throughput_counts_the_recompute_ahead_and_is_none_without_timings(tmp_p
     assert values["filtered"] is None  # no groups generated: no share
 
 
+def test_a_sweep_with_no_finished_run_has_tables_and_no_plots(tmp_path):
+    _fake_run(tmp_path, "decoupled-eta2-seed0", mode="decoupled", eta=2, seed=0,
+              rows=[_row(0.5, 1.0, 2, 1.0, 0.0, 0.9, 1.0)], summary=None)  # fmt: skip
+    report = write_report(tmp_path, plots=True)
+    assert report.groups == [] and report.plots == [] and report.unfinished == ["decoupled-eta2-seed0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "runs.csv", "study.csv", "summary.csv", "summary.md"]
+
+
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
     groups = aggregate(run_values(load_sweep(fake_sweep).records))
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
