@@ -441,6 +441,24 @@ def test_a_sweep_with_no_finished_run_has_tables_and_no_plots(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "runs.csv", "study.csv", "summary.csv", "summary.md"]
 
 
+@given(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=6))
+def test_a_groups_mean_and_std_are_over_its_seeds(rewards):
+    """Mean and sample std (n − 1) of any number of seeds, as the statistics module gives them;
+    one seed has no std."""
+    import statistics
+
+    from sdp_cli.ablate.records import RunValues
+
+    runs = [RunValues("decoupled", 2, (), seed, f"r{seed}", {"reward_last": r}) for seed, r in enumerate(rewards)]
+    (group,) = aggregate(runs)
+    assert group.count["reward_last"] == len(rewards) and group.seeds == list(range(len(rewards)))
+    assert group.mean["reward_last"] == pytest.approx(statistics.fmean(rewards), abs=1e-9)
+    if len(rewards) == 1:
+        assert group.std["reward_last"] is None
+    else:
+        assert group.std["reward_last"] == pytest.approx(statistics.stdev(rewards), rel=1e-9, abs=1e-9)
+
+
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
     groups = aggregate(run_values(load_sweep(fake_sweep).records))
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
