@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sdp_cli.ablate.report import write_report
+from sdp_cli.ablate.report import metrics, write_report
 from sdp_cli.analysis import recompute as rc
 from sdp_cli.analysis.inspect import analyse_batches
 from sdp_cli.analysis.recompute_plan import RecomputeOptions
@@ -102,6 +102,10 @@ def test_a_registered_mode_with_one_yaml_trains_and_the_ablate_report_has_its_co
     assert "w_half_segment_wise_drift_std_mean" in group
     markdown = written["summary.md"].read_text()
     assert " std half_decoupled |" in markdown
+    # the κ-clipped columns' labels: the built-in one's short, a registered mode's named
+    labels = {m.key: m.label for m in metrics()}
+    assert labels["drift_clipped"] == "κ-clipped"
+    assert labels["half_segment_wise_drift_clipped"] == "κ-clipped half_segment_wise_drift"
     assert "pooled std of the half_decoupled weight" in markdown
 
 
