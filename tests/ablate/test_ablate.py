@@ -459,6 +459,18 @@ def test_a_groups_mean_and_std_are_over_its_seeds(rewards):
         assert group.std["reward_last"] == pytest.approx(statistics.stdev(rewards), rel=1e-9, abs=1e-9)
 
 
+def test_each_human_table_has_its_own_columns_and_only_those_some_run_logged(fake_sweep):
+    from sdp_cli.ablate.report import table_columns
+
+    groups = aggregate(run_values(load_sweep(fake_sweep).records))
+    assert table_columns(groups, "weights") == [
+        "mode", "η", "n", "lag", "std dec", "std seg", "ESS dec", "ESS seg", "max dec", "max seg", "kl",
+    ]  # fmt: skip
+    assert table_columns(groups, "outcome") == [
+        "mode", "η", "n", "reward", "acc", "filtered", "tok/s", "steps/s", "wall s", "recompute",
+    ]  # fmt: skip
+
+
 def test_csv_and_markdown_carry_the_aggregates(fake_sweep):
     groups = aggregate(run_values(load_sweep(fake_sweep).records))
     rows = list(csv.DictReader(io.StringIO(to_csv(groups))))
