@@ -91,6 +91,31 @@ def test_dry_run_reports_and_writes_nothing(run_dir, batches, capsys):
     assert unchanged(files, before)
 
 
+def test_the_readable_exact_report_is_the_json_one(run_dir, batches, capsys):
+    """The human tables of --exact show the numbers of the JSON report: per lag, mean ± std of
+    each log weight, and the mean log ratio of every step j < lag (blank past the lag);
+    --drift-clip 1 (segment-wise itself) is a κ like any other."""
+    files, _ = batches
+    argv = ["recompute", files[0].parent, "-c", run_dir, "--exact", "--dry-run", "--drift-clip", "1", "--drift-clip", "2"]
+    code, out, err = run_main([*argv, "--json"], capsys)
+    assert code == 0, err
+    lags = json.loads(out)["lags"]
+    assert [lag["lag"] for lag in lags] == [1, 2]  # the fixture's run: stale tokens at lags 1 and 2
+    code, out, err = run_main(argv, capsys)
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines()]
+    assert ["lag", "j=0", "j=1"] in rows and "κ=1 kept" in out and "κ=2 kept" in out
+    for lag in lags:
+
+        def pm(part):
+            return f"{lag[part]['mean']:+.1e}±{lag[part]['std']:.1e}"
+
+        assert [str(lag["lag"]), str(lag["tokens"]), pm("segment_wise"), pm("decoupled"), pm("dropped")] in [
+            r[:5] for r in rows
+        ], out
+        assert [str(lag["lag"]), *(f"{x:+.1e}" for x in lag["step_means"])] in rows, out
+
+
 def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
     files, _ = batches
     originals = {p: read_batch(p) for p in files}
