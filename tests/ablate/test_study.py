@@ -54,6 +54,8 @@ def test_a_study_file_with_every_key(tmp_path):
         ({"primary": "segment_wise"}, "s.yaml: primary is a mapping of treatment and at"),
         ({"primary": {"treatment": "segment_wise", "cell": {}}}, "s.yaml: unknown key 'primary.cell'"),
         ({"primary": {"at": {ETA: 8}}}, "s.yaml: primary.treatment must be a mode label"),
+        ({"primary": {"treatment": ""}}, "s.yaml: primary.treatment must be a mode label"),
+        ({"primary": {"treatment": 3}}, "s.yaml: primary.treatment must be a mode label"),
         ({"primary": {"treatment": "decoupled"}}, "s.yaml: primary.treatment is the baseline decoupled"),
         ({"primary": {"treatment": "segment_wise", "at": {ETA: [1, 8]}}}, "s.yaml: primary.at maps swept keys"),
     ],
@@ -73,6 +75,9 @@ def test_a_study_file_that_is_no_yaml_mapping(tmp_path):
         read_study_file(tmp_path / "bad.yaml")
     with pytest.raises(UserError, match=r"^--study .*none.yaml: cannot read"):
         read_study_file(tmp_path / "none.yaml")
+    with pytest.raises(UserError) as info:
+        read_study_file(tmp_path)  # the OS's reason, not its whole exception
+    assert str(info.value) == f"--study {tmp_path}: cannot read (Is a directory); pass a study YAML file"
 
 
 def test_the_primary_cell_matches_values_as_hydra_and_yaml_spell_them():
@@ -101,6 +106,12 @@ def test_a_study_that_does_not_fit_the_sweep_is_one_line(keys, message):
     text = str(info.value)
     assert text.startswith(f"study s.yaml: {message}") and "\n" not in text
     assert "--no-study" in text
+
+
+def test_a_cell_in_a_sweep_of_modes_and_seeds_alone_names_no_axes():
+    with pytest.raises(UserError) as info:
+        check_study(_study(primary={"treatment": "segment_wise", "at": {ETA: 8}}), MODES, {"+preset": ["x"], "seed": ["0"]}, "s")
+    assert f"primary.at names {ETA}, which this sweep does not sweep (its axes: none but the mode and the seed)" in str(info.value)
 
 
 def test_a_study_that_fits():
