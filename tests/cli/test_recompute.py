@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -133,6 +134,15 @@ def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
     code, out, err = run_main(["recompute", *files, "--checkpoints", run_dir / "versions"], capsys)
     assert code == 0, err
     assert "wrote 4 batch file(s) in place" in out and "v000001" in out
+    # the verdicts: the first batch has no lagged token; every other one had its lagged tokens
+    # retagged and their values moved beyond the noise floor
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].startswith("step-")]
+    assert [r[0] for r in rows] == [p.name for p in files] and rows[0][-1] == "unchanged"
+    for row in rows[1:]:
+        retagged = int(row[5])
+        verdict = " ".join(row[6:])
+        found = re.fullmatch(r"DAMAGED \((\d+) beyond the floor, (\d+) retagged\)", verdict)
+        assert found and 0 < int(found[1]) <= retagged == int(found[2]) == int(row[2]), verdict
     for p in files:
         fixed, original = read_batch(p), originals[p]
         assert torch.equal(fixed.proximal_t_versions, original.proximal_t_versions)
