@@ -78,6 +78,29 @@ def test_long_run_names_are_cut_and_hashed_so_they_stay_distinct():
     assert a != b
 
 
+def test_a_run_name_of_exactly_the_limit_stays_whole():
+    whole = run_name(["+preset=bypass", "model.k=" + "x" * 99, "seed=0"])
+    assert whole == "bypass-model.k@" + "x" * 99 + "-seed0" and len(whole) == 120
+    cut = run_name(["+preset=bypass", "model.k=" + "x" * 100, "seed=0"])
+    assert len(cut) == 120 and cut.startswith("bypass-model.k@xxx") and not cut.endswith("-seed0")
+
+
+def test_a_sweep_writes_under_runs_ablate_by_default():
+    from sdp_cli.ablate.sweep import default_sweep_dir
+
+    assert default_sweep_dir("smoke") == Path("runs/ablate/smoke")
+
+
+def test_a_config_difference_is_the_first_key_that_differs():
+    from sdp_cli.ablate.sweep import _first_difference
+
+    old = {"loss": {"mode": "decoupled", "clip": 0.2}, "seed": 0, "gone": 1}
+    assert _first_difference(old, {**old, "added": 2}) is None  # keys one side lacks are skipped
+    assert _first_difference(old, {**old, "loss": {"mode": "segment_wise", "clip": 0.3}}) == "loss.clip: 0.2 → 0.3"
+    assert _first_difference(old, {**old, "loss": "decoupled"}) == "loss: {'mode': 'decoupled', 'clip': 0.2} → 'decoupled'"
+    assert _first_difference({"a": "xy"}, {"a": {"x": 1, "y": 2}}) == "a: 'xy' → {'x': 1, 'y': 2}"
+
+
 # ------------------------------------------------------------------- sweeps
 def test_every_sweep_composes_into_a_valid_run_config():
     sweeps = available_sweeps()
