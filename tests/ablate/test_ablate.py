@@ -198,6 +198,35 @@ def test_plan_classifies_run_directories(tmp_path):
     assert (again.count(FINISHED), again.count(PARTIAL), again.count(NEW)) == (1, 1, 4)
 
 
+def test_a_run_far_from_the_first_made_with_another_config_stops_the_plan_too(tmp_path):
+    """The plan composes only the jobs one axis from the first (they hold every value), but every
+    run that exists is checked against its planned config."""
+    from sdp_cli.config.compose import to_yaml
+
+    plan = plan_sweep("smoke", [], tmp_path)
+    job = plan.jobs[-1]
+    assert sum(a != b for a, b in zip(job.overrides, plan.jobs[0].overrides)) == 2  # mode and η
+    _, raw = compose_config([*job.train_overrides(), "train.steps=99"])
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "config.yaml").write_text(to_yaml(raw))
+    with pytest.raises(UserError, match=rf"{job.name} was trained with a different config \(train.steps: 99 → 6\)"):
+        plan_sweep("smoke", [], tmp_path)
+
+
+def test_pruning_deletes_the_checkpoints_of_finished_runs_only(tmp_path):
+    from sdp_cli.ablate.sweep import prune_checkpoints
+
+    plan = plan_sweep("smoke", [], tmp_path)
+    finished, partial = plan.jobs[0].run_dir, plan.jobs[1].run_dir
+    for run_dir in (finished, partial):
+        (run_dir / "checkpoints" / "step-000002").mkdir(parents=True)
+    (finished / "summary.json").write_text("{}")
+    assert prune_checkpoints(plan) == 1
+    assert not (finished / "checkpoints").exists() and (finished / "summary.json").exists()
+    assert (partial / "checkpoints" / "step-000002").is_dir()  # it resumes from there
+    assert prune_checkpoints(plan) == 0
+
+
 def test_a_run_made_with_another_config_stops_the_plan(tmp_path):
     plan = plan_sweep("smoke", [], tmp_path)
     job = plan.jobs[0]
