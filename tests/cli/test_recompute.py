@@ -101,11 +101,13 @@ def test_the_readable_exact_report_is_the_json_one(run_dir, batches, capsys):
     code, out, err = run_main([*argv, "--json"], capsys)
     assert code == 0, err
     lags = json.loads(out)["lags"]
-    assert [lag["lag"] for lag in lags] == [1, 2]  # the fixture's run: stale tokens at lags 1 and 2
+    # the fixture's run: stale tokens at lags 1 and 2 at least (more where its engine ran ahead)
+    longest = max(lag["lag"] for lag in lags)
+    assert [lag["lag"] for lag in lags] == list(range(1, longest + 1)) and longest >= 2
     code, out, err = run_main(argv, capsys)
     assert code == 0, err
     rows = [line.split() for line in out.splitlines()]
-    assert ["lag", "j=0", "j=1"] in rows and "κ=1 kept" in out and "κ=2 kept" in out
+    assert ["lag", *(f"j={j}" for j in range(longest))] in rows and "κ=1 kept" in out and "κ=2 kept" in out
     for lag in lags:
 
         def pm(part):
@@ -134,11 +136,13 @@ def test_repairs_in_place_with_a_readable_report(run_dir, batches, capsys):
     code, out, err = run_main(["recompute", *files, "--checkpoints", run_dir / "versions"], capsys)
     assert code == 0, err
     assert "wrote 4 batch file(s) in place" in out and "v000001" in out
-    # the verdicts: the first batch has no lagged token; every other one had its lagged tokens
-    # retagged and their values moved beyond the noise floor
+    # the verdicts: a batch without lagged tokens (the first, at least) is unchanged; one with
+    # them had them retagged and their values moved beyond the noise floor
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0].startswith("step-")]
-    assert [r[0] for r in rows] == [p.name for p in files] and rows[0][-1] == "unchanged"
-    for row in rows[1:]:
+    assert [r[0] for r in rows] == [p.name for p in files] and rows[0][5:] == ["0", "unchanged"]
+    damaged = [r for r in rows if r[5] != "0"]
+    assert damaged and all(r[6:] == ["unchanged"] for r in rows if r[5] == "0")
+    for row in damaged:
         retagged = int(row[5])
         verdict = " ".join(row[6:])
         found = re.fullmatch(r"DAMAGED \((\d+) beyond the floor, (\d+) retagged\)", verdict)
