@@ -112,15 +112,19 @@ def test_saved_run_ids_that_are_not_an_object_of_strings_are_one_line(tmp_path, 
     assert str(err.value) == f"{path} is not a JSON object of run ids; delete it to start new tracker runs"
 
 
-def test_a_tracker_failing_to_start_without_a_message_is_named_by_its_type(tmp_path, monkeypatch):
-    class Silent:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError()
+@pytest.mark.parametrize(("error", "why"), [(RuntimeError(), "RuntimeError"), (OSError("no network\nat host"), "OSError: no network")])
+def test_a_tracker_failing_to_start_is_one_line_with_its_first_line(tmp_path, monkeypatch, error, why):
+    """The exception's type and the first line of its message; a message-less one by its type
+    alone (it read "RuntimeError: RuntimeError")."""
 
-    monkeypatch.setattr(trackers_mod, "WandbTracker", Silent)
+    class Failing:
+        def __init__(self, *args, **kwargs):
+            raise error
+
+    monkeypatch.setattr(trackers_mod, "WandbTracker", Failing)
     with pytest.raises(UserError) as err:
         trackers_mod.open_trackers(["wandb"], RunDir(tmp_path / "run"), project="p", config={})
-    assert str(err.value).startswith("run.trackers: wandb could not start (RuntimeError: RuntimeError); log in")
+    assert str(err.value) == f"run.trackers: wandb could not start ({why}); log in with `wandb login`, or set WANDB_MODE=offline"
 
 
 def test_a_resumed_wandb_run_gets_no_step_below_its_last(tmp_path, monkeypatch):

@@ -300,8 +300,9 @@ def open_trackers(
             except AssertionError:
                 raise
             except Exception as err:
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-                raise UserError(f"run.trackers: {name} could not start ({type(err).__name__}: {first}); {_HINTS[name]}") from err
+                lines = str(err).strip().splitlines()
+                why = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+                raise UserError(f"run.trackers: {name} could not start ({why}); {_HINTS[name]}") from err
     except BaseException:
         Trackers(opened).close(ok=False)
         raise
