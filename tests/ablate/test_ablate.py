@@ -9,6 +9,7 @@ import io
 import json
 import math
 import shutil
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +23,23 @@ from sdp_cli.ablate.sweep import (
     FINISHED,
     NEW,
     PARTIAL,
+    _first_difference,
     available_sweeps,
+    default_sweep_dir,
     plan_sweep,
+    prune_checkpoints,
     run_job,
     run_name,
     run_state,
 )
-from sdp_cli.ablate.records import load_sweep, read_metrics
+from sdp_cli.ablate.records import RunValues, load_sweep, read_metrics
 from sdp_cli.ablate.study import Primary, Study, builtin_study_path, check_study, read_study_file, register
 from sdp_cli.ablate.report import (
     aggregate,
     pooled_std,
     reward_curves,
     run_values,
+    table_columns,
     to_csv,
     to_markdown,
     write_report,
@@ -86,14 +91,10 @@ def test_a_run_name_of_exactly_the_limit_stays_whole():
 
 
 def test_a_sweep_writes_under_runs_ablate_by_default():
-    from sdp_cli.ablate.sweep import default_sweep_dir
-
     assert default_sweep_dir("smoke") == Path("runs/ablate/smoke")
 
 
 def test_a_config_difference_is_the_first_key_that_differs():
-    from sdp_cli.ablate.sweep import _first_difference
-
     old = {"loss": {"mode": "decoupled", "clip": 0.2}, "seed": 0, "gone": 1}
     assert _first_difference(old, {**old, "added": 2}) is None  # keys one side lacks are skipped
     assert _first_difference(old, {**old, "loss": {"mode": "segment_wise", "clip": 0.3}}) == "loss.clip: 0.2 → 0.3"
@@ -214,8 +215,6 @@ def test_a_run_far_from_the_first_made_with_another_config_stops_the_plan_too(tm
 
 
 def test_pruning_deletes_the_checkpoints_of_finished_runs_only(tmp_path):
-    from sdp_cli.ablate.sweep import prune_checkpoints
-
     plan = plan_sweep("smoke", [], tmp_path)
     finished, partial = plan.jobs[0].run_dir, plan.jobs[1].run_dir
     for run_dir in (finished, partial):
@@ -497,10 +496,6 @@ def test_a_sweep_with_no_finished_run_has_tables_and_no_plots(tmp_path):
 def test_a_groups_mean_and_std_are_over_its_seeds(rewards):
     """Mean and sample std (n − 1) of any number of seeds, as the statistics module gives them;
     one seed has no std."""
-    import statistics
-
-    from sdp_cli.ablate.records import RunValues
-
     runs = [RunValues("decoupled", 2, (), seed, f"r{seed}", {"reward_last": r}) for seed, r in enumerate(rewards)]
     (group,) = aggregate(runs)
     assert group.count["reward_last"] == len(rewards) and group.seeds == list(range(len(rewards)))
@@ -512,8 +507,6 @@ def test_a_groups_mean_and_std_are_over_its_seeds(rewards):
 
 
 def test_each_human_table_has_its_own_columns_and_only_those_some_run_logged(fake_sweep):
-    from sdp_cli.ablate.report import table_columns
-
     groups = aggregate(run_values(load_sweep(fake_sweep).records))
     assert table_columns(groups, "weights") == [
         "mode", "η", "n", "lag", "std dec", "std seg", "ESS dec", "ESS seg", "max dec", "max seg", "kl",

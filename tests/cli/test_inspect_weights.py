@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -14,10 +15,11 @@ import sys
 import time
 
 import pytest
+from rich.console import Console
 from safetensors.torch import load_file, safe_open
 
 from sdp_cli.analysis.inspect import WeightOptions, analyse_batches, dump_tensors
-from sdp_cli.cli.inspect_weights import EXAMPLE_BATCH
+from sdp_cli.cli.inspect_weights import EXAMPLE_BATCH, MAX_VERSION_RUNS, _Table, version_ranges
 from sdp_cli.rollout.batch_file import read_batch, write_batch
 
 from .run_main import run_main
@@ -281,8 +283,6 @@ def test_an_unavailable_mode_keeps_its_row_when_the_weights_are_bounded(without_
 
 
 def test_version_ranges_show_up_to_three_runs_one_by_one():
-    from sdp_cli.cli.inspect_weights import MAX_VERSION_RUNS, version_ranges
-
     assert MAX_VERSION_RUNS == 3
     assert version_ranges([7, 1, 2, 4, 5, 2]) == "1–2, 4–5, 7"
     assert version_ranges([1, 2, 4, 5, 7, 9]) == "1–9 (6 versions, with gaps)"
@@ -290,12 +290,6 @@ def test_version_ranges_show_up_to_three_runs_one_by_one():
 
 
 def _render_table(width: int, *rows: tuple[str, ...]) -> str:
-    import io
-
-    from rich.console import Console
-
-    from sdp_cli.cli.inspect_weights import _Table
-
     table = _Table("t", ["name", "note", "tokens"], [["weight"]], number_labels=1, spill=1)
     for row in rows:
         table.add_row(*row)

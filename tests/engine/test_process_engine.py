@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -23,13 +24,19 @@ import torch
 
 from safetensors.torch import load_file
 
-from sdp_cli.engine.base import SamplingParams, WeightUpdate
+from sdp_cli.engine import remote
+from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
+from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.local import LocalEngine
-from sdp_cli.engine.process import ProcessEngine, local_http_options
+from sdp_cli.engine.process import ProcessEngine, check_scratch_room, local_http_options
 from sdp_cli.engine.process_server import EngineService, _Server
 from sdp_cli.engine.remote import RemoteOptions
 from sdp_cli.engine.servers import free_port
+from sdp_cli.engine.wire import SegmentRequest
+from sdp_cli.errors import UserError
+from sdp_cli.models import loader
 from sdp_cli.models.precision import DTYPES, cast_weights
+from sdp_cli.processes import SCRATCH_ENV
 from sdp_cli.rollout.records import RolloutSample
 
 from ..reliability.harness import gone
@@ -510,17 +517,12 @@ def test_the_process_started_ahead_leaves_at_the_end_of_its_input_or_when_discar
 def test_the_scratch_room_check_lets_exactly_enough_through(tmp_path, monkeypatch):
     """The start's weights and one push in each slot: a file system with exactly that much free
     is enough, one byte less is the one line (in MB, rounded up for the need)."""
-    import types
-
-    from sdp_cli.engine import process
-    from sdp_cli.errors import UserError
-
     policy = types.SimpleNamespace(model=torch.nn.Linear(4, 4))  # 20 float32: 80 bytes
     need = 80 + 3 * 40  # the start's, and three bfloat16 pushes
 
     def room(free: int) -> None:
         monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=free, f_frsize=1))
-        process.check_scratch_room(tmp_path / "scratch", policy, torch.bfloat16)
+        check_scratch_room(tmp_path / "scratch", policy, torch.bfloat16)
 
     room(need)
     with pytest.raises(UserError) as err:
@@ -534,11 +536,6 @@ def test_the_scratch_room_check_lets_exactly_enough_through(tmp_path, monkeypatc
 def test_a_failed_prepare_removes_what_it_wrote_and_nothing_it_does_not_own(owned, tmp_path, monkeypatch):
     """A start whose weights fail to write half way: a scratch directory prepare made goes
     whole; one another process owns (the rollout process's) keeps everything but launch/."""
-    import types
-
-    from sdp_cli.models import loader
-    from sdp_cli.processes import SCRATCH_ENV
-
     def half_written(policy, path):
         Path(path).mkdir(parents=True)
         (Path(path) / "model.safetensors").write_bytes(b"half")
@@ -562,9 +559,6 @@ def test_a_failed_prepare_removes_what_it_wrote_and_nothing_it_does_not_own(owne
 def _answering(tmp_path, monkeypatch, answers):
     """A ProcessEngine whose one server answers each route with ``answers[route]`` (JSON; the
     connection's /health and version set with {})."""
-    from sdp_cli.engine import remote
-    from sdp_cli.engine.http import HttpOptions, HttpServer
-
     def answer(request):
         if request.method == "POST" and request.url.path == "/weight_version":
             return httpx.Response(200, json={})
@@ -594,9 +588,6 @@ def _answering(tmp_path, monkeypatch, answers):
     ],
 )  # fmt: skip
 def test_a_malformed_answer_of_the_engines_process_is_one_engine_error(route, answer, problem, tmp_path, monkeypatch):
-    from sdp_cli.engine.base import EngineError
-    from sdp_cli.engine.wire import SegmentRequest
-
     engine, server = _answering(tmp_path, monkeypatch, {route: answer})
     try:
         with pytest.raises(EngineError) as err:
