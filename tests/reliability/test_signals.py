@@ -410,13 +410,27 @@ def _importing_torch(pid: int) -> bool:
         return False
 
 
-def _still_running(pids: set[int]) -> str:
-    """Each of ``pids`` that still runs: pid, state and command line."""
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), None once it has gone."""
+    try:
+        return _stat(pid)[19]
+    except OSError:
+        return None
+
+
+def _ended(pid: int, started_at: str | None) -> bool:
+    """Process ``pid``, seen starting at ``started_at``, has ended: gone, or its pid is another
+    process's by now (pids wrap: pid_max is 32768 on these machines, and the other worker starts many)."""
+    return gone(pid) or _start_time(pid) != started_at
+
+
+def _still_running(pids: dict[int, str | None]) -> str:
+    """Each of ``pids`` (pid: its start time) that still runs: pid, state and command line."""
     found = []
     for pid in sorted(pids):
         try:
             state = _stat(pid)[0]
-            if state == "Z":  # as harness.gone counts it
+            if _ended(pid, pids[pid]):  # as harness.gone counts it, a zombie included
                 continue
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
@@ -428,8 +442,11 @@ def _still_running(pids: set[int]) -> str:
 def _descendants(sdp_pid: int) -> list[int]:
     """The processes sdp started that watch their parent: the rollout process (``--parent-pid``
     sdp) and the engine's process it started (``--parent-pid`` the rollout process)."""
-    rollout = processes_whose_command_has(f"--parent-pid {sdp_pid}")
-    return rollout + [pid for parent in rollout for pid in processes_whose_command_has(f"--parent-pid {parent}")]
+    # the pid as a whole argument (NUL-separated arguments read as "arg arg "): sdp 2345's
+    # "--parent-pid 2345" is a prefix of another run's "--parent-pid 23456", whose processes
+    # outlive this one's (the other reliability worker runs sdp too)
+    rollout = processes_whose_command_has(f"--parent-pid {sdp_pid} ")
+    return rollout + [pid for parent in rollout for pid in processes_whose_command_has(f"--parent-pid {parent} ")]
 
 
 def _scratch_of(pid: int) -> Path | None:
@@ -458,11 +475,12 @@ def test_a_signal_while_sdp_train_starts_ends_it_in_one_line_and_leaves_nothing(
             env=sdp_env(sdp_cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         wait_for(lambda: _importing_torch(sdp.pid), 60, "sdp to import torch", sdp)
-        started, scratches = set(), set()
+        started: dict[int, str | None] = {}  # pid: its start time
+        scratches = set()
         deadline = time.monotonic() + moment
         while True:
             for pid in _descendants(sdp.pid):
-                started.add(pid)
+                started.setdefault(pid, _start_time(pid))
                 if (scratch := _scratch_of(pid)) is not None:
                     scratches.add(scratch)
             if time.monotonic() >= deadline:
@@ -476,7 +494,8 @@ def test_a_signal_while_sdp_train_starts_ends_it_in_one_line_and_leaves_nothing(
         )  # fmt: skip
         assert not run_dir.exists(), moment
         try:
-            wait_for(lambda: all(gone(pid) for pid in started), 15, f"the processes sdp started to end ({moment} s)")
+            wait_for(lambda: all(_ended(pid, at) for pid, at in started.items()), 15,
+                     f"the processes sdp started to end ({moment} s)")  # fmt: skip
         except AssertionError as exc:  # seen once in CI (SIGTERM at 2.0 s): say which process stayed
             raise AssertionError(f"{exc}; still running: {_still_running(started)}") from None
         assert not [s for s in scratches if s.exists()], f"scratch directories left ({moment} s)"
