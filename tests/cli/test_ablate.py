@@ -402,6 +402,8 @@ def test_rerun_skips_finished_runs_and_resumes_interrupted_ones(smoke):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "6 runs (4 finished, 1 resumable, 1 partial)" in proc.stdout
     assert proc.stdout.count("finished earlier, skipped") == 4
+    # each job says which it does: the one with a checkpoint resumes, the one without starts over
+    assert f"ablate: {resumed.name}: resuming" in proc.stdout and f"ablate: {restarted.name}: training" in proc.stdout
     after = _finished_state(smoke)
     assert {name: after[name] for name in untouched} == untouched  # finished work never redone
     events = [json.loads(x) for x in (resumed / "events.jsonl").read_text().splitlines()]

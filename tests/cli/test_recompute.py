@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from sdp_cli.analysis.noise import Verdict
+from sdp_cli.cli import recompute as recompute_cli
 from sdp_cli.rollout.batch_file import read_batch, write_batch
 
 from ..fast_run import FAST, train_run
@@ -415,3 +417,19 @@ def test_a_malformed_server_url_is_one_line_and_immediate(run_dir, batches, url,
     assert_one_line_error(code, err, f"--server {url!r} is not a server URL", fragment)
     assert time.perf_counter() - started < 5, "refused before any connection attempt (and its retries)"
     assert unchanged(files, before)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "words"),
+    [
+        (None, "–"),
+        (Verdict("unchanged"), "unchanged"),
+        (Verdict("dtype noise"), "dtype noise"),
+        (Verdict("unverified", beyond=3), "unverified (3 > 1e-5, no floor)"),
+        (Verdict("damaged", beyond=2), "DAMAGED (2 beyond the floor)"),
+        (Verdict("damaged", beyond=0, retagged=4), "DAMAGED (0 beyond the floor, 4 retagged)"),
+    ],
+)
+def test_each_verdict_reads_as_its_words_in_the_report(verdict, words):
+    # "unverified" needs a run with no noise floor, which the fixture's run always measures
+    assert recompute_cli._verdict(verdict) == words
