@@ -309,6 +309,25 @@ def test_a_table_right_aligns_its_number_labels_and_spills_only_what_does_not_fi
     assert "note: a = n" in narrow and "note " not in narrow.splitlines()[1]  # one less: the legend
 
 
+def test_a_table_splits_its_column_groups_only_past_the_width_greedily():
+    def render(width: int) -> str:
+        table = _Table("t", ["name"], [["alpha"], ["beta"], ["gamma"]])
+        table.add_row("row", "1.5", "2.5", "3.5")
+        console = Console(file=io.StringIO(), width=width, color_system=None)
+        table.print(console)
+        return console.file.getvalue()
+
+    whole = render(200)
+    fits = max(len(line) for line in whole.splitlines())
+    assert "(1 of" not in render(fits) and "gamma" in render(fits)  # exactly fits: one table
+    parts = render(fits - 1)
+    assert "t (1 of 2)" in parts and "t (2 of 2)" in parts, parts
+    first, second = parts.split("t (2 of 2)")
+    # each part fills its width before the next starts, and repeats the label column
+    assert "alpha" in first and "beta" in first and "gamma" not in first
+    assert "gamma" in second and "row" in second and "alpha" not in second
+
+
 def test_masks_are_measured_per_mode_as_the_trainer_would_apply_them(capsys):
     # the example batch: the masks table and the JSON carry each configured mask for every mode; a mode
     # without a behavioural log ratio (bypass) has no rejection or M2PO, OPSM (π_behav vs π_θ = π_prox)
