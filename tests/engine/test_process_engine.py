@@ -11,6 +11,7 @@ prefill of the resubmission after the update (docs/design.md §2 step 4).
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import signal
 import threading
@@ -28,7 +29,7 @@ from sdp_cli.engine import remote
 from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.local import LocalEngine
-from sdp_cli.engine.process import ProcessEngine, check_scratch_room, local_http_options
+from sdp_cli.engine.process import ProcessEngine, WarmProcess, check_scratch_room, local_http_options
 from sdp_cli.engine.process_server import EngineService, _Server
 from sdp_cli.engine.remote import RemoteOptions
 from sdp_cli.engine.servers import free_port
@@ -613,3 +614,21 @@ def test_a_well_formed_score_and_version_are_read(tmp_path, monkeypatch):
         assert engine._server_get_version(server) == "4"
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("output", "tail"),
+    [(b"", ""), (b"ImportError: no module x", "its output:\nImportError: no module x\n"), (b"two\nlines\n", "its output:\ntwo\nlines\n")],
+)
+def test_the_note_on_a_process_started_ahead_carries_what_it_wrote(output, tail, tmp_path):
+    """What the process started ahead wrote before it was refused (an ended one's traceback says
+    why it ended) follows the note in the engine's log, ending in one newline; nothing when it
+    wrote nothing."""
+    log = tmp_path / "local_engine.log"
+    log.write_bytes(b"before\n")
+    written = io.BytesIO(output)
+    written.seek(0, io.SEEK_END)  # where the process's writes left the shared offset
+    warm = types.SimpleNamespace(_output=written)
+    WarmProcess._note_not_used(warm, log, 4321, "it had ended with code 1")
+    note = "sdp: the engine's process 4321 started ahead was not used (it had ended with code 1); a new process starts\n"
+    assert log.read_text() == "before\n" + note + tail
