@@ -116,3 +116,18 @@ def test_the_weights_plot_gives_every_mode_and_weight_its_own_offset_at_one_eta(
         assert len(xs) == 2 * len(weights) and len(set(xs)) == len(xs)  # none drawn over another
         assert sum(x - 2 for x in xs) == pytest.approx(0.0, abs=1e-12)  # centred on η = 2
     assert ax_std.get_yscale() == "symlog" and ax_ess.get_ylim()[1] == pytest.approx(1.01)
+
+
+def test_the_reward_curves_take_one_panel_per_eta_three_to_a_row(tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or path)
+    steps = list(range(1, 21))
+    curves = {("decoupled", eta, ()): (steps, [0.1 * eta] * 20, [0.0] * 20) for eta in (0, 1, 2, 4)}
+    curves[("segment_wise", 4, ())] = ([], [], [])  # a group with no step yet: no line
+    plots.plot_reward_curves(curves, tmp_path / "c.png")
+    (fig,) = drawn
+    assert len(fig.axes) == 6  # 4 panels: two rows of three, the last two blank
+    shown = [ax for ax in fig.axes if ax.axison]
+    assert [ax.get_title() for ax in shown] == ["η = 0", "η = 1", "η = 2", "η = 4"]
+    last = shown[-1]
+    assert len(last.lines) == 1 and list(last.lines[0].get_ydata()) == pytest.approx([0.4] * 20)
