@@ -98,6 +98,18 @@ def test_nothing_is_cut_short_at_any_width(width, capsys, monkeypatch):
         assert {key, *default.split(), *doc.split()} <= words, key
 
 
+def test_the_meanings_sit_beside_their_keys_from_the_width_that_leaves_them_32_columns(capsys, monkeypatch):
+    rows = list(field_docs())
+    keys = max(len(key) for key, _, _ in rows)
+    defaults = max(len(word) for _, default, _ in rows for word in default.split())
+    least = keys + defaults + 6 + 32  # each cell's padding, and the meaning column's least width
+    beside = _help_config_at(least, capsys, monkeypatch).splitlines()
+    assert beside[0].split() == ["key", "default", "meaning"]  # one table
+    below = _help_config_at(least - 1, capsys, monkeypatch).splitlines()
+    assert below[0].split() == ["key", "default"] and below[1].split() == ["meaning"]  # each meaning under its key
+    assert below[3].startswith("    ") and below[2].split()[0] == rows[0][0]
+
+
 def test_a_key_and_its_default_share_a_line_at_any_width(capsys, monkeypatch):
     # grep KEY shows the default whatever the terminal's width
     for width in (50, 120):
