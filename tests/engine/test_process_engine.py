@@ -618,7 +618,11 @@ def test_a_well_formed_score_and_version_are_read(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     ("output", "tail"),
-    [(b"", ""), (b"ImportError: no module x", "its output:\nImportError: no module x\n"), (b"two\nlines\n", "its output:\ntwo\nlines\n")],
+    [
+        (b"", ""),
+        (b"ImportError: no module x", "its output:\nImportError: no module x\n"),
+        (b"two\nlines\n", "its output:\ntwo\nlines\n"),
+    ],
 )
 def test_the_note_on_a_process_started_ahead_carries_what_it_wrote(output, tail, tmp_path):
     """What the process started ahead wrote before it was refused (an ended one's traceback says
