@@ -47,6 +47,8 @@ from sdp_cli.ablate.report import (
 from sdp_cli.config.compose import compose_config
 from sdp_cli.errors import UserError
 
+from ..cli.run_main import run_main
+
 
 # ------------------------------------------------------------------- naming
 @pytest.mark.parametrize(
@@ -578,6 +580,13 @@ def test_reward_curves_keep_the_steps_every_seed_reached(tmp_path):
     assert steps == [1, 2]
     assert means == pytest.approx([0.2, 0.4])  # (0.1+0.3)/2, (0.2+0.6)/2
     assert stds == pytest.approx([0.2 / math.sqrt(2), 0.4 / math.sqrt(2)])
+
+
+def test_the_report_command_names_the_unfinished_runs_it_left_out(fake_sweep, capsys):
+    code, out, err = run_main(["ablate", "--report", str(fake_sweep), "--no-plots"], capsys)
+    assert code == 0, err
+    assert "1 unfinished runs left out: decoupled-eta2-seed2" in out
+    assert f"wrote {fake_sweep / 'summary.md'}" in " ".join(out.split())  # (rich may wrap a long path)
 
 
 def test_report_writes_tables_and_pngs(fake_sweep):

@@ -320,6 +320,16 @@ def test_a_study_that_does_not_fit_the_plan_stops_before_anything_is_written(cap
     assert "study: none registered" in out and not sweep.exists()
 
 
+def test_the_plan_counts_one_run_in_the_singular_and_says_when_nothing_is_swept(capsys, tmp_path):
+    argv = ["ablate", "smoke", "+preset=bypass", "rollout.max_head_offpolicyness=0", "--dry-run", "--no-study"]
+    code, out, err = run_main([*argv, "seed=0", "--dir", str(tmp_path / "one")], capsys)
+    assert code == 0, err
+    assert "  1 run (1 new); axes: none" in out.splitlines()
+    code, out, err = run_main([*argv, "seed=0,1", "--dir", str(tmp_path / "two")], capsys)
+    assert code == 0, err
+    assert "  2 runs (2 new); axes: seed ∈ {0, 1}" in out.splitlines()
+
+
 def test_a_sweep_directory_keeps_the_study_it_registered(capsys, tmp_path):
     from sdp_cli.ablate.study import Study, register
 
@@ -377,6 +387,7 @@ def test_a_run_stopped_by_a_failed_write_stops_the_sweep_from_starting_more(tmp_
     assert sum(line.endswith("not started, the sweep is stopping") for line in lines) == 2, lines[-20:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 3 of 3 runs did not finish"), last
+    assert last.count("bypass-eta0-") == 3 and ", ...;" not in last  # three names: all of them, no ellipsis
     assert not (tmp_path / "sweep" / ".stopping").exists()  # a re-run starts them
 
 
