@@ -25,12 +25,12 @@ import torch
 
 from safetensors.torch import load_file
 
-from sdp_cli.engine import remote
+from sdp_cli.engine import process_server, remote
 from sdp_cli.engine.base import EngineError, SamplingParams, WeightUpdate
 from sdp_cli.engine.http import HttpOptions, HttpServer
 from sdp_cli.engine.local import LocalEngine
 from sdp_cli.engine.process import ProcessEngine, WarmProcess, check_scratch_room, local_http_options
-from sdp_cli.engine.process_server import EngineService, _Server
+from sdp_cli.engine.process_server import BadRequest, EngineService, _Server
 from sdp_cli.engine.remote import RemoteOptions
 from sdp_cli.engine.servers import free_port
 from sdp_cli.engine.wire import SegmentRequest
@@ -636,3 +636,40 @@ def test_the_note_on_a_process_started_ahead_carries_what_it_wrote(output, tail,
     WarmProcess._note_not_used(warm, log, 4321, "it had ended with code 1")
     note = "sdp: the engine's process 4321 started ahead was not used (it had ended with code 1); a new process starts\n"
     assert log.read_text() == "before\n" + note + tail
+
+
+def _request(**changes):
+    return {"request_id": "r", "input_ids": [5, 6, 7], "max_new_tokens": 1, "stop_token_ids": [2], "seed": None, **changes}
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (None, "expected {'requests': [...]}"),
+        ({"requests": {"r": 1}}, "expected {'requests': [...]}"),
+        ({"requests": ["x" * 100]}, "a request without a request_id: " + "x" * 80),
+        ({"requests": [{"request_id": 7}]}, "a request without a request_id: {'request_id': 7}"),
+        ({"requests": [_request(input_ids=[])]}, "request r: input_ids is not a list of token ids"),
+        ({"requests": [_request(input_ids="567")]}, "request r: input_ids is not a list of token ids"),
+        ({"requests": [_request(prefill_from=0)]}, "request r: prefill_from 0 outside [1, 3]"),
+        ({"requests": [_request(prefill_from=4)]}, "request r: prefill_from 4 outside [1, 3]"),
+        ({"requests": [_request(prefill_from=2.0)]}, "request r: prefill_from 2.0 outside [1, 3]"),
+        ({"requests": [_request(max_new_tokens=0)]}, "request r: bad max_new_tokens, stop_token_ids or seed"),
+        ({"requests": [_request(stop_token_ids=2)]}, "request r: bad max_new_tokens, stop_token_ids or seed"),
+        ({"requests": [_request(seed="1")]}, "request r: bad max_new_tokens, stop_token_ids or seed"),
+    ],
+)
+def test_a_generate_body_is_checked_field_by_field(body, error):
+    with pytest.raises(BadRequest) as err:
+        process_server._requests(body)
+    assert str(err.value) == error
+
+
+def test_a_generate_body_at_the_edges_of_each_field_is_taken():
+    edges = [_request(request_id="a", prefill_from=1), _request(request_id="b", prefill_from=3, seed=4),
+             {"request_id": "c", "input_ids": [9], "max_new_tokens": 1}]  # fmt: skip
+    checked = process_server._requests({"requests": edges})
+    assert [(r["request_id"], r["prefill_from"], r["seed"], r["stop_token_ids"]) for r in checked] == [
+        ("a", 1, None, [2]), ("b", 3, 4, [2]), ("c", None, None, []),
+    ]  # fmt: skip
+    assert process_server._requests({"requests": []}) == []
