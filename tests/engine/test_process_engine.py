@@ -673,3 +673,18 @@ def test_a_generate_body_at_the_edges_of_each_field_is_taken():
         ("a", 1, None, [2]), ("b", 3, 4, [2]), ("c", None, None, []),
     ]  # fmt: skip
     assert process_server._requests({"requests": []}) == []
+
+
+def test_only_a_request_that_re_prefills_its_tokens_gets_their_prefill_logprobs():
+    """A request that sends tokens it already generated (``prefill_from``) gets their log-probs
+    under the engine's current weights and that version's label; a plain one gets neither."""
+    model = tiny_model()
+    service = EngineService(LocalEngine(model, temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, seed=7))
+    ids = [5, 9, 13, 4, 22]
+    plain = {"request_id": "plain", "input_ids": ids[:3], "max_new_tokens": 2, "stop_token_ids": []}
+    again = {"request_id": "again", "input_ids": ids, "max_new_tokens": 2, "stop_token_ids": [], "prefill_from": 3}
+    first, second = service.generate(process_server._requests({"requests": [plain, again]}))["segments"]
+    assert first["prefill_logprobs"] is None and first["prefill_version"] is None
+    assert second["prefill_version"] == process_server.START_LABEL
+    assert second["prefill_logprobs"] == pytest.approx(reference_logprobs(model, ids, 3, 1.0), abs=1e-5)
+    assert len(first["token_ids"]) == len(second["token_ids"]) == 2  # new tokens only, the re-prefilled ones not among them
