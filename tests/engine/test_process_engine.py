@@ -688,3 +688,25 @@ def test_only_a_request_that_re_prefills_its_tokens_gets_their_prefill_logprobs(
     assert second["prefill_version"] == process_server.START_LABEL
     assert second["prefill_logprobs"] == pytest.approx(reference_logprobs(model, ids, 3, 1.0), abs=1e-5)
     assert len(first["token_ids"]) == len(second["token_ids"]) == 2  # new tokens only, the re-prefilled ones not among them
+
+
+def test_a_label_set_mid_generation_splits_the_answer_into_two_spans_at_that_token():
+    """``/weight_version`` relabels the engine's weights without a pause (a server that loaded
+    them itself): the tokens before carry the old label, those after the new one, each run of one
+    label a single span."""
+    steps: list[int] = []
+    services: list[EngineService] = []
+
+    def at_each_token() -> None:
+        steps.append(1)
+        if len(steps) == 3:
+            services[0].set_label("v2")
+
+    local = LocalEngine(tiny_model(), temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, seed=7, step_callback=at_each_token)
+    services.append(EngineService(local))
+    request = {"request_id": "a", "input_ids": [5, 9, 13], "max_new_tokens": 8, "stop_token_ids": []}
+    (segment,) = services[0].generate(process_server._requests({"requests": [request]}))["segments"]
+    assert len(segment["token_ids"]) == 8, segment  # (this seed draws no EOS in 8 tokens)
+    assert segment["weight_versions"] == [
+        {"version": process_server.START_LABEL, "start": 0, "end": 3}, {"version": "v2", "start": 3, "end": 8},
+    ]  # fmt: skip
