@@ -710,3 +710,14 @@ def test_a_label_set_mid_generation_splits_the_answer_into_two_spans_at_that_tok
     assert segment["weight_versions"] == [
         {"version": process_server.START_LABEL, "start": 0, "end": 3}, {"version": "v2", "start": 3, "end": 8},
     ]  # fmt: skip
+
+
+def test_requests_of_one_call_with_different_budgets_each_get_their_own():
+    """One engine call for the requests that share a sampling setting: the call runs to the
+    largest budget, each request stops at its own."""
+    service = EngineService(LocalEngine(tiny_model(), temperature=1.0, eos_token_id=EOS, pad_token_id=PAD, seed=7))
+    requests = [{"request_id": name, "input_ids": [5, 9, 13], "max_new_tokens": n, "stop_token_ids": []}
+                for name, n in (("short", 2), ("long", 7))]  # fmt: skip
+    short, long = service.generate(process_server._requests({"requests": requests}))["segments"]
+    assert (len(short["token_ids"]), short["finish_reason"]) == (2, "length")
+    assert (len(long["token_ids"]), long["finish_reason"]) == (7, "length"), long  # (no EOS at this seed)
