@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.wire import LOGPROB_TOLERANCE, as_logprob, as_logprobs, as_token_ids
+from sdp_cli.engine.wire import LOGPROB_TOLERANCE, Segment, as_logprob, as_logprobs, as_token_ids, check_segment_version
 
 
 class _Server:
@@ -89,3 +89,37 @@ def test_token_ids_are_checked_as_one_by_one(value):
     assert got[0] == expected[0], (value, got, expected)
     if got[0] == "ok":
         assert got[1] == expected[1] and got[1] is not value  # a copy, never the answer's own list
+
+
+def test_a_logprob_up_to_the_tolerance_above_zero_reads_as_zero_and_one_past_it_is_refused():
+    assert as_logprob(SERVER, "/g", LOGPROB_TOLERANCE, "logprob") == 0.0  # a certain token's rounding
+    assert as_logprobs(SERVER, "/g", [-1.5, LOGPROB_TOLERANCE], "logprob") == [-1.5, 0.0]
+    past = math.nextafter(LOGPROB_TOLERANCE, 1.0)
+    with pytest.raises(EngineError, match="not a finite log-probability"):
+        as_logprob(SERVER, "/g", past, "logprob")
+
+
+def _segment(versions, prefill_version=None, tokens=(4, 5)):
+    return Segment(token_ids=list(tokens), logprobs=[-1.0] * len(tokens), finish_reason="length",
+                   token_versions=versions, prefill_version=prefill_version)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("segment", "refused"),
+    [
+        (_segment(["4", "4"]), None),
+        (_segment(["4", "4"], prefill_version="4"), None),
+        (_segment(None, tokens=()), None),  # nothing generated: nothing to label
+        (_segment(["4", "3"]), "ran a request under weight version(s) ['3', '4'] while sdp tagged it version 4"),
+        (_segment(["3", "3"]), "ran a request under weight version(s) ['3'] while sdp tagged it version 4"),
+        (_segment(["4", "4"], prefill_version="5"), "ran a request under weight version(s) ['4', '5']"),
+        (_segment(None), "reports no weight version for its tokens"),
+    ],
+)
+def test_a_segment_must_have_run_under_the_version_sdp_tags_it_with(segment, refused):
+    if refused is None:
+        check_segment_version(SERVER, segment, 4)
+        return
+    with pytest.raises(EngineError) as err:
+        check_segment_version(SERVER, segment, 4)
+    assert refused in str(err.value) and str(err.value).startswith(SERVER.url)
