@@ -6,11 +6,20 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from sdp_cli.engine.base import EngineError
-from sdp_cli.engine.wire import LOGPROB_TOLERANCE, Segment, as_logprob, as_logprobs, as_token_ids, check_segment_version
+from sdp_cli.engine.wire import (
+    LOGPROB_TOLERANCE,
+    Segment,
+    as_logprob,
+    as_logprobs,
+    as_token_ids,
+    check_scores,
+    check_segment_version,
+    expand_spans,
+)
 
 
 class _Server:
@@ -83,6 +92,9 @@ def _token_ids_one_by_one(value):
         st.text(max_size=3),
     )
 )
+@example([7, -1]).via("a negative id after a valid one")
+@example([-1, 7]).via("a negative id first")
+@example([0, True]).via("a bool among ints")
 def test_token_ids_are_checked_as_one_by_one(value):
     expected = _outcome(lambda: _token_ids_one_by_one(value))
     got = _outcome(lambda: as_token_ids(SERVER, "/generate", value, "token_ids"))
@@ -123,3 +135,36 @@ def test_a_segment_must_have_run_under_the_version_sdp_tags_it_with(segment, ref
     with pytest.raises(EngineError) as err:
         check_segment_version(SERVER, segment, 4)
     assert refused in str(err.value) and str(err.value).startswith(SERVER.url)
+
+
+@pytest.mark.parametrize(
+    ("spans", "labels"),
+    [
+        ([{"version": "3", "start": 0, "end": 2}, {"version": 4, "start": 2, "end": 3}], ["3", "3", "4"]),
+        # an empty span labels nothing
+        ([{"version": "3", "start": 0, "end": 0}, {"version": "4", "start": 0, "end": 3}], ["4", "4", "4"]),
+        ([{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 2, "end": 3}], "do not tile the output"),  # a gap
+        ([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 1, "end": 3}], "do not tile the output"),  # an overlap
+        # a span that ends before it starts
+        ([{"version": "3", "start": 0, "end": 3}, {"version": "4", "start": 3, "end": 2}], "do not tile the output"),
+        ([{"version": "3", "start": 0, "end": 2}], "weight_versions cover 2 tokens, the output has 3"),
+        ([{"version": "3", "start": 0}], "weight_versions span {'version': '3', 'start': 0}"),
+        ({"version": "3"}, "weight_versions is not a list"),
+    ],
+)
+def test_version_spans_must_tile_the_output(spans, labels):
+    if isinstance(labels, list):
+        assert expand_spans(SERVER, "/generate", spans, 3) == labels
+        return
+    with pytest.raises(EngineError) as err:
+        expand_spans(SERVER, "/generate", spans, 3)
+    assert labels in str(err.value)
+
+
+def test_a_scoring_answer_of_the_wrong_length_or_version_is_refused():
+    assert check_scores(SERVER, [1, 2, 3, 4], 1, "7", [-0.5, -0.25, -1.0], "7") == [-0.5, -0.25, -1.0]
+    assert check_scores(SERVER, [1, 2, 3, 4], 1, "7", [-0.5, -0.25, -1.0], None) == [-0.5, -0.25, -1.0]
+    with pytest.raises(EngineError, match="2 prefill logprobs for 3 scored tokens"):
+        check_scores(SERVER, [1, 2, 3, 4], 1, "7", [-0.5, -0.25], "7")
+    with pytest.raises(EngineError, match="scored under weight version '6', sdp expected '7'"):
+        check_scores(SERVER, [1, 2, 3, 4], 1, "7", [-0.5, -0.25, -1.0], "6")
